@@ -1,0 +1,43 @@
+# draftsmith: the two commands a user needs are `make demo` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# CPU machines get the CPU build of torch (a plain `pip install torch` pulls a CUDA build of several GB);
+# machines with nvidia-smi keep whatever CUDA torch the user installed, or take pip's default.
+TORCH_CPU ?= torch==2.13.0
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+
+.PHONY: venv demo test test-fast bench lint clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1; then \
+		$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet torch; \
+	else \
+		$(BIN)/pip install --quiet "$(TORCH_CPU)"; \
+	fi
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $@
+
+demo: venv
+	$(BIN)/draftsmith demo
+
+test: venv
+	$(BIN)/python -m pytest tests -m "not gpu" -q
+
+test-fast: venv
+	$(BIN)/python -m pytest tests -m "not gpu and not slow and not slurm" -q
+
+bench: venv
+	$(BIN)/python bench/run_all.py
+
+lint: venv
+	$(BIN)/ruff check trainer tests bench scripts
+	$(BIN)/ruff format --check trainer tests bench scripts
+
+clean:
+	rm -rf artifacts runs lightning_logs .pytest_cache
