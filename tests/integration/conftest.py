@@ -1,0 +1,51 @@
+"""Fixtures that train: the tiny target and a KD student, each built once per session through the real CLI."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.recipe_runs import TINY_MODEL, TINY_STUDENT, data_overrides, fit, merge, trainer_overrides
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_corpus, tmp_path_factory):
+    """A 2-layer, hidden-64 Llama trained for a few hundred steps by recipes/quickstart/tiny_target.yaml."""
+    run = tmp_path_factory.mktemp("tiny_target")
+    override = merge(
+        trainer_overrides(run, max_steps=300, every_n=300),
+        data_overrides(tiny_corpus),
+        {
+            "model": {
+                "init_args": {
+                    "tokenizer": tiny_corpus.tokenizer_dir,
+                    "save_dir": str(run / "model"),
+                    **TINY_MODEL,
+                    "optim": {"lr": 0.005, "warmup_steps": 20},
+                }
+            }
+        },
+    )
+    fit("quickstart/tiny_target.yaml", override, run)
+    return run / "model"
+
+
+@pytest.fixture(scope="session")
+def kd_student(tiny_corpus, tiny_target, tmp_path_factory):
+    """A 1-layer student distilled from the tiny target by recipes/quickstart/kd.yaml; returns (export dir, run dir)."""
+    run = tmp_path_factory.mktemp("kd_student")
+    override = merge(
+        trainer_overrides(run, max_steps=60, every_n=30),
+        data_overrides(tiny_corpus),
+        {
+            "model": {
+                "init_args": {
+                    "teacher": str(tiny_target),
+                    "export_dir": str(run / "student"),
+                    "student_config": TINY_STUDENT,
+                    "chunk_size": 64,
+                }
+            }
+        },
+    )
+    fit("quickstart/kd.yaml", override, run)
+    return run / "student", run

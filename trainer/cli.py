@@ -1,0 +1,95 @@
+"""The ``draftsmith`` command.
+
+``draftsmith fit --config recipe.yaml [--config more.yaml] [--section.key value ...]`` (and ``validate``) run through
+LightningCLI: the objective is chosen by ``model.class_path``, every ``__init__`` signature is the config schema,
+unknown or misspelled keys are rejected with the key named, and the resolved config is saved beside the logs and every
+checkpoint directory. The other subcommands are plain tools, each a module with ``main(argv) -> int``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+import warnings
+from pathlib import Path
+
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+from lightning.pytorch.utilities import rank_zero_only
+
+# Subcommands that are tools rather than training runs: name -> "module:function", function(argv) -> exit code.
+TOOLS: dict[str, tuple[str, str]] = {
+    "prepare": ("trainer.data.corpus:main", "build the bundled corpus and train its tokenizer"),
+    "demo": ("trainer.demo:main", "prepare, train a tiny target, distil a student, evaluate both"),
+    "eval": ("trainer.decoding.evaluate:main", "measure a drafter with lossless speculative decoding"),
+    "export": ("trainer.export.cli:main", "write a trained drafter in a serving engine's format"),
+}
+
+
+# Expected by design: the resolved config is written into the checkpoint directory before the first checkpoint, and a
+# frozen target sits in eval mode inside a training module.
+warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
+
+
+class SaveConfigBesideCheckpoints(SaveConfigCallback):
+    """Saves the resolved config to the log directory (Lightning's default) and into every checkpoint directory."""
+
+    @rank_zero_only
+    def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        for callback in trainer.checkpoint_callbacks:
+            dirpath = getattr(callback, "dirpath", None)
+            if dirpath is None:
+                continue
+            Path(dirpath).mkdir(parents=True, exist_ok=True)
+            self.parser.save(
+                self.config, str(Path(dirpath) / self.config_filename), skip_none=False, overwrite=True, multifile=False
+            )
+
+
+class DraftsmithCLI(LightningCLI):
+    """LightningCLI with the project's defaults: any objective, any datamodule, no auto-added optimizer groups."""
+
+    def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
+        super().__init__(
+            model_class=LightningModule,
+            datamodule_class=LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            save_config_callback=SaveConfigBesideCheckpoints,
+            save_config_kwargs={"overwrite": True},
+            auto_configure_optimizers=False,
+            args=args,
+            run=run,
+            parser_kwargs={"default_env": False},
+        )
+
+
+def _usage() -> str:
+    tools = "\n".join(f"  {name:<10} {help_}" for name, (_, help_) in TOOLS.items())
+    return (
+        "usage: draftsmith <command> [options]\n\ntraining (LightningCLI; see `draftsmith fit --help`):\n"
+        "  fit        train with a recipe: draftsmith fit --config recipes/quickstart/kd.yaml\n"
+        f"  validate   evaluate the validation loss of a recipe's model\n\ntools:\n{tools}\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    if args[0] in TOOLS:
+        module_name, function_name = TOOLS[args[0]][0].split(":")
+        return int(getattr(importlib.import_module(module_name), function_name)(args[1:]) or 0)
+    if args[0] not in ("fit", "validate"):
+        print(f"draftsmith: unknown command {args[0]!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    DraftsmithCLI(args=argv)  # None: LightningCLI reads sys.argv, as its subprocess launchers expect
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Plain HF checkpoints: distilled draft models (and, later, LayerSkip models).
+
+``save_pretrained`` with safetensors and the tokenizer beside the weights: ``AutoModelForCausalLM.from_pretrained``
+loads the result, and HF transformers uses it directly as ``generate(assistant_model=...)``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from trainer.vocab import load_tokenizer_if_present
+
+
+def drafter_record(model: PreTrainedModel, prefix: str, tokenizer_from: str | None) -> dict:
+    """What a checkpoint stores so that the drafter can be rebuilt without its objective or target."""
+    return {
+        "kind": "hf_causal_lm",
+        "prefix": prefix,
+        "config": model.config.to_dict(),
+        "tokenizer_from": tokenizer_from,
+    }
+
+
+def build_hf_causal_lm(record: dict, state: dict[str, torch.Tensor]) -> PreTrainedModel:
+    """Rebuilds the model described by ``record`` and loads ``state`` into it strictly (no missing, no extra keys)."""
+    config_dict = dict(record["config"])
+    config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
+    model = AutoModelForCausalLM.from_config(config)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # tied output embeddings are stored once
+    tied = {k for k in missing if getattr(config, "tie_word_embeddings", False) and k.endswith("lm_head.weight")}
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"checkpoint does not match its recorded config: missing {missing}, unexpected {unexpected}")
+    if tied:
+        model.tie_weights()
+    return model
+
+
+def save_hf(model: PreTrainedModel, out_dir: str, tokenizer_from: str | None) -> Path:
+    """Writes the model (safetensors) and, when one is found at ``tokenizer_from``, its tokenizer."""
+    path = Path(out_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    model.config.use_cache = True
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer = load_tokenizer_if_present(tokenizer_from) if tokenizer_from else None
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return path

@@ -1,0 +1,158 @@
+"""The base of every objective: optimizer and schedule, token counting, throughput and MFU, and loss checks.
+
+Subclasses implement ``trainable_module()`` (what the optimizer trains and what is checkpointed as the drafter),
+``compute_loss(batch)`` (returns the loss and a dict of extra metrics) and ``flops_per_token()``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import grad_norm
+from torch import nn
+
+from trainer.throughput import measure_matmul_peak
+
+
+@dataclass(frozen=True)
+class Optim:
+    """AdamW with linear warm-up and a decay to ``min_lr_ratio * lr``.
+
+    Args:
+        lr: peak learning rate.
+        weight_decay: decoupled weight decay, applied to matrices only (not to norms or biases).
+        betas: Adam's (beta1, beta2).
+        eps: Adam's epsilon.
+        warmup_steps: optimizer steps of linear warm-up from 0.
+        decay: shape of the schedule after warm-up, over ``trainer.max_steps``.
+        min_lr_ratio: the final learning rate as a fraction of ``lr``.
+    """
+
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = 0.1
+
+
+def lr_factor(step: int, optim: Optim, total_steps: int) -> float:
+    """The multiplier of the peak learning rate at an optimizer step."""
+    if optim.warmup_steps > 0 and step < optim.warmup_steps:
+        return (step + 1) / optim.warmup_steps
+    if optim.decay == "constant" or total_steps <= optim.warmup_steps:
+        return 1.0
+    progress = min(1.0, (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps))
+    shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if optim.decay == "cosine" else 1.0 - progress
+    return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * shape
+
+
+class DraftObjective(L.LightningModule):
+    """Shared training logic. One level of inheritance: every objective subclasses this and nothing else."""
+
+    def __init__(self, optim: Optim = Optim()) -> None:
+        """
+        Args:
+            optim: optimizer and learning-rate schedule.
+        """
+        super().__init__()
+        self.optim = optim
+        self._peak_flops: float | None = None
+        self._step_started: float | None = None
+        self._tokens_in_step = 0
+
+    # ---- to implement --------------------------------------------------------------------------------------------
+    def trainable_module(self) -> nn.Module:
+        """The module whose parameters are trained."""
+        raise NotImplementedError
+
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Returns the scalar loss and extra metrics to log."""
+        raise NotImplementedError
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per trained token (forward and backward of trainable parts, forward of frozen ones)."""
+        raise NotImplementedError
+
+    # ---- shared --------------------------------------------------------------------------------------------------
+    def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
+        loss, metrics = self.compute_loss(batch)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(
+                f"non-finite {stage} loss ({loss.item()}) at global step {self.global_step}, batch of "
+                f"{tuple(batch['input_ids'].shape)}: lower the learning rate or check the data; the last saved "
+                f"checkpoint is intact"
+            )
+        batch_size = batch["input_ids"].shape[0]
+        self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=batch_size, sync_dist=stage != "train")
+        for name, value in metrics.items():
+            self.log(f"{stage}/{name}", value, batch_size=batch_size, sync_dist=stage != "train")
+        return loss
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self._tokens_in_step += int(batch["input_ids"].numel())
+        return self._step(batch, "train")
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self._step(batch, "val")
+
+    def configure_optimizers(self):
+        decay, no_decay = [], []
+        for p in self.trainable_module().parameters():
+            if p.requires_grad:
+                (decay if p.ndim >= 2 else no_decay).append(p)
+        groups = [
+            {"params": decay, "weight_decay": self.optim.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW(groups, lr=self.optim.lr, betas=self.optim.betas, eps=self.optim.eps)
+        total = self.trainer.max_steps if self.trainer.max_steps and self.trainer.max_steps > 0 else 0
+        if total <= 0:
+            total = int(self.trainer.estimated_stepping_batches)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, self.optim, total))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_fit_start(self) -> None:
+        dtype = next(self.trainable_module().parameters()).dtype
+        self._peak_flops = measure_matmul_peak(self.device, dtype)
+
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        if self._step_started is None:
+            self._step_started = time.perf_counter()
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        norms = grad_norm(self.trainable_module(), norm_type=2)
+        if "grad_2.0_norm_total" in norms:  # absent under ZeRO, where gradients are partitioned
+            self.log("train/grad_norm", norms["grad_2.0_norm_total"])
+        self.log("train/lr", optimizer.param_groups[0]["lr"])
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        if not self.trainer.fit_loop._should_accumulate():
+            elapsed = time.perf_counter() - (self._step_started or time.perf_counter())
+            if elapsed > 0:
+                tokens_per_s = self._tokens_in_step * self.trainer.world_size / elapsed
+                self.log("train/tokens_per_s", tokens_per_s, prog_bar=True)
+                if self._peak_flops:
+                    mfu = tokens_per_s * self.flops_per_token() / (self._peak_flops * self.trainer.world_size)
+                    self.log("train/mfu", mfu)
+            self._step_started, self._tokens_in_step = None, 0
+
+
+def count_params(module: nn.Module) -> int:
+    """Parameters of a module, counted once even when shared (tied embeddings)."""
+    return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
+
+
+def causal_lm_flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """Forward FLOPs per token of an HF causal LM: 2 per weight plus attention scores and values (PaLM's estimate)."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attention = 2 * 2 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * seq_len
+    embeddings = model.get_input_embeddings().weight.numel()
+    return 2.0 * (count_params(model) - embeddings) + attention

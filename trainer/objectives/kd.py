@@ -1,0 +1,164 @@
+"""Soft-label knowledge distillation with an online teacher.
+
+The frozen target runs inside the training step; the student (any HF causal LM, smaller than the target) learns to
+match the target's temperature-softened distribution at every trained position (forward KL, reverse KL or generalized
+JSD), optionally mixed with cross entropy on the hard labels. The loss is computed in chunks of positions
+(``trainer.losses``) so that the float32 full-vocabulary logits of both models for the whole batch never exist at once.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Literal
+
+import torch
+from lightning.pytorch.utilities import rank_zero_only
+from torch import nn
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from trainer.export.hf import drafter_record, save_hf
+from trainer.losses import fused_kd_loss
+from trainer.objectives.base import DraftObjective, Optim, causal_lm_flops_per_token
+from trainer.target import FrozenTarget, resolve_dtype
+from trainer.vocab import load_tokenizer_if_present, shared_vocab_size
+
+log = logging.getLogger(__name__)
+
+
+def build_student(
+    teacher_config, student: str | None, student_config: dict[str, int | float | str | bool] | None, dtype: str
+) -> PreTrainedModel:
+    """Loads a pretrained student, or builds a fresh one from the teacher's config with ``student_config`` overrides."""
+    if student is not None:
+        if student_config:
+            raise ValueError("set either model.student (a pretrained student) or model.student_config, not both")
+        return AutoModelForCausalLM.from_pretrained(student, dtype=resolve_dtype(dtype))
+    config = copy.deepcopy(teacher_config)
+    for key, value in (student_config or {}).items():
+        if not hasattr(config, key):
+            raise ValueError(f"model.student_config: {key!r} is not a key of the teacher's {config.model_type} config")
+        setattr(config, key, value)
+    return AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(dtype))
+
+
+class KnowledgeDistillation(DraftObjective):
+    """Distils a student from an online teacher on the datamodule's sequences."""
+
+    def __init__(
+        self,
+        teacher: str,
+        student: str | None = None,
+        student_config: dict[str, int | float | str | bool] | None = None,
+        divergence: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl",
+        beta: float = 0.5,
+        temperature: float = 1.0,
+        alpha: float = 0.0,
+        chunk_size: int = 1024,
+        teacher_dtype: str = "float32",
+        student_dtype: str = "float32",
+        export_dir: str | None = None,
+        trust_remote_code: bool = False,
+        seed: int = 0,
+        optim: Optim = Optim(),
+    ) -> None:
+        """
+        Args:
+            teacher: the target, an HF causal LM directory or hub id (its tokenizer is expected beside it).
+            student: a pretrained student to start from (directory or hub id); None builds one from student_config.
+            student_config: overrides of the teacher's config for a fresh student, e.g. {num_hidden_layers: 2}.
+            divergence: forward_kl is KL(teacher || student), reverse_kl KL(student || teacher), jsd the generalized
+                Jensen-Shannon divergence with weight beta (TRL's GKD convention: 0 is forward KL, 1 reverse KL).
+            beta: the JSD interpolation weight, used only with divergence=jsd.
+            temperature: softens both distributions; the divergence is multiplied by temperature squared.
+            alpha: weight of the cross entropy on the hard labels; the divergence gets 1 - alpha.
+            chunk_size: positions per chunk of the loss; each chunk's float32 logits are freed before the next.
+            teacher_dtype: the teacher's weights dtype (float32, bfloat16, float16).
+            student_dtype: the student's weights dtype (Lightning's precision plugin may still autocast).
+            export_dir: where the student is saved as an HF checkpoint (safetensors and tokenizer) at the end of fit.
+            trust_remote_code: allow custom modelling code in the teacher or student directory (off by default).
+            seed: seed for the fresh student's initialisation.
+            optim: optimizer and learning-rate schedule.
+        """
+        super().__init__(optim)
+        self.save_hyperparameters(ignore=["optim"])
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"model.alpha must be in [0, 1], got {alpha}")
+        if temperature <= 0:
+            raise ValueError(f"model.temperature must be positive, got {temperature}")
+        self.teacher_path = teacher
+        self.divergence, self.beta, self.temperature, self.alpha = divergence, beta, temperature, alpha
+        self.chunk_size = chunk_size
+        self.export_dir = export_dir
+        self.teacher = FrozenTarget.from_pretrained(teacher, teacher_dtype, trust_remote_code)
+        torch.manual_seed(seed)
+        self.student = build_student(self.teacher.config, student, student_config, student_dtype)
+        self.student.config.use_cache = False
+        self.tokenizer = load_tokenizer_if_present(teacher)
+        self.vocab_size = shared_vocab_size(
+            teacher_name=teacher,
+            teacher_tokenizer=self.tokenizer,
+            teacher_width=self.teacher.vocab_size,
+            student_name=student or "a student built from the teacher's config",
+            student_tokenizer=load_tokenizer_if_present(student) if student else self.tokenizer,
+            student_width=self.student.get_output_embeddings().weight.shape[0],
+        )
+
+    def trainable_module(self) -> nn.Module:
+        return self.student
+
+    def setup(self, stage: str) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None)
+        data_tokenizer = getattr(datamodule, "tokenizer_path", None)
+        if data_tokenizer is not None:
+            shared_vocab_size(
+                teacher_name=self.teacher_path,
+                teacher_tokenizer=self.tokenizer,
+                teacher_width=self.teacher.vocab_size,
+                student_name=f"the data's tokenizer {data_tokenizer}",
+                student_tokenizer=load_tokenizer_if_present(data_tokenizer),
+                student_width=self.vocab_size,
+            )
+
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        input_ids, labels, loss_mask = batch["input_ids"], batch["labels"], batch["loss_mask"]  # [B, S] each
+        V = self.vocab_size
+        teacher_hidden = self.teacher.final_hidden(input_ids)  # [B, S, Ht]
+        student_hidden = self.student.get_decoder()(input_ids=input_ids).last_hidden_state  # [B, S, H]
+        out = fused_kd_loss(
+            student_hidden,
+            self.student.get_output_embeddings().weight[:V],  # [V, H]
+            teacher_hidden,
+            self.teacher.lm_head_weight[:V],  # [V, Ht]
+            loss_mask,
+            labels if self.alpha > 0 else None,
+            divergence=self.divergence,
+            beta=self.beta,
+            temperature=self.temperature,
+            alpha=self.alpha,
+            chunk_size=self.chunk_size,
+        )
+        metrics = {"kd": out.kd.detach()}
+        if out.ce is not None:
+            metrics["ce"] = out.ce.detach()
+        return out.loss, metrics
+
+    def flops_per_token(self) -> float:
+        seq_len = 1024
+        if self.trainer is not None and getattr(self.trainer, "datamodule", None) is not None:
+            seq_len = getattr(self.trainer.datamodule, "seq_len", seq_len)
+        student = causal_lm_flops_per_token(self.student, seq_len)
+        teacher = causal_lm_flops_per_token(self.teacher.model, seq_len)
+        return 3.0 * student + teacher  # forward and backward of the student, forward of the teacher
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["drafter"] = drafter_record(self.student, "student.", self.teacher_path)
+
+    def on_train_end(self) -> None:
+        if self.export_dir:
+            self.save_student(self.export_dir)
+
+    @rank_zero_only
+    def save_student(self, out_dir: str) -> None:
+        """Writes the student as an HF checkpoint that ``AutoModelForCausalLM.from_pretrained`` loads."""
+        log.info("student saved to %s", save_hf(self.student, out_dir, self.teacher_path))
