@@ -99,7 +99,7 @@ class FrozenTarget(nn.Module):
         """
         with torch.no_grad():
             backbone = self.model.get_decoder()
-            return backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            return backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
 
     @torch.no_grad()
     def forward(

@@ -8,11 +8,11 @@ extra rows, which no text ever produces, are left out of the loss.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from trainer.data.tokenizer import tokenizer_hash
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
@@ -23,13 +23,6 @@ def load_tokenizer_if_present(name_or_path: str) -> PreTrainedTokenizerBase | No
     if path.is_dir() and not any((path / f).is_file() for f in TOKENIZER_FILES):
         return None
     return AutoTokenizer.from_pretrained(name_or_path)
-
-
-def tokenizer_hash(tokenizer: PreTrainedTokenizerBase) -> str:
-    """A stable hash of what maps text to ids: the vocabulary with its ids and the special tokens."""
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    payload = {"vocab": vocab, "special": sorted(map(str, tokenizer.all_special_tokens))}
-    return hashlib.sha256(json.dumps(payload, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
 def shared_vocab_size(
@@ -45,9 +38,9 @@ def shared_vocab_size(
         t_hash, s_hash = tokenizer_hash(teacher_tokenizer), tokenizer_hash(student_tokenizer)
         if t_hash != s_hash:
             raise ValueError(
-                f"vocabulary mismatch: the teacher {teacher_name!r} (tokenizer hash {t_hash}, {len(teacher_tokenizer)} "
-                f"tokens) and {student_name} (tokenizer hash {s_hash}, {len(student_tokenizer)} tokens) do not share a "
-                "tokenizer; distil between models with the same tokenizer"
+                f"vocabulary mismatch: the teacher {teacher_name!r} (tokenizer hash {t_hash[:16]}, "
+                f"{len(teacher_tokenizer)} tokens) and {student_name} (tokenizer hash {s_hash[:16]}, "
+                f"{len(student_tokenizer)} tokens) do not share a tokenizer: distil between models that share one"
             )
         n = len(teacher_tokenizer)
     else:

@@ -43,7 +43,6 @@ def save_hf(model: PreTrainedModel, out_dir: str, tokenizer_from: str | None) ->
     """Writes the model (safetensors) and, when one is found at ``tokenizer_from``, its tokenizer."""
     path = Path(out_dir)
     path.mkdir(parents=True, exist_ok=True)
-    model.config.use_cache = True
     model.save_pretrained(path, safe_serialization=True)
     tokenizer = load_tokenizer_if_present(tokenizer_from) if tokenizer_from else None
     if tokenizer is not None:

@@ -54,7 +54,7 @@ class KnowledgeDistillation(DraftObjective):
         beta: float = 0.5,
         temperature: float = 1.0,
         alpha: float = 0.0,
-        chunk_size: int = 1024,
+        chunk_size: int = 256,
         teacher_dtype: str = "float32",
         student_dtype: str = "float32",
         export_dir: str | None = None,
@@ -93,7 +93,6 @@ class KnowledgeDistillation(DraftObjective):
         self.teacher = FrozenTarget.from_pretrained(teacher, teacher_dtype, trust_remote_code)
         torch.manual_seed(seed)
         self.student = build_student(self.teacher.config, student, student_config, student_dtype)
-        self.student.config.use_cache = False
         self.tokenizer = load_tokenizer_if_present(teacher)
         self.vocab_size = shared_vocab_size(
             teacher_name=teacher,
@@ -124,7 +123,7 @@ class KnowledgeDistillation(DraftObjective):
         input_ids, labels, loss_mask = batch["input_ids"], batch["labels"], batch["loss_mask"]  # [B, S] each
         V = self.vocab_size
         teacher_hidden = self.teacher.final_hidden(input_ids)  # [B, S, Ht]
-        student_hidden = self.student.get_decoder()(input_ids=input_ids).last_hidden_state  # [B, S, H]
+        student_hidden = self.student.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state  # [B, S, H]
         out = fused_kd_loss(
             student_hidden,
             self.student.get_output_embeddings().weight[:V],  # [V, H]

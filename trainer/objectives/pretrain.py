@@ -34,7 +34,7 @@ class CausalLMPretraining(DraftObjective):
         num_key_value_heads: int = 4,
         max_position_embeddings: int = 2048,
         tie_word_embeddings: bool = False,
-        chunk_size: int = 1024,
+        chunk_size: int = 256,
         save_dir: str | None = None,
         seed: int = 0,
         optim: Optim = Optim(lr=1e-3, warmup_steps=50),
@@ -69,7 +69,6 @@ class CausalLMPretraining(DraftObjective):
             bos_token_id=self.tokenizer.bos_token_id,
             eos_token_id=self.tokenizer.eos_token_id,
             pad_token_id=self.tokenizer.pad_token_id,
-            use_cache=False,
         )
         torch.manual_seed(seed)
         self.model = LlamaForCausalLM(config)
@@ -80,7 +79,7 @@ class CausalLMPretraining(DraftObjective):
         return self.model
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        hidden = self.model.get_decoder()(input_ids=batch["input_ids"]).last_hidden_state  # [B, S, H]
+        hidden = self.model.get_decoder()(input_ids=batch["input_ids"], use_cache=False).last_hidden_state  # [B, S, H]
         loss = chunked_cross_entropy(
             hidden, self.model.get_output_embeddings().weight, batch["labels"], self.chunk_size
         )
@@ -99,8 +98,6 @@ class CausalLMPretraining(DraftObjective):
         """Writes the model and its tokenizer so that ``AutoModelForCausalLM.from_pretrained`` loads them."""
         path = Path(out_dir)
         path.mkdir(parents=True, exist_ok=True)
-        self.model.config.use_cache = True
         self.model.save_pretrained(path, safe_serialization=True)
-        self.model.config.use_cache = False
         self.tokenizer.save_pretrained(path)
         log.info("model saved to %s", path)

@@ -1,0 +1,127 @@
+"""Knowledge distillation end to end, through the real CLI: export, assisted generation, resume, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.recipe_runs import TINY_STUDENT, data_overrides, fit, merge, trainer_overrides
+from trainer.export.cli import main as export_main
+
+pytestmark = pytest.mark.slow
+
+
+def kd_override(run: Path, corpus, target: Path, max_steps: int, every_n: int, callbacks=(), **model) -> dict:
+    override = merge(
+        trainer_overrides(run, max_steps=max_steps, every_n=every_n),
+        data_overrides(corpus),
+        {
+            "model": {
+                "init_args": {
+                    "teacher": str(target),
+                    "export_dir": str(run / "student"),
+                    "student_config": TINY_STUDENT,
+                    "chunk_size": 64,
+                    **model,
+                }
+            }
+        },
+    )
+    override["trainer"]["callbacks"] += list(callbacks)
+    return override
+
+
+def test_student_is_an_hf_checkpoint_and_an_assistant_model(kd_student, tiny_target, tiny_corpus):
+    student_dir, run = kd_student
+    assert (student_dir / "model.safetensors").is_file() and (student_dir / "tokenizer.json").is_file()
+    target = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
+    student = AutoModelForCausalLM.from_pretrained(student_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(student_dir)
+    heldout = [json.loads(line)["text"] for line in Path(tiny_corpus.heldout_file).read_text().splitlines()]
+    for text in heldout[:4]:
+        prompt = tokenizer(text[:200], return_tensors="pt").input_ids[:, :24]
+        settings = dict(max_new_tokens=24, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        alone = target.generate(prompt, **settings)
+        assisted = target.generate(prompt, assistant_model=student, **settings)
+        assert torch.equal(alone, assisted)
+
+    # the checkpoint exports to the same weights as the student saved at the end of fit
+    exported = run / "exported"
+    assert export_main(["--ckpt", str(run / "checkpoints" / "last.ckpt"), "--out", str(exported)]) == 0
+    a, b = load_file(student_dir / "model.safetensors"), load_file(exported / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+    reloaded = AutoModelForCausalLM.from_pretrained(exported).eval()
+    ids = torch.randint(0, student.config.vocab_size, (2, 16))
+    torch.testing.assert_close(reloaded(ids).logits, student(ids).logits, rtol=0, atol=0)
+    # the resolved config sits beside the checkpoints
+    assert (run / "checkpoints" / "config.yaml").is_file()
+
+
+def test_resume_gives_the_same_batches_and_weights(tiny_corpus, tiny_target, tmp_path):
+    def record(run):
+        return {"class_path": "tests.callbacks.RecordBatches", "init_args": {"path": str(run / "batches.jsonl")}}
+
+    straight = tmp_path / "straight"
+    fit("quickstart/kd.yaml", kd_override(straight, tiny_corpus, tiny_target, 8, 4, [record(straight)]), straight)
+
+    split = tmp_path / "split"
+    stop = {"class_path": "tests.callbacks.StopAtStep", "init_args": {"step": 4}}
+    fit("quickstart/kd.yaml", kd_override(split, tiny_corpus, tiny_target, 8, 4, [record(split), stop]), split)
+    fit(
+        "quickstart/kd.yaml",
+        kd_override(split, tiny_corpus, tiny_target, 8, 4, [record(split)]),
+        split,
+        ("--ckpt_path", "last"),
+    )
+
+    def lines(run):
+        return [json.loads(line) for line in (run / "batches.jsonl").read_text().splitlines()]
+
+    assert [r["batch"] for r in lines(straight)] == [r["batch"] for r in lines(split)]
+    assert [r["step"] for r in lines(split)] == list(range(8))
+    a, b = load_file(straight / "student" / "model.safetensors"), load_file(split / "student" / "model.safetensors")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
+
+
+def test_missing_data_file_is_named(tiny_corpus, tiny_target, tmp_path):
+    override = kd_override(tmp_path, tiny_corpus, tiny_target, 2, 2)
+    override["data"]["init_args"]["train_files"] = [str(tmp_path / "nope.jsonl")]
+    with pytest.raises(Exception, match="nope.jsonl"):
+        fit("quickstart/kd.yaml", override, tmp_path)
+
+
+def test_empty_data_set_is_refused(tiny_corpus, tiny_target, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    override = kd_override(tmp_path, tiny_corpus, tiny_target, 2, 2)
+    override["data"]["init_args"]["train_files"] = [str(empty)]
+    with pytest.raises(Exception, match="empty"):
+        fit("quickstart/kd.yaml", override, tmp_path)
+
+
+def test_vocabulary_mismatch_is_refused(tiny_corpus, tiny_target, tmp_path):
+    from trainer.data.corpus import prepare_corpus
+
+    other = prepare_corpus(str(tmp_path / "other"), vocab_size=300, seed=1, max_files=20)
+    override = merge(kd_override(tmp_path, tiny_corpus, tiny_target, 2, 2), data_overrides(other))
+    with pytest.raises(ValueError, match="vocabulary mismatch"):
+        fit("quickstart/kd.yaml", override, tmp_path / "run")
+
+
+def test_nan_loss_is_an_error_naming_the_step(tiny_corpus, tiny_target, tmp_path):
+    broken = AutoModelForCausalLM.from_pretrained(tiny_target)
+    with torch.no_grad():
+        broken.lm_head.weight[0, 0] = float("nan")  # every logit row gets a NaN: the loss is NaN from step 0
+    broken.save_pretrained(tmp_path / "broken")
+    AutoTokenizer.from_pretrained(tiny_target).save_pretrained(tmp_path / "broken")
+    override = kd_override(tmp_path, tiny_corpus, tmp_path / "broken", 3, 3)
+    with pytest.raises(FloatingPointError, match="global step"):
+        fit("quickstart/kd.yaml", override, tmp_path)

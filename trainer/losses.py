@@ -1,0 +1,446 @@
+"""Distillation and next-token losses: pure tensor functions, chunked over positions to bound memory.
+
+Notation: ``p`` is the teacher's distribution, ``q`` the student's, both at temperature ``T`` (``softmax(logits / T)``).
+
+Divergences, per position, summed over the vocabulary:
+
+- ``"forward_kl"``: ``KL(p || q) = sum_v p_v (log p_v - log q_v)`` (the classic distillation loss).
+- ``"reverse_kl"``: ``KL(q || p) = sum_v q_v (log q_v - log p_v)``.
+- ``"jsd"``: the generalized Jensen-Shannon divergence exactly as TRL's ``GKDTrainer.generalized_jsd_loss`` (GKD,
+  Agarwal et al. 2024, eq. 1): with the mixture ``m = beta * p + (1 - beta) * q`` (computed in log space,
+  ``log m = logaddexp(log p + log(beta), log q + log(1 - beta))``), the loss is
+  ``beta * KL(p || m) + (1 - beta) * KL(q || m)``. As TRL does, ``beta == 0`` is *defined* as the forward KL and
+  ``beta == 1`` as the reverse KL (the mixture formula itself tends to 0 at both ends; near them it behaves like
+  ``beta * KL(p || q)`` and ``(1 - beta) * KL(q || p)``, so the endpoints are a switch, not a limit).
+  One difference from TRL: TRL applies the temperature but not the ``T^2`` factor; here every divergence is
+  multiplied by ``T^2`` (Hinton et al.), so that gradient sizes do not depend on the temperature.
+
+Reduction and the total loss. ``loss_mask`` (bool, or float weights >= 0) selects the positions; each term is a
+weighted mean over them (``sum_i w_i l_i / sum_i w_i``, a plain mean for a bool mask), on this process's batch:
+
+    KD   = T^2 * mean_i divergence_i
+    CE   = mean_i -log softmax(student_logits_i)[label_i]      (temperature 1; positions with label -100 left out)
+    loss = (1 - alpha) * KD + alpha * CE                        (alpha = 0: pure distillation)
+
+The KD functions return :class:`LossParts` (``loss``, and the detached ``kd`` and ``ce`` parts for logging);
+:func:`chunked_cross_entropy` returns the scalar loss.
+
+Memory. The full-vocabulary float32 logits of both models for the whole batch never exist at once, in forward or
+backward. Only the selected positions are processed, ``chunk_size`` of them at a time: each chunk is projected (fused
+variants), upcast to float32 and reduced, and the gradient with respect to that chunk's logits is taken right away
+(``torch.autograd.grad`` inside a custom ``autograd.Function``) and folded into the gradients of the inputs (student
+logits, or student hidden states and head weight). Backward then only scales these stored gradients, so nothing is
+recomputed and only one chunk's float32 intermediates are alive at a time. The teacher is always a constant: no
+gradient reaches teacher logits, hidden states or weights. ``chunk_size=None`` processes all selected positions as
+one chunk. The gradient is computed during the forward pass only when grad mode is on and an input requires grad.
+The fused functions read the head weight directly: under DeepSpeed ZeRO-3 the caller must gather it first.
+
+Errors: an all-zero ``loss_mask`` raises ``ValueError`` naming ``loss_mask``; NaN checks belong to the caller.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
+SPARSE_TAILS = ("renormalize", "bucket")
+# Sparse "bucket" mode floors both tail masses at this value (log space): float32 cannot resolve a smaller tail
+# from a sum of top-k probabilities near 1, and a zero tail would make the bucket term 0 * log 0.
+_MIN_TAIL = 1e-6
+_MAX_LOG_HEAD = math.log1p(-_MIN_TAIL)
+
+
+@dataclass(frozen=True)
+class LossParts:
+    """A loss and its parts. ``loss`` is differentiable; ``kd`` and ``ce`` are detached, for logging."""
+
+    loss: torch.Tensor  # [] float32: (1 - alpha) * kd + alpha * ce
+    kd: torch.Tensor  # [] float32: T^2 * weighted mean divergence (0 for a pure cross entropy)
+    # [] float32: weighted mean cross entropy at T = 1; None when no labels were given; NaN when labels were given
+    # but all are -100 on the selected positions (allowed only with alpha == 0: alpha > 0 raises ValueError)
+    ce: torch.Tensor | None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Per-position divergences on float32 log-probabilities.
+
+
+def kl_from_log_probs(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
+    """``KL(a || b) = sum_v a_v (log a_v - log b_v)`` over the last dim; terms with ``a_v == 0`` count 0.
+
+    log_a, log_b: [..., V] log-probabilities. Returns [...].
+    """
+    # Clamping -inf to the lowest finite float makes 0 * (-inf) terms 0 (and their gradients finite) with fewer
+    # [..., V] temporaries than a torch.where; a term with a_v > 0 and b_v == 0 still comes out (near) infinite.
+    lowest = torch.finfo(log_a.dtype).min
+    return (log_a.exp() * (log_a.clamp(min=lowest) - log_b.clamp(min=lowest))).sum(-1)
+
+
+def divergence_from_log_probs(
+    teacher_log_probs: torch.Tensor, student_log_probs: torch.Tensor, divergence: str, beta: float = 0.5
+) -> torch.Tensor:
+    """One of :data:`DIVERGENCES` per position, without temperature scaling (see the module docstring).
+
+    teacher_log_probs, student_log_probs: [..., V] (``log p``, ``log q``). Returns [...].
+    """
+    lp, lq = teacher_log_probs, student_log_probs
+    if divergence == "forward_kl" or (divergence == "jsd" and beta == 0.0):
+        return kl_from_log_probs(lp, lq)
+    if divergence == "reverse_kl" or (divergence == "jsd" and beta == 1.0):
+        return kl_from_log_probs(lq, lp)
+    if divergence == "jsd":
+        log_m = torch.logaddexp(lp + math.log(beta), lq + math.log1p(-beta))  # [..., V] log(beta p + (1-beta) q)
+        return beta * kl_from_log_probs(lp, log_m) + (1.0 - beta) * kl_from_log_probs(lq, log_m)
+    raise ValueError(f"divergence={divergence!r} is not one of {DIVERGENCES}")
+
+
+def _dense_rows(student_logits: torch.Tensor, teacher_logits: torch.Tensor, divergence: str, beta: float, t: float):
+    """T^2 * divergence per row. student_logits, teacher_logits: [C, V] float32. Returns [C]."""
+    lq = F.log_softmax(student_logits / t if t != 1.0 else student_logits, dim=-1)  # [C, V]
+    with torch.no_grad():
+        lp = F.log_softmax(teacher_logits / t if t != 1.0 else teacher_logits, dim=-1)  # [C, V]
+    return divergence_from_log_probs(lp, lq, divergence, beta) * (t * t)
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """``log(1 - exp(x))`` for x < 0, accurate near 0."""
+    return torch.log(-torch.expm1(x))
+
+
+def _sparse_rows(student_logits: torch.Tensor, ids: torch.Tensor, teacher_lp: torch.Tensor, tail: str, t: float):
+    """T^2 * forward KL against a top-k teacher, per row (see :func:`sparse_kd_loss`).
+
+    student_logits: [C, V] float32; ids: [C, k] int64; teacher_lp: [C, k] float32. Returns [C].
+    """
+    z = student_logits / t  # [C, V]
+    if tail == "renormalize":
+        lq_k = F.log_softmax(z.gather(-1, ids), dim=-1)  # [C, k] == full log-softmax at ids, renormalised over ids
+        lp_k = teacher_lp - torch.logsumexp(teacher_lp, dim=-1, keepdim=True)  # [C, k]
+        return kl_from_log_probs(lp_k, lq_k) * (t * t)
+    lq_k = F.log_softmax(z, dim=-1).gather(-1, ids)  # [C, k]
+    p_k = teacher_lp.exp()  # [C, k]
+    head = (p_k * torch.where(p_k > 0, teacher_lp - lq_k, torch.zeros_like(lq_k))).sum(-1)  # [C]
+    lp_tail = _log1mexp(torch.logsumexp(teacher_lp, dim=-1).clamp(max=_MAX_LOG_HEAD))  # [C] log(1 - sum p_k)
+    lq_tail = _log1mexp(torch.logsumexp(lq_k, dim=-1).clamp(max=_MAX_LOG_HEAD))  # [C] log(1 - sum q_k)
+    return (head + lp_tail.exp() * (lp_tail - lq_tail)) * (t * t)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Chunked driver.
+
+
+@dataclass
+class _Plan:
+    """What one call reduces: the selected flat positions, their weights and labels, and the per-row KD."""
+
+    idx: torch.Tensor  # [n] int64: flat positions (b * S + s) with a non-zero loss_mask
+    weights: torch.Tensor  # [n] float32
+    labels: torch.Tensor | None  # [n] int64, or None
+    kd_rows: Callable[[torch.Tensor, int, int], torch.Tensor] | None  # (logits [C, V] f32, start, end) -> [C]
+    alpha: float
+    chunk_size: int | None
+    kd_den: torch.Tensor  # [] sum of weights
+    ce_den: torch.Tensor  # [] sum of weights where label != -100
+
+
+def _chunk_terms(plan: _Plan, logits: torch.Tensor, start: int, end: int):
+    """(objective part, weighted KD sum, weighted CE sum) of rows start:end. logits: [C, V] float32."""
+    w = plan.weights[start:end]  # [C]
+    zero = logits.new_zeros(())
+    objective, kd_sum, ce_sum = zero, zero, zero
+    if plan.kd_rows is not None:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and plan.alpha < 1.0):
+            kd_sum = (plan.kd_rows(logits, start, end) * w).sum()
+        if plan.alpha < 1.0:
+            objective = objective + (1.0 - plan.alpha) * kd_sum / plan.kd_den
+    if plan.labels is not None:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and plan.alpha > 0.0):
+            ce_rows = F.cross_entropy(logits, plan.labels[start:end], ignore_index=IGNORE_INDEX, reduction="none")
+            ce_sum = (ce_rows * w).sum()  # ce_rows: [C], 0 where the label is -100
+        if plan.alpha > 0.0:
+            objective = objective + plan.alpha * ce_sum / plan.ce_den
+    return objective, kd_sum.detach(), ce_sum.detach()
+
+
+def _run_chunks(student: torch.Tensor, weight: torch.Tensor | None, plan: _Plan, grad_student: bool, grad_weight: bool):
+    """Loss parts and, when asked, the gradients of the objective w.r.t. student [N, D] and weight [V, D]."""
+    n = plan.idx.numel()
+    step = plan.chunk_size or n
+    need_grad = grad_student or grad_weight
+    g_student = torch.zeros_like(student) if grad_student else None  # [N, D]
+    g_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grad_weight else None  # [V, D]
+    objective = kd = ce = student.new_zeros((), dtype=torch.float32)
+    for start in range(0, n, step):
+        end = min(start + step, n)
+        ids = plan.idx[start:end]  # [C]
+        rows = student.detach().index_select(0, ids)  # [C, D]
+        logits = rows @ weight.detach().t() if weight is not None else rows  # [C, V], input dtype
+        logits = logits.float().detach().requires_grad_(need_grad)  # [C, V] float32
+        with torch.set_grad_enabled(need_grad):
+            obj_c, kd_c, ce_c = _chunk_terms(plan, logits, start, end)
+        if need_grad:
+            (g,) = torch.autograd.grad(obj_c, logits)  # [C, V] float32
+            if weight is None:
+                g_student.index_copy_(0, ids, g.to(g_student.dtype))
+            else:
+                if grad_student:
+                    g_student.index_copy_(0, ids, (g.to(weight.dtype) @ weight.detach()).to(g_student.dtype))
+                if grad_weight:
+                    g_weight.addmm_(g.t(), rows.float())  # [V, D] += [V, C] @ [C, D]
+        objective, kd, ce = objective + obj_c.detach(), kd + kd_c, ce + ce_c
+    if g_weight is not None:
+        g_weight = g_weight.to(weight.dtype)
+    return objective, kd / plan.kd_den, ce / plan.ce_den, g_student, g_weight
+
+
+class _ChunkedObjective(torch.autograd.Function):
+    """Forward computes the loss and the input gradients chunk by chunk; backward scales the stored gradients."""
+
+    @staticmethod
+    def forward(ctx, student, weight, plan):
+        grad_student, grad_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        objective, kd, ce, g_student, g_weight = _run_chunks(student, weight, plan, grad_student, grad_weight)
+        ctx.grads = (g_student, g_weight)
+        ctx.mark_non_differentiable(kd, ce)
+        return objective, kd, ce
+
+    @staticmethod
+    def backward(ctx, grad_objective, _grad_kd, _grad_ce):
+        g_student, g_weight = ctx.grads
+        g_student = g_student * grad_objective.to(g_student.dtype) if g_student is not None else None
+        g_weight = g_weight * grad_objective.to(g_weight.dtype) if g_weight is not None else None
+        return g_student, g_weight, None
+
+
+def _reduce(student: torch.Tensor, weight: torch.Tensor | None, plan: _Plan) -> LossParts:
+    needs_grad = torch.is_grad_enabled() and (student.requires_grad or (weight is not None and weight.requires_grad))
+    if needs_grad:
+        objective, kd, ce = _ChunkedObjective.apply(student, weight, plan)
+    else:
+        objective, kd, ce, _, _ = _run_chunks(student, weight, plan, False, False)
+    return LossParts(loss=objective, kd=kd, ce=ce if plan.labels is not None else None)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Argument checks.
+
+
+def _check_options(divergence: str, beta: float, temperature: float, alpha: float, chunk_size: int | None) -> None:
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"divergence={divergence!r} is not one of {DIVERGENCES}")
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta={beta} must lie in [0, 1]")
+    if not temperature > 0.0:
+        raise ValueError(f"temperature={temperature} must be > 0")
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha={alpha} must lie in [0, 1]")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size={chunk_size!r} must be a positive int or None")
+
+
+def _check_3d(x: torch.Tensor, name: str, leading: tuple[int, int] | None = None) -> tuple[int, int, int]:
+    if x.dim() != 3:
+        raise ValueError(f"{name} must be [B, S, *], got shape {tuple(x.shape)}")
+    if leading is not None and tuple(x.shape[:2]) != leading:
+        raise ValueError(f"{name} has [B, S] = {tuple(x.shape[:2])}, expected {leading}")
+    return tuple(x.shape)
+
+
+def _check_head(weight: torch.Tensor, hidden: torch.Tensor, name: str) -> int:
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"{name} must be [V, {hidden.shape[-1]}], got shape {tuple(weight.shape)}")
+    return weight.shape[0]
+
+
+def _select(loss_mask: torch.Tensor | None, labels: torch.Tensor | None, bs: tuple[int, int], vocab: int, alpha: float):
+    """Flat selected positions [n], their weights [n] float32 and labels [n] (or None); with the denominators."""
+    if labels is not None:
+        if tuple(labels.shape) != bs:
+            raise ValueError(f"labels must be [B, S] = {bs}, got shape {tuple(labels.shape)}")
+        if labels.is_floating_point() or labels.dtype == torch.bool:
+            raise ValueError(f"labels must be an integer tensor, got {labels.dtype}")
+        bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab))
+        if bool(bad.any()):
+            raise ValueError(
+                f"labels hold ids outside [0, {vocab}) other than {IGNORE_INDEX}: {labels[bad][:5].tolist()}"
+            )
+    elif alpha > 0.0:
+        raise ValueError(f"alpha={alpha} > 0 needs labels for the cross-entropy part")
+    if loss_mask is None:
+        if labels is None:
+            raise ValueError("loss_mask is None and there are no labels to select positions")
+        weights = (labels != IGNORE_INDEX).float()  # [B, S]
+    else:
+        if tuple(loss_mask.shape) != bs:
+            raise ValueError(f"loss_mask must be [B, S] = {bs}, got shape {tuple(loss_mask.shape)}")
+        weights = loss_mask.float()  # [B, S]
+        if not bool((weights >= 0).all()):
+            raise ValueError("loss_mask has negative or NaN weights")
+    weights = weights.reshape(-1)  # [B*S]
+    idx = torch.nonzero(weights > 0).squeeze(-1)  # [n]
+    if idx.numel() == 0:
+        raise ValueError("loss_mask selects no position (all zero): the mean over masked positions is undefined")
+    w = weights[idx]  # [n]
+    lab = labels.reshape(-1)[idx].long() if labels is not None else None  # [n]
+    kd_den = w.sum()
+    ce_den = (w * (lab != IGNORE_INDEX)).sum() if lab is not None else kd_den
+    if lab is not None and alpha > 0.0 and not bool(ce_den > 0):
+        raise ValueError(f"labels are all {IGNORE_INDEX} on the positions loss_mask selects: no cross entropy")
+    return idx.to(weights.device), w, lab, kd_den, ce_den
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Public losses.
+
+
+def kd_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    loss_mask: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    *,
+    divergence: str = "forward_kl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    alpha: float = 0.0,
+    chunk_size: int | None = None,
+) -> LossParts:
+    """Distillation loss from full logits (any float dtype; upcast to float32 one chunk at a time).
+
+    student_logits: [B, S, V] (gets gradients); teacher_logits: [B, S, V] (constant); loss_mask: [B, S] bool or
+    float weights; labels: [B, S] int with -100 to ignore (needed when alpha > 0). See the module docstring for the
+    divergences, the reduction and ``loss = (1 - alpha) * KD + alpha * CE``.
+    """
+    _check_options(divergence, beta, temperature, alpha, chunk_size)
+    b, s, v = _check_3d(student_logits, "student_logits")
+    if tuple(teacher_logits.shape) != (b, s, v):
+        raise ValueError(f"teacher_logits shape {tuple(teacher_logits.shape)} != student_logits shape {(b, s, v)}")
+    idx, w, lab, kd_den, ce_den = _select(loss_mask, labels, (b, s), v, alpha)
+    teacher = teacher_logits.detach().reshape(b * s, v)  # [N, V]
+
+    def kd_rows(logits: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        t_logits = teacher.index_select(0, idx[start:end]).float()  # [C, V]
+        return _dense_rows(logits, t_logits, divergence, beta, temperature)
+
+    plan = _Plan(idx, w, lab, kd_rows, alpha, chunk_size, kd_den, ce_den)
+    return _reduce(student_logits.reshape(b * s, v), None, plan)
+
+
+def fused_kd_loss(
+    student_hidden: torch.Tensor,
+    student_lm_head_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_lm_head_weight: torch.Tensor,
+    loss_mask: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    *,
+    divergence: str = "forward_kl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    alpha: float = 0.0,
+    chunk_size: int | None = 256,
+) -> LossParts:
+    """:func:`kd_loss` on ``hidden @ lm_head_weight.T`` without materialising either model's full logits.
+
+    student_hidden: [B, S, H], student_lm_head_weight: [V, H] (both get gradients when they require them);
+    teacher_hidden: [B, S, Ht], teacher_lm_head_weight: [V, Ht] (constants). Each chunk is projected in the inputs'
+    dtype (as the model's own head would), then upcast to float32. No bias: heads of causal LMs have none.
+    """
+    _check_options(divergence, beta, temperature, alpha, chunk_size)
+    b, s, h = _check_3d(student_hidden, "student_hidden")
+    _check_3d(teacher_hidden, "teacher_hidden", (b, s))
+    v = _check_head(student_lm_head_weight, student_hidden, "student_lm_head_weight")
+    v_t = _check_head(teacher_lm_head_weight, teacher_hidden, "teacher_lm_head_weight")
+    if v != v_t:
+        raise ValueError(f"vocabulary sizes differ: student_lm_head_weight has {v} rows, teacher_lm_head_weight {v_t}")
+    idx, w, lab, kd_den, ce_den = _select(loss_mask, labels, (b, s), v, alpha)
+    t_hidden = teacher_hidden.detach().reshape(b * s, -1)  # [N, Ht]
+    t_weight = teacher_lm_head_weight.detach()  # [V, Ht]
+
+    def kd_rows(logits: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        with torch.no_grad():
+            t_logits = (t_hidden.index_select(0, idx[start:end]) @ t_weight.t()).float()  # [C, V]
+        return _dense_rows(logits, t_logits, divergence, beta, temperature)
+
+    plan = _Plan(idx, w, lab, kd_rows, alpha, chunk_size, kd_den, ce_den)
+    return _reduce(student_hidden.reshape(b * s, h), student_lm_head_weight, plan)
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, chunk_size: int | None = 256
+) -> torch.Tensor:
+    """Mean next-token cross entropy of ``hidden @ lm_head_weight.T`` over labels != -100, chunked like
+    :func:`fused_kd_loss`. hidden: [B, S, H]; lm_head_weight: [V, H]; labels: [B, S], already aligned with hidden
+    (label i is the target of position i: the caller shifts). Returns a scalar float32 tensor.
+    """
+    _check_options("forward_kl", 0.5, 1.0, 1.0, chunk_size)
+    b, s, h = _check_3d(hidden, "hidden")
+    v = _check_head(lm_head_weight, hidden, "lm_head_weight")
+    if tuple(labels.shape) == (b, s) and not bool((labels != IGNORE_INDEX).any()):
+        raise ValueError(f"labels are all {IGNORE_INDEX}: no position to compute the cross entropy on")
+    idx, w, lab, kd_den, ce_den = _select(None, labels, (b, s), v, 1.0)
+    plan = _Plan(idx, w, lab, None, 1.0, chunk_size, kd_den, ce_den)
+    return _reduce(hidden.reshape(b * s, h), lm_head_weight, plan).loss
+
+
+def sparse_kd_loss(
+    student_logits: torch.Tensor,
+    teacher_topk_ids: torch.Tensor,
+    teacher_topk_logprobs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    *,
+    tail: str = "renormalize",
+    temperature: float = 1.0,
+    alpha: float = 0.0,
+    chunk_size: int | None = None,
+) -> LossParts:
+    """Forward KL against a teacher known only through its top-k (ids and log-probabilities, e.g. from disk).
+
+    student_logits: [B, S, V]; teacher_topk_ids: [B, S, k] int (distinct ids per position); teacher_topk_logprobs:
+    [B, S, k] (any float dtype) = the teacher's full-vocabulary log-softmax at ``temperature``, gathered at the ids.
+    The log-probabilities are used as given: they must already be at the temperature passed here (the shard metadata
+    records the teacher's temperature and the caller checks it matches); re-tempering them exactly would need the
+    tail, which is not stored. The student is taken at ``temperature`` (``log q = log_softmax(student_logits / T)``).
+
+    ``tail="renormalize"``: both sides are restricted to the k ids and renormalised there,
+    ``p~ = p_k / sum p_k`` and ``q~ = q_k / sum q_k``, and the divergence is ``KL(p~ || q~)`` over the k ids. The
+    student's mass outside the top-k set is not penalised.
+    ``tail="bucket"``: one extra outcome holds the rest of the mass on each side, ``p_tail = 1 - sum p_k`` and
+    ``q_tail = 1 - sum q_k``, and the divergence is ``sum_k p_k (log p_k - log q_k) + p_tail (log p_tail - log
+    q_tail)``, a KL between two distributions over k + 1 outcomes. Both tails are floored at 1e-6 (float32 cannot
+    resolve less from a sum near 1). With k == V both modes equal the dense forward KL.
+    KD is multiplied by T^2, reduced and combined with the optional cross entropy as in :func:`kd_loss`.
+    """
+    _check_options("forward_kl", 0.5, temperature, alpha, chunk_size)
+    if tail not in SPARSE_TAILS:
+        raise ValueError(f"tail={tail!r} is not one of {SPARSE_TAILS}")
+    b, s, v = _check_3d(student_logits, "student_logits")
+    _, _, k = _check_3d(teacher_topk_ids, "teacher_topk_ids", (b, s))
+    if tuple(teacher_topk_logprobs.shape) != (b, s, k):
+        raise ValueError(f"teacher_topk_logprobs shape {tuple(teacher_topk_logprobs.shape)} != ids shape {(b, s, k)}")
+    if teacher_topk_ids.is_floating_point() or not teacher_topk_logprobs.is_floating_point():
+        raise ValueError("teacher_topk_ids must be integers and teacher_topk_logprobs floats")
+    if k > v or bool(((teacher_topk_ids < 0) | (teacher_topk_ids >= v)).any()):
+        raise ValueError(f"teacher_topk_ids hold ids outside [0, {v}) or k={k} > V={v}")
+    sorted_ids = teacher_topk_ids.sort(dim=-1).values  # [B, S, k]
+    if k > 1 and bool((sorted_ids[..., 1:] == sorted_ids[..., :-1]).any()):
+        raise ValueError("teacher_topk_ids repeat an id at some position: the top-k ids must be distinct")
+    idx, w, lab, kd_den, ce_den = _select(loss_mask, labels, (b, s), v, alpha)
+    ids_flat = teacher_topk_ids.reshape(b * s, k)  # [N, k]
+    lp_flat = teacher_topk_logprobs.detach().reshape(b * s, k)  # [N, k]
+
+    def kd_rows(logits: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        rows = idx[start:end]
+        ids = ids_flat.index_select(0, rows).long()  # [C, k]
+        lp = lp_flat.index_select(0, rows).float()  # [C, k]
+        return _sparse_rows(logits, ids, lp, tail, temperature)
+
+    plan = _Plan(idx, w, lab, kd_rows, alpha, chunk_size, kd_den, ce_den)
+    return _reduce(student_logits.reshape(b * s, v), None, plan)
