@@ -24,6 +24,10 @@ TOOLS: dict[str, tuple[str, str]] = {
     "demo": ("trainer.demo:main", "prepare, train a tiny target, distil a student, evaluate both"),
     "eval": ("trainer.decoding.evaluate:main", "measure a drafter with lossless speculative decoding"),
     "export": ("trainer.export.cli:main", "write a trained drafter in a serving engine's format"),
+    "precompute": ("trainer.data.precompute:main", "write the target's top-k logits and hidden states to shards"),
+    "generate": ("trainer.data.generate:main", "regenerate a chat data set's responses with the target"),
+    "slurm": ("trainer.slurm:main", "render and submit an sbatch script for a recipe"),
+    "plan": ("trainer.planner:main", "estimate memory per GPU for each ZeRO stage"),
 }
 
 
@@ -62,7 +66,7 @@ class DraftsmithCLI(LightningCLI):
             auto_configure_optimizers=False,
             args=args,
             run=run,
-            parser_kwargs={"default_env": False},
+            parser_kwargs={"default_env": False, "allow_abbrev": False},
         )
 
 

@@ -60,14 +60,20 @@ class FrozenTarget(nn.Module):
         cls, name_or_path: str, dtype: str = "float32", trust_remote_code: bool = False
     ) -> FrozenTarget:
         """Loads a local directory or hub id. A local path that does not exist is an error naming the path."""
-        looks_local = name_or_path.startswith((".", "/", "~")) or Path(name_or_path).exists()
-        if looks_local and not (Path(name_or_path).expanduser() / "config.json").is_file():
-            raise FileNotFoundError(
-                f"target {name_or_path!r}: no config.json there (train or download the target first)"
+        path = Path(name_or_path).expanduser()
+        if path.exists() and not (path / "config.json").is_file():
+            raise FileNotFoundError(f"target {name_or_path!r}: no config.json in that directory")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                name_or_path, dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code
             )
-        model = AutoModelForCausalLM.from_pretrained(
-            name_or_path, dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code
-        )
+        except OSError as err:
+            if path.exists():
+                raise
+            raise FileNotFoundError(
+                f"target {name_or_path!r} is not a local directory, and loading it as a hub id failed ({err}); "
+                "train or download the target first"
+            ) from err
         return cls(model)
 
     def train(self, mode: bool = True) -> FrozenTarget:

@@ -1,0 +1,57 @@
+"""Every recipe parses with the real CLI; a misspelled key fails and names the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.recipe_runs import RECIPES
+from trainer.cli import DraftsmithCLI, main
+
+RECIPE_FILES = sorted(p for p in RECIPES.rglob("*.yaml") if "_base" not in p.parts)
+BASE_PIECES = sorted((RECIPES / "_base").glob("*.yaml"))
+
+
+def print_config(*configs: Path, capsys) -> str:
+    args = ["fit"] + [a for c in configs for a in ("--config", str(c))] + ["--print_config"]
+    with pytest.raises(SystemExit) as exit_info:
+        DraftsmithCLI(args=args)
+    assert exit_info.value.code in (0, None)
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("recipe", RECIPE_FILES, ids=lambda p: str(p.relative_to(RECIPES)))
+def test_recipe_parses_and_opens_with_its_command(recipe, capsys):
+    first = recipe.read_text().splitlines()[0]
+    assert first.startswith("# ") and "draftsmith" in first, f"{recipe} must open with the command that runs it"
+    resolved = print_config(recipe, capsys=capsys)
+    assert "class_path" in resolved and "model:" in resolved
+
+
+@pytest.mark.parametrize("piece", BASE_PIECES, ids=lambda p: p.name)
+def test_base_piece_composes_with_the_kd_recipe(piece, capsys):
+    assert piece.read_text().splitlines()[0].startswith("# draftsmith"), f"{piece} must open with its command"
+    resolved = print_config(RECIPES / "quickstart" / "kd.yaml", piece, capsys=capsys)
+    assert "strategy:" in resolved
+
+
+def test_misspelled_key_is_named(tmp_path, capsys):
+    text = (RECIPES / "quickstart" / "kd.yaml").read_text().replace("temperature:", "temprature:")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    with pytest.raises(SystemExit) as exit_info:
+        DraftsmithCLI(args=["fit", "--config", str(bad)])
+    assert exit_info.value.code != 0
+    assert "temprature" in capsys.readouterr().err
+
+
+def test_misspelled_command_line_key_is_named(capsys):
+    with pytest.raises(SystemExit):
+        DraftsmithCLI(args=["fit", "--config", str(RECIPES / "quickstart" / "kd.yaml"), "--trainer.max_step", "3"])
+    assert "max_step" in capsys.readouterr().err
+
+
+def test_unknown_command_is_refused(capsys):
+    assert main(["fitt"]) == 2
+    assert "fitt" in capsys.readouterr().err
