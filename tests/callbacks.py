@@ -10,15 +10,19 @@ import lightning as L
 
 
 class RecordBatches(L.Callback):
-    """Appends one line per training batch to ``path``: the global step and a hash of the batch's input ids."""
+    """Appends one line per training batch to ``path``: the global step, the rank, a hash of the batch's input ids
+    and one hash per row."""
 
     def __init__(self, path: str) -> None:
         self.path = Path(path)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        digest = hashlib.sha256(batch["input_ids"].cpu().numpy().tobytes()).hexdigest()[:16]
+        ids = batch["input_ids"].cpu().numpy()
+        digest = hashlib.sha256(ids.tobytes()).hexdigest()[:16]
+        rows = [hashlib.sha256(row.tobytes()).hexdigest()[:16] for row in ids]
+        record = {"step": trainer.global_step, "rank": trainer.global_rank, "batch": digest, "rows": rows}
         with self.path.open("a") as f:
-            f.write(json.dumps({"step": trainer.global_step, "rank": trainer.global_rank, "batch": digest}) + "\n")
+            f.write(json.dumps(record) + "\n")
 
 
 class StopAtStep(L.Callback):

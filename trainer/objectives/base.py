@@ -13,9 +13,11 @@ from typing import Literal
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities import grad_norm
 from torch import nn
 
+from trainer.strategies import deepspeed_offload_enabled, shard_for_fsdp2
 from trainer.throughput import measure_matmul_peak
 
 
@@ -81,6 +83,21 @@ class DraftObjective(L.LightningModule):
         raise NotImplementedError
 
     # ---- shared --------------------------------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        """Under FSDP2 (recipes/_base/fsdp.yaml), shards the trainable module's layers; frozen parts stay whole."""
+        if self.device_mesh is not None:
+            shard_for_fsdp2(self.trainable_module(), self.device_mesh)
+
+    def weights_are_sharded(self) -> bool:
+        """True under FSDP2 or ZeRO-3, where a parameter read outside its module's forward is only a shard.
+
+        Objectives then compute logits through the module's own forward instead of reading its output weight.
+        """
+        if self._trainer is None:
+            return False
+        strategy = self.trainer.strategy
+        return self.device_mesh is not None or (isinstance(strategy, DeepSpeedStrategy) and strategy.zero_stage_3)
+
     def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
         loss, metrics = self.compute_loss(batch)
         if not torch.isfinite(loss):
@@ -111,7 +128,12 @@ class DraftObjective(L.LightningModule):
             {"params": decay, "weight_decay": self.optim.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ]
-        optimizer = torch.optim.AdamW(groups, lr=self.optim.lr, betas=self.optim.betas, eps=self.optim.eps)
+        if self._trainer is not None and deepspeed_offload_enabled(self.trainer.strategy):
+            from deepspeed.ops.adam import DeepSpeedCPUAdam  # offload refuses a torch optimizer
+
+            optimizer = DeepSpeedCPUAdam(groups, lr=self.optim.lr, betas=self.optim.betas, eps=self.optim.eps)
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=self.optim.lr, betas=self.optim.betas, eps=self.optim.eps)
         total = self.trainer.max_steps if self.trainer.max_steps and self.trainer.max_steps > 0 else 0
         if total <= 0:
             total = int(self.trainer.estimated_stepping_batches)

@@ -11,6 +11,7 @@ import logging
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -79,11 +80,12 @@ class CausalLMPretraining(DraftObjective):
         return self.model
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if self.weights_are_sharded():  # FSDP2 / ZeRO-3: the output weight is a shard outside the forward
+            logits = self.model(input_ids=batch["input_ids"], use_cache=False).logits  # [B, S, V]
+            return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100), {}
         hidden = self.model.get_decoder()(input_ids=batch["input_ids"], use_cache=False).last_hidden_state  # [B, S, H]
-        loss = chunked_cross_entropy(
-            hidden, self.model.get_output_embeddings().weight, batch["labels"], self.chunk_size
-        )
-        return loss, {}
+        weight = self.model.get_output_embeddings().weight  # [V, H]
+        return chunked_cross_entropy(hidden, weight, batch["labels"], self.chunk_size), {}
 
     def flops_per_token(self) -> float:
         seq_len = getattr(getattr(self.trainer, "datamodule", None), "seq_len", 1024)

@@ -1,0 +1,111 @@
+"""The KD recipe in 2 processes on CPU through the real ``draftsmith fit``: DDP and DeepSpeed ZeRO-2.
+
+Each rank takes its slice of every global batch (trainer/data/sampler.py), and the KD loss is a mean over equally many
+positions per rank, so 2 ranks of batch 2 follow the same trajectory as 1 process of batch 4: same global batches,
+same final weights up to float32 reduction order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests._multiproc import run_group
+from tests.recipe_runs import RECIPES, TINY_STUDENT, data_overrides, fit, merge, trainer_overrides, write_override
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 4
+
+
+def kd_override(run: Path, corpus, target: Path, batch_size: int) -> dict:
+    override = merge(
+        trainer_overrides(run, max_steps=STEPS, every_n=STEPS),
+        data_overrides(corpus, batch_size=batch_size),
+        {
+            "model": {
+                "init_args": {
+                    "teacher": str(target),
+                    "export_dir": str(run / "student"),
+                    "student_config": TINY_STUDENT,
+                    "chunk_size": 64,
+                }
+            }
+        },
+    )
+    override["trainer"]["callbacks"].append(
+        {"class_path": "tests.callbacks.RecordBatches", "init_args": {"path": str(run / "batches.jsonl")}}
+    )
+    return override
+
+
+def rows_per_step(run: Path, world: int) -> list[list[str]]:
+    """Per step, the row hashes of every rank in rank order: the global batch."""
+    records = [json.loads(line) for line in (run / "batches.jsonl").read_text().splitlines()]
+    by_step: dict[int, dict[int, list[str]]] = {}
+    for r in records:
+        by_step.setdefault(r["step"], {})[r["rank"]] = r["rows"]
+    assert sorted(by_step) == list(range(STEPS)) and all(len(v) == world for v in by_step.values()), by_step
+    return [sum((by_step[s][rank] for rank in range(world)), []) for s in range(STEPS)]
+
+
+@pytest.fixture(scope="module")
+def single_process_run(tiny_corpus, tiny_target, tmp_path_factory):
+    run = tmp_path_factory.mktemp("kd_single")
+    fit("quickstart/kd.yaml", kd_override(run, tiny_corpus, tiny_target, batch_size=4), run)
+    return run
+
+
+def fit_two_processes(run: Path, tiny_corpus, tiny_target, strategy: str, torchrun_style: bool) -> None:
+    override = write_override(run / "override.yaml", kd_override(run, tiny_corpus, tiny_target, batch_size=2))
+    cmd = [
+        str(Path(sys.executable).parent / "draftsmith"),
+        "fit",
+        "--config",
+        str(RECIPES / "quickstart/kd.yaml"),
+        "--config",
+        str(RECIPES / "_base" / strategy),
+        "--config",
+        str(override),
+        "--trainer.devices",
+        "2",
+        "--trainer.accelerator",
+        "cpu",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    res = run_group(
+        cmd,
+        timeout=400,
+        log_dir=run / "logs",
+        nprocs=2 if torchrun_style else 1,
+        env=env,
+        rank_env=torchrun_style,
+        cwd=str(REPO),
+    )
+    assert res.ok, f"2-process fit failed (timed out: {res.timed_out}, exit {res.returncodes}):\n{res.output[-5000:]}"
+
+
+def check_same_as_single_process(run: Path, single: Path) -> None:
+    assert rows_per_step(run, 2) == rows_per_step(single, 1), "2 ranks did not see the 1-process global batches"
+    a = load_file(single / "student" / "model.safetensors")
+    b = load_file(run / "student" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=2e-5, msg=f"{key} differs from the 1-process run")
+
+
+@pytest.mark.parametrize(("strategy", "torchrun_style"), [("ddp.yaml", False), ("deepspeed_zero2.yaml", True)])
+def test_kd_recipe_in_two_processes_matches_one_process(
+    strategy, torchrun_style, single_process_run, tiny_corpus, tiny_target, tmp_path, torch_extensions_dir
+):
+    run = tmp_path / "run"
+    run.mkdir()
+    fit_two_processes(run, tiny_corpus, tiny_target, strategy, torchrun_style)
+    assert (run / "checkpoints").exists() and any((run / "checkpoints").iterdir())
+    check_same_as_single_process(run, single_process_run)

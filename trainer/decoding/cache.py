@@ -1,0 +1,66 @@
+"""KV-cache surgery for speculative decoding: keep only the committed tokens of an HF cache.
+
+Works on transformers' ``Cache`` objects (``DynamicCache`` and its per-layer ``DynamicLayer``), whose layers hold
+``keys`` and ``values`` of shape ``[B, H, S, D]`` with the tokens in dimension 2. A chain keeps a prefix of what it
+verified, so cropping is enough; a tree keeps one root-to-leaf path, whose entries are scattered among the verified
+nodes, so they are gathered and moved down next to the prefix (compaction).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache
+
+
+def new_cache(config) -> DynamicCache:
+    """An empty dynamic cache for a model config, able to roll back (sliding-window layers record their past)."""
+    cache = DynamicCache(config=config)
+    cache.activate_past_recording()
+    return cache
+
+
+def cache_length(cache: Cache) -> int:
+    """Number of tokens held by the cache (0 for an empty one)."""
+    return int(cache.get_seq_length())
+
+
+def truncate_cache(cache: Cache, length: int) -> None:
+    """Keep the first ``length`` tokens of every layer, in place.
+
+    Args:
+        cache: the HF cache to crop.
+        length: how many tokens to keep; must not exceed the current length.
+    """
+    current = cache_length(cache)
+    if length < 0 or length > current:
+        raise ValueError(f"cannot truncate a cache of {current} tokens to {length}")
+    if length < current:
+        # transformers >= 5 takes the number of tokens to remove, as a negative integer
+        cache.crop(length - current)
+
+
+def compact_cache(cache: Cache, prefix: int, keep: torch.Tensor) -> None:
+    """Keep the first ``prefix`` tokens and then the tokens at positions ``prefix + keep``, in that order, in place.
+
+    Args:
+        cache: the HF cache; every layer must expose ``keys`` and ``values`` ``[B, H, S, D]`` (DynamicLayer).
+        prefix: the number of leading tokens kept untouched (the committed context before the verified block).
+        keep: ``[n]`` increasing offsets, relative to ``prefix``, of the verified tokens to keep (an accepted path).
+    """
+    current = cache_length(cache)
+    keep = keep.to(torch.long).flatten()  # [n]
+    if keep.numel() and (int(keep.min()) < 0 or prefix + int(keep.max()) >= current):
+        raise ValueError(f"keep offsets {keep.tolist()} out of range for a cache of {current} tokens, prefix {prefix}")
+    if bool((keep == torch.arange(keep.numel(), device=keep.device)).all()):
+        truncate_cache(cache, prefix + keep.numel())  # a prefix: cropping is enough
+        return
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is None or not getattr(layer, "is_initialized", True):
+            continue
+        if getattr(layer, "is_sliding", False) or not hasattr(layer, "crop"):
+            raise NotImplementedError(f"tree compaction of a {type(layer).__name__} cache layer; use chains")
+        index = (prefix + keep).to(layer.keys.device)  # [n]
+        kept_keys = layer.keys.index_select(2, index)  # [B, H, n, D]
+        kept_values = layer.values.index_select(2, index)  # [B, H, n, D]
+        layer.keys = torch.cat([layer.keys[:, :, :prefix], kept_keys], dim=2)  # [B, H, prefix + n, D]
+        layer.values = torch.cat([layer.values[:, :, :prefix], kept_values], dim=2)  # [B, H, prefix + n, D]

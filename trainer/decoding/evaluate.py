@@ -1,0 +1,287 @@
+"""``draftsmith eval``: real speculative decoding of a drafter against its target, greedy and sampling.
+
+For every K of the sweep, the target alone and the target with the drafter decode the same prompts. Greedy mode must
+reproduce the target's output token for token (a difference is an error, never a statistic); sampling mode runs
+speculative sampling at ``--temperature``. The report (report.json, report.md, acceptance.png) gives tau, acceptance
+per draft position, target forwards, the measured draft cost c, Leviathan's projected speedup, the measured
+wall-clock speedup, and the share of the target's greedy output that sits in loops with tau inside and outside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from trainer.decoding import metrics
+from trainer.decoding.generate import GenerationResult, speculative_generate
+from trainer.decoding.proposers import NoProposer, Proposer, build_proposer, registered_proposers
+from trainer.decoding.report import write_report
+
+log = logging.getLogger(__name__)
+
+LOOP_WINDOW = 16
+LOOP_MAX_PERIOD = 8
+
+
+class SpeculativeMismatchError(RuntimeError):
+    """Greedy speculative output differs from the target's own greedy output."""
+
+
+def load_prompts(path: str | Path, tokenizer) -> list[list[int]]:
+    """Token ids of every line of a jsonl file with a ``prompt`` string or chat ``messages``.
+
+    Args:
+        path: the jsonl file.
+        tokenizer: the target's tokenizer (chat lines need its chat template).
+    """
+    prompts = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{number}: not valid JSON ({err.msg})") from err
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{number}: expected an object with 'prompt' or 'messages'")
+            if isinstance(record.get("prompt"), str):
+                ids = tokenizer(record["prompt"]).input_ids
+            elif isinstance(record.get("messages"), list):
+                if not getattr(tokenizer, "chat_template", None):
+                    raise ValueError(f"{path}:{number}: chat 'messages' given but the tokenizer has no chat template")
+                text = tokenizer.apply_chat_template(record["messages"], add_generation_prompt=True, tokenize=False)
+                ids = tokenizer(text, add_special_tokens=False).input_ids
+            else:
+                raise ValueError(
+                    f"{path}:{number}: needs a string 'prompt' or a list 'messages', got keys {list(record)}"
+                )
+            if not ids:
+                raise ValueError(f"{path}:{number}: the prompt tokenizes to nothing")
+            prompts.append(list(ids))
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    return prompts
+
+
+def resolve_drafter(spec: str, target: PreTrainedModel) -> Proposer:
+    """``--drafter``: a registered name (``prompt-lookup``, ``none``), ``NAME:DIR``, or a draft model directory."""
+    name, sep, path = spec.partition(":")
+    if sep and name in registered_proposers():
+        return build_proposer(name, path, target)
+    if spec in registered_proposers():
+        return build_proposer(spec, None, target)
+    if os.path.isdir(spec):
+        return build_proposer("draft-model", spec, target)
+    raise ValueError(
+        f"--drafter {spec!r} is neither a directory nor a registered proposer ({', '.join(registered_proposers())})"
+    )
+
+
+def run_prompts(
+    target: PreTrainedModel,
+    proposer: Proposer,
+    prompts: Sequence[Sequence[int]],
+    k: int,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    eos_token_id: int | list[int] | None = None,
+    seed: int = 0,
+) -> list[GenerationResult]:
+    """Decode every prompt (one at a time); sampling uses a generator seeded with ``seed + prompt index``."""
+    results = []
+    for i, prompt in enumerate(prompts):
+        generator = torch.Generator(device=target.device).manual_seed(seed + i) if temperature > 0 else None
+        ids = torch.tensor(list(prompt), dtype=torch.long, device=target.device)  # [S]
+        results.append(
+            speculative_generate(target, ids, proposer, k, max_new_tokens, temperature, eos_token_id, generator)
+        )
+    return results
+
+
+def check_identity(reference: Sequence[GenerationResult], results: Sequence[GenerationResult], k: int) -> None:
+    """Raise :class:`SpeculativeMismatchError` naming the prompt and position where greedy outputs first differ."""
+    for i, (ref, res) in enumerate(zip(reference, results)):
+        if ref.tokens != res.tokens:
+            pos = next((j for j, (a, b) in enumerate(zip(ref.tokens, res.tokens)) if a != b), None)
+            pos = min(len(ref.tokens), len(res.tokens)) if pos is None else pos
+            raise SpeculativeMismatchError(
+                f"K={k}, prompt {i}: greedy speculative output differs from the target's at output position {pos} "
+                f"(target {ref.tokens[pos : pos + 5]}, speculative {res.tokens[pos : pos + 5]})"
+            )
+
+
+def _forward_seconds(baseline: Sequence[GenerationResult]) -> float:
+    """Mean wall-clock time of one decoding forward of the target alone (prefill excluded)."""
+    seconds = sum(r.target_seconds - r.prefill_seconds for r in baseline)
+    forwards = sum(r.target_forwards - 1 for r in baseline)
+    return seconds / forwards if forwards else float("nan")
+
+
+def summarize(results: Sequence[GenerationResult], baseline: Sequence[GenerationResult], k: int) -> dict:
+    """The statistics of one mode and one K, pooled over prompts."""
+    rounds = [r for res in results for r in res.rounds]
+    alpha = metrics.acceptance_rate(rounds)
+    drafted = sum(r.drafted for r in rounds)
+    propose = sum(res.propose_seconds for res in results)
+    cost = propose / drafted / _forward_seconds(baseline) if drafted else 0.0
+    return {
+        "k": k,
+        "tau": metrics.tau(rounds),
+        "acceptance_per_position": metrics.acceptance_per_position(rounds, k),
+        "acceptance_rate": alpha,
+        "target_forwards": sum(res.target_forwards for res in results),
+        "baseline_target_forwards": sum(res.target_forwards for res in baseline),
+        "tokens": sum(len(res.tokens) for res in results),
+        "draft_cost": cost,
+        "projected_speedup": metrics.leviathan_speedup(alpha, k, cost) if not math.isnan(alpha) else 1.0,
+        "measured_speedup": sum(r.total_seconds for r in baseline) / sum(r.total_seconds for r in results),
+    }
+
+
+def loop_statistics(baseline: Sequence[GenerationResult]) -> tuple[dict, list[list[bool]]]:
+    """Loop share of the target's own greedy output, and the per-prompt loop masks."""
+    masks = [metrics.loop_mask(r.tokens, LOOP_WINDOW, LOOP_MAX_PERIOD) for r in baseline]
+    total = sum(len(m) for m in masks)
+    return {
+        "share": sum(sum(m) for m in masks) / total if total else 0.0,
+        "looped_prompts": sum(any(m) for m in masks),
+        "window": LOOP_WINDOW,
+        "max_period": LOOP_MAX_PERIOD,
+    }, masks
+
+
+def evaluate_drafter(
+    target: PreTrainedModel,
+    proposer: Proposer,
+    prompts: Sequence[Sequence[int]],
+    ks: Sequence[int],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    eos_token_id: int | list[int] | None = None,
+    seed: int = 0,
+) -> dict:
+    """Greedy and sampling evaluation for every K; raises :class:`SpeculativeMismatchError` on a greedy mismatch."""
+    baseline_proposer = NoProposer()
+    run_prompts(target, baseline_proposer, prompts[:1], 1, min(8, max_new_tokens), 0.0, eos_token_id)  # warm-up
+    greedy_base = run_prompts(target, baseline_proposer, prompts, 1, max_new_tokens, 0.0, eos_token_id)
+    loops, masks = loop_statistics(greedy_base)
+    report: dict = {"loops": loops, "greedy": [], "sampling": [], "temperature": temperature}
+    for k in ks:
+        results = run_prompts(target, proposer, prompts, k, max_new_tokens, 0.0, eos_token_id)
+        check_identity(greedy_base, results, k)
+        entry = summarize(results, greedy_base, k)
+        inside, outside = [], []
+        for res, mask in zip(results, masks):
+            a, b = metrics.split_rounds_by_loop(res.rounds, mask)
+            inside += a
+            outside += b
+        entry.update(
+            identical=True,
+            tau_in_loops=metrics.tau(inside),
+            tau_outside_loops=metrics.tau(outside),
+            rounds_in_loops=len(inside),
+            rounds_outside_loops=len(outside),
+        )
+        report["greedy"].append(entry)
+        log.info("greedy K=%d tau=%.3f speedup=%.2f", k, entry["tau"], entry["measured_speedup"])
+    if temperature > 0:
+        sample_base = run_prompts(
+            target, baseline_proposer, prompts, 1, max_new_tokens, temperature, eos_token_id, seed
+        )
+        for k in ks:
+            results = run_prompts(target, proposer, prompts, k, max_new_tokens, temperature, eos_token_id, seed)
+            report["sampling"].append(summarize(results, sample_base, k))
+    best = max(report["greedy"], key=lambda e: e["measured_speedup"])
+    report["best_k"] = best["k"]
+    report["baseline"] = {
+        "target_forwards": sum(r.target_forwards for r in greedy_base),
+        "tokens": sum(len(r.tokens) for r in greedy_base),
+        "seconds": sum(r.total_seconds for r in greedy_base),
+        "forward_seconds": _forward_seconds(greedy_base),
+    }
+    return report
+
+
+def _parse_ks(text: str) -> list[int]:
+    try:
+        ks = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"--k must be integers separated by commas, got {text!r}") from err
+    if not ks or any(k < 1 for k in ks):
+        raise argparse.ArgumentTypeError(f"--k needs values >= 1, got {text!r}")
+    return ks
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="draftsmith eval", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", required=True, help="HF target model directory (with its tokenizer)")
+    parser.add_argument(
+        "--drafter",
+        required=True,
+        help="draft model directory, a registered proposer (prompt-lookup, none), or NAME:DIR",
+    )
+    parser.add_argument("--prompts", required=True, help="jsonl file, one 'prompt' string or chat 'messages' per line")
+    parser.add_argument("--k", type=_parse_ks, default=[4], help="drafts per round, or a sweep such as 1,2,4,8")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="output budget per prompt")
+    parser.add_argument("--out", required=True, help="output directory for report.json, report.md, acceptance.png")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling-mode temperature (0 skips sampling)")
+    parser.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0: all)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling mode")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda when available)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``draftsmith eval``; returns the exit status (2 for a greedy output mismatch)."""
+    args = _parser().parse_args(argv)
+    if args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(args.device)
+    if not os.path.isdir(args.target):
+        print(f"error: --target {args.target!r} is not a directory", file=sys.stderr)
+        return 1
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype)).to(device).eval()
+    try:
+        prompts = load_prompts(args.prompts, tokenizer)
+        proposer = resolve_drafter(args.drafter, target)
+    except (OSError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    if args.max_prompts > 0:
+        prompts = prompts[: args.max_prompts]
+    eos = target.generation_config.eos_token_id if target.generation_config is not None else None
+    eos = tokenizer.eos_token_id if eos is None else eos
+    try:
+        report = evaluate_drafter(
+            target, proposer, prompts, args.k, args.max_new_tokens, args.temperature, eos, args.seed
+        )
+    except SpeculativeMismatchError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    report.update(target=args.target, drafter=args.drafter, prompts=len(prompts), max_new_tokens=args.max_new_tokens)
+    paths = write_report(report, args.out)
+    for entry in report["greedy"]:
+        print(
+            f"K={entry['k']}: tau {entry['tau']:.3f}, speedup {entry['measured_speedup']:.2f}x measured, "
+            f"{entry['projected_speedup']:.2f}x projected (c={entry['draft_cost']:.3f})"
+        )
+    print(f"loop share of the target's output: {report['loops']['share']:.1%}; best K: {report['best_k']}")
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""The speculative decoding engine: one sequence, an HF target with a KV cache, any proposer, chains or trees.
+
+Each round, the proposer drafts a tree (a chain for most proposers) after the committed tokens; the target runs one
+forward pass over the root (the last committed token, not yet in its cache) and every draft node, with an
+ancestor-only mask for trees; the acceptance rule keeps the longest accepted path and picks the next token; the
+target's cache keeps the root and the accepted nodes only. With the empty tree (:class:`NoProposer`) a round is one
+plain decoding step, so the same engine gives the target-only baseline.
+
+Exactness. The rules are exact; the arithmetic is the target's. A forward over K + 1 tokens and K + 1 one-token
+forwards compute the same logits up to the last bits of floating point (other kernel shapes, other summation order),
+so on a near-tie between the top two logits (a gap of about 1e-6 in float32, far less in float64) the argmax may
+differ from plain greedy decoding. The tests use float64 targets, where this does not occur; ``draftsmith eval``
+treats any difference as an error and names the prompt and position (rerun with ``--dtype float64`` to tell a
+near-tie from a bug). One sequence at a time: batched speculative decoding is not built.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache
+
+from trainer.decoding.cache import cache_length, compact_cache, new_cache
+from trainer.decoding.proposers import ProposalContext, Proposer
+from trainer.decoding.tree import DraftTree
+from trainer.decoding.verify import (
+    greedy_verify_chain,
+    greedy_verify_tree,
+    probs_from_logits,
+    sampling_verify_chain,
+    sampling_verify_tree,
+)
+
+
+@dataclass
+class RoundStats:
+    """One verification forward of the target.
+
+    Attributes:
+        drafted: depth of the draft tree (number of drafts for a chain).
+        nodes: number of draft tokens verified.
+        accepted: number of drafts accepted (the accepted path's length).
+        committed: tokens appended to the output by this round (accepted + 1, less when cut by EOS or the budget).
+        start: index in the output of the first token this round committed.
+    """
+
+    drafted: int
+    nodes: int
+    accepted: int
+    committed: int
+    start: int
+
+
+@dataclass
+class GenerationResult:
+    """The output of :func:`speculative_generate`.
+
+    Attributes:
+        tokens: the generated tokens (without the prompt).
+        rounds: one entry per forward of the target. The first forward is also the prefill: it verifies drafts after
+            the prompt, or none for proposers that need the target's hidden states of the prompt first.
+        target_forwards: forward passes of the target (``len(rounds)``).
+        propose_seconds: wall-clock time spent in the proposer.
+        target_seconds: wall-clock time spent in the target's forward passes (prefill included).
+        prefill_seconds: the part of ``target_seconds`` spent in the first forward (the prefill).
+        total_seconds: wall-clock time of the whole generation.
+    """
+
+    tokens: list[int]
+    rounds: list[RoundStats] = field(default_factory=list)
+    target_forwards: int = 0
+    propose_seconds: float = 0.0
+    target_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
+    """The target's own next token from ``[V]`` logits: argmax, or a sample at ``temperature``."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    probs = probs_from_logits(logits, temperature)  # [V]
+    return int(torch.multinomial(probs, 1, generator=generator)[0])
+
+
+@dataclass
+class VerifyOutput:
+    """The outcome of one verification forward.
+
+    Attributes:
+        path: accepted nodes of the tree, from the root down.
+        token: the target's token after the path (correction or bonus).
+        hidden_states: requested layer -> ``[n, H]`` target hidden states of the root and the accepted nodes.
+    """
+
+    path: list[int]
+    token: int
+    hidden_states: dict[int, torch.Tensor]
+
+
+@torch.no_grad()
+def verify_round(
+    target: PreTrainedModel,
+    cache: Cache,
+    pending: torch.Tensor,
+    tree: DraftTree,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    hidden_layers: tuple[int, ...] = (),
+    tree_mask: bool | None = None,
+) -> VerifyOutput:
+    """Run the target once over the pending tokens and the tree, accept a path, keep only its entries in the cache.
+
+    Args:
+        target: the HF target.
+        cache: the target's cache, holding the committed tokens before ``pending``; updated in place.
+        pending: ``[m]`` committed tokens not yet in the cache (the whole prompt in the first round, then the root:
+            the last committed token); the drafts continue after the last one.
+        tree: the drafts.
+        temperature: 0 for greedy verification, otherwise speculative sampling.
+        generator: random generator for sampling.
+        hidden_layers: target hidden-state layers to return for the kept positions.
+        tree_mask: force (True) or skip (False) the explicit ancestor mask and positions; by default they are used
+            for trees only, and a chain goes through the model's own causal mask.
+    """
+    device = target.device
+    prefix = cache_length(cache)
+    m = pending.numel()
+    inputs = torch.cat([pending.to(device), tree.tokens.to(device)])  # [m + N]
+    chain = tree.is_chain()
+    use_mask = (not chain) if tree_mask is None else tree_mask
+    if not use_mask and not chain:
+        raise ValueError("a tree that is not a chain needs its ancestor mask")
+    mask = (
+        tree.attention_mask(prefix, target.dtype, m).to(device) if use_mask else None
+    )  # [1, 1, m + N, prefix + m + N]
+    positions = tree.position_ids(prefix, m).to(device) if use_mask else None  # [1, m + N]
+    out = target(
+        input_ids=inputs[None],
+        attention_mask=mask,
+        position_ids=positions,
+        cache=cache,
+        use_cache=True,
+        output_hidden_states=bool(hidden_layers),
+        logits_to_keep=tree.num_nodes + 1,
+    )
+    logits = out.logits[0]  # [N + 1, V]
+    if chain:
+        drafts = tree.tokens[None].to(device)  # [1, N]
+        if temperature > 0:
+            probs = None if tree.probs is None else tree.probs[None].to(device)  # [1, N, V]
+            target_probs = probs_from_logits(logits, temperature)[None]  # [1, N + 1, V]
+            n_acc, nxt = sampling_verify_chain(drafts, probs, target_probs, generator)
+        else:
+            n_acc, nxt = greedy_verify_chain(drafts, logits[None])
+        path, token = list(range(int(n_acc[0]))), int(nxt[0])
+    elif temperature > 0:
+        path, token = sampling_verify_tree(tree, probs_from_logits(logits, temperature), generator)
+    else:
+        path, token = greedy_verify_tree(tree, logits)
+    keep = torch.tensor(list(range(m)) + [m + i for i in path], dtype=torch.long, device=device)  # [n]: pending + path
+    compact_cache(cache, prefix, keep)
+    hidden = {i: out.hidden_states[i][0].index_select(0, keep) for i in hidden_layers}  # layer -> [n, H]
+    return VerifyOutput(path=path, token=token, hidden_states=hidden)
+
+
+@torch.no_grad()
+def speculative_generate(
+    target: PreTrainedModel,
+    input_ids: torch.Tensor,
+    proposer: Proposer,
+    k: int,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    eos_token_id: int | list[int] | None = None,
+    generator: torch.Generator | None = None,
+) -> GenerationResult:
+    """Generate with speculative decoding; lossless: greedy output equals the target's, samples are distributed as it.
+
+    Args:
+        target: an HF causal LM (eval mode; its forward takes ``cache``, ``position_ids`` and a 4D ``attention_mask``).
+        input_ids: ``[S]`` or ``[1, S]`` prompt tokens (one sequence).
+        proposer: the source of drafts (:class:`NoProposer` for the target alone).
+        k: the most drafts on one path per round.
+        max_new_tokens: output budget; generation also stops after an EOS token.
+        temperature: 0 for greedy verification, otherwise speculative sampling at this temperature.
+        eos_token_id: token id(s) that end generation, or ``None``.
+        generator: random generator on the target's device (sampling only).
+    """
+    if input_ids.dim() == 2:
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"speculative_generate takes one sequence, got a batch of {input_ids.shape[0]}")
+        input_ids = input_ids[0]
+    if input_ids.numel() == 0:
+        raise ValueError("the prompt is empty")
+    if k < 0 or max_new_tokens < 0:
+        raise ValueError(f"k and max_new_tokens must be >= 0, got k={k}, max_new_tokens={max_new_tokens}")
+    eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+    device = target.device
+    layers = tuple(getattr(proposer, "needs_hidden_states", ()))
+    vocab_size = int(target.get_output_embeddings().weight.shape[0])
+    result = GenerationResult(tokens=[])
+    if max_new_tokens == 0:
+        return result
+    proposer.reset()
+    _sync(device)
+    start_time = time.perf_counter()
+
+    cache = new_cache(target.config)
+    committed = input_ids.to(device=device, dtype=torch.long)  # [T]
+    hidden: dict[int, torch.Tensor] = {}
+    token = -1
+    while len(result.tokens) < max_new_tokens and token not in eos:
+        remaining = max_new_tokens - len(result.tokens)
+        first = not result.rounds
+        # the first forward is also the prefill; a proposer that drafts from target hidden states gets them after it
+        ctx = ProposalContext(
+            tokens=committed,
+            k=0 if first and layers else min(k, remaining - 1),
+            temperature=temperature,
+            generator=generator,
+            vocab_size=vocab_size,
+            hidden_states=hidden,
+        )
+        t0 = time.perf_counter()
+        tree = proposer.propose(ctx) if ctx.k > 0 else DraftTree.empty(device)
+        _sync(device)
+        t1 = time.perf_counter()
+        result.propose_seconds += t1 - t0
+        depth = tree.max_depth()
+        if depth > ctx.k:
+            raise ValueError(f"{type(proposer).__name__} drafted a path of {depth} tokens, more than k={ctx.k}")
+        if tree.num_nodes and int(tree.tokens.max()) >= vocab_size:
+            raise ValueError(f"{type(proposer).__name__} drafted token {int(tree.tokens.max())} >= vocab {vocab_size}")
+
+        pending = committed[cache_length(cache) :]  # [m]: the prompt in the first round, then the root
+        verified = verify_round(target, cache, pending, tree, temperature, generator, layers)
+        path, token, hidden = verified.path, verified.token, verified.hidden_states
+        _sync(device)
+        elapsed = time.perf_counter() - t1
+        result.target_seconds += elapsed
+        if first:
+            result.prefill_seconds = elapsed
+        result.target_forwards += 1
+
+        new_tokens = tree.tokens[path].tolist() + [token]
+        new_tokens = new_tokens[:remaining]
+        for j, t in enumerate(new_tokens):
+            if t in eos:
+                new_tokens = new_tokens[: j + 1]
+                break
+        result.rounds.append(
+            RoundStats(
+                drafted=depth, nodes=tree.num_nodes, accepted=len(path), committed=len(new_tokens),
+                start=len(result.tokens),
+            )
+        )  # fmt: skip
+        result.tokens.extend(new_tokens)
+        token = new_tokens[-1]
+        committed = torch.cat([committed, committed.new_tensor(new_tokens)])
+    _sync(device)
+    result.total_seconds = time.perf_counter() - start_time
+    return result
