@@ -1,0 +1,422 @@
+"""``draftsmith generate``: regenerate the assistant turns of a chat data set with the target itself.
+
+A drafter is judged by how often the target accepts its tokens, so it should learn what the target actually says, not
+what the data set's original authors wrote. Every conversation keeps its system and user turns; each assistant turn is
+replaced, in order, by the target's own reply to the conversation so far (later turns see the regenerated earlier
+ones). Prompts go through the target tokenizer's chat template with the generation prompt, in left-padded batches;
+replies stop at EOS or after ``max_new_tokens`` (then they are cut there; the chat template closes them with EOS).
+
+Output: ``.jsonl`` (one record per line) or ``.parquet``, the input records with their messages replaced, in input
+order: ``TextDataModule(format="chat")`` reads either.
+
+Resuming. Records are written in chunks of ``chunk_size``. A jsonl output is appended and fsynced chunk by chunk; on a
+restart a partial last line (a crash mid-write) is cut off and the records already written are skipped. A parquet
+output is written as atomically renamed part files in ``OUTPUT.parts/`` and combined into OUTPUT at the end. A
+``OUTPUT.meta.json`` beside the output records the input and the settings; a restart with different ones is refused
+(delete the output to start over). Sampling is seeded per chunk from ``seed`` and the chunk's first record, so a run
+resumed at a chunk boundary samples as a straight one would on the same hardware (greedy decoding always matches).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from trainer.data.tokenizer import load_tokenizer
+from trainer.target import resolve_dtype
+
+log = logging.getLogger(__name__)
+
+META_VERSION = 1
+
+
+@dataclass
+class GenerateStats:
+    """What a run did: records in the output, records written now, assistant turns regenerated and cut short."""
+
+    records: int
+    written: int
+    turns: int
+    truncated: int
+    seconds: float
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reading and writing records.
+
+
+def read_records(path: str) -> list[dict[str, Any]]:
+    """The records of a .jsonl, .json (a list of objects) or .parquet file, with errors naming the file and line."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"input file not found: {path}")
+    suffix = p.suffix.lower()
+    if suffix == ".jsonl":
+        records = []
+        for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{n}: not a JSON record ({err})") from err
+    elif suffix == ".json":
+        records = json.loads(p.read_text(encoding="utf-8"))
+        if not isinstance(records, list):
+            raise ValueError(f"{path}: a .json input must hold a list of records")
+    elif suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        records = pq.read_table(p).to_pylist()
+    else:
+        raise ValueError(f"{path}: unsupported input type {suffix!r} (use .jsonl, .json or .parquet)")
+    for n, record in enumerate(records):
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}: record {n} is not an object")
+    return records
+
+
+def _check_messages(record: dict[str, Any], field: str, where: str) -> list[dict[str, str]]:
+    messages = record.get(field)
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+    ):
+        raise ValueError(f"{where}: field {field!r} must be a list of {{'role': str, 'content': str}} messages")
+    return messages
+
+
+def _complete_jsonl_lines(path: Path) -> int:
+    """Cuts a partial last line off ``path`` (a crash mid-write) and returns the number of complete records."""
+    if not path.is_file():
+        return 0
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1  # 0 when no line is complete
+    if end < len(data):
+        log.warning("%s: cutting a partial last line of %d bytes (an interrupted write)", path, len(data) - end)
+        with path.open("r+b") as f:
+            f.truncate(end)
+            f.flush()
+            os.fsync(f.fileno())
+    count = 0
+    for n, line in enumerate(data[:end].splitlines(), start=1):
+        try:
+            json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{n}: not a JSON record; delete the output to start over ({err})") from err
+        count += 1
+    return count
+
+
+class _Writer:
+    """Appends chunks of records durably to a .jsonl file, or as part files later combined into one .parquet."""
+
+    def __init__(self, output: Path) -> None:
+        self.output = output
+        self.parquet = output.suffix.lower() == ".parquet"
+        if not self.parquet and output.suffix.lower() != ".jsonl":
+            raise ValueError(f"{output}: unsupported output type {output.suffix!r} (use .jsonl or .parquet)")
+        self.parts = output.with_name(output.name + ".parts")
+
+    def done(self) -> int:
+        """Records already written (a partial jsonl line is removed first)."""
+        if not self.parquet:
+            return _complete_jsonl_lines(self.output)
+        import pyarrow.parquet as pq
+
+        if self.output.is_file():
+            return pq.read_metadata(self.output).num_rows
+        for stale in self.parts.glob("*.tmp") if self.parts.is_dir() else []:
+            stale.unlink()
+        return sum(pq.read_metadata(f).num_rows for f in sorted(self.parts.glob("part-*.parquet")))
+
+    def write(self, records: list[dict[str, Any]], first: int) -> None:
+        if not self.parquet:
+            blob = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
+            with self.output.open("ab") as f:
+                f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())
+            return
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        self.parts.mkdir(parents=True, exist_ok=True)
+        final = self.parts / f"part-{first:09d}.parquet"
+        tmp = final.with_name(final.name + ".tmp")
+        pq.write_table(pa.Table.from_pylist(records), tmp)
+        os.replace(tmp, final)
+
+    def finish(self) -> None:
+        if not self.parquet or self.output.is_file():
+            return
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        parts = sorted(self.parts.glob("part-*.parquet"))
+        table = pa.concat_tables([pq.read_table(f) for f in parts], promote_options="default")
+        tmp = self.output.with_name(self.output.name + ".tmp")
+        pq.write_table(table, tmp)
+        os.replace(tmp, self.output)
+        for f in parts:
+            f.unlink()
+        self.parts.rmdir()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Generation.
+
+
+def _seed_of(seed: int, chunk_start: int) -> int:
+    digest = hashlib.sha256(f"{seed}:generate:{chunk_start}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> ids [B, P] and attention mask [B, P], right-aligned (P = the longest prompt)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # [B, P]
+    attention = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, P]
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        attention[b, width - len(p) :] = 1
+    return ids, attention
+
+
+class Regenerator:
+    """Batched replies of a causal LM to chat prompts, rendered with its tokenizer's chat template."""
+
+    def __init__(self, model, tokenizer, config: GenerationConfig, batch_size: int) -> None:
+        self.model, self.tokenizer, self.config, self.batch_size = model, tokenizer, config, batch_size
+        self.device = next(model.parameters()).device
+
+    def replies(self, conversations: list[list[dict[str, str]]]) -> list[tuple[str, bool]]:
+        """(reply text, cut at max_new_tokens) for each conversation (each ends before the reply)."""
+        out: list[tuple[str, bool]] = []
+        eos = self.config.eos_token_id
+        for start in range(0, len(conversations), self.batch_size):
+            prompts = [
+                list(
+                    self.tokenizer.apply_chat_template(c, tokenize=True, add_generation_prompt=True, return_dict=True)[
+                        "input_ids"
+                    ]
+                )
+                for c in conversations[start : start + self.batch_size]
+            ]
+            ids, attention = _left_padded(prompts, self.config.pad_token_id)  # [B, P] each
+            with torch.no_grad():
+                seqs = self.model.generate(
+                    input_ids=ids.to(self.device),
+                    attention_mask=attention.to(self.device),
+                    generation_config=self.config,
+                )  # [B, P + N]
+            for row in seqs[:, ids.shape[1] :].tolist():
+                cut = row.index(eos) if eos in row else len(row)
+                text = self.tokenizer.decode(row[:cut], skip_special_tokens=True)
+                out.append((text, cut == len(row)))
+        return out
+
+
+def regenerate_records(
+    records: list[dict[str, Any]], regenerator: Regenerator, messages_field: str, source: str
+) -> tuple[list[dict[str, Any]], int, int]:
+    """The records with every assistant turn replaced in order; returns (records, turns, truncated turns)."""
+    convs = [list(_check_messages(r, messages_field, f"{source} record")) for r in records]
+    turns = truncated = 0
+    depth = 0
+    while True:
+        # conversations that have an assistant turn after `depth` earlier ones: regenerate that turn in one batch
+        todo = []
+        for i, messages in enumerate(convs):
+            positions = [j for j, m in enumerate(messages) if m["role"] == "assistant"]
+            if len(positions) > depth:
+                todo.append((i, positions[depth]))
+        if not todo:
+            break
+        replies = regenerator.replies([convs[i][:j] for i, j in todo])
+        for (i, j), (text, cut) in zip(todo, replies, strict=True):
+            convs[i][j] = {**convs[i][j], "content": text}
+            truncated += int(cut)
+        turns += len(todo)
+        depth += 1
+    return [{**r, messages_field: c} for r, c in zip(records, convs, strict=True)], turns, truncated
+
+
+def regenerate(
+    target: str,
+    input: str,
+    output: str,
+    messages_field: str = "messages",
+    batch_size: int = 16,
+    chunk_size: int = 64,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    dtype: str = "float32",
+    device: str = "auto",
+    max_records: int | None = None,
+    trust_remote_code: bool = False,
+    progress: bool = True,
+) -> GenerateStats:
+    """Regenerates the assistant turns of a chat data set with ``target``.
+
+    Args:
+        target: the target, an HF causal LM directory or hub id with its tokenizer (and chat template) beside it.
+        input: the chat data set: .jsonl, .json or .parquet records holding a message list.
+        output: where the regenerated records go: .jsonl or .parquet (resumed when it exists).
+        messages_field: key of the message list ({"role", "content"} dicts) in each record.
+        batch_size: prompts per generate call.
+        chunk_size: records written (and fsynced) at a time; the unit of resumption.
+        max_new_tokens: longest reply, in tokens; longer replies are cut there.
+        temperature: sampling temperature; 0 decodes greedily.
+        top_p: nucleus sampling threshold (1 keeps every token); used only when sampling.
+        top_k: keep only the k most likely tokens (0 keeps every token); used only when sampling.
+        seed: seeds the sampling of each chunk.
+        dtype: the target's weights dtype (float32, bfloat16, float16).
+        device: "auto" (cuda when available), "cpu", "cuda" or "cuda:N".
+        max_records: regenerate only the first N records.
+        trust_remote_code: allow custom modelling code in the target directory (off by default).
+        progress: show a progress bar.
+    """
+    started = time.perf_counter()
+    settings = {
+        "batch_size": batch_size,
+        "chunk_size": chunk_size,
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+    }
+    for key, value in settings.items():
+        if value < 0 or (key in ("batch_size", "chunk_size", "max_new_tokens") and value < 1):
+            raise ValueError(f"generate: {key}={value} is out of range")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"generate: top_p={top_p} must lie in (0, 1]")
+    out_path = Path(output)
+    writer = _Writer(out_path)
+    records = read_records(input)
+    if max_records is not None:
+        records = records[:max_records]
+    if not records:
+        raise ValueError(f"{input}: no records to regenerate")
+    for n, record in enumerate(records):
+        _check_messages(record, messages_field, f"{input} record {n}")
+
+    stat = Path(input).stat()
+    meta = {
+        "version": META_VERSION,
+        "input": str(Path(input).resolve()),
+        "input_size": stat.st_size,
+        "input_mtime_ns": stat.st_mtime_ns,
+        "target": target,
+        "messages_field": messages_field,
+        "seed": seed,
+        "records": len(records),
+        **{k: v for k, v in settings.items() if k != "batch_size"},
+    }
+    meta_path = out_path.with_name(out_path.name + ".meta.json")
+    done = writer.done() if meta_path.is_file() else 0
+    if meta_path.is_file():
+        previous = json.loads(meta_path.read_text())
+        changed = sorted(k for k in meta.keys() | previous.keys() if meta.get(k) != previous.get(k))
+        if changed:
+            raise ValueError(
+                f"{output} was started with other settings ({', '.join(changed)} differ, see {meta_path}): "
+                f"delete the output and {meta_path.name} to start over, or rerun with the same settings"
+            )
+    elif out_path.exists() or writer.parts.exists():
+        raise FileExistsError(f"{output} exists without {meta_path.name}: it was not written by this tool; move it")
+    else:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        meta_path.write_text(json.dumps(meta, indent=1) + "\n")
+    if done > len(records):
+        raise ValueError(f"{output} holds {done} records but {input} only {len(records)}")
+
+    tokenizer = load_tokenizer(target, trust_remote_code=trust_remote_code)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"the tokenizer of {target} has no chat template: generate needs one to render prompts")
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"the tokenizer of {target} has no EOS token: replies could not end")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(
+        target, dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code
+    ).to(device)
+    model.eval()
+    sample = temperature > 0
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=sample,
+        temperature=temperature if sample else None,
+        top_p=top_p if sample else None,
+        top_k=(top_k or None) if sample else None,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        use_cache=True,
+    )
+    regenerator = Regenerator(model, tokenizer, config, batch_size)
+
+    turns = truncated = written = 0
+    bar = _progress(len(records), done, progress)
+    for start, end in _chunks(done, len(records), chunk_size):
+        chunk = records[start:end]
+        torch.manual_seed(_seed_of(seed, start))
+        new, n_turns, n_cut = regenerate_records(chunk, regenerator, messages_field, input)
+        writer.write(new, start)
+        turns, truncated, written = turns + n_turns, truncated + n_cut, written + len(new)
+        if bar is not None:
+            bar.update(len(new))
+    if bar is not None:
+        bar.close()
+    writer.finish()
+    return GenerateStats(len(records), written, turns, truncated, time.perf_counter() - started)
+
+
+def _chunks(done: int, total: int, size: int) -> Iterator[tuple[int, int]]:
+    """(start, end) of the chunks still to write; chunk boundaries are the multiples of ``size``."""
+    start = done
+    while start < total:
+        end = min(total, (start // size + 1) * size)
+        yield start, end
+        start = end
+
+
+def _progress(total: int, done: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=done, unit="record", desc="generate")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``draftsmith generate [--config generate.yaml] --target DIR --input IN --output OUT [options]``."""
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    parser = ArgumentParser(
+        prog="draftsmith generate",
+        description="Regenerate the assistant turns of a chat data set with the target (resumable).",
+        default_env=False,
+    )
+    parser.add_argument("--config", action=ActionConfigFile, help="a YAML file with any of the options below")
+    parser.add_function_arguments(regenerate)
+    cfg = parser.parse_args(argv)
+    kwargs = cfg.as_dict()
+    kwargs.pop("config", None)
+    stats = regenerate(**kwargs)
+    print(
+        f"wrote {stats.written} records ({stats.records} in {kwargs['output']}) in {stats.seconds:.1f} s: "
+        f"{stats.turns} assistant turns regenerated, {stats.truncated} cut at max_new_tokens"
+    )
+    return 0
