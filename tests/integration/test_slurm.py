@@ -1,0 +1,139 @@
+"""``draftsmith slurm submit`` against a real single-node SLURM cluster that this module starts and stops.
+
+A 2-task CPU job trains the quickstart KD recipe to the end; a second job, sent USR1 mid-training (as SLURM does
+before the time limit), checkpoints, requeues itself, resumes with ``--ckpt_path last`` and ends on the same batches
+and bitwise the same weights as the uninterrupted job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.recipe_runs import RECIPES, ROOT, write_override
+from tests.slurm_cluster import SlurmCluster, ensure_installed, kd_job_override, recorded_batches
+from trainer.slurm import main as slurm_main
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+TASKS = 2
+MAX_STEPS = 30
+EVERY_N = 10
+JOB_TIMEOUT = 900  # seconds; generous for a loaded 2-core machine
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    reason = ensure_installed()
+    if reason is not None:
+        pytest.skip(f"SLURM cannot be installed here: {reason}")
+    c = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        c.start()
+    except RuntimeError as err:
+        pytest.fail(f"the test SLURM cluster did not start: {err}")
+    if c.cpus < TASKS:
+        c.stop()
+        pytest.skip(f"the SLURM node has {c.cpus} CPUs, fewer than the {TASKS} tasks of the test job")
+    saved = {k: os.environ.get(k) for k in ("SLURM_CONF", "PYTHONPATH")}
+    os.environ["SLURM_CONF"] = str(c.conf)  # sbatch, scontrol and the job itself talk to this cluster
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), saved["PYTHONPATH"]) if p)  # tests.callbacks
+    try:
+        yield c
+    finally:
+        c.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _submit(run: Path, override: dict, name: str) -> str:
+    """`draftsmith slurm submit` for a 2-task CPU job of the KD recipe; returns the printed job id."""
+    run.mkdir(parents=True, exist_ok=True)
+    override_file = write_override(run / "override.yaml", override)
+    argv = ["submit", "--config", str(RECIPES / "quickstart/kd.yaml"), "--config", str(override_file)]
+    argv += ["--nodes", "1", "--gpus-per-node", "0", "--tasks-per-node", str(TASKS), "--time", "00:30:00"]
+    argv += ["--job-name", name, "--workdir", str(run), "--log-dir", "logs"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert slurm_main(argv) == 0
+    job_id = out.getvalue().strip()
+    assert job_id.isdigit(), job_id
+    return job_id
+
+
+def _job_log(run: Path, name: str, job_id: str) -> str:
+    return (run / "logs" / f"{name}-{job_id}.out").read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cluster, tiny_corpus, tiny_target, tmp_path_factory):
+    run = tmp_path_factory.mktemp("slurm_uninterrupted")
+    override = kd_job_override(run, tiny_corpus, tiny_target, MAX_STEPS, EVERY_N, batch_size=2)
+    job_id = _submit(run, override, "kd-straight")
+    try:
+        info = cluster.wait_state(job_id, {"COMPLETED"}, timeout=JOB_TIMEOUT)
+    except RuntimeError as err:
+        log = run / "logs" / f"kd-straight-{job_id}.out"
+        pytest.fail(f"{err}\n{log.read_text()[-4000:] if log.exists() else 'no job log'}")
+    return run, job_id, info
+
+
+def test_submitted_two_task_job_trains_the_kd_recipe(uninterrupted):
+    run, job_id, info = uninterrupted
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0" and info["NumTasks"] == str(TASKS)
+    script = (run / "logs" / "kd-straight.sbatch").read_text()
+    assert f"#SBATCH --ntasks-per-node={TASKS}" in script and "--ckpt_path last" in script
+    # two ranks, each on its own half of every global batch, for every step
+    batches = recorded_batches(run)
+    assert set(batches) == {(step, rank) for step in range(MAX_STEPS) for rank in range(TASKS)}
+    assert all(batches[(s, 0)] != batches[(s, 1)] for s in range(MAX_STEPS))
+    assert (run / "student" / "model.safetensors").is_file()
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == MAX_STEPS
+
+
+def test_usr1_checkpoints_requeues_and_resumes_to_the_same_weights(
+    cluster, uninterrupted, tiny_corpus, tiny_target, tmp_path
+):
+    reference, _, _ = uninterrupted
+    run = tmp_path / "run"
+    run.mkdir()
+    wait = {
+        "class_path": "tests.slurm_cluster.WaitAtStep",
+        "init_args": {"step": 13, "marker": str(run / "waiting"), "release": str(run / "release")},
+    }
+    override = kd_job_override(run, tiny_corpus, tiny_target, MAX_STEPS, EVERY_N, batch_size=2, extra_callbacks=(wait,))
+    job_id = _submit(run, override, "kd-preempted")
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while not all(Path(f"{run / 'waiting'}.{rank}").exists() for rank in range(TASKS)):
+        state = cluster.job_info(job_id).get("JobState")
+        log = run / "logs" / f"kd-preempted-{job_id}.out"
+        assert state in ("PENDING", "RUNNING", "CONFIGURING"), log.read_text()[-4000:] if log.exists() else state
+        assert time.monotonic() < deadline, "the job never reached step 13"
+        time.sleep(0.2)
+    # both ranks wait at step 13: the time limit is near
+    cluster.command(["scancel", "--signal=USR1", job_id])
+    time.sleep(1.0)
+    (run / "release").touch()
+    info = cluster.wait_state(job_id, {"COMPLETED"}, timeout=JOB_TIMEOUT)
+    log = _job_log(run, "kd-preempted", job_id)
+
+    assert int(info["Restarts"]) == 1, log[-4000:]
+    assert "restart 0 on" in log and "restart 1 on" in log  # --open-mode=append kept the first run's output
+    assert "preemption: saved" in log and "requeued SLURM job" in log
+    assert "Restoring states from the checkpoint path" in log and "last.ckpt" in log
+    # steps 0-12 ran before the requeue, 13-29 after it, on the batches of the uninterrupted job
+    assert recorded_batches(run) == recorded_batches(reference)
+    a, b = load_file(reference / "student" / "model.safetensors"), load_file(run / "student" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs from the uninterrupted job"
