@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+import trainer.decoding.eagle3_proposer  # noqa: F401  (registers the eagle3 and eagle3-tree proposers)
 from trainer.decoding import metrics
 from trainer.decoding.generate import GenerationResult, speculative_generate
 from trainer.decoding.proposers import NoProposer, Proposer, build_proposer, registered_proposers

@@ -1,0 +1,95 @@
+"""EAGLE-3 proposers are lossless: greedy speculative output equals the target's own greedy output, chain and tree,
+with a random drafter on random float64 tiny Llama targets; the tree is a valid EAGLE-2 tree within its budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from trainer.decoding.eagle3_proposer import Eagle3Proposer, Eagle3TreeProposer
+from trainer.decoding.generate import speculative_generate
+from trainer.decoding.proposers import NoProposer, ProposalContext
+from trainer.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from trainer.drafters.vocab_map import build_vocab_map
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def target_and_drafter(seed: int, vocab: int = 96, layers: int = 4):
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    target = LlamaForCausalLM(config).to(torch.float64).eval()
+    drafter = Eagle3Drafter(Eagle3Config.from_target(config, draft_vocab_size=vocab // 2)).to(torch.float64)
+    drafter.set_vocab_map(*build_vocab_map(torch.randint(0, 50, (vocab,)), vocab // 2))
+    return target, drafter
+
+
+@pytest.mark.parametrize("kind", ["chain", "tree"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_greedy_is_lossless(kind, seed):
+    target, drafter = target_and_drafter(seed)
+    embedding = target.get_input_embeddings()
+    if kind == "chain":
+        proposer = Eagle3Proposer(drafter, embedding)
+    else:
+        proposer = Eagle3TreeProposer(drafter, embedding, top_k=3, budget=10)
+    prompt = torch.randint(0, 96, (12,))
+    alone = speculative_generate(target, prompt, NoProposer(), k=0, max_new_tokens=30)
+    for k in (1, 4):
+        spec = speculative_generate(target, prompt, proposer, k=k, max_new_tokens=30)
+        assert spec.tokens == alone.tokens
+        assert spec.target_forwards <= len(spec.tokens)
+        if kind == "tree" and k > 1:
+            assert max(r.nodes for r in spec.rounds) > max(r.drafted for r in spec.rounds)  # really a tree
+
+
+def test_tree_respects_depth_budget_and_mirrors_the_chain():
+    """The tree's top path starts with the chain's greedy drafts, and a top_k=1 tree is exactly the chain."""
+    target, drafter = target_and_drafter(3)
+    embedding = target.get_input_embeddings()
+    tokens = torch.randint(0, 96, (15,))
+    with torch.no_grad():
+        out = target(tokens[None, :-1], output_hidden_states=True)
+    hidden = {i: out.hidden_states[i][0] for i in drafter.config.aux_layers}
+    ctx = ProposalContext(tokens=tokens, k=4, vocab_size=96, hidden_states=hidden)
+    chain = Eagle3Proposer(drafter, embedding).propose(ctx)
+    tree = Eagle3TreeProposer(drafter, embedding, top_k=3, budget=9).propose(ctx)
+    assert tree.num_nodes == 9 and tree.max_depth() <= 4
+    assert tree.tokens[0] == chain.tokens[0]  # the most probable child of the root comes first
+    single = Eagle3TreeProposer(drafter, embedding, top_k=1, budget=4).propose(ctx)
+    assert torch.equal(single.tokens, chain.tokens) and single.is_chain()
+    # a cache that does not match the context is an error, not a silent wrong draft
+    proposer = Eagle3Proposer(drafter, embedding)
+    proposer.propose(ctx)
+    with pytest.raises(RuntimeError, match="drafter's cache"):
+        proposer.propose(ctx)
+
+
+def test_sampled_chain_returns_the_distributions_it_drew_from():
+    target, drafter = target_and_drafter(4)
+    embedding = target.get_input_embeddings()
+    tokens = torch.randint(0, 96, (10,))
+    with torch.no_grad():
+        out = target(tokens[None, :-1], output_hidden_states=True)
+    hidden = {i: out.hidden_states[i][0] for i in drafter.config.aux_layers}
+    g = torch.Generator().manual_seed(0)
+    ctx = ProposalContext(tokens=tokens, k=3, temperature=0.7, generator=g, vocab_size=96, hidden_states=hidden)
+    tree = Eagle3TreeProposer(drafter, embedding).propose(ctx)  # a sampled chain at a temperature
+    assert tree.is_chain() and tree.probs is not None and tree.probs.shape == (3, 96)
+    torch.testing.assert_close(tree.probs.sum(-1), torch.ones(3, dtype=tree.probs.dtype))
+    assert bool((tree.probs[:, ~drafter.t2d] == 0).all())  # no mass outside the draft vocabulary
+    assert bool((tree.probs[torch.arange(3), tree.tokens] > 0).all())
+    # speculative sampling runs end to end with these distributions
+    result = speculative_generate(target, tokens, Eagle3Proposer(drafter, embedding), k=3, max_new_tokens=12,
+                                  temperature=0.7, generator=torch.Generator().manual_seed(1))  # fmt: skip
+    assert len(result.tokens) == 12

@@ -1,0 +1,52 @@
+"""The reduced draft vocabulary of EAGLE-3: ``d2t`` and ``t2d`` from token frequencies under the loss mask.
+
+The draft vocabulary is the ``draft_vocab_size`` most frequent target tokens among the trained labels, ties broken by
+the smaller id, then sorted by id. ``d2t[d]`` is ``target_id - d`` (int64, the engines' convention: target id =
+d + d2t[d]); ``t2d[t]`` is True when target token t is in the draft vocabulary. When fewer distinct tokens occur
+than the draft vocabulary holds, the rest is filled with the smallest unseen ids (count 0, ties by id).
+
+The map is computed once, before training; after that it lives in the drafter's state dict and is never rebuilt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+
+def count_label_tokens(rows: Iterable[tuple[np.ndarray, np.ndarray]], vocab_size: int) -> torch.Tensor:
+    """Token counts [V] (int64) of the trained labels of ``(ids, trained)`` row pairs ([R, S + 1] each, as in
+    trainer/data/packing.py: token j is a label of the row when ``trained[j]`` and j > 0)."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for ids, trained in rows:
+        ids = np.asarray(ids)
+        trained = np.asarray(trained, dtype=bool)
+        labels = ids[..., 1:][trained[..., 1:]]  # [n]
+        if labels.size and (labels.min() < 0 or labels.max() >= vocab_size):
+            raise ValueError(f"training data holds token id {int(labels.max())} outside the vocabulary of {vocab_size}")
+        counts += np.bincount(labels.astype(np.int64), minlength=vocab_size)
+    return torch.from_numpy(counts)
+
+
+def build_vocab_map(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """counts: [V] token frequencies -> (d2t int64 [Vd], t2d bool [V])."""
+    V = counts.numel()
+    if not 0 < draft_vocab_size <= V:
+        raise ValueError(f"draft_vocab_size must be in 1..{V}, got {draft_vocab_size}")
+    ids = torch.arange(V)
+    # sort by count descending, then by id ascending (stable sort of ids already in ascending order)
+    order = torch.sort(-counts.to(torch.int64), stable=True).indices  # [V]
+    chosen = torch.sort(ids[order[:draft_vocab_size]]).values  # [Vd] target ids, ascending
+    d2t = chosen - torch.arange(draft_vocab_size)  # [Vd]
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[chosen] = True
+    return d2t.to(torch.int64), t2d
+
+
+def vocab_map_from_rows(
+    rows: Iterable[tuple[np.ndarray, np.ndarray]], vocab_size: int, draft_vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The map of a data set's rows: :func:`count_label_tokens` then :func:`build_vocab_map`."""
+    return build_vocab_map(count_label_tokens(rows, vocab_size), draft_vocab_size)

@@ -1,0 +1,237 @@
+"""EAGLE-3 exports: the native format (SGLang, vLLM) and the speculators format (vLLM), with loaders.
+
+Native: ``config.json`` with ``architectures: ["LlamaForCausalLMEagle3"]`` and Llama keys, weights without prefix
+(``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``). Target layers are written twice: vLLM reads the
+top-level ``eagle_aux_hidden_state_layer_ids`` as inputs of layers (HF ``hidden_states[i]``, our convention); SGLang
+reads ``eagle_config.eagle_aux_hidden_state_layer_ids`` as outputs of layers and captures ``id + 1``, so it gets
+``i - 1``.
+
+Speculators: ``architectures: ["Eagle3Speculator"]``, ``speculators_model_type: "eagle3"``, the layer config under
+``transformer_layer_config``, ``norm_before_residual: false`` written explicitly (vLLM assumes true when missing),
+weights under ``layers.0.*`` instead of ``midlayer.*``; vLLM reads ``eagle_aux_hidden_state_layer_ids`` as inputs.
+
+The loaders follow each engine's naming rules: they map every tensor of the file to a drafter parameter, and fail
+when a tensor is not consumed, a parameter is missing, a shape differs, or the layer ids disagree between the two
+conventions. Neither format carries the embedding: the target's is used.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from trainer.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+
+WEIGHTS = "model.safetensors"
+FORMATS = ("eagle3", "eagle3-speculators")
+
+
+def _layer_keys(config: Eagle3Config) -> dict:
+    """Llama keys of the drafter layer (both formats)."""
+    llama = config.llama_config().to_dict()
+    keep = (
+        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+        "max_position_embeddings", "hidden_act", "vocab_size", "rope_parameters", "attention_bias", "mlp_bias",
+    )  # fmt: skip
+    out = {k: llama[k] for k in keep}
+    out["model_type"] = "llama"
+    out["num_hidden_layers"] = 1
+    out["tie_word_embeddings"] = False
+    rope = dict(config.rope_parameters)
+    out["rope_theta"] = rope.get("rope_theta", 10000.0)  # older engine versions read these two keys
+    if rope.get("rope_type", "default") != "default":
+        out["rope_scaling"] = rope
+    return out
+
+
+def _tensors(drafter: Eagle3Drafter) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
+
+
+def _write(out_dir: str, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    path = Path(out_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / WEIGHTS), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
+def save_native(drafter: Eagle3Drafter, out_dir: str, dtype: torch.dtype | None = None) -> Path:
+    """Write the native EAGLE-3 checkpoint (SGLang and vLLM ``LlamaForCausalLMEagle3``)."""
+    c = drafter.config
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        **_layer_keys(c),
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(c.aux_layers),
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in c.aux_layers]},
+        "torch_dtype": str(dtype or drafter.fc.weight.dtype).removeprefix("torch."),
+    }
+    tensors = _tensors(drafter)
+    if dtype is not None:
+        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    return _write(out_dir, config, tensors)
+
+
+def save_speculators(
+    drafter: Eagle3Drafter,
+    out_dir: str,
+    verifier: str,
+    verifier_architectures: list[str] | None = None,
+    speculative_tokens: int = 3,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write the speculators-format checkpoint (vLLM ``Eagle3Speculator``)."""
+    c = drafter.config
+    config = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures or [])},
+        },
+        "transformer_layer_config": _layer_keys(c),
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(c.aux_layers),
+        "norm_before_residual": False,
+        "torch_dtype": str(dtype or drafter.fc.weight.dtype).removeprefix("torch."),
+    }
+    tensors = {k.replace("midlayer.", "layers.0.", 1): v for k, v in _tensors(drafter).items()}
+    if dtype is not None:
+        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    return _write(out_dir, config, tensors)
+
+
+# ---- loaders -----------------------------------------------------------------------------------------------------
+
+
+def _read(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    folder = Path(path)
+    for name in ("config.json", WEIGHTS):
+        if not (folder / name).is_file():
+            raise FileNotFoundError(f"{folder / name}: missing (not an EAGLE-3 export)")
+    return json.loads((folder / "config.json").read_text()), load_file(str(folder / WEIGHTS))
+
+
+def _config(layer: dict, top: dict, aux_layers: list[int], where: str) -> Eagle3Config:
+    try:
+        rope = layer.get("rope_parameters") or {"rope_type": "default", "rope_theta": layer["rope_theta"]}
+        return Eagle3Config(
+            hidden_size=layer["hidden_size"],
+            intermediate_size=layer["intermediate_size"],
+            num_attention_heads=layer["num_attention_heads"],
+            num_key_value_heads=layer["num_key_value_heads"],
+            head_dim=layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
+            vocab_size=layer["vocab_size"],
+            draft_vocab_size=top["draft_vocab_size"],
+            target_hidden_size=top.get("target_hidden_size") or layer["hidden_size"],
+            aux_layers=tuple(aux_layers),
+            rms_norm_eps=layer["rms_norm_eps"],
+            rope_parameters=rope,
+            max_position_embeddings=layer["max_position_embeddings"],
+        )
+    except KeyError as err:
+        raise ValueError(f"{where}: config.json lacks the key {err.args[0]!r}") from err
+
+
+def _consume(drafter: Eagle3Drafter, tensors: dict[str, torch.Tensor], rename, where: str) -> Eagle3Drafter:
+    """Load every file tensor through ``rename`` (file name -> module name, or None for a checked extra)."""
+    floats = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    if len(floats) == 1:
+        drafter.to(floats.pop())  # the file's precision
+    expected = drafter.state_dict()
+    loaded: dict[str, torch.Tensor] = {}
+    unconsumed = []
+    for name, tensor in tensors.items():
+        target = rename(name)
+        if target not in expected:
+            unconsumed.append(name)
+            continue
+        if tuple(tensor.shape) != tuple(expected[target].shape):
+            raise ValueError(
+                f"{where}: {name} has shape {tuple(tensor.shape)}, expected {tuple(expected[target].shape)}"
+            )
+        loaded[target] = tensor
+    missing = sorted(set(expected) - set(loaded))
+    if unconsumed or missing:
+        raise ValueError(f"{where}: tensors not consumed {sorted(unconsumed)}, weights missing {missing}")
+    drafter.load_state_dict(loaded, strict=True)
+    t2d = torch.zeros_like(drafter.t2d)
+    t2d[drafter.draft_ids()] = True
+    if not torch.equal(t2d, drafter.t2d):
+        raise ValueError(f"{where}: t2d does not match d2t (the engines rebuild the map from d2t alone)")
+    return drafter
+
+
+def load_native(path: str) -> Eagle3Drafter:
+    """Read a native export by the engines' rules: names without prefix, ``midlayer.*`` the one layer; layer ids from
+    vLLM's top-level key (inputs of layers), checked against SGLang's ``eagle_config`` (outputs of layers)."""
+    config, tensors = _read(path)
+    if config.get("architectures") != ["LlamaForCausalLMEagle3"]:
+        raise ValueError(f"{path}: architectures {config.get('architectures')}, expected ['LlamaForCausalLMEagle3']")
+    vllm_ids = config.get("eagle_aux_hidden_state_layer_ids")
+    sglang_ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if vllm_ids is None or sglang_ids is None:
+        raise ValueError(f"{path}: the layer ids must be written for both vLLM and SGLang")
+    if [i + 1 for i in sglang_ids] != list(vllm_ids):
+        raise ValueError(f"{path}: SGLang layer ids {sglang_ids} (outputs) disagree with vLLM's {vllm_ids} (inputs)")
+    if config.get("num_hidden_layers") != 1:
+        raise ValueError(f"{path}: num_hidden_layers must be 1, got {config.get('num_hidden_layers')}")
+    drafter = Eagle3Drafter(_config(config, config, vllm_ids, path))
+    return _consume(drafter, tensors, lambda name: name, path)
+
+
+def load_speculators(path: str) -> Eagle3Drafter:
+    """Read a speculators export by vLLM's rules: ``layers.0.*`` is the layer, the rest without prefix."""
+    config, tensors = _read(path)
+    if config.get("speculators_model_type") != "eagle3":
+        raise ValueError(f"{path}: speculators_model_type {config.get('speculators_model_type')!r}, expected 'eagle3'")
+    if config.get("norm_before_residual") is not False:
+        raise ValueError(f"{path}: norm_before_residual must be written as false for this drafter")
+    layer = config.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise ValueError(f"{path}: transformer_layer_config must be a dict")
+    drafter = Eagle3Drafter(_config(layer, config, config["eagle_aux_hidden_state_layer_ids"], path))
+
+    def rename(name: str) -> str:
+        if name.startswith("layers.0."):
+            return "midlayer." + name.removeprefix("layers.0.")
+        return "" if name.startswith("midlayer.") else name  # vLLM would not load midlayer.* from this format
+
+    return _consume(drafter, tensors, rename, path)
+
+
+def load_any(path: str) -> Eagle3Drafter:
+    """A native or speculators export directory, or a training checkpoint (.ckpt file or DeepSpeed directory)."""
+    folder = Path(path)
+    if (folder / "config.json").is_file():
+        config = json.loads((folder / "config.json").read_text())
+        return load_speculators(path) if "speculators_model_type" in config else load_native(path)
+    from trainer.export.checkpoint import load_training_checkpoint, sub_state_dict
+    from trainer.objectives.eagle3 import config_from_record
+
+    state, record = load_training_checkpoint(path)
+    drafter = Eagle3Drafter(config_from_record(record, path))
+    drafter.load_state_dict(sub_state_dict(state, record["prefix"]), strict=True)
+    return drafter
+
+
+def export_checkpoint(state: dict[str, torch.Tensor], record: dict, out_dir: str, fmt: str) -> Path:
+    """``draftsmith export`` for EAGLE-3 checkpoints: rebuild the drafter from the record, write ``fmt``."""
+    from trainer.export.checkpoint import sub_state_dict
+    from trainer.objectives.eagle3 import config_from_record
+
+    drafter = Eagle3Drafter(config_from_record(record, "checkpoint"))
+    drafter.load_state_dict(sub_state_dict(state, record["prefix"]), strict=True)
+    if fmt == "eagle3":
+        return save_native(drafter, out_dir)
+    if fmt == "eagle3-speculators":
+        return save_speculators(drafter, out_dir, record.get("target", ""), record.get("target_architectures"))
+    raise ValueError(f"format {fmt!r} cannot write an EAGLE-3 drafter: use one of {FORMATS}")
