@@ -49,10 +49,10 @@ def _heldout_prompts(heldout_file: str, out: Path, n: int, chars: int) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="draftsmith demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target-steps", type=int, default=600, help="optimizer steps of the tiny target")
-    parser.add_argument("--kd-steps", type=int, default=300, help="optimizer steps of the KD student")
-    parser.add_argument("--prompts", type=int, default=12, help="held-out prompts for the speculative evaluation")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="output tokens per prompt in the evaluation")
+    parser.add_argument("--target-steps", type=int, default=400, help="optimizer steps of the tiny target")
+    parser.add_argument("--kd-steps", type=int, default=200, help="optimizer steps of the KD student")
+    parser.add_argument("--prompts", type=int, default=10, help="held-out prompts for the speculative evaluation")
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="output tokens per prompt in the evaluation")
     parser.add_argument("--fresh", action="store_true", help="delete the demo's outputs and start over")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))

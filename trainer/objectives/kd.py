@@ -1,9 +1,16 @@
-"""Soft-label knowledge distillation with an online teacher.
+"""Soft-label knowledge distillation from an online teacher or from precomputed teacher shards.
 
-The frozen target runs inside the training step; the student (any HF causal LM, smaller than the target) learns to
-match the target's temperature-softened distribution at every trained position (forward KL, reverse KL or generalized
-JSD), optionally mixed with cross entropy on the hard labels. The loss is computed in chunks of positions
-(``trainer.losses``) so that the float32 full-vocabulary logits of both models for the whole batch never exist at once.
+Online (``teacher_signals: online``): the frozen target runs inside the training step; the student (any HF causal
+LM, smaller than the target) learns to match the target's temperature-softened distribution at every trained position
+(forward KL, reverse KL or generalized JSD), optionally mixed with cross entropy on the hard labels. The loss is
+computed in chunks of positions (``trainer.losses``) so that the float32 full-vocabulary logits of both models for the
+whole batch never exist at once.
+
+Offline (``teacher_signals: shards``): the batches carry the teacher's top-k ids and log-probabilities written by
+``draftsmith precompute`` (trainer/data/shard_datamodule.py); only the teacher's config and tokenizer are loaded, never
+its weights, and the loss is the sparse forward KL (``sparse_kd_loss``) with the tail renormalised or kept as one
+bucket. At setup the shards are checked against this teacher (fingerprint), the student's vocabulary, the tokenizer
+and the temperature; a mismatch is refused. With k equal to the vocabulary it is the online loss.
 """
 
 from __future__ import annotations
@@ -15,10 +22,12 @@ from typing import Literal
 import torch
 from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from trainer.data.shards import check_compatible
+from trainer.data.tokenizer import tokenizer_hash
 from trainer.export.hf import drafter_record, save_hf
-from trainer.losses import fused_kd_loss
+from trainer.losses import fused_kd_loss, kd_loss, sparse_kd_loss
 from trainer.objectives.base import DraftObjective, Optim, causal_lm_flops_per_token
 from trainer.target import FrozenTarget, resolve_dtype
 from trainer.vocab import load_tokenizer_if_present, shared_vocab_size
@@ -43,7 +52,7 @@ def build_student(
 
 
 class KnowledgeDistillation(DraftObjective):
-    """Distils a student from an online teacher on the datamodule's sequences."""
+    """Distils a student from an online teacher, or from teacher shards, on the datamodule's sequences."""
 
     def __init__(
         self,
@@ -60,6 +69,8 @@ class KnowledgeDistillation(DraftObjective):
         export_dir: str | None = None,
         trust_remote_code: bool = False,
         seed: int = 0,
+        teacher_signals: Literal["online", "shards"] = "online",
+        tail: Literal["renormalize", "bucket"] = "renormalize",
         optim: Optim = Optim(),
     ) -> None:
         """
@@ -78,6 +89,11 @@ class KnowledgeDistillation(DraftObjective):
             export_dir: where the student is saved as an HF checkpoint (safetensors and tokenizer) at the end of fit.
             trust_remote_code: allow custom modelling code in the teacher or student directory (off by default).
             seed: seed for the fresh student's initialisation.
+            teacher_signals: "online" runs the teacher in every step; "shards" reads its top-k from the batches of
+                a ShardDataModule (written by ``draftsmith precompute``), loading only the teacher's config and
+                tokenizer.
+            tail: with shards, how the mass outside the top-k is treated: "renormalize" (both distributions
+                restricted to the k ids) or "bucket" (one extra outcome each); see trainer.losses.sparse_kd_loss.
             optim: optimizer and learning-rate schedule.
         """
         super().__init__(optim)
@@ -90,14 +106,25 @@ class KnowledgeDistillation(DraftObjective):
         self.divergence, self.beta, self.temperature, self.alpha = divergence, beta, temperature, alpha
         self.chunk_size = chunk_size
         self.export_dir = export_dir
-        self.teacher = FrozenTarget.from_pretrained(teacher, teacher_dtype, trust_remote_code)
+        self.teacher_signals, self.tail = teacher_signals, tail
+        if teacher_signals == "shards":
+            if divergence != "forward_kl":
+                raise ValueError(f"model.divergence={divergence!r}: teacher shards hold top-k only, use forward_kl")
+            self.teacher: FrozenTarget | None = None
+            teacher_config = AutoConfig.from_pretrained(teacher, trust_remote_code=trust_remote_code)
+            teacher_width = int(teacher_config.vocab_size)
+        elif teacher_signals == "online":
+            self.teacher = FrozenTarget.from_pretrained(teacher, teacher_dtype, trust_remote_code)
+            teacher_config, teacher_width = self.teacher.config, self.teacher.vocab_size
+        else:
+            raise ValueError(f"model.teacher_signals={teacher_signals!r} is not 'online' or 'shards'")
         torch.manual_seed(seed)
-        self.student = build_student(self.teacher.config, student, student_config, student_dtype)
+        self.student = build_student(teacher_config, student, student_config, student_dtype)
         self.tokenizer = load_tokenizer_if_present(teacher)
         self.vocab_size = shared_vocab_size(
             teacher_name=teacher,
             teacher_tokenizer=self.tokenizer,
-            teacher_width=self.teacher.vocab_size,
+            teacher_width=teacher_width,
             student_name=student or "a student built from the teacher's config",
             student_tokenizer=load_tokenizer_if_present(student) if student else self.tokenizer,
             student_width=self.student.get_output_embeddings().weight.shape[0],
@@ -108,6 +135,9 @@ class KnowledgeDistillation(DraftObjective):
 
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
+        if self.teacher_signals == "shards":
+            self._check_shards(datamodule)
+            return
         data_tokenizer = getattr(datamodule, "tokenizer_path", None)
         if data_tokenizer is not None:
             shared_vocab_size(
@@ -119,24 +149,57 @@ class KnowledgeDistillation(DraftObjective):
                 student_width=self.vocab_size,
             )
 
+    def _check_shards(self, datamodule) -> None:
+        """Refuses shards made for another student vocabulary, tokenizer, target or temperature."""
+        if datamodule is None or not hasattr(datamodule, "meta"):
+            raise ValueError("model.teacher_signals=shards needs data: trainer.data.shard_datamodule.ShardDataModule")
+        datamodule.setup("fit")
+        check_compatible(
+            datamodule.meta,
+            str(datamodule.shards_dir),
+            vocab_size=self.vocab_size,
+            tokenizer_hash=tokenizer_hash(self.tokenizer) if self.tokenizer is not None else None,
+            teacher=self.teacher_path,
+            temperature=self.temperature,
+        )
+
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         input_ids, labels, loss_mask = batch["input_ids"], batch["labels"], batch["loss_mask"]  # [B, S] each
         V = self.vocab_size
-        teacher_hidden = self.teacher.final_hidden(input_ids)  # [B, S, Ht]
-        student_hidden = self.student.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state  # [B, S, H]
-        out = fused_kd_loss(
-            student_hidden,
-            self.student.get_output_embeddings().weight[:V],  # [V, H]
-            teacher_hidden,
-            self.teacher.lm_head_weight[:V],  # [V, Ht]
-            loss_mask,
-            labels if self.alpha > 0 else None,
-            divergence=self.divergence,
-            beta=self.beta,
-            temperature=self.temperature,
-            alpha=self.alpha,
-            chunk_size=self.chunk_size,
-        )
+        options = dict(divergence=self.divergence, beta=self.beta, temperature=self.temperature, alpha=self.alpha)
+        hard_labels = labels if self.alpha > 0 else None
+        if self.teacher_signals == "shards":
+            student_logits = self.student(input_ids=input_ids, use_cache=False).logits[..., :V]  # [B, S, V]
+            out = sparse_kd_loss(
+                student_logits,
+                batch["teacher_topk_ids"].long(),  # [B, S, k]
+                batch["teacher_topk_logprobs"].float(),  # [B, S, k]
+                loss_mask,
+                hard_labels,
+                tail=self.tail,
+                temperature=self.temperature,
+                alpha=self.alpha,
+                chunk_size=self.chunk_size,
+            )
+        elif self.weights_are_sharded():
+            # FSDP2 / ZeRO-3: the output weight is only a shard outside the forward, so take the logits from the
+            # forward ([B, S, V] in the model's dtype) and upcast them to float32 one chunk of positions at a time.
+            student_logits = self.student(input_ids=input_ids, use_cache=False).logits[..., :V]  # [B, S, V]
+            teacher_logits = self.teacher(input_ids).logits[..., :V]  # [B, S, V]
+            out = kd_loss(student_logits, teacher_logits, loss_mask, hard_labels, chunk_size=self.chunk_size, **options)
+        else:
+            teacher_hidden = self.teacher.final_hidden(input_ids)  # [B, S, Ht]
+            student_hidden = self.student.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
+            out = fused_kd_loss(
+                student_hidden,  # [B, S, H]
+                self.student.get_output_embeddings().weight[:V],  # [V, H]
+                teacher_hidden,
+                self.teacher.lm_head_weight[:V],  # [V, Ht]
+                loss_mask,
+                hard_labels,
+                chunk_size=self.chunk_size,
+                **options,
+            )
         metrics = {"kd": out.kd.detach()}
         if out.ce is not None:
             metrics["ce"] = out.ce.detach()
@@ -147,6 +210,8 @@ class KnowledgeDistillation(DraftObjective):
         if self.trainer is not None and getattr(self.trainer, "datamodule", None) is not None:
             seq_len = getattr(self.trainer.datamodule, "seq_len", seq_len)
         student = causal_lm_flops_per_token(self.student, seq_len)
+        if self.teacher is None:
+            return 3.0 * student  # forward and backward of the student; the teacher ran in precompute
         teacher = causal_lm_flops_per_token(self.teacher.model, seq_len)
         return 3.0 * student + teacher  # forward and backward of the student, forward of the teacher
 
