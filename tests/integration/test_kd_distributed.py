@@ -1,4 +1,4 @@
-"""The KD recipe in 2 processes on CPU through the real ``draftsmith fit``: DDP and DeepSpeed ZeRO-2.
+"""The KD recipe in 2 processes on CPU through the real ``draftsmith fit``: DDP, DeepSpeed ZeRO-2 and ZeRO-3.
 
 Each rank takes its slice of every global batch (trainer/data/sampler.py), and the KD loss is a mean over equally many
 positions per rank, so 2 ranks of batch 2 follow the same trajectory as 1 process of batch 4: same global batches,
@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from tests._multiproc import run_group
 from tests.recipe_runs import RECIPES, TINY_STUDENT, data_overrides, fit, merge, trainer_overrides, write_override
+from trainer.export.cli import main as export_main
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -100,7 +101,10 @@ def check_same_as_single_process(run: Path, single: Path) -> None:
         torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=2e-5, msg=f"{key} differs from the 1-process run")
 
 
-@pytest.mark.parametrize(("strategy", "torchrun_style"), [("ddp.yaml", False), ("deepspeed_zero2.yaml", True)])
+@pytest.mark.parametrize(
+    ("strategy", "torchrun_style"),
+    [("ddp.yaml", False), ("deepspeed_zero2.yaml", True)],
+)
 def test_kd_recipe_in_two_processes_matches_one_process(
     strategy, torchrun_style, single_process_run, tiny_corpus, tiny_target, tmp_path, torch_extensions_dir
 ):
@@ -109,3 +113,22 @@ def test_kd_recipe_in_two_processes_matches_one_process(
     fit_two_processes(run, tiny_corpus, tiny_target, strategy, torchrun_style)
     assert (run / "checkpoints").exists() and any((run / "checkpoints").iterdir())
     check_same_as_single_process(run, single_process_run)
+
+
+def test_zero3_checkpoint_exports_the_trained_student(
+    single_process_run, tiny_corpus, tiny_target, tmp_path, torch_extensions_dir
+):
+    """ZeRO-3 partitions the student and the frozen teacher; the end-of-fit export gathers the full weights, and
+    ``draftsmith export`` consolidates the sharded checkpoint directory to the same student."""
+    run = tmp_path / "run"
+    run.mkdir()
+    fit_two_processes(run, tiny_corpus, tiny_target, "deepspeed_zero3.yaml", True)
+    check_same_as_single_process(run, single_process_run)
+    ckpt = run / "checkpoints" / "last.ckpt"
+    assert ckpt.is_dir(), "a DeepSpeed checkpoint is a directory of shards"
+    assert export_main(["--ckpt", str(ckpt), "--out", str(run / "exported")]) == 0
+    a = load_file(run / "student" / "model.safetensors")
+    b = load_file(run / "exported" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=0, atol=0)

@@ -21,10 +21,15 @@ def load_training_checkpoint(path: str) -> tuple[dict[str, torch.Tensor], dict]:
     if ckpt.is_dir():
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        client_state = ckpt / "checkpoint" / "mp_rank_00_model_states.pt"
-        if not client_state.is_file():
-            raise FileNotFoundError(f"{path!r} is a directory but not a DeepSpeed checkpoint (no {client_state.name})")
-        meta = torch.load(client_state, map_location="cpu", weights_only=False)
+        # ZeRO-1/2 write mp_rank_00_model_states.pt, ZeRO-3 one zero_pp_rank_R_mp_rank_00_model_states.pt per rank;
+        # rank 0's holds Lightning's client state, the drafter record among it
+        candidates = [
+            ckpt / "checkpoint" / n for n in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+        ]
+        client_state = next((c for c in candidates if c.is_file()), None)
+        if client_state is None:
+            raise FileNotFoundError(f"{path!r} is a directory but not a DeepSpeed checkpoint (no {candidates[0].name})")
+        meta = torch.load(client_state, map_location="cpu", weights_only=True)
         state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
         state = {k.removeprefix("_forward_module."): v for k, v in state.items()}
         return state, meta.get("drafter", {})

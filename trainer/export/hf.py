@@ -39,11 +39,16 @@ def build_hf_causal_lm(record: dict, state: dict[str, torch.Tensor]) -> PreTrain
     return model
 
 
-def save_hf(model: PreTrainedModel, out_dir: str, tokenizer_from: str | None) -> Path:
-    """Writes the model (safetensors) and, when one is found at ``tokenizer_from``, its tokenizer."""
+def save_hf(
+    model: PreTrainedModel, out_dir: str, tokenizer_from: str | None, state_dict: dict[str, torch.Tensor] | None = None
+) -> Path:
+    """Writes the model (safetensors) and, when one is found at ``tokenizer_from``, its tokenizer.
+
+    ``state_dict``: the full weights when the model's own parameters are shards (FSDP2, ZeRO-3).
+    """
     path = Path(out_dir)
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
+    model.save_pretrained(path, safe_serialization=True, state_dict=state_dict)
     tokenizer = load_tokenizer_if_present(tokenizer_from) if tokenizer_from else None
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
