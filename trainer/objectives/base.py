@@ -88,6 +88,11 @@ class DraftObjective(L.LightningModule):
         if self.device_mesh is not None:
             shard_for_fsdp2(self.trainable_module(), self.device_mesh)
 
+    def data_seq_len(self, default: int = 1024) -> int:
+        """The datamodule's sequence length (for FLOP counts), or ``default`` before a trainer is attached."""
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        return int(getattr(datamodule, "seq_len", default))
+
     def weights_are_sharded(self) -> bool:
         """True under FSDP2 or ZeRO-3, where a parameter read outside its module's forward is only a shard.
 

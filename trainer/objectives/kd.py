@@ -207,9 +207,7 @@ class KnowledgeDistillation(DraftObjective):
         return out.loss, metrics
 
     def flops_per_token(self) -> float:
-        seq_len = 1024
-        if self.trainer is not None and getattr(self.trainer, "datamodule", None) is not None:
-            seq_len = getattr(self.trainer.datamodule, "seq_len", seq_len)
+        seq_len = self.data_seq_len()
         student = causal_lm_flops_per_token(self.student, seq_len)
         if self.teacher is None:
             return 3.0 * student  # forward and backward of the student; the teacher ran in precompute

@@ -327,9 +327,7 @@ class OnPolicyDistillation(DraftObjective):
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token (student forward and backward, teacher forward); generation is not counted."""
-        seq_len = 1024
-        if self.trainer is not None and getattr(self.trainer, "datamodule", None) is not None:
-            seq_len = getattr(self.trainer.datamodule, "seq_len", seq_len)
+        seq_len = self.data_seq_len()
         return 3.0 * causal_lm_flops_per_token(self.student, seq_len) + causal_lm_flops_per_token(
             self.teacher.model, seq_len
         )

@@ -88,7 +88,7 @@ class CausalLMPretraining(DraftObjective):
         return chunked_cross_entropy(hidden, weight, batch["labels"], self.chunk_size), {}
 
     def flops_per_token(self) -> float:
-        seq_len = getattr(getattr(self.trainer, "datamodule", None), "seq_len", 1024)
+        seq_len = self.data_seq_len()
         return 3.0 * causal_lm_flops_per_token(self.model, seq_len)
 
     def on_train_end(self) -> None:
