@@ -377,10 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--precision", help="override trainer.precision")
     args = p.parse_args(argv)
     try:
+        budget = parse_bytes(args.gpu_memory) - parse_bytes(args.reserve)  # bad sizes fail before any file is read
         plan = plan_from_recipe(
             args.config, args.target, args.target_config, args.batch_size, args.seq_len, args.precision
         )
-        budget = parse_bytes(args.gpu_memory) - parse_bytes(args.reserve)
         estimates = estimate(
             plan.target, plan.drafter, plan.batch, plan.seq, args.gpus, plan.precision, plan.chunk_size
         )
