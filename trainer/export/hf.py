@@ -6,12 +6,15 @@ loads the result, and HF transformers uses it directly as ``generate(assistant_m
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from trainer.vocab import load_tokenizer_if_present
+
+log = logging.getLogger(__name__)
 
 
 def drafter_record(model: PreTrainedModel, prefix: str, tokenizer_from: str | None) -> dict:
@@ -53,3 +56,15 @@ def save_hf(
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     return path
+
+
+def export_student(objective, student: PreTrainedModel, out_dir: str, tokenizer_from: str | None) -> None:
+    """The end-of-fit export of an objective's HF student.
+
+    Under FSDP2 or ZeRO-3 every rank takes part in gathering the full weights; rank zero writes them.
+    """
+    from trainer.strategies import full_state_dict
+
+    state = full_state_dict(student) if objective.weights_are_sharded() else None
+    if objective.global_rank == 0:
+        log.info("student saved to %s", save_hf(student, out_dir, tokenizer_from, state))

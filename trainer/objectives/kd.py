@@ -20,16 +20,14 @@ import logging
 from typing import Literal
 
 import torch
-from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from trainer.data.shards import check_compatible
 from trainer.data.tokenizer import tokenizer_hash
-from trainer.export.hf import drafter_record, save_hf
+from trainer.export.hf import drafter_record, export_student
 from trainer.losses import fused_kd_loss, kd_loss, sparse_kd_loss
 from trainer.objectives.base import DraftObjective, Optim, causal_lm_flops_per_token
-from trainer.strategies import full_state_dict
 from trainer.target import FrozenTarget, resolve_dtype
 from trainer.vocab import load_tokenizer_if_present, shared_vocab_size
 
@@ -219,11 +217,4 @@ class KnowledgeDistillation(DraftObjective):
 
     def on_train_end(self) -> None:
         if self.export_dir:
-            # under FSDP2 / ZeRO-3 every rank takes part in gathering the full weights; rank zero writes them
-            state = full_state_dict(self.student) if self.weights_are_sharded() else None
-            self.save_student(self.export_dir, state)
-
-    @rank_zero_only
-    def save_student(self, out_dir: str, state_dict: dict[str, torch.Tensor] | None = None) -> None:
-        """Writes the student as an HF checkpoint that ``AutoModelForCausalLM.from_pretrained`` loads."""
-        log.info("student saved to %s", save_hf(self.student, out_dir, self.teacher_path, state_dict))
+            export_student(self, self.student, self.export_dir, self.teacher_path)

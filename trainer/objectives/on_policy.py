@@ -34,15 +34,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 from transformers import GenerationConfig, PreTrainedModel
 
-from trainer.export.hf import drafter_record, save_hf
+from trainer.export.hf import drafter_record, export_student
 from trainer.losses import LossParts, fused_kd_loss
 from trainer.objectives.base import DraftObjective, Optim, causal_lm_flops_per_token
 from trainer.objectives.kd import build_student
-from trainer.strategies import full_state_dict
 from trainer.target import FrozenTarget
 from trainer.vocab import load_tokenizer_if_present, shared_vocab_size
 
@@ -337,11 +335,4 @@ class OnPolicyDistillation(DraftObjective):
 
     def on_train_end(self) -> None:
         if self.export_dir:
-            # under FSDP2 / ZeRO-3 every rank takes part in gathering the full weights; rank zero writes them
-            state = full_state_dict(self.student) if self.weights_are_sharded() else None
-            self.save_student(self.export_dir, state)
-
-    @rank_zero_only
-    def save_student(self, out_dir: str, state_dict: dict[str, torch.Tensor] | None = None) -> None:
-        """Writes the student as an HF checkpoint that ``AutoModelForCausalLM.from_pretrained`` loads."""
-        log.info("student saved to %s", save_hf(self.student, out_dir, self.teacher_path, state_dict))
+            export_student(self, self.student, self.export_dir, self.teacher_path)
