@@ -34,12 +34,12 @@ class TargetOutput:
 
     logits: [B, S, V] in the target's dtype.
     hidden_states: the requested layers' hidden states, each [B, S, H], in the order requested.
-    past_key_values: the updated KV cache when ``use_cache`` was set, else None.
+    cache: the updated KV cache when ``use_cache`` was set, else None.
     """
 
     logits: torch.Tensor
     hidden_states: list[torch.Tensor]
-    past_key_values: object | None
+    cache: object | None
 
 
 class FrozenTarget(nn.Module):
@@ -113,7 +113,7 @@ class FrozenTarget(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         hidden_layers: Sequence[int] = (),
-        past_key_values: object | None = None,
+        cache: object | None = None,
         use_cache: bool = False,
         position_ids: torch.Tensor | None = None,
     ) -> TargetOutput:
@@ -126,9 +126,9 @@ class FrozenTarget(nn.Module):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             use_cache=use_cache,
             output_hidden_states=bool(hidden_layers),
         )
         hidden = [out.hidden_states[i] for i in hidden_layers]  # each [B, S, H]
-        return TargetOutput(out.logits, hidden, out.past_key_values if use_cache else None)
+        return TargetOutput(out.logits, hidden, out.cache if use_cache else None)
