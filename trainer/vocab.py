@@ -56,3 +56,19 @@ def shared_vocab_size(
             f"output rows and {student_name} {student_width}: a token id would fall outside a model's vocabulary"
         )
     return n
+
+
+def check_data_tokenizer(
+    datamodule, teacher_name: str, teacher_tokenizer: PreTrainedTokenizerBase | None, teacher_width: int, width: int
+) -> None:
+    """Refuses a datamodule whose tokenizer is not the teacher's (a no-op for data without a tokenizer path)."""
+    data_tokenizer = getattr(datamodule, "tokenizer_path", None)
+    if data_tokenizer is not None:
+        shared_vocab_size(
+            teacher_name=teacher_name,
+            teacher_tokenizer=teacher_tokenizer,
+            teacher_width=teacher_width,
+            student_name=f"the data's tokenizer {data_tokenizer}",
+            student_tokenizer=load_tokenizer_if_present(data_tokenizer),
+            student_width=width,
+        )

@@ -29,7 +29,7 @@ from trainer.export.hf import drafter_record, export_student
 from trainer.losses import fused_kd_loss, kd_loss, sparse_kd_loss
 from trainer.objectives.base import DraftObjective, Optim, causal_lm_flops_per_token
 from trainer.target import FrozenTarget, resolve_dtype
-from trainer.vocab import load_tokenizer_if_present, shared_vocab_size
+from trainer.vocab import check_data_tokenizer, load_tokenizer_if_present, shared_vocab_size
 
 log = logging.getLogger(__name__)
 
@@ -137,16 +137,7 @@ class KnowledgeDistillation(DraftObjective):
         if self.teacher_signals == "shards":
             self._check_shards(datamodule)
             return
-        data_tokenizer = getattr(datamodule, "tokenizer_path", None)
-        if data_tokenizer is not None:
-            shared_vocab_size(
-                teacher_name=self.teacher_path,
-                teacher_tokenizer=self.tokenizer,
-                teacher_width=self.teacher.vocab_size,
-                student_name=f"the data's tokenizer {data_tokenizer}",
-                student_tokenizer=load_tokenizer_if_present(data_tokenizer),
-                student_width=self.vocab_size,
-            )
+        check_data_tokenizer(datamodule, self.teacher_path, self.tokenizer, self.teacher.vocab_size, self.vocab_size)
 
     def _check_shards(self, datamodule) -> None:
         """Refuses shards made for another student vocabulary, tokenizer, target or temperature."""

@@ -42,7 +42,7 @@ from trainer.losses import LossParts, fused_kd_loss
 from trainer.objectives.base import DraftObjective, Optim, causal_lm_flops_per_token
 from trainer.objectives.kd import build_student
 from trainer.target import FrozenTarget
-from trainer.vocab import load_tokenizer_if_present, shared_vocab_size
+from trainer.vocab import check_data_tokenizer, load_tokenizer_if_present, shared_vocab_size
 
 log = logging.getLogger(__name__)
 
@@ -232,16 +232,7 @@ class OnPolicyDistillation(DraftObjective):
 
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
-        data_tokenizer = getattr(datamodule, "tokenizer_path", None)
-        if data_tokenizer is not None:
-            shared_vocab_size(
-                teacher_name=self.teacher_path,
-                teacher_tokenizer=self.tokenizer,
-                teacher_width=self.teacher.vocab_size,
-                student_name=f"the data's tokenizer {data_tokenizer}",
-                student_tokenizer=load_tokenizer_if_present(data_tokenizer),
-                student_width=self.vocab_size,
-            )
+        check_data_tokenizer(datamodule, self.teacher_path, self.tokenizer, self.teacher.vocab_size, self.vocab_size)
 
     # ---- the pieces of a step (public for tests and the benchmark) -----------------------------------------------
     def coin(self, step: int, micro: int = 0) -> bool:
