@@ -74,6 +74,35 @@ def data_overrides(corpus, seq_len: int = 64, batch_size: int = 4, **extra) -> d
     }
 
 
+def kd_override(
+    run: Path, corpus, target: Path, max_steps: int, every_n: int, batch_size: int = 4, callbacks=(), **model
+) -> dict:
+    """Overrides of recipes/quickstart/kd.yaml for a tiny run under ``run``: the test target, the tiny student, the
+    student exported to ``run/student``, extra trainer ``callbacks`` and ``model`` init_args."""
+    override = merge(
+        trainer_overrides(run, max_steps=max_steps, every_n=every_n),
+        data_overrides(corpus, batch_size=batch_size),
+        {
+            "model": {
+                "init_args": {
+                    "teacher": str(target),
+                    "export_dir": str(run / "student"),
+                    "student_config": TINY_STUDENT,
+                    "chunk_size": 64,
+                    **model,
+                }
+            }
+        },
+    )
+    override["trainer"]["callbacks"] += list(callbacks)
+    return override
+
+
+def record_batches(run: Path) -> dict:
+    """The RecordBatches test callback writing ``run/batches.jsonl``."""
+    return {"class_path": "tests.callbacks.RecordBatches", "init_args": {"path": str(run / "batches.jsonl")}}
+
+
 def merge(*dicts: dict) -> dict:
     out: dict = {}
     for d in dicts:

@@ -280,28 +280,10 @@ def kd_job_override(
 ) -> dict:
     """Overrides of recipes/quickstart/kd.yaml for a tiny job writing under ``run``: the test target and student, a
     record of every training batch (``run/batches.jsonl``), ``extra_callbacks`` and last PreemptionCheckpoint."""
-    from tests.recipe_runs import TINY_STUDENT, data_overrides, merge, trainer_overrides
+    from tests.recipe_runs import kd_override, record_batches
 
-    override = merge(
-        trainer_overrides(run, max_steps=max_steps, every_n=every_n),
-        data_overrides(corpus, batch_size=batch_size),
-        {
-            "model": {
-                "init_args": {
-                    "teacher": str(target),
-                    "export_dir": str(run / "student"),
-                    "student_config": TINY_STUDENT,
-                    "chunk_size": 64,
-                }
-            }
-        },
-    )
-    override["trainer"]["callbacks"] += [
-        {"class_path": "tests.callbacks.RecordBatches", "init_args": {"path": str(run / "batches.jsonl")}},
-        *extra_callbacks,
-        {"class_path": "trainer.preemption.PreemptionCheckpoint"},
-    ]
-    return override
+    callbacks = [record_batches(run), *extra_callbacks, {"class_path": "trainer.preemption.PreemptionCheckpoint"}]
+    return kd_override(run, corpus, target, max_steps, every_n, batch_size, callbacks)
 
 
 def recorded_batches(run: Path) -> dict[tuple[int, int], str]:

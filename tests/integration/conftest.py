@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.recipe_runs import TINY_MODEL, TINY_STUDENT, data_overrides, fit, merge, trainer_overrides
+from tests.recipe_runs import TINY_MODEL, data_overrides, fit, kd_override, merge, trainer_overrides
 
 
 @pytest.fixture(scope="session")
@@ -36,20 +36,7 @@ def tiny_target(tiny_corpus, tmp_path_factory):
 def kd_student(tiny_corpus, tiny_target, tmp_path_factory):
     """A 1-layer student distilled from the tiny target by recipes/quickstart/kd.yaml; returns (export dir, run dir)."""
     run = tmp_path_factory.mktemp("kd_student")
-    override = merge(
-        trainer_overrides(run, max_steps=60, every_n=30),
-        data_overrides(tiny_corpus),
-        {
-            "model": {
-                "init_args": {
-                    "teacher": str(tiny_target),
-                    "export_dir": str(run / "student"),
-                    "student_config": TINY_STUDENT,
-                    "chunk_size": 64,
-                }
-            }
-        },
-    )
+    override = kd_override(run, tiny_corpus, tiny_target, max_steps=60, every_n=30)
     fit("quickstart/kd.yaml", override, run)
     return run / "student", run
 

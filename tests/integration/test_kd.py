@@ -10,30 +10,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.recipe_runs import TINY_STUDENT, data_overrides, fit, merge, trainer_overrides
+from tests.recipe_runs import data_overrides, fit, kd_override, merge, record_batches
 from trainer.export.cli import main as export_main
 
 pytestmark = pytest.mark.slow
-
-
-def kd_override(run: Path, corpus, target: Path, max_steps: int, every_n: int, callbacks=(), **model) -> dict:
-    override = merge(
-        trainer_overrides(run, max_steps=max_steps, every_n=every_n),
-        data_overrides(corpus),
-        {
-            "model": {
-                "init_args": {
-                    "teacher": str(target),
-                    "export_dir": str(run / "student"),
-                    "student_config": TINY_STUDENT,
-                    "chunk_size": 64,
-                    **model,
-                }
-            }
-        },
-    )
-    override["trainer"]["callbacks"] += list(callbacks)
-    return override
 
 
 def test_student_is_an_hf_checkpoint_and_an_assistant_model(kd_student, tiny_target, tiny_corpus):
@@ -65,18 +45,23 @@ def test_student_is_an_hf_checkpoint_and_an_assistant_model(kd_student, tiny_tar
 
 
 def test_resume_gives_the_same_batches_and_weights(tiny_corpus, tiny_target, tmp_path):
-    def record(run):
-        return {"class_path": "tests.callbacks.RecordBatches", "init_args": {"path": str(run / "batches.jsonl")}}
-
     straight = tmp_path / "straight"
-    fit("quickstart/kd.yaml", kd_override(straight, tiny_corpus, tiny_target, 8, 4, [record(straight)]), straight)
+    fit(
+        "quickstart/kd.yaml",
+        kd_override(straight, tiny_corpus, tiny_target, 8, 4, callbacks=[record_batches(straight)]),
+        straight,
+    )
 
     split = tmp_path / "split"
     stop = {"class_path": "tests.callbacks.StopAtStep", "init_args": {"step": 4}}
-    fit("quickstart/kd.yaml", kd_override(split, tiny_corpus, tiny_target, 8, 4, [record(split), stop]), split)
     fit(
         "quickstart/kd.yaml",
-        kd_override(split, tiny_corpus, tiny_target, 8, 4, [record(split)]),
+        kd_override(split, tiny_corpus, tiny_target, 8, 4, callbacks=[record_batches(split), stop]),
+        split,
+    )
+    fit(
+        "quickstart/kd.yaml",
+        kd_override(split, tiny_corpus, tiny_target, 8, 4, callbacks=[record_batches(split)]),
         split,
         ("--ckpt_path", "last"),
     )

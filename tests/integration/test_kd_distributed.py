@@ -17,33 +17,12 @@ import torch
 from safetensors.torch import load_file
 
 from tests._multiproc import run_group
-from tests.recipe_runs import RECIPES, TINY_STUDENT, data_overrides, fit, merge, trainer_overrides, write_override
+from tests.recipe_runs import RECIPES, fit, kd_override, record_batches, write_override
 from trainer.export.cli import main as export_main
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
-
-
-def kd_override(run: Path, corpus, target: Path, batch_size: int) -> dict:
-    override = merge(
-        trainer_overrides(run, max_steps=STEPS, every_n=STEPS),
-        data_overrides(corpus, batch_size=batch_size),
-        {
-            "model": {
-                "init_args": {
-                    "teacher": str(target),
-                    "export_dir": str(run / "student"),
-                    "student_config": TINY_STUDENT,
-                    "chunk_size": 64,
-                }
-            }
-        },
-    )
-    override["trainer"]["callbacks"].append(
-        {"class_path": "tests.callbacks.RecordBatches", "init_args": {"path": str(run / "batches.jsonl")}}
-    )
-    return override
 
 
 def rows_per_step(run: Path, world: int) -> list[list[str]]:
@@ -59,12 +38,14 @@ def rows_per_step(run: Path, world: int) -> list[list[str]]:
 @pytest.fixture(scope="module")
 def single_process_run(tiny_corpus, tiny_target, tmp_path_factory):
     run = tmp_path_factory.mktemp("kd_single")
-    fit("quickstart/kd.yaml", kd_override(run, tiny_corpus, tiny_target, batch_size=4), run)
+    fit("quickstart/kd.yaml", kd_override(run, tiny_corpus, tiny_target, STEPS, STEPS, 4, [record_batches(run)]), run)
     return run
 
 
 def fit_two_processes(run: Path, tiny_corpus, tiny_target, strategy: str, torchrun_style: bool) -> None:
-    override = write_override(run / "override.yaml", kd_override(run, tiny_corpus, tiny_target, batch_size=2))
+    override = write_override(
+        run / "override.yaml", kd_override(run, tiny_corpus, tiny_target, STEPS, STEPS, 2, [record_batches(run)])
+    )
     cmd = [
         str(Path(sys.executable).parent / "draftsmith"),
         "fit",
