@@ -1,4 +1,6 @@
-"""The frozen target (teacher) model: any HF ``AutoModelForCausalLM``, in eval mode, without gradients.
+"""The frozen target (teacher) model: any HF ``AutoModelForCausalLM``, in eval mode, without gradients; and
+``TargetEmbeddings``, only its input embedding and lm_head read from its safetensors, for objectives whose other
+target signals come from precomputed shards.
 
 Layer indices follow one convention across the project: ``hidden_states[i]`` as HF returns them, the input of decoder
 layer ``i`` (index 0 is the embeddings; index ``L``, the last, is the final normed output, as HF returns it). Exporters
@@ -7,6 +9,7 @@ translate to each serving engine's own counting.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -14,7 +17,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -132,3 +135,138 @@ class FrozenTarget(nn.Module):
         )
         hidden = [out.hidden_states[i] for i in hidden_layers]  # each [B, S, H]
         return TargetOutput(out.logits, hidden, out.cache if use_cache else None)
+
+
+# ---------------------------------------------------------------------------------------------------------- tensors
+
+EMBEDDING_NAMES = (
+    "model.embed_tokens.weight",
+    "model.language_model.embed_tokens.weight",
+    "language_model.model.embed_tokens.weight",
+    "transformer.wte.weight",
+)
+LM_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def _target_file(name_or_path: str, filename: str) -> Path | None:
+    """``filename`` of a local target directory (None when absent), or of a hub id (downloaded; None when absent)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path / filename if (path / filename).is_file() else None
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(name_or_path, filename))
+    except EntryNotFoundError:
+        return None
+    except Exception as err:  # offline, unknown repository, no access
+        raise FileNotFoundError(
+            f"target {name_or_path!r} is not a local directory, and reading {filename} from the hub failed ({err})"
+        ) from err
+
+
+def load_target_tensors(name_or_path: str, names: dict[str, Sequence[str]]) -> dict[str, torch.Tensor]:
+    """Reads single tensors of a target's safetensors weights without building the model.
+
+    Args:
+        name_or_path: the target directory (or hub id) holding ``model.safetensors`` or a sharded checkpoint with
+            ``model.safetensors.index.json``.
+        names: role -> accepted tensor names, the first one present is read (e.g. {"embedding": EMBEDDING_NAMES}).
+
+    Returns:
+        role -> the tensor, as stored. A role none of whose names is in the checkpoint is a ValueError naming the
+        directory and the names.
+    """
+    from safetensors import safe_open
+
+    index = _target_file(name_or_path, SAFETENSORS_INDEX)
+    if index is not None:
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    else:
+        single = _target_file(name_or_path, "model.safetensors")
+        if single is None:
+            raise FileNotFoundError(
+                f"target {name_or_path!r}: no model.safetensors or {SAFETENSORS_INDEX}: the embedding and lm_head are "
+                "read from safetensors weights (resave the target with save_pretrained)"
+            )
+        with safe_open(str(single), framework="pt") as f:
+            weight_map = dict.fromkeys(f.keys(), single.name)
+    out: dict[str, torch.Tensor] = {}
+    for role, candidates in names.items():
+        name = next((n for n in candidates if n in weight_map), None)
+        if name is None:
+            raise ValueError(
+                f"target {name_or_path!r}: its safetensors weights hold no tensor named "
+                f"{' or '.join(repr(n) for n in candidates)} (the {role})"
+            )
+        file = _target_file(name_or_path, weight_map[name])
+        if file is None:
+            raise FileNotFoundError(f"target {name_or_path!r}: {weight_map[name]} (holding {name!r}) is missing")
+        with safe_open(str(file), framework="pt") as f:
+            out[role] = f.get_tensor(name)
+    return out
+
+
+class TargetEmbeddings:
+    """What an EAGLE-3 drafter needs of its target when the hidden states come from shards: the config, the input
+    embedding [V, H] and the lm_head [V, H] (the embedding itself when the target ties them), frozen.
+
+    Plain tensors, not a module: kept outside the drafter's module tree, they are in no checkpoint and no optimizer.
+    The target model is never built.
+    """
+
+    def __init__(self, config, embedding: torch.Tensor, lm_head: torch.Tensor) -> None:
+        """
+        Args:
+            config: the target's HF config.
+            embedding: the input embedding, [V, H].
+            lm_head: the output projection, [V, H].
+        """
+        self.config = config
+        self.embedding = embedding.detach()
+        self.lm_head_weight = self.embedding if lm_head is embedding else lm_head.detach()  # one tensor when tied
+
+    @classmethod
+    def from_pretrained(
+        cls, name_or_path: str, dtype: str = "float32", trust_remote_code: bool = False
+    ) -> TargetEmbeddings:
+        """The target's config (AutoConfig) and its two tensors read from its safetensors, cast to ``dtype``."""
+        path = Path(name_or_path).expanduser()
+        if path.exists() and not (path / "config.json").is_file():
+            raise FileNotFoundError(f"target {name_or_path!r}: no config.json in that directory")
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        tied = bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))
+        names = {"embedding": EMBEDDING_NAMES} if tied else {"embedding": EMBEDDING_NAMES, "lm_head": LM_HEAD_NAMES}
+        tensors = load_target_tensors(name_or_path, names)
+        torch_dtype = resolve_dtype(dtype)
+        embedding = tensors["embedding"].to(torch_dtype)
+        lm_head = embedding if tied else tensors["lm_head"].to(torch_dtype)
+        if embedding.ndim != 2 or lm_head.ndim != 2 or embedding.shape[1] != lm_head.shape[1]:
+            raise ValueError(
+                f"target {name_or_path!r}: embedding {tuple(embedding.shape)} and lm_head {tuple(lm_head.shape)} are "
+                "not two [V, H] matrices of one width"
+            )
+        log.info("target %s: embedding and lm_head read from its safetensors (the model is not built)", name_or_path)
+        return cls(config, embedding, lm_head)
+
+    def to(self, device: torch.device | str) -> TargetEmbeddings:
+        tied = self.lm_head_weight is self.embedding
+        self.embedding = self.embedding.to(device)
+        self.lm_head_weight = self.embedding if tied else self.lm_head_weight.to(device)
+        return self
+
+    @property
+    def num_layers(self) -> int:
+        text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        return int(text.num_hidden_layers)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head_weight.shape[0]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The distinct tensors held (one when the embedding is tied)."""
+        return [self.embedding] if self.lm_head_weight is self.embedding else [self.embedding, self.lm_head_weight]

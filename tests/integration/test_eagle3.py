@@ -16,6 +16,7 @@ from tests.recipe_runs import data_overrides, fit, merge, trainer_overrides
 from trainer.decoding.eagle3_proposer import Eagle3Proposer, Eagle3TreeProposer
 from trainer.decoding.generate import speculative_generate
 from trainer.decoding.proposers import NoProposer
+from trainer.decoding.tree import DraftTree
 from trainer.drafters.vocab_map import vocab_map_from_rows
 from trainer.export.checkpoint import load_training_checkpoint
 from trainer.export.cli import main as export_main
@@ -99,6 +100,57 @@ def test_chain_and_tree_are_lossless_on_the_tiny_target(eagle3_run, tiny_target,
                 assert speculative_generate(target, prompt, proposer, k=4, max_new_tokens=16).tokens == alone
     finally:
         torch.set_num_threads(threads)
+
+
+class RecordingProposer(Eagle3Proposer):
+    """The chain proposer, recording each round's committed tokens and draft tree."""
+
+    def __init__(self, drafter, embedding) -> None:
+        super().__init__(drafter, embedding)
+        self.rounds: list[tuple[torch.Tensor, DraftTree]] = []
+
+    def propose(self, ctx):
+        tree = super().propose(ctx)
+        self.rounds.append((ctx.tokens.clone(), tree))
+        return tree
+
+
+def test_decoding_drafts_with_the_distributions_of_the_training_unroll(eagle3_run, tiny_target, tiny_corpus):
+    """Every round of real speculative decoding on the tiny target (sampling, so that the drafts' full distributions
+    are returned) drafts from exactly the distributions of the training-time unroll at the last committed position,
+    computed from the target features the training step takes (FrozenTarget's hidden_layers) and fed the same draft
+    tokens: the layer indices, the fused features, the rotary positions and the attention of cached drafting agree
+    with training."""
+    run, cli = eagle3_run
+    target = cli.model.target.to(torch.float64)
+    drafter = load_any(str(run / "checkpoints" / "last.ckpt")).to(torch.float64).eval()
+    emb = target.model.get_input_embeddings()
+    text = json.loads(Path(tiny_corpus.heldout_file).read_text().splitlines()[0])["text"]
+    from transformers import AutoTokenizer
+
+    prompt = torch.tensor(AutoTokenizer.from_pretrained(tiny_target)(text[:300]).input_ids[:24])
+    K, temperature = 5, 0.7
+    proposer = RecordingProposer(drafter, emb)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        speculative_generate(target.model, prompt, proposer, K, 24, temperature=temperature, generator=generator)
+        checked = 0
+        for tokens, tree in proposer.rounds:
+            if tree.tokens.numel() < K:
+                continue  # the last rounds, shortened by the output budget
+            stream = torch.cat([tokens, tree.tokens])[None]  # [1, T + K]: step i > 0 is fed draft i
+            with torch.no_grad():
+                out = target(tokens[None], hidden_layers=drafter.config.aux_layers)  # hidden states [1, T, H] each
+                fused = drafter.fuse([h[:, :-1] for h in out.hidden_states])  # [1, T - 1, H]
+                steps = list(drafter.unroll(emb, fused, tokens[None, 1:], K, data_tokens=stream))  # K x [1, T-1, Vd]
+            for i, logits in enumerate(steps):
+                p_draft = torch.softmax(logits[0, -1] / temperature, dim=-1)  # [Vd]
+                expected = torch.zeros(512, dtype=torch.float64).index_add_(0, drafter.draft_ids(), p_draft)  # [V]
+                torch.testing.assert_close(tree.probs[i].double(), expected, rtol=0, atol=1e-6)  # float32 draws
+            checked += 1
+        assert checked >= 3
+    finally:
+        target.to(torch.float32)
 
 
 def test_resume_and_fine_tuning_keep_the_checkpoint_map(eagle3_run, tiny_corpus, tiny_target, tmp_path):

@@ -151,3 +151,33 @@ def test_bad_input_is_named(tiny_target, tmp_path):
         gen.main(args(tiny_target, bad, tmp_path / "o.jsonl"))
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
         gen.main(args(tiny_target, tmp_path / "missing.jsonl", tmp_path / "o.jsonl"))
+
+
+def test_completion_mode_appends_the_targets_greedy_continuation(tiny_target, tiny_corpus, tmp_path):
+    """--prompt_field: plain-text prompts of uneven lengths (left padding in a batch) get the target's own greedy
+    continuation, one prompt at a time, without padding; TextDataModule trains on the ``text`` written."""
+    texts = [json.loads(line)["text"] for line in Path(tiny_corpus.heldout_file).read_text().splitlines()[:2]]
+    prompts = [t[i : i + n] for t in texts for i, n in ((0, 30), (100, 55), (300, 12))]
+    src = write_jsonl(tmp_path / "prompts.jsonl", [{"id": n, "prompt": p} for n, p in enumerate(prompts)])
+    out = tmp_path / "completions.jsonl"
+    assert gen.main(args(tiny_target, src, out, "--prompt_field", "prompt")) == 0
+    model = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    result = read_jsonl(out)
+    assert [r["id"] for r in result] == list(range(len(prompts)))
+    for record, prompt in zip(result, prompts, strict=True):
+        ids = tok(prompt, return_tensors="pt").input_ids
+        seq = model.generate(ids, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=tok.pad_token_id)[0]
+        new = seq[ids.shape[1] :].tolist()
+        new = new[: new.index(tok.eos_token_id)] if tok.eos_token_id in new else new
+        assert record["prompt"] == prompt and record["text"] == prompt + tok.decode(new, skip_special_tokens=True)
+    dm = TextDataModule(
+        tokenizer=str(tiny_corpus.tokenizer_dir), train_files=[str(out)], seq_len=32, batch_size=2,
+        cache_dir=str(tmp_path / "cache"),
+    )  # fmt: skip
+    dm.setup("fit")
+    assert len(dm.train_dataset) > 0
+
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": ""}])
+    with pytest.raises(ValueError, match="bad.jsonl record 0: field 'prompt'"):
+        gen.main(args(tiny_target, bad, tmp_path / "o.jsonl", "--prompt_field", "prompt"))

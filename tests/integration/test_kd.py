@@ -110,3 +110,15 @@ def test_nan_loss_is_an_error_naming_the_step(tiny_corpus, tiny_target, tmp_path
     override = kd_override(tmp_path, tiny_corpus, tmp_path / "broken", 3, 3)
     with pytest.raises(FloatingPointError, match="global step"):
         fit("quickstart/kd.yaml", override, tmp_path)
+
+
+def test_a_run_bounded_by_time_alone_needs_a_constant_schedule(tiny_corpus, tiny_target, tmp_path):
+    """trainer.max_time without max_steps: a decaying schedule has no length, so it is refused with the keys named;
+    optim.decay constant trains (and stops at the time limit)."""
+    override = kd_override(tmp_path, tiny_corpus, tiny_target, -1, 2)
+    override["trainer"]["max_time"] = "00:00:00:03"
+    with pytest.raises(ValueError, match="optim.decay='cosine'.*trainer.max_steps"):
+        fit("quickstart/kd.yaml", override, tmp_path / "cosine")
+    override["model"]["init_args"]["optim"] = {"decay": "constant", "lr": 0.002, "warmup_steps": 2}
+    cli = fit("quickstart/kd.yaml", override, tmp_path / "constant")
+    assert cli.trainer.global_step > 0

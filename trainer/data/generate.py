@@ -1,13 +1,19 @@
-"""``draftsmith generate``: regenerate the assistant turns of a chat data set with the target itself.
+"""``draftsmith generate``: regenerate a data set's responses with the target itself.
 
 A drafter is judged by how often the target accepts its tokens, so it should learn what the target actually says, not
-what the data set's original authors wrote. Every conversation keeps its system and user turns; each assistant turn is
-replaced, in order, by the target's own reply to the conversation so far (later turns see the regenerated earlier
-ones). Prompts go through the target tokenizer's chat template with the generation prompt, in left-padded batches;
-replies stop at EOS or after ``max_new_tokens`` (then they are cut there; the chat template closes them with EOS).
+what the data set's original authors wrote.
 
-Output: ``.jsonl`` (one record per line) or ``.parquet``, the input records with their messages replaced, in input
-order: ``TextDataModule(format="chat")`` reads either.
+Chat mode (the default): every conversation keeps its system and user turns; each assistant turn is replaced, in
+order, by the target's own reply to the conversation so far (later turns see the regenerated earlier ones). Prompts go
+through the target tokenizer's chat template with the generation prompt, in left-padded batches; replies stop at EOS
+or after ``max_new_tokens`` (then they are cut there; the chat template closes them with EOS).
+
+Completion mode (``prompt_field`` set, for base models without a chat template): each record holds a plain-text
+prompt; the output record adds ``text``, the prompt followed by the target's continuation (tokenized as the
+evaluation tokenizes prompts, decoded without special tokens), which ``TextDataModule(format="text")`` trains on.
+
+Output: ``.jsonl`` (one record per line) or ``.parquet``, the input records with their messages replaced (or their
+``text`` added), in input order: ``TextDataModule`` reads either.
 
 Resuming. Records are written in chunks of ``chunk_size``. A jsonl output is appended and fsynced chunk by chunk; on a
 restart a partial last line (a crash mid-write) is cut off and the records already written are skipped. A parquet
@@ -42,7 +48,8 @@ META_VERSION = 1
 
 @dataclass
 class GenerateStats:
-    """What a run did: records in the output, records written now, assistant turns regenerated and cut short."""
+    """What a run did: records in the output, records written now, replies (assistant turns or completions)
+    generated and how many were cut at max_new_tokens."""
 
     records: int
     written: int
@@ -201,17 +208,29 @@ class Regenerator:
 
     def replies(self, conversations: list[list[dict[str, str]]]) -> list[tuple[str, bool]]:
         """(reply text, cut at max_new_tokens) for each conversation (each ends before the reply)."""
-        out: list[tuple[str, bool]] = []
-        eos = self.config.eos_token_id
-        for start in range(0, len(conversations), self.batch_size):
-            prompts = [
+        return self.continue_tokens(
+            [
                 list(
                     self.tokenizer.apply_chat_template(c, tokenize=True, add_generation_prompt=True, return_dict=True)[
                         "input_ids"
                     ]
                 )
-                for c in conversations[start : start + self.batch_size]
+                for c in conversations
             ]
+        )
+
+    def completions(self, prompts: list[str]) -> list[tuple[str, bool]]:
+        """(continuation text, cut at max_new_tokens) for each plain-text prompt."""
+        return self.continue_tokens([list(self.tokenizer(p)["input_ids"]) for p in prompts])
+
+    def continue_tokens(self, token_lists: list[list[int]]) -> list[tuple[str, bool]]:
+        """(generated text, cut at max_new_tokens) for each prompt given as token ids."""
+        out: list[tuple[str, bool]] = []
+        eos = self.config.eos_token_id
+        for start in range(0, len(token_lists), self.batch_size):
+            prompts = token_lists[start : start + self.batch_size]
+            if any(not p for p in prompts):
+                raise ValueError("generate: a prompt tokenizes to no tokens")
             ids, attention = _left_padded(prompts, self.config.pad_token_id)  # [B, P] each
             with torch.no_grad():
                 seqs = self.model.generate(
@@ -251,11 +270,29 @@ def regenerate_records(
     return [{**r, messages_field: c} for r, c in zip(records, convs, strict=True)], turns, truncated
 
 
+def complete_records(
+    records: list[dict[str, Any]], regenerator: Regenerator, prompt_field: str, source: str
+) -> tuple[list[dict[str, Any]], int, int]:
+    """The records with ``text`` = prompt + the target's continuation; returns (records, completions, cut ones)."""
+    prompts = [_check_prompt(r, prompt_field, f"{source} record") for r in records]
+    done = regenerator.completions(prompts)
+    out = [{**r, "text": p + text} for r, p, (text, _) in zip(records, prompts, done, strict=True)]
+    return out, len(done), sum(int(cut) for _, cut in done)
+
+
+def _check_prompt(record: dict[str, Any], field: str, where: str) -> str:
+    prompt = record.get(field)
+    if not isinstance(prompt, str) or not prompt:
+        raise ValueError(f"{where}: field {field!r} must be a non-empty string prompt")
+    return prompt
+
+
 def regenerate(
     target: str,
     input: str,
     output: str,
     messages_field: str = "messages",
+    prompt_field: str | None = None,
     batch_size: int = 16,
     chunk_size: int = 64,
     max_new_tokens: int = 256,
@@ -276,6 +313,8 @@ def regenerate(
         input: the chat data set: .jsonl, .json or .parquet records holding a message list.
         output: where the regenerated records go: .jsonl or .parquet (resumed when it exists).
         messages_field: key of the message list ({"role", "content"} dicts) in each record.
+        prompt_field: completion mode: the key of a plain-text prompt in each record; the output adds ``text``,
+            the prompt and the target's continuation (no chat template; for base models). None: chat mode.
         batch_size: prompts per generate call.
         chunk_size: records written (and fsynced) at a time; the unit of resumption.
         max_new_tokens: longest reply, in tokens; longer replies are cut there.
@@ -311,7 +350,10 @@ def regenerate(
     if not records:
         raise ValueError(f"{input}: no records to regenerate")
     for n, record in enumerate(records):
-        _check_messages(record, messages_field, f"{input} record {n}")
+        if prompt_field is None:
+            _check_messages(record, messages_field, f"{input} record {n}")
+        else:
+            _check_prompt(record, prompt_field, f"{input} record {n}")
 
     stat = Path(input).stat()
     meta = {
@@ -321,6 +363,7 @@ def regenerate(
         "input_mtime_ns": stat.st_mtime_ns,
         "target": target,
         "messages_field": messages_field,
+        "prompt_field": prompt_field,
         "seed": seed,
         "records": len(records),
         **{k: v for k, v in settings.items() if k != "batch_size"},
@@ -344,7 +387,7 @@ def regenerate(
         raise ValueError(f"{output} holds {done} records but {input} only {len(records)}")
 
     tokenizer = load_tokenizer(target, trust_remote_code=trust_remote_code)
-    if not getattr(tokenizer, "chat_template", None):
+    if prompt_field is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"the tokenizer of {target} has no chat template: generate needs one to render prompts")
     if tokenizer.eos_token_id is None:
         raise ValueError(f"the tokenizer of {target} has no EOS token: replies could not end")
@@ -372,7 +415,10 @@ def regenerate(
     for start, end in _chunks(done, len(records), chunk_size):
         chunk = records[start:end]
         torch.manual_seed(_seed_of(seed, start))
-        new, n_turns, n_cut = regenerate_records(chunk, regenerator, messages_field, input)
+        if prompt_field is None:
+            new, n_turns, n_cut = regenerate_records(chunk, regenerator, messages_field, input)
+        else:
+            new, n_turns, n_cut = complete_records(chunk, regenerator, prompt_field, input)
         writer.write(new, start)
         turns, truncated, written = turns + n_turns, truncated + n_cut, written + len(new)
         if bar is not None:
@@ -406,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = ArgumentParser(
         prog="draftsmith generate",
-        description="Regenerate the assistant turns of a chat data set with the target (resumable).",
+        description="Regenerate a data set's assistant turns (or complete its prompts) with the target (resumable).",
         default_env=False,
     )
     parser.add_argument("--config", action=ActionConfigFile, help="a YAML file with any of the options below")
@@ -417,6 +463,6 @@ def main(argv: list[str] | None = None) -> int:
     stats = regenerate(**kwargs)
     print(
         f"wrote {stats.written} records ({stats.records} in {kwargs['output']}) in {stats.seconds:.1f} s: "
-        f"{stats.turns} assistant turns regenerated, {stats.truncated} cut at max_new_tokens"
+        f"{stats.turns} replies generated, {stats.truncated} cut at max_new_tokens"
     )
     return 0

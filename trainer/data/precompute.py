@@ -65,7 +65,7 @@ def precompute(
     k: int = 64,
     temperature: float = 1.0,
     hidden_layers: list[int] | None = None,
-    hidden_dtype: Literal["float16", "bfloat16"] = "bfloat16",
+    hidden_dtype: Literal["float16", "bfloat16", "float32"] = "bfloat16",
     logprob_dtype: Literal["float16", "float32"] = "float16",
     samples_per_shard: int = 256,
     batch_size: int = 8,
@@ -84,7 +84,7 @@ def precompute(
         k: teacher log-probabilities kept per position (the k most likely ids); k equal to the vocabulary keeps all.
         temperature: the log-probabilities are log_softmax(logits / temperature); training must use the same.
         hidden_layers: HF hidden_states indices to store (0 embeddings, L the final normed output); None stores none.
-        hidden_dtype: storage dtype of hidden states (float16 or bfloat16).
+        hidden_dtype: storage dtype of hidden states: bfloat16, float16, or float32 (twice the bytes; exact).
         logprob_dtype: storage dtype of the top-k log-probabilities (float16 halves the bytes; float32 is exact).
         samples_per_shard: sequences per shard; use at least nodes x GPUs x workers shards per split for training.
         batch_size: sequences per teacher forward.
@@ -223,7 +223,7 @@ def _teacher_signals(target: FrozenTarget, ds, idx: list[int], meta: ShardMeta, 
         if meta.hidden_dtype == "bfloat16":
             hidden.append(h.to(torch.bfloat16).cpu().view(torch.int16).numpy().view(HIDDEN_DTYPES["bfloat16"]))
         else:
-            hidden.append(h.to(torch.float16).cpu().numpy())
+            hidden.append(h.to(getattr(torch, meta.hidden_dtype)).cpu().numpy())  # float16 or float32
     samples = []
     for b in range(len(idx)):
         arrays = {"tokens": tokens[b], "loss_mask": mask[b], "topk_ids": ids[b], "topk_logprobs": lp[b]}

@@ -1,10 +1,10 @@
-"""Streams teacher-signal shards (``draftsmith precompute``) as batches for the offline KD objective.
+"""Streams teacher-signal shards (``draftsmith precompute``) as batches for the offline KD and EAGLE-3 objectives.
 
 A batch is the TextDataModule's ``{input_ids, labels, loss_mask}`` ([B, S] each) plus
 
     teacher_topk_ids       [B, S, k] int32    the teacher's top-k next-token ids at every position
     teacher_topk_logprobs  [B, S, k] float16|float32  their log-probabilities at the shards' temperature
-    teacher_hidden         [B, n, S, H] float16|bfloat16  (only when ``hidden_layers`` is set) in that order
+    teacher_hidden         [B, n, S, H] float16|bfloat16|float32  (only when ``hidden_layers`` is set) in that order
 
 How the stream is split and ordered (one epoch):
 - Shard ``j`` of a split belongs to rank ``j % world`` (fixed across epochs). Each epoch, a rank permutes its shards
@@ -297,6 +297,36 @@ class ShardDataModule(L.LightningDataModule):
                 meta, str(self.shards_dir), tokenizer_hash=tokenizer_hash(load_tokenizer(self.tokenizer_path))
             )
         self.meta, self.shard_list = meta, shard_list
+
+    def training_rows(self, chunk_rows: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """The training split's rows, in manifest order, as (ids [r, S + 1] int32, trained [r, S + 1] bool) chunks.
+
+        The convention of TextDataModule's rows (trainer/data/packing.py): ``trained[j]`` flags token ``j`` as a
+        trained label, so ``trained[1:]`` is a shard's ``loss_mask`` and ``trained[0]`` (never a label) is False.
+        Counting these with trainer/drafters/vocab_map.py gives the counts of the same rows read through
+        TextDataModule. Only tokens and loss masks are decoded (no top-k, no hidden states); every rank reads every
+        training shard. Broken shards raise, or with ``on_error="skip"`` the rest of the shard is skipped and logged.
+        """
+        self.setup()
+        assert self.meta is not None
+        ids: list[np.ndarray] = []
+        trained: list[np.ndarray] = []
+        for shard in (s for s in self.shard_list if s.split == "train"):
+            path = self.shards_dir / shard.file
+            digest = shard.sha256 if self.verify_sha256 else None
+            try:
+                for _key, arrays in iter_shard(path, self.meta, digest, fields=("tokens", "loss_mask")):
+                    ids.append(arrays["tokens"])  # [S + 1]
+                    trained.append(np.concatenate([np.zeros(1, dtype=bool), arrays["loss_mask"]]))  # [S + 1]
+                    if len(ids) == chunk_rows:
+                        yield np.stack(ids), np.stack(trained)
+                        ids, trained = [], []
+            except ShardError as err:
+                if self.on_error == "raise":
+                    raise
+                log.warning("skipping the rest of a broken shard while reading the training rows: %s", err)
+        if ids:
+            yield np.stack(ids), np.stack(trained)
 
     def _rank_world(self) -> tuple[int, int]:
         if self.trainer is None:

@@ -14,7 +14,7 @@ A sample is the webdataset members ``{key}.{field}.npy`` (``key`` is the sequenc
     loss_mask.npy       bool  [S]       True where labels (tokens[1:]) is trained
     topk_ids.npy        int32 [S, k]    the teacher's k most likely next tokens at every position (descending)
     topk_logprobs.npy   float16|float32 [S, k]  log_softmax(teacher logits / temperature) at those ids
-    hidden_{i}.npy      float16|uint16 [S, H]   HF hidden_states[i] of the teacher (uint16 holds bfloat16 bits)
+    hidden_{i}.npy      float16|uint16|float32 [S, H]   HF hidden_states[i] of the teacher (uint16: bfloat16 bits)
 
 The meta records the schema version, the teacher (path and a fingerprint), the tokenizer hash, the shared vocabulary
 size, k, temperature, seq_len, dtypes and hidden layers. Readers check it against the recipe and refuse a mismatch.
@@ -30,7 +30,7 @@ import io
 import json
 import os
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,8 @@ SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 META = "precompute.json"
 LOGPROB_DTYPES = {"float16": np.float16, "float32": np.float32}
-HIDDEN_DTYPES = {"float16": np.float16, "bfloat16": np.uint16}  # numpy has no bfloat16: its bits ride in uint16
+# numpy has no bfloat16: its bits ride in uint16; float32 is exact (tests comparing offline with online training)
+HIDDEN_DTYPES = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32}
 _FINGERPRINT_BYTES = 1 << 20
 _VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash")
 
@@ -158,11 +159,11 @@ def check_sample(arrays: dict[str, np.ndarray], meta: ShardMeta, where: str) -> 
     """Value checks that shapes and dtypes cannot express: ids in range, finite non-positive log-probabilities."""
     v = meta.vocab_size
     for name in ("tokens", "topk_ids"):
-        a = arrays[name]
-        if a.size and (int(a.min()) < 0 or int(a.max()) >= v):
+        a = arrays.get(name)
+        if a is not None and a.size and (int(a.min()) < 0 or int(a.max()) >= v):
             raise ShardError(f"{where}: {name} holds ids outside [0, {v})")
-    lp = arrays["topk_logprobs"]
-    if not np.isfinite(lp).all() or float(lp.max()) > 1e-3:
+    lp = arrays.get("topk_logprobs")
+    if lp is not None and (not np.isfinite(lp).all() or float(lp.max()) > 1e-3):
         raise ShardError(f"{where}: topk_logprobs are not finite log-probabilities (<= 0)")
 
 
@@ -271,17 +272,25 @@ def load_manifest(folder: str | Path) -> tuple[ShardMeta, list[ShardInfo]]:
     return meta, shards
 
 
-def iter_shard(path: Path, meta: ShardMeta, verify_sha256: str | None = None) -> Iterator[tuple[str, dict]]:
-    """Streams (key, {field: array}) from one shard, validated against ``meta``; errors name shard and sample."""
+def iter_shard(
+    path: Path, meta: ShardMeta, verify_sha256: str | None = None, fields: Collection[str] | None = None
+) -> Iterator[tuple[str, dict]]:
+    """Streams (key, {field: array}) from one shard, validated against ``meta``; errors name shard and sample.
+
+    ``fields`` (default: all) limits what is read and decoded: the other members are checked by name and skipped.
+    """
     spec = meta.sample_spec()
+    wanted = set(spec) if fields is None else set(fields)
+    if not wanted <= set(spec):
+        raise ValueError(f"{path}: fields {sorted(wanted - set(spec))} are not in the shards' schema {sorted(spec)}")
     if verify_sha256 is not None and file_sha256(path) != verify_sha256:
         raise ShardError(f"{path}: sha256 differs from the manifest (the shard is corrupted)")
-    key, arrays = None, {}
+    key, arrays, seen = None, {}, set()
 
     def finish() -> tuple[str, dict]:
         where = f"{path} sample {key}"
-        if set(arrays) != set(spec):
-            raise ShardError(f"{where}: fields {sorted(arrays)} != expected {sorted(spec)}")
+        if seen != set(spec):  # then ``arrays`` holds exactly the wanted fields
+            raise ShardError(f"{where}: fields {sorted(seen)} != expected {sorted(spec)}")
         check_sample(arrays, meta, where)
         return key, arrays
 
@@ -295,9 +304,12 @@ def iter_shard(path: Path, meta: ShardMeta, verify_sha256: str | None = None) ->
                 if stem != key:
                     if key is not None:
                         yield finish()
-                    key, arrays = stem, {}
+                    key, arrays, seen = stem, {}, set()
                 if member.size > 64 * int(np.prod(spec[name][0])) + 4096:
                     raise ShardError(f"{path} sample {key}: member {member.name} has {member.size} bytes")
+                seen.add(name)
+                if name not in wanted:
+                    continue  # the stream moves past the member's bytes without keeping them
                 data = tar.extractfile(member).read()
                 arrays[name] = decode_npy(data, *spec[name], f"{path} sample {key} field {name}")
     except (tarfile.TarError, OSError, EOFError) as err:

@@ -141,7 +141,14 @@ class DraftObjective(L.LightningModule):
             optimizer = torch.optim.AdamW(groups, lr=self.optim.lr, betas=self.optim.betas, eps=self.optim.eps)
         total = self.trainer.max_steps if self.trainer.max_steps and self.trainer.max_steps > 0 else 0
         if total <= 0:
-            total = int(self.trainer.estimated_stepping_batches)
+            estimated = self.trainer.estimated_stepping_batches  # inf when only trainer.max_time bounds the run
+            if math.isinf(estimated) and self.optim.decay != "constant":
+                raise ValueError(
+                    f"model.init_args.optim.decay={self.optim.decay!r} decays the learning rate over the run's "
+                    "length, but the run has no trainer.max_steps or max_epochs (trainer.max_time alone): set "
+                    "trainer.max_steps, or optim.decay: constant"
+                )
+            total = 0 if math.isinf(estimated) else int(estimated)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, self.optim, total))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

@@ -7,26 +7,41 @@ drafter's aux layers. Element ``t`` of a row pairs the fused features of token `
 token, with weight ``step_decay ** i``. Step ``i > 0`` feeds the drafter's own output features and (by default) its
 own argmax tokens of step ``i - 1`` at positions shifted by ``i``; see trainer/drafters/eagle3.py for the attention.
 
+Offline mode (``teacher_signals: shards``): the batches of a ShardDataModule carry the aux layers' hidden states and
+the target's top-k next tokens at temperature 1, written by ``draftsmith precompute`` (recipes/quickstart/
+precompute_eagle3.yaml). The target model is never built: only its config and the two tensors the drafter needs, the
+input embedding (the drafter's input) and the lm_head (which initialises the draft lm_head rows), are read from its
+safetensors (trainer.target.TargetEmbeddings). Soft labels are the top-k probabilities restricted to the draft
+vocabulary and renormalised over it (positions where none of the k ids is in it are not trained); hard labels and the
+accuracies use the top-1 id. With k equal to the vocabulary and float32 shards it is the online objective.
+
 The reduced vocabulary (trainer/drafters/vocab_map.py) is counted once from the datamodule's training rows in
-``setup``; it is a buffer of the drafter, so a resumed run gets the checkpoint's map back when Lightning restores the
-state dict after ``setup``, and ``init_from`` (fine-tuning from a checkpoint) takes the checkpoint's map and never
-counts. The target is kept outside the module tree, so checkpoints hold the drafter only.
+``setup`` (the text rows, or the shards' tokens and loss masks); it is a buffer of the drafter, so a resumed run gets
+the checkpoint's map back when Lightning restores the state dict after ``setup``, and ``init_from`` (fine-tuning from
+a checkpoint) takes the checkpoint's map and never counts. The target (or its two tensors) is kept outside the module
+tree, so checkpoints hold the drafter only.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.data.shard_datamodule import ShardDataModule
+from trainer.data.shards import check_compatible
+from trainer.data.tokenizer import tokenizer_hash
+from trainer.drafters import vocab_map
 from trainer.drafters.eagle3 import Eagle3Config, Eagle3Drafter
-from trainer.drafters.vocab_map import count_label_tokens, vocab_map_from_rows
 from trainer.export.checkpoint import load_training_checkpoint, sub_state_dict
 from trainer.objectives.base import DraftObjective, Optim, causal_lm_flops_per_token, count_params
-from trainer.target import FrozenTarget, resolve_dtype
+from trainer.target import FrozenTarget, TargetEmbeddings, resolve_dtype
+from trainer.vocab import load_tokenizer_if_present
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +69,7 @@ def config_from_record(record: dict, where: str) -> Eagle3Config:
 
 
 class Eagle3(DraftObjective):
-    """Trains an EAGLE-3 drafter against an online frozen target."""
+    """Trains an EAGLE-3 drafter against an online frozen target, or from precomputed target shards."""
 
     def __init__(
         self,
@@ -70,6 +85,7 @@ class Eagle3(DraftObjective):
         drafter_dtype: str = "float32",
         trust_remote_code: bool = False,
         seed: int = 0,
+        teacher_signals: Literal["online", "shards"] = "online",
         optim: Optim = Optim(),
     ) -> None:
         """
@@ -91,6 +107,10 @@ class Eagle3(DraftObjective):
             drafter_dtype: the drafter's weights dtype.
             trust_remote_code: allow custom modelling code in the target directory (off by default).
             seed: seed for the drafter's initialisation.
+            teacher_signals: "online" runs the target in every step; "shards" reads its aux-layer hidden states and
+                top-k next tokens (temperature 1) from the batches of a ShardDataModule whose hidden_layers are the
+                aux_layers (written by ``draftsmith precompute``), loading only the target's config, embedding and
+                lm_head, never the model.
             optim: optimizer and learning-rate schedule.
         """
         super().__init__(optim)
@@ -101,7 +121,14 @@ class Eagle3(DraftObjective):
             raise ValueError(f"model.step_decay must be in (0, 1], got {step_decay}")
         self.target_path = target
         self.ttt_steps, self.step_decay, self.labels, self.ttt_inputs = ttt_steps, step_decay, labels, ttt_inputs
-        frozen = FrozenTarget.from_pretrained(target, target_dtype, trust_remote_code)
+        self.teacher_signals = teacher_signals
+        frozen: FrozenTarget | TargetEmbeddings
+        if teacher_signals == "online":
+            frozen = FrozenTarget.from_pretrained(target, target_dtype, trust_remote_code)
+        elif teacher_signals == "shards":
+            frozen = TargetEmbeddings.from_pretrained(target, target_dtype, trust_remote_code)
+        else:
+            raise ValueError(f"model.teacher_signals={teacher_signals!r} is not 'online' or 'shards'")
         self._target = [frozen]  # a list: kept out of the module tree, so out of checkpoints and optimizers
         torch.manual_seed(seed)
         self.vocab_fixed = init_from is not None
@@ -127,7 +154,8 @@ class Eagle3(DraftObjective):
         self.drafter.to(resolve_dtype(drafter_dtype))
 
     @property
-    def target(self) -> FrozenTarget:
+    def target(self) -> FrozenTarget | TargetEmbeddings:
+        """The frozen target (online), or its config, embedding and lm_head (shards)."""
         return self._target[0]
 
     def trainable_module(self) -> nn.Module:
@@ -135,9 +163,14 @@ class Eagle3(DraftObjective):
 
     # ---- the reduced vocabulary ----------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if self.teacher_signals == "shards":
+            self._check_shards(datamodule)
         if self.vocab_fixed:
             return
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if self.teacher_signals == "shards":
+            self.install_vocab_map(datamodule.training_rows())
+            return
         dataset = getattr(datamodule, "train_dataset", None)
         if dataset is None or not hasattr(dataset, "ids"):
             raise ValueError(
@@ -146,46 +179,138 @@ class Eagle3(DraftObjective):
             )
         self.build_vocab_map(dataset.ids, dataset.trained)
 
+    def _check_shards(self, datamodule) -> None:
+        """Refuses data other than shards of this target, tokenizer and vocabulary at temperature 1 (the labels are
+        the target's own distribution) holding the drafter's aux layers in its order."""
+        if not isinstance(datamodule, ShardDataModule):
+            raise ValueError(
+                "model.teacher_signals=shards needs data: trainer.data.shard_datamodule.ShardDataModule, got "
+                f"{type(datamodule).__name__}"
+            )
+        aux = list(self.drafter.config.aux_layers)
+        if list(datamodule.hidden_layers) != aux:
+            raise ValueError(
+                f"data.hidden_layers={list(datamodule.hidden_layers)} must equal the drafter's aux_layers {aux}, in "
+                "that order: teacher_hidden[:, j] is fused as aux layer j"
+            )
+        datamodule.setup("fit")  # refuses shards that lack any of the layers, naming them
+        meta, source = datamodule.meta, str(datamodule.shards_dir)
+        if meta.hidden_size != self.drafter.config.target_hidden_size:
+            raise ValueError(
+                f"{source}: hidden states of width {meta.hidden_size}, the target {self.target_path!r} has "
+                f"{self.drafter.config.target_hidden_size}"
+            )
+        tokenizer = load_tokenizer_if_present(self.target_path)
+        check_compatible(
+            meta,
+            source,
+            vocab_size=len(tokenizer) if tokenizer is not None else self.target.vocab_size,
+            tokenizer_hash=tokenizer_hash(tokenizer) if tokenizer is not None else None,
+            teacher=self.target_path,
+            temperature=1.0,
+        )
+
     def build_vocab_map(self, ids, trained, chunk_rows: int = 4096) -> None:
-        """Count the trained labels of [R, S + 1] rows, install the map and copy the target's lm_head rows.
+        """:meth:`install_vocab_map` of [R, S + 1] ``ids`` and ``trained`` arrays, read ``chunk_rows`` at a time."""
+        self.install_vocab_map(
+            (ids[i : i + chunk_rows], trained[i : i + chunk_rows]) for i in range(0, len(ids), chunk_rows)
+        )
+
+    def install_vocab_map(self, rows: Iterable[tuple[np.ndarray, np.ndarray]]) -> None:
+        """Count the trained labels of ``(ids, trained)`` chunks ([r, S + 1] each, trainer/data/packing.py's
+        convention), install the map and copy the target's lm_head rows.
 
         Every rank computes the same map from the same rows (deterministic; no communication needed).
         """
         cfg = self.drafter.config
-        rows = ((ids[i : i + chunk_rows], trained[i : i + chunk_rows]) for i in range(0, len(ids), chunk_rows))
-        d2t, t2d = vocab_map_from_rows(rows, cfg.vocab_size, cfg.draft_vocab_size)
+        counts = vocab_map.count_label_tokens(rows, cfg.vocab_size)  # [V]
+        d2t, t2d = vocab_map.build_vocab_map(counts, cfg.draft_vocab_size)
         self.drafter.set_vocab_map(d2t.to(self.drafter.d2t.device), t2d.to(self.drafter.t2d.device))
         with torch.no_grad():
             head = self.target.lm_head_weight.detach()  # [V, Ht]
             rows_ = head.index_select(0, self.drafter.draft_ids().to(head.device))  # [Vd, Ht]
             if rows_.shape == self.drafter.lm_head.weight.shape:
                 self.drafter.lm_head.weight.copy_(rows_)
-        covered = count_label_tokens([(ids[:chunk_rows], trained[:chunk_rows])], cfg.vocab_size)
-        share = float(covered[t2d].sum()) / max(1, int(covered.sum()))
-        log.info("EAGLE-3 draft vocabulary: %d of %d tokens, %.3f of sampled labels", cfg.draft_vocab_size,
+        share = float(counts[t2d].sum()) / max(1, int(counts.sum()))
+        log.info("EAGLE-3 draft vocabulary: %d of %d tokens, %.3f of the trained labels", cfg.draft_vocab_size,
                  cfg.vocab_size, share)  # fmt: skip
 
     # ---- training ------------------------------------------------------------------------------------------------
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, S] each
+        ids = batch["input_ids"]  # [B, S]
         target = self.target
         if target.lm_head_weight.device != ids.device:
             target.to(ids.device)
+        signals = self._shard_signals(batch) if self.teacher_signals == "shards" else self._online_signals(ids)
+        return self._ttt_loss(ids, batch["loss_mask"], *signals)
+
+    def _draft_index(self) -> torch.Tensor:
+        """[V] the draft index of every target id (meaningful where ``t2d``)."""
+        return torch.cumsum(self.drafter.t2d.long(), 0) - 1
+
+    def _online_signals(self, ids: torch.Tensor):
+        """Runs the target: (fused [B, S - 1, H], embedding, argmax [B, S], soft labels [B, S, Vd] or None, None)."""
         drafter = self.drafter
-        B, S = ids.shape
-        out = target(ids, hidden_layers=drafter.config.aux_layers)  # logits [B, S, V]
+        out = self.target(ids, hidden_layers=drafter.config.aux_layers)  # logits [B, S, V]
         fused = drafter.fuse([h[:, :-1] for h in out.hidden_states])  # [B, S - 1, H]
-        draft_ids = drafter.draft_ids()  # [Vd]
-        target_argmax = out.logits.argmax(-1)  # [B, S]
+        probs = None
         if self.labels == "soft":
-            target_probs = torch.softmax(out.logits.index_select(-1, draft_ids).float(), dim=-1)  # [B, S, Vd]
-        else:
-            t2d_index = torch.cumsum(drafter.t2d.long(), 0) - 1  # [V] draft index of every target id
+            probs = torch.softmax(out.logits.index_select(-1, drafter.draft_ids()).float(), dim=-1)  # [B, S, Vd]
+        return fused, self.target.model.get_input_embeddings(), out.logits.argmax(-1), probs, None
+
+    def _shard_signals(self, batch: dict[str, torch.Tensor]):
+        """The same from a shard batch; the last item, [B, S] bool, is False where no top-k id is in the draft
+        vocabulary (a soft label without mass)."""
+        drafter = self.drafter
+        hidden = batch["teacher_hidden"]  # [B, n, S, Ht], n aux layers in config order
+        dtype = drafter.fc.weight.dtype
+        fused = drafter.fuse([hidden[:, j, :-1].to(dtype) for j in range(hidden.shape[1])])  # [B, S - 1, H]
+        topk_ids = batch["teacher_topk_ids"].long()  # [B, S, k], descending
+        weight = self.target.embedding
+
+        def embedding(tokens: torch.Tensor) -> torch.Tensor:
+            return F.embedding(tokens, weight)  # [..., Ht]
+
+        probs, valid = None, None
+        if self.labels == "soft":
+            in_draft = drafter.t2d[topk_ids]  # [B, S, k]
+            p = batch["teacher_topk_logprobs"].float().exp() * in_draft  # [B, S, k]
+            B, S, _ = topk_ids.shape
+            probs = p.new_zeros(B, S, drafter.config.draft_vocab_size)  # [B, S, Vd]
+            probs.scatter_add_(-1, self._draft_index()[topk_ids].clamp(min=0), p)
+            mass = probs.sum(-1, keepdim=True)  # [B, S, 1]
+            valid = mass[..., 0] > 0  # [B, S]
+            probs = probs / mass.clamp(min=torch.finfo(torch.float32).tiny)
+        return fused, embedding, topk_ids[..., 0], probs, valid
+
+    def _ttt_loss(
+        self,
+        ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        fused: torch.Tensor,
+        embedding: Callable[[torch.Tensor], torch.Tensor],
+        target_argmax: torch.Tensor,
+        target_probs: torch.Tensor | None,
+        label_ok: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The training-time-test loss, whatever the source of the target's signals.
+
+        Args:
+            ids, loss_mask: [B, S] the batch's tokens and trained flags.
+            fused: [B, S - 1, H] fused target features of tokens 0..S-2.
+            embedding: token ids -> the target's input embeddings.
+            target_argmax: [B, S] the target's most likely next token at every position (hard labels, accuracies).
+            target_probs: [B, S, Vd] soft labels over the draft vocabulary (labels "soft"), else None.
+            label_ok: [B, S] bool, False where a soft label is missing (not trained), or None (all present).
+        """
+        drafter = self.drafter
+        S = ids.shape[1]
+        if self.labels == "hard":
+            t2d_index = self._draft_index()  # [V] draft index of every target id
             hard = torch.where(drafter.t2d[target_argmax], t2d_index[target_argmax], -100)  # [B, S]
         data_tokens = None
         if self.ttt_inputs == "data":
             data_tokens = F.pad(ids, (0, self.ttt_steps), value=0)  # [B, S + K]
-        embedding = target.model.get_input_embeddings()
         total = fused.new_zeros((), dtype=torch.float32)
         metrics: dict[str, torch.Tensor] = {}
         steps = drafter.unroll(embedding, fused, ids[:, 1:], self.ttt_steps, data_tokens)
@@ -194,6 +319,8 @@ class Eagle3(DraftObjective):
             if n <= 0:
                 break
             mask = loss_mask[:, 1 + i :].float()  # [B, n]
+            if label_ok is not None:
+                mask = mask * label_ok[:, 1 + i :]
             log_q = torch.log_softmax(logits[:, :n].float(), dim=-1)  # [B, n, Vd]
             if self.labels == "soft":
                 per_pos = -(target_probs[:, 1 + i :] * log_q).sum(-1)  # [B, n]
@@ -214,6 +341,8 @@ class Eagle3(DraftObjective):
 
     def flops_per_token(self) -> float:
         drafter = 2.0 * count_params(self.drafter)
+        if self.teacher_signals == "shards":
+            return 3.0 * drafter * self.ttt_steps  # the target ran in precompute
         target = causal_lm_flops_per_token(self.target.model, 1024)
         return 3.0 * drafter * self.ttt_steps + target
 

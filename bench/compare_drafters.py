@@ -1,0 +1,185 @@
+"""Drafters side by side on the tiny target: prompt lookup, a KD student and EAGLE-3 (chain and tree), K = 6 greedy.
+
+    python bench/compare_drafters.py [--train-seconds 300] [--prompts 10]
+
+Needs the demo's artifacts (``make demo``: the corpus and the tiny target). Steps, each skipped when its output
+already exists under ``--out`` (delete the folder to start over):
+
+1. training prompts: the first 160 characters of every training file and of random line starts inside them;
+2. ``draftsmith generate --prompt_field prompt``: the target completes every prompt greedily, so the drafters learn
+   what the target says (the tiny target loops; a drafter trained on the corpus alone never sees that);
+3. the KD student (recipes/quickstart/kd.yaml) and the EAGLE-3 drafter (recipes/quickstart/eagle3.yaml) train on the
+   completions *at the same time*, one thread each, for the same wall-clock time (so both see the same machine
+   load), at a constant learning rate after warm-up (a run bounded by time has no step count to decay over);
+4. ``draftsmith eval`` of every drafter on the first ``--prompts`` held-out files (160-character prompts, as the demo
+   uses), K = 6, greedy: every drafter's output is checked token for token against the target's.
+
+Writes ``OUT/compare.md`` (and prints it): tau overall, inside and outside the target's loops, and acceptance per draft
+position.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT_CHARS = 160
+
+
+def run(cmd: list[str], log: Path, threads: int | None = None) -> subprocess.Popen:
+    """Starts ``draftsmith ...`` (the one installed beside this Python) with its output in ``log``."""
+    cmd = [shutil.which("draftsmith") or str(Path(sys.executable).parent / "draftsmith"), *cmd[1:]]
+    env = dict(os.environ)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    print("$", " ".join(cmd), f"> {log}", flush=True)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def wait(proc: subprocess.Popen, log: Path) -> None:
+    if proc.wait() != 0:
+        sys.exit(f"failed (exit {proc.returncode}), see {log}:\n" + "".join(log.read_text().splitlines(True)[-20:]))
+
+
+def training_prompts(train_file: Path, out: Path, per_file: int, seed: int) -> None:
+    rng = random.Random(seed)
+    prompts = []
+    for line in train_file.read_text().splitlines():
+        text = json.loads(line)["text"]
+        starts = [0] + [i + 1 for i, c in enumerate(text[:-PROMPT_CHARS]) if c == "\n"]
+        for start in [0] + rng.sample(starts[1:], min(per_file - 1, len(starts) - 1)):
+            prompt = text[start : start + PROMPT_CHARS]
+            if prompt.strip():
+                prompts.append({"prompt": prompt})
+    rng.shuffle(prompts)
+    out.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+
+
+def fit_cmd(recipe: str, run_dir: Path, train_file: Path, seconds: int, extra: list[str]) -> list[str]:
+    checkpoint = {
+        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+        "init_args": {"dirpath": str(run_dir / "checkpoints"), "save_top_k": 0, "save_last": True},
+    }
+    hms = time.strftime("%H:%M:%S", time.gmtime(seconds))
+    return [
+        "draftsmith", "fit", "--config", recipe,
+        "--trainer.default_root_dir", str(run_dir),
+        "--trainer.logger.init_args.save_dir", str(run_dir),
+        "--trainer.callbacks", json.dumps([checkpoint]),
+        "--trainer.max_steps", "-1", "--trainer.max_time", f"00:{hms}", "--trainer.limit_val_batches", "0",
+        "--model.init_args.optim.decay", "constant",  # the length of the run is a time, not a number of steps
+        "--data.init_args.train_files", json.dumps([str(train_file)]),
+        *extra,
+    ]  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--artifacts", default="artifacts", help="where `make demo` left the corpus and the target")
+    parser.add_argument("--out", default="artifacts/compare", help="output folder (steps already done are skipped)")
+    parser.add_argument("--train-seconds", type=int, default=300, help="wall-clock training time of each drafter")
+    parser.add_argument("--prompts-per-file", type=int, default=3, help="training prompts cut from each train file")
+    parser.add_argument("--new-tokens", type=int, default=192, help="tokens the target adds to each training prompt")
+    parser.add_argument("--prompts", type=int, default=10, help="held-out prompts in the evaluation")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="output tokens per evaluation prompt")
+    parser.add_argument("--k", type=int, default=6, help="drafts per round")
+    parser.add_argument("--completions", help="reuse the target completions of an earlier run (skips steps 1 and 2)")
+    parser.add_argument(
+        "--eagle3-args",
+        default="",
+        help='extra `draftsmith fit` arguments of the EAGLE-3 run, e.g. "--model.init_args.ttt_steps 5"',
+    )
+    args = parser.parse_args()
+    art, out = Path(args.artifacts), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target, corpus = art / "tiny_target", art / "corpus"
+    if not (target / "config.json").is_file():
+        sys.exit(f"{target} not found: run `make demo` first")
+
+    prompts, regen = out / "train_prompts.jsonl", out / "train_completions.jsonl"
+    if args.completions:
+        regen = Path(args.completions)
+    else:
+        if not prompts.is_file():
+            training_prompts(corpus / "train.jsonl", prompts, args.prompts_per_file, seed=0)
+        started = time.perf_counter()
+        generate = [
+            "draftsmith", "generate", "--target", str(target), "--input", str(prompts), "--output", str(regen),
+            "--prompt_field", "prompt", "--max_new_tokens", str(args.new_tokens), "--batch_size", "32",
+            "--device", "cpu",
+        ]  # fmt: skip
+        # one thread: two contending multi-threaded processes slow down several times on 2 cores
+        wait(run(generate, out / "generate.log", threads=1), out / "generate.log")
+        print(f"generate: {time.perf_counter() - started:.0f} s", flush=True)
+
+    kd_dir, eagle_dir = out / "kd_student", out / "eagle3"
+    fits = {
+        "kd": (
+            "recipes/quickstart/kd.yaml", kd_dir / "model.safetensors",
+            ["--model.init_args.export_dir", str(kd_dir)],
+        ),
+        "eagle3": ("recipes/quickstart/eagle3.yaml", eagle_dir / "model.safetensors", shlex.split(args.eagle3_args)),
+    }  # fmt: skip
+    procs = {}
+    for name, (recipe, done, extra) in fits.items():
+        if not done.is_file():
+            cmd = fit_cmd(recipe, out / "runs" / name, regen, args.train_seconds, extra)
+            procs[name] = run(cmd, out / f"fit_{name}.log", threads=1)
+    for name, proc in procs.items():
+        wait(proc, out / f"fit_{name}.log")
+    if not (eagle_dir / "model.safetensors").is_file():
+        ckpt = out / "runs" / "eagle3" / "checkpoints" / "last.ckpt"
+        export = ["draftsmith", "export", "--ckpt", str(ckpt), "--out", str(eagle_dir), "--format", "eagle3"]
+        wait(run(export, out / "export_eagle3.log"), out / "export_eagle3.log")
+
+    heldout = out / "heldout_prompts.jsonl"
+    lines = (corpus / "heldout.jsonl").read_text().splitlines()[: args.prompts]
+    heldout.write_text("".join(json.dumps({"prompt": json.loads(x)["text"][:PROMPT_CHARS]}) + "\n" for x in lines))
+    drafters = {
+        "prompt lookup": "prompt-lookup",
+        "KD student": str(kd_dir),
+        "EAGLE-3 chain": f"eagle3:{eagle_dir}",
+        "EAGLE-3 tree": f"eagle3-tree:{eagle_dir}",
+    }
+    rows = []
+    for label, spec in drafters.items():
+        report_dir = out / "eval" / label.lower().replace(" ", "_").replace("-", "")
+        if not (report_dir / "report.json").is_file():
+            cmd = ["draftsmith", "eval", "--target", str(target), "--drafter", spec, "--prompts", str(heldout),
+                   "--k", str(args.k), "--max-new-tokens", str(args.max_new_tokens), "--temperature", "0",
+                   "--out", str(report_dir)]  # fmt: skip
+            wait(run(cmd, report_dir.with_suffix(".log")), report_dir.with_suffix(".log"))
+        report = json.loads((report_dir / "report.json").read_text())
+        greedy = report["greedy"][0]
+        rows.append(
+            f"| {label} | {greedy['tau']:.2f} | {greedy['tau_in_loops']:.2f} | {greedy['tau_outside_loops']:.2f} | "
+            + ", ".join("-" if a is None else f"{a:.2f}" for a in greedy["acceptance_per_position"])
+            + " |"
+        )
+    table = "\n".join(
+        [
+            f"K = {args.k}, greedy, {args.prompts} held-out prompts, {args.max_new_tokens} new tokens each; KD student "
+            f"and EAGLE-3 trained side by side for {args.train_seconds} s each on the target's completions.",
+            "",
+            "| drafter | tau | tau in loops | tau off loops | acceptance per position |",
+            "|---|---|---|---|---|",
+            *rows,
+        ]
+    )
+    (out / "compare.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
