@@ -44,7 +44,10 @@ def test_student_is_an_hf_checkpoint_and_an_assistant_model(kd_student, tiny_tar
     assert (run / "checkpoints" / "config.yaml").is_file()
 
 
-def test_resume_gives_the_same_batches_and_weights(tiny_corpus, tiny_target, tmp_path):
+@pytest.mark.parametrize("stop_at", [4, 5])
+def test_resume_gives_the_same_batches_and_weights(stop_at, tiny_corpus, tiny_target, tmp_path):
+    """Stopped at a checkpoint step (4), or between two (5, as trainer.max_time stops: last.ckpt is then written at
+    the end of training by the objective), then resumed from last: the same batches and weights as a straight run."""
     straight = tmp_path / "straight"
     fit(
         "quickstart/kd.yaml",
@@ -53,7 +56,7 @@ def test_resume_gives_the_same_batches_and_weights(tiny_corpus, tiny_target, tmp
     )
 
     split = tmp_path / "split"
-    stop = {"class_path": "tests.callbacks.StopAtStep", "init_args": {"step": 4}}
+    stop = {"class_path": "tests.callbacks.StopAtStep", "init_args": {"step": stop_at}}
     fit(
         "quickstart/kd.yaml",
         kd_override(split, tiny_corpus, tiny_target, 8, 4, callbacks=[record_batches(split), stop]),
@@ -122,3 +125,16 @@ def test_a_run_bounded_by_time_alone_needs_a_constant_schedule(tiny_corpus, tiny
     override["model"]["init_args"]["optim"] = {"decay": "constant", "lr": 0.002, "warmup_steps": 2}
     cli = fit("quickstart/kd.yaml", override, tmp_path / "constant")
     assert cli.trainer.global_step > 0
+
+
+def test_last_checkpoint_holds_the_final_step(tiny_corpus, tiny_target, tmp_path):
+    """5 steps with a checkpoint every 2: Lightning alone leaves last.ckpt at step 4; the objective writes step 5, the
+    weights the run ends with (and exports)."""
+    cli = fit("quickstart/kd.yaml", kd_override(tmp_path, tiny_corpus, tiny_target, 5, 2), tmp_path)
+    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert cli.trainer.global_step == 5 and saved["global_step"] == 5
+    student = cli.model.student.state_dict()
+    saved_student = {k.removeprefix("student."): v for k, v in saved["state_dict"].items() if k.startswith("student.")}
+    assert saved_student.keys() == student.keys()
+    for key, value in saved_student.items():
+        torch.testing.assert_close(value, student[key], rtol=0, atol=0)

@@ -13,10 +13,12 @@ from typing import Literal
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities import grad_norm
 from torch import nn
 
+from trainer.preemption import PreemptionCheckpoint
 from trainer.strategies import deepspeed_offload_enabled, shard_for_fsdp2
 from trainer.throughput import measure_matmul_peak
 
@@ -176,6 +178,31 @@ class DraftObjective(L.LightningModule):
                     mfu = tokens_per_s * self.flops_per_token() / (self._peak_flops * self.trainer.world_size)
                     self.log("train/mfu", mfu)
             self._step_started, self._tokens_in_step = None, 0
+            self._save_last_if_final()
+
+    def _save_last_if_final(self) -> None:
+        """At the run's final optimizer step, write ``last.ckpt`` where Lightning would not.
+
+        Lightning's ModelCheckpoint writes ``last`` at the end of training only when it never wrote one before, so a
+        run stopped by ``trainer.max_time`` (or by a ``max_steps`` off the checkpoint interval) would keep the
+        ``last.ckpt`` of its last interval, and an export of it would silently miss the final steps. Written here, at
+        the end of the final batch (callbacks such as the max_time timer have already asked to stop), the checkpoint
+        resumes mid-epoch at the next batch; written in ``on_train_end`` it would resume at the next epoch. Every
+        rank runs this (saving is collective under DeepSpeed and FSDP).
+        """
+        trainer = self.trainer
+        step = trainer.global_step
+        final = trainer.should_stop or (trainer.max_steps > 0 and step >= trainer.max_steps)
+        if not final or step == 0:
+            return
+        if any(isinstance(cb, PreemptionCheckpoint) and cb.saved_path for cb in trainer.callbacks):
+            return  # the preemption handler has just written last.ckpt at this step
+        for callback in trainer.checkpoint_callbacks:
+            # _last_global_step_saved / _save_last_checkpoint: Lightning's own record and writer of `last` (private
+            # in the pinned 2.6 release; the writer also keeps save_last="link" and the last-name template right)
+            if isinstance(callback, ModelCheckpoint) and callback.save_last:
+                if getattr(callback, "_last_global_step_saved", -1) != step:
+                    callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
 
 
 def count_params(module: nn.Module) -> int:
