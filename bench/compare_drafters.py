@@ -94,6 +94,7 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64, help="output tokens per evaluation prompt")
     parser.add_argument("--k", type=int, default=6, help="drafts per round")
     parser.add_argument("--completions", help="reuse the target completions of an earlier run (skips steps 1 and 2)")
+    parser.add_argument("--kd-args", default="", help="extra `draftsmith fit` arguments of the KD run")
     parser.add_argument(
         "--eagle3-args",
         default="",
@@ -126,7 +127,7 @@ def main() -> int:
     fits = {
         "kd": (
             "recipes/quickstart/kd.yaml", kd_dir / "model.safetensors",
-            ["--model.init_args.export_dir", str(kd_dir)],
+            ["--model.init_args.export_dir", str(kd_dir), *shlex.split(args.kd_args)],
         ),
         "eagle3": ("recipes/quickstart/eagle3.yaml", eagle_dir / "model.safetensors", shlex.split(args.eagle3_args)),
     }  # fmt: skip
