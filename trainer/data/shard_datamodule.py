@@ -418,3 +418,28 @@ class ShardDataModule(L.LightningDataModule):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._resume_position = state_dict.get("position")
+
+
+def checked_shard_data(
+    datamodule: Any, *, vocab_size: int, tokenizer: Any | None, teacher: str, temperature: float
+) -> ShardDataModule:
+    """The recipe's datamodule for an objective with ``teacher_signals: shards``: a ShardDataModule, set up, whose
+    shards were made with this vocabulary size, tokenizer (when given), teacher and temperature (ValueError otherwise,
+    naming the shards and the value)."""
+    if not isinstance(datamodule, ShardDataModule):
+        raise ValueError(
+            "model.teacher_signals=shards needs data: trainer.data.shard_datamodule.ShardDataModule, got "
+            f"{type(datamodule).__name__}"
+        )
+    from trainer.data.tokenizer import tokenizer_hash
+
+    datamodule.setup("fit")  # refuses shards that lack a requested hidden layer, naming it
+    check_compatible(
+        datamodule.meta,
+        str(datamodule.shards_dir),
+        vocab_size=vocab_size,
+        tokenizer_hash=tokenizer_hash(tokenizer) if tokenizer is not None else None,
+        teacher=teacher,
+        temperature=temperature,
+    )
+    return datamodule

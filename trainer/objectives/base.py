@@ -200,9 +200,9 @@ class DraftObjective(L.LightningModule):
         for callback in trainer.checkpoint_callbacks:
             # _last_global_step_saved / _save_last_checkpoint: Lightning's own record and writer of `last` (private
             # in the pinned 2.6 release; the writer also keeps save_last="link" and the last-name template right)
-            if isinstance(callback, ModelCheckpoint) and callback.save_last:
-                if getattr(callback, "_last_global_step_saved", -1) != step:
-                    callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
+            saved_here = getattr(callback, "_last_global_step_saved", -1) == step
+            if isinstance(callback, ModelCheckpoint) and callback.save_last and not saved_here:
+                callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
 
 
 def count_params(module: nn.Module) -> int:

@@ -33,9 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.data.shard_datamodule import ShardDataModule
-from trainer.data.shards import check_compatible
-from trainer.data.tokenizer import tokenizer_hash
+from trainer.data.shard_datamodule import checked_shard_data
 from trainer.drafters import vocab_map
 from trainer.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from trainer.export.checkpoint import load_training_checkpoint, sub_state_dict
@@ -182,33 +180,22 @@ class Eagle3(DraftObjective):
     def _check_shards(self, datamodule) -> None:
         """Refuses data other than shards of this target, tokenizer and vocabulary at temperature 1 (the labels are
         the target's own distribution) holding the drafter's aux layers in its order."""
-        if not isinstance(datamodule, ShardDataModule):
-            raise ValueError(
-                "model.teacher_signals=shards needs data: trainer.data.shard_datamodule.ShardDataModule, got "
-                f"{type(datamodule).__name__}"
-            )
+        tokenizer = load_tokenizer_if_present(self.target_path)
+        vocab_size = len(tokenizer) if tokenizer is not None else self.target.vocab_size
+        data = checked_shard_data(
+            datamodule, vocab_size=vocab_size, tokenizer=tokenizer, teacher=self.target_path, temperature=1.0
+        )
         aux = list(self.drafter.config.aux_layers)
-        if list(datamodule.hidden_layers) != aux:
+        if list(data.hidden_layers) != aux:
             raise ValueError(
-                f"data.hidden_layers={list(datamodule.hidden_layers)} must equal the drafter's aux_layers {aux}, in "
+                f"data.hidden_layers={list(data.hidden_layers)} must equal the drafter's aux_layers {aux}, in "
                 "that order: teacher_hidden[:, j] is fused as aux layer j"
             )
-        datamodule.setup("fit")  # refuses shards that lack any of the layers, naming them
-        meta, source = datamodule.meta, str(datamodule.shards_dir)
-        if meta.hidden_size != self.drafter.config.target_hidden_size:
+        if data.meta.hidden_size != self.drafter.config.target_hidden_size:
             raise ValueError(
-                f"{source}: hidden states of width {meta.hidden_size}, the target {self.target_path!r} has "
-                f"{self.drafter.config.target_hidden_size}"
+                f"{data.shards_dir}: hidden states of width {data.meta.hidden_size}, the target {self.target_path!r} "
+                f"has {self.drafter.config.target_hidden_size}"
             )
-        tokenizer = load_tokenizer_if_present(self.target_path)
-        check_compatible(
-            meta,
-            source,
-            vocab_size=len(tokenizer) if tokenizer is not None else self.target.vocab_size,
-            tokenizer_hash=tokenizer_hash(tokenizer) if tokenizer is not None else None,
-            teacher=self.target_path,
-            temperature=1.0,
-        )
 
     def build_vocab_map(self, ids, trained, chunk_rows: int = 4096) -> None:
         """:meth:`install_vocab_map` of [R, S + 1] ``ids`` and ``trained`` arrays, read ``chunk_rows`` at a time."""

@@ -23,8 +23,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from trainer.data.shards import check_compatible
-from trainer.data.tokenizer import tokenizer_hash
+from trainer.data.shard_datamodule import checked_shard_data
 from trainer.export.hf import drafter_record, export_student
 from trainer.losses import fused_kd_loss, kd_loss, sparse_kd_loss
 from trainer.objectives.base import DraftObjective, Optim, causal_lm_flops_per_token
@@ -135,23 +134,15 @@ class KnowledgeDistillation(DraftObjective):
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
         if self.teacher_signals == "shards":
-            self._check_shards(datamodule)
+            checked_shard_data(
+                datamodule,
+                vocab_size=self.vocab_size,
+                tokenizer=self.tokenizer,
+                teacher=self.teacher_path,
+                temperature=self.temperature,
+            )
             return
         check_data_tokenizer(datamodule, self.teacher_path, self.tokenizer, self.teacher.vocab_size, self.vocab_size)
-
-    def _check_shards(self, datamodule) -> None:
-        """Refuses shards made for another student vocabulary, tokenizer, target or temperature."""
-        if datamodule is None or not hasattr(datamodule, "meta"):
-            raise ValueError("model.teacher_signals=shards needs data: trainer.data.shard_datamodule.ShardDataModule")
-        datamodule.setup("fit")
-        check_compatible(
-            datamodule.meta,
-            str(datamodule.shards_dir),
-            vocab_size=self.vocab_size,
-            tokenizer_hash=tokenizer_hash(self.tokenizer) if self.tokenizer is not None else None,
-            teacher=self.teacher_path,
-            temperature=self.temperature,
-        )
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         input_ids, labels, loss_mask = batch["input_ids"], batch["labels"], batch["loss_mask"]  # [B, S] each
