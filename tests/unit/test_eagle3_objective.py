@@ -1,0 +1,70 @@
+"""The EAGLE-3 training-time-test loss against a naive reference: one element at a time, the drafter drafts a chain
+with its cache exactly as at inference (``Eagle3Drafter.forward``), and every draft is scored against the target's
+prediction at the position it drafts for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.integration.test_eagle3_offline import tiny_llama
+from trainer.objectives.eagle3 import Eagle3
+
+K = 3
+
+
+def naive_ttt_loss(objective: Eagle3, ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[float, list[float]]:
+    """sum_i 0.8^i * mean over trained label positions of CE(target's draft-vocabulary distribution, draft i)."""
+    drafter, target = objective.drafter, objective.target
+    aux = list(drafter.config.aux_layers)
+    out = target(ids, hidden_layers=aux)
+    draft_ids = drafter.draft_ids()
+    embedding = target.model.get_input_embeddings()
+    B, S = ids.shape
+    sums, counts, hits = [0.0] * K, [0] * K, [0] * K
+    for b in range(B):
+        fused = drafter.fuse([h[b : b + 1, :-1] for h in out.hidden_states])  # [1, S - 1, H]
+        for t in range(S - 1):
+            # commit elements 0..t (features of tokens 0..t, embeddings of tokens 1..t+1), then draft K tokens
+            committed = embedding(ids[b : b + 1, 1 : t + 2])  # [1, t + 1, H]
+            feats, logits, past = drafter(committed, fused[:, : t + 1], torch.arange(t + 1)[None])
+            feat, logit = feats[:, -1:], logits[0, -1]  # [1, 1, H], [Vd]
+            for i in range(K):
+                label = t + 1 + i  # draft i of element t predicts token t + 2 + i: the target's output at t + 1 + i
+                if label >= S:
+                    break
+                if i > 0:
+                    if objective.ttt_inputs == "data":
+                        token = ids[b, t + 1 + i]
+                    else:
+                        token = drafter.to_target_ids(logit.argmax())
+                    position = torch.tensor([[t + i]])
+                    feat, step_logits, (k, v) = drafter(embedding(token.view(1, 1)), feat, position, past)
+                    past = (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
+                    logit = step_logits[0, -1]
+                if not loss_mask[b, label]:
+                    continue
+                p = torch.softmax(out.logits[b, label, draft_ids].float(), dim=-1)  # [Vd]
+                sums[i] += float(-(p * torch.log_softmax(logit.float(), dim=-1)).sum())
+                counts[i] += 1
+                hits[i] += int(drafter.to_target_ids(logit.argmax()) == out.logits[b, label].argmax())
+    total = sum(objective.step_decay**i * sums[i] / counts[i] for i in range(K))
+    return total, [hits[i] / counts[i] for i in range(K)]
+
+
+@pytest.mark.parametrize("ttt_inputs", ["data", "predicted"])
+def test_ttt_loss_equals_chain_drafting_scored_position_by_position(ttt_inputs, tmp_path):
+    tiny_llama(tmp_path / "target", tied=False)
+    objective = Eagle3(str(tmp_path / "target"), draft_vocab_size=32, aux_layers=[0, 1, 2], ttt_steps=K,
+                       ttt_inputs=ttt_inputs)  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randint(0, 64, (2, 11), generator=g)  # [B, S + 1]
+    objective.build_vocab_map(rows.numpy(), (rows > 4).numpy())
+    torch.nn.init.normal_(objective.drafter.midlayer.self_attn.o_proj.weight, std=0.5)  # drafts that depend on inputs
+    ids, loss_mask = rows[:, :-1], rows[:, 1:] > 4
+    with torch.no_grad():
+        loss, metrics = objective.compute_loss({"input_ids": ids, "loss_mask": loss_mask})
+        expected, accuracies = naive_ttt_loss(objective, ids, loss_mask)
+    torch.testing.assert_close(float(loss), expected, rtol=1e-5, atol=0)
+    for i in range(K):
+        assert float(metrics[f"acc_{i}"]) == pytest.approx(accuracies[i], abs=1e-6)
