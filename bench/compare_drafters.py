@@ -14,8 +14,15 @@ already exists under ``--out`` (delete the folder to start over):
 4. ``draftsmith eval`` of every drafter on the first ``--prompts`` held-out files (160-character prompts, as the demo
    uses), K = 6, greedy: every drafter's output is checked token for token against the target's.
 
+5. teacher-forced chains, a low-noise companion of step 4: the target continues ``--chain-prompts`` held-out prompts
+   greedily (``--chain-new-tokens`` tokens each), and every position of every continuation is taken as a round start:
+   a draft counts while it and all drafts before it equal the target's greedy tokens, which is what greedy
+   verification accepts. The KD student is scored from one forward pass over the continuation, the EAGLE-3 drafter
+   from one training-time-test unroll over it with the continuation's tokens as inputs (inside an accepted chain the
+   drafts are those tokens); tests/unit/test_eagle3_drafter.py checks that the unroll equals cached chain drafting.
+
 Writes ``OUT/compare.md`` (and prints it): tau overall, inside and outside the target's loops, and acceptance per draft
-position.
+position, for both evaluations.
 """
 
 from __future__ import annotations
@@ -31,7 +38,15 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from trainer.decoding.evaluate import load_prompts  # noqa: E402
+from trainer.decoding.metrics import loop_mask  # noqa: E402
+from trainer.export.eagle3 import load_any  # noqa: E402
+
 PROMPT_CHARS = 160
 
 
@@ -83,6 +98,61 @@ def fit_cmd(recipe: str, run_dir: Path, train_file: Path, seconds: int, extra: l
     ]  # fmt: skip
 
 
+def greedy_continuations(
+    target, tokenizer, prompts: Path, new_tokens: int, cache: Path
+) -> list[tuple[torch.Tensor, int]]:
+    """(prompt + greedy continuation [N], prompt length) of every prompt, cached in ``cache``."""
+    if cache.is_file():
+        return torch.load(cache)
+    out = []
+    for ids in load_prompts(prompts, tokenizer):
+        with torch.no_grad():
+            full = target.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)  # [1, N]
+        out.append((full[0], len(ids)))
+    torch.save(out, cache)
+    return out
+
+
+def accepted_lengths(target, spec: str, sequences, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy chain acceptance of ``spec`` (a KD student directory or ``eagle3:DIR``) from every round start of every
+    continuation: (accepted drafts [R] in 0..k, inside-a-loop flag [R] of the round's first drafted token)."""
+    from transformers import AutoModelForCausalLM
+
+    eagle = spec.startswith("eagle3:")
+    drafter = load_any(spec.split(":", 1)[1]) if eagle else AutoModelForCausalLM.from_pretrained(spec)
+    drafter.eval()
+    lengths, loops = [], []
+    for ids, prompt_len in sequences:
+        N = ids.numel()
+        with torch.no_grad():
+            if eagle:
+                out = target(ids[None], output_hidden_states=True)
+                fused = drafter.fuse([out.hidden_states[i][:, :-1] for i in drafter.config.aux_layers])  # [1, N-1, H]
+                stream = torch.nn.functional.pad(ids[None], (0, k))  # [1, N + k]
+                steps = drafter.unroll(target.get_input_embeddings(), fused, ids[None, 1:], k, stream)
+                # element t, step i drafts token t + 2 + i
+                hits = [
+                    drafter.to_target_ids(lg[0].argmax(-1))[: N - 2 - i] == ids[2 + i :] for i, lg in enumerate(steps)
+                ]
+            else:
+                right = drafter(ids[None]).logits[0].argmax(-1)[:-1] == ids[1:]  # [N - 1]: position s predicts s + 1
+                hits = [right[1 + i :] for i in range(k)]  # draft i of element t is the prediction at t + 1 + i
+        hits = torch.stack([h[: N - 1 - k] for h in hits], dim=1)  # [N - 1 - k, k], round starts whose chain fits
+        accepted = hits.long().cumprod(dim=1).sum(dim=1)  # [N - 1 - k]
+        first = prompt_len - 1  # element t's bonus token t + 1 is the first generated one
+        in_loop = torch.tensor(loop_mask(ids[prompt_len:].tolist()))  # [N - prompt_len]
+        lengths.append(accepted[first:])
+        loops.append(in_loop[: N - 1 - k - first])
+    return torch.cat(lengths), torch.cat(loops)
+
+
+def chain_row(label: str, accepted: torch.Tensor, in_loop: torch.Tensor, k: int) -> str:
+    """A table row: tau, tau inside / outside loops, acceptance of draft positions 1..k (as `draftsmith eval`)."""
+    tau = 1 + accepted.float()  # [R]
+    per_position = ", ".join(f"{(accepted >= d).float().mean():.2f}" for d in range(1, k + 1))
+    return f"| {label} | {tau.mean():.2f} | {tau[in_loop].mean():.2f} | {tau[~in_loop].mean():.2f} | {per_position} |"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--artifacts", default="artifacts", help="where `make demo` left the corpus and the target")
@@ -93,6 +163,8 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=10, help="held-out prompts in the evaluation")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="output tokens per evaluation prompt")
     parser.add_argument("--k", type=int, default=6, help="drafts per round")
+    parser.add_argument("--chain-prompts-per-file", type=int, default=3, help="held-out prompts per file for step 5")
+    parser.add_argument("--chain-new-tokens", type=int, default=96, help="greedy tokens per step-5 continuation")
     parser.add_argument("--completions", help="reuse the target completions of an earlier run (skips steps 1 and 2)")
     parser.add_argument("--kd-args", default="", help="extra `draftsmith fit` arguments of the KD run")
     parser.add_argument(
@@ -167,14 +239,33 @@ def main() -> int:
             + ", ".join("-" if a is None else f"{a:.2f}" for a in greedy["acceptance_per_position"])
             + " |"
         )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    chain_prompts = out / "chain_prompts.jsonl"
+    training_prompts(corpus / "heldout.jsonl", chain_prompts, args.chain_prompts_per_file, seed=1)
+    model = AutoModelForCausalLM.from_pretrained(target).eval()
+    sequences = greedy_continuations(
+        model, AutoTokenizer.from_pretrained(target), chain_prompts, args.chain_new_tokens, out / "chain_greedy.pt"
+    )
+    chain_rows = []
+    for label, spec in {"KD student": str(kd_dir), "EAGLE-3 chain": f"eagle3:{eagle_dir}"}.items():
+        accepted, in_loop = accepted_lengths(model, spec, sequences, args.k)
+        chain_rows.append(chain_row(label, accepted, in_loop, args.k))
+    header = ["| drafter | tau | tau in loops | tau off loops | acceptance per position |", "|---|---|---|---|---|"]
     table = "\n".join(
         [
             f"K = {args.k}, greedy, {args.prompts} held-out prompts, {args.max_new_tokens} new tokens each; KD student "
             f"and EAGLE-3 trained side by side for {args.train_seconds} s each on the target's completions.",
             "",
-            "| drafter | tau | tau in loops | tau off loops | acceptance per position |",
-            "|---|---|---|---|---|",
+            *header,
             *rows,
+            "",
+            f"Teacher-forced chains: every position of the target's greedy continuations ({args.chain_new_tokens} "
+            f"tokens) of {len(sequences)} held-out prompts as a round start, {int(accepted.numel())} rounds.",
+            "",
+            *header,
+            *chain_rows,
         ]
     )
     (out / "compare.md").write_text(table + "\n")
