@@ -1,6 +1,6 @@
 """Drafters side by side on the tiny target: prompt lookup, a KD student and EAGLE-3 (chain and tree), K = 6 greedy.
 
-    python bench/compare_drafters.py [--train-seconds 300] [--prompts 10]
+    python bench/compare_drafters.py [--train-seconds 300 | --steps 500,770] [--prompts 10]
 
 Needs the demo's artifacts (``make demo``: the corpus and the tiny target). Steps, each skipped when its output
 already exists under ``--out`` (delete the folder to start over):
@@ -9,8 +9,11 @@ already exists under ``--out`` (delete the folder to start over):
 2. ``draftsmith generate --prompt_field prompt``: the target completes every prompt greedily, so the drafters learn
    what the target says (the tiny target loops; a drafter trained on the corpus alone never sees that);
 3. the KD student (recipes/quickstart/kd.yaml) and the EAGLE-3 drafter (recipes/quickstart/eagle3.yaml) train on the
-   completions *at the same time*, one thread each, for the same wall-clock time (so both see the same machine
-   load), at a constant learning rate after warm-up (a run bounded by time has no step count to decay over);
+   completions *at the same time*, one thread each (so both see the same machine load): either for the same
+   wall-clock time ``--train-seconds``, at a constant learning rate after warm-up (a run bounded by time has no step
+   count to decay over, so the final weights are wherever the last steps left them), or for ``--steps KD,EAGLE3``
+   optimizer steps with the recipes' cosine decay (deterministic: seeded data order and initialisation; pick counts
+   that took the same time in a time-bounded run, the wall-clock time of each is written beside the table);
 4. ``draftsmith eval`` of every drafter on the first ``--prompts`` held-out files (160-character prompts, as the demo
    uses), K = 6, greedy: every drafter's output is checked token for token against the target's.
 
@@ -80,19 +83,31 @@ def training_prompts(train_file: Path, out: Path, per_file: int, seed: int) -> N
     out.write_text("".join(json.dumps(p) + "\n" for p in prompts))
 
 
-def fit_cmd(recipe: str, run_dir: Path, train_file: Path, seconds: int, extra: list[str]) -> list[str]:
+def fit_cmd(
+    recipe: str, run_dir: Path, train_file: Path, seconds: int, steps: int | None, extra: list[str]
+) -> list[str]:
+    """``draftsmith fit`` of ``recipe`` for ``steps`` optimizer steps (cosine decay), or ``seconds`` (constant)."""
     checkpoint = {
         "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
         "init_args": {"dirpath": str(run_dir / "checkpoints"), "save_top_k": 0, "save_last": True},
     }
-    hms = time.strftime("%H:%M:%S", time.gmtime(seconds))
+    if steps is not None:
+        length = ["--trainer.max_steps", str(steps)]
+    else:
+        hms = time.strftime("%H:%M:%S", time.gmtime(seconds))
+        length = [
+            "--trainer.max_steps",
+            "-1",
+            "--trainer.max_time",
+            f"00:{hms}",
+            "--model.init_args.optim.decay",
+            "constant",
+        ]  # the length of the run is a time, not a step count
     return [
         "draftsmith", "fit", "--config", recipe,
         "--trainer.default_root_dir", str(run_dir),
         "--trainer.logger.init_args.save_dir", str(run_dir),
-        "--trainer.callbacks", json.dumps([checkpoint]),
-        "--trainer.max_steps", "-1", "--trainer.max_time", f"00:{hms}", "--trainer.limit_val_batches", "0",
-        "--model.init_args.optim.decay", "constant",  # the length of the run is a time, not a number of steps
+        "--trainer.callbacks", json.dumps([checkpoint]), "--trainer.limit_val_batches", "0", *length,
         "--data.init_args.train_files", json.dumps([str(train_file)]),
         *extra,
     ]  # fmt: skip
@@ -158,6 +173,7 @@ def main() -> int:
     parser.add_argument("--artifacts", default="artifacts", help="where `make demo` left the corpus and the target")
     parser.add_argument("--out", default="artifacts/compare", help="output folder (steps already done are skipped)")
     parser.add_argument("--train-seconds", type=int, default=300, help="wall-clock training time of each drafter")
+    parser.add_argument("--steps", help="KD,EAGLE3: optimizer steps of each run (cosine decay) instead of a time")
     parser.add_argument("--prompts-per-file", type=int, default=3, help="training prompts cut from each train file")
     parser.add_argument("--new-tokens", type=int, default=192, help="tokens the target adds to each training prompt")
     parser.add_argument("--prompts", type=int, default=10, help="held-out prompts in the evaluation")
@@ -203,13 +219,17 @@ def main() -> int:
         ),
         "eagle3": ("recipes/quickstart/eagle3.yaml", eagle_dir / "model.safetensors", shlex.split(args.eagle3_args)),
     }  # fmt: skip
-    procs = {}
+    steps = dict(zip(fits, map(int, args.steps.split(",")))) if args.steps else dict.fromkeys(fits)
+    procs, started, seconds_file = {}, time.perf_counter(), out / "fit_seconds.json"
     for name, (recipe, done, extra) in fits.items():
         if not done.is_file():
-            cmd = fit_cmd(recipe, out / "runs" / name, regen, args.train_seconds, extra)
+            cmd = fit_cmd(recipe, out / "runs" / name, regen, args.train_seconds, steps[name], extra)
             procs[name] = run(cmd, out / f"fit_{name}.log", threads=1)
+    seconds = json.loads(seconds_file.read_text()) if seconds_file.is_file() else {}
     for name, proc in procs.items():
         wait(proc, out / f"fit_{name}.log")
+        seconds[name] = round(time.perf_counter() - started)  # both started together
+    seconds_file.write_text(json.dumps(seconds))
     if not (eagle_dir / "model.safetensors").is_file():
         ckpt = out / "runs" / "eagle3" / "checkpoints" / "last.ckpt"
         export = ["draftsmith", "export", "--ckpt", str(ckpt), "--out", str(eagle_dir), "--format", "eagle3"]
@@ -252,11 +272,15 @@ def main() -> int:
     for label, spec in {"KD student": str(kd_dir), "EAGLE-3 chain": f"eagle3:{eagle_dir}"}.items():
         accepted, in_loop = accepted_lengths(model, spec, sequences, args.k)
         chain_rows.append(chain_row(label, accepted, in_loop, args.k))
+    if args.steps:
+        trained = " and ".join(f"{name} {steps[name]} steps in {seconds.get(name, '?')} s" for name in fits)
+    else:
+        trained = f"for {args.train_seconds} s each"
     header = ["| drafter | tau | tau in loops | tau off loops | acceptance per position |", "|---|---|---|---|---|"]
     table = "\n".join(
         [
             f"K = {args.k}, greedy, {args.prompts} held-out prompts, {args.max_new_tokens} new tokens each; KD student "
-            f"and EAGLE-3 trained side by side for {args.train_seconds} s each on the target's completions.",
+            f"and EAGLE-3 trained side by side on the target's completions, {trained}.",
             "",
             *header,
             *rows,
