@@ -75,6 +75,39 @@ def test_tree_respects_depth_budget_and_mirrors_the_chain():
         proposer.propose(ctx)
 
 
+@pytest.mark.parametrize("seed", [5, 6, 7])
+def test_rank_temperature_spends_the_budget_on_the_greedy_path(seed):
+    """A drafter with a flat distribution but a clear argmax (logits of spread ~1 over 48 tokens): ranked at
+    temperature 1 the 8-node budget goes to width, ranked at the default 0.1 the tree holds the chain's whole path."""
+    target, drafter = target_and_drafter(seed)
+    with torch.no_grad():
+        drafter.lm_head.weight.mul_(1.0 / drafter.lm_head.weight.std() / 32**0.5)  # logits of spread ~1
+    embedding = target.get_input_embeddings()
+    tokens = torch.randint(0, 96, (15,))
+    with torch.no_grad():
+        out = target(tokens[None, :-1], output_hidden_states=True)
+    hidden = {i: out.hidden_states[i][0] for i in drafter.config.aux_layers}
+    ctx = ProposalContext(tokens=tokens, k=4, vocab_size=96, hidden_states=hidden)
+    chain = Eagle3Proposer(drafter, embedding).propose(ctx).tokens  # [4]
+
+    def greedy_path(tree) -> list[int]:
+        """Tokens along the first child at every depth (children follow their parents in node order)."""
+        path, node = [], -1
+        while True:
+            children = [i for i, p in enumerate(tree.parents.tolist()) if p == node]
+            if not children:
+                return path
+            node = children[0]
+            path.append(int(tree.tokens[node]))
+
+    wide = Eagle3TreeProposer(drafter, embedding, top_k=3, budget=8, rank_temperature=1.0).propose(ctx)
+    deep = Eagle3TreeProposer(drafter, embedding, top_k=3, budget=8).propose(ctx)
+    assert wide.max_depth() < 4
+    assert deep.max_depth() == 4 and greedy_path(deep) == chain.tolist()
+    with pytest.raises(ValueError, match="rank_temperature"):
+        Eagle3TreeProposer(drafter, embedding, rank_temperature=0.0)
+
+
 def test_sampled_chain_returns_the_distributions_it_drew_from():
     target, drafter = target_and_drafter(4)
     embedding = target.get_input_embeddings()
