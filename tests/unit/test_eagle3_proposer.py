@@ -34,6 +34,15 @@ def target_and_drafter(seed: int, vocab: int = 96, layers: int = 4):
     return target, drafter
 
 
+def first_round(target, drafter, k: int = 4) -> ProposalContext:
+    """The context of a first round after 15 random tokens: the target's hidden states of the drafter's layers."""
+    tokens = torch.randint(0, 96, (15,))
+    with torch.no_grad():
+        out = target(tokens[None, :-1], output_hidden_states=True)
+    hidden = {i: out.hidden_states[i][0] for i in drafter.config.aux_layers}
+    return ProposalContext(tokens=tokens, k=k, vocab_size=96, hidden_states=hidden)
+
+
 @pytest.mark.parametrize("kind", ["chain", "tree"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_greedy_is_lossless(kind, seed):
@@ -56,12 +65,7 @@ def test_greedy_is_lossless(kind, seed):
 def test_tree_respects_depth_budget_and_mirrors_the_chain():
     """The tree's top path starts with the chain's greedy drafts, and a top_k=1 tree is exactly the chain."""
     target, drafter = target_and_drafter(3)
-    embedding = target.get_input_embeddings()
-    tokens = torch.randint(0, 96, (15,))
-    with torch.no_grad():
-        out = target(tokens[None, :-1], output_hidden_states=True)
-    hidden = {i: out.hidden_states[i][0] for i in drafter.config.aux_layers}
-    ctx = ProposalContext(tokens=tokens, k=4, vocab_size=96, hidden_states=hidden)
+    embedding, ctx = target.get_input_embeddings(), first_round(target, drafter)
     chain = Eagle3Proposer(drafter, embedding).propose(ctx)
     tree = Eagle3TreeProposer(drafter, embedding, top_k=3, budget=9).propose(ctx)
     assert tree.num_nodes == 9 and tree.max_depth() <= 4
@@ -82,12 +86,7 @@ def test_rank_temperature_spends_the_budget_on_the_greedy_path(seed):
     target, drafter = target_and_drafter(seed)
     with torch.no_grad():
         drafter.lm_head.weight.mul_(1.0 / drafter.lm_head.weight.std() / 32**0.5)  # logits of spread ~1
-    embedding = target.get_input_embeddings()
-    tokens = torch.randint(0, 96, (15,))
-    with torch.no_grad():
-        out = target(tokens[None, :-1], output_hidden_states=True)
-    hidden = {i: out.hidden_states[i][0] for i in drafter.config.aux_layers}
-    ctx = ProposalContext(tokens=tokens, k=4, vocab_size=96, hidden_states=hidden)
+    embedding, ctx = target.get_input_embeddings(), first_round(target, drafter)
     chain = Eagle3Proposer(drafter, embedding).propose(ctx).tokens  # [4]
 
     def greedy_path(tree) -> list[int]:
