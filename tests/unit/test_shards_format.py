@@ -5,6 +5,9 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import re
+import tarfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -148,6 +151,30 @@ def test_corrupted_values_are_refused(tmp_path):
     (tmp_path / info.file).write_bytes(bytes(raw))
     with pytest.raises(ShardError, match="sha256"):
         list(iter_shard(tmp_path / info.file, META, verify_sha256=info.sha256))
+
+
+def flip_payload_bytes(path: Path, member: str, array: np.ndarray) -> None:
+    """Changes two bytes inside the data of ``member`` (after its .npy header): the shard still parses."""
+    with tarfile.open(path) as tar:
+        start = tar.getmember(member).offset_data + len(encode_npy(array)) - array.nbytes
+    raw = bytearray(path.read_bytes())
+    raw[start + 1] ^= 0x01
+    raw[start + 4] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+def test_two_changed_payload_bytes_are_refused_naming_the_shard(tmp_path):
+    info, samples = write(tmp_path)
+    path = tmp_path / info.file
+    flip_payload_bytes(path, "000000003.hidden_2.npy", samples[3]["hidden_2"])
+    unchecked = list(iter_shard(path, META))  # every array still parses and passes the value checks
+    assert len(unchecked) == 5 and not np.array_equal(unchecked[3][1]["hidden_2"], samples[3]["hidden_2"])
+    with pytest.raises(ShardError, match=re.escape(f"{path}: sha256 ") + r"\w+ differs from the manifest's"):
+        list(iter_shard(path, META, verify_sha256=info.sha256))
+    with pytest.raises(ShardError, match="sha256"):  # members read but not decoded are hashed too
+        list(iter_shard(path, META, verify_sha256=info.sha256, fields=("tokens", "loss_mask")))
+    intact, _ = write(tmp_path, name="intact.tar")  # the check passes on an unchanged shard (one read, not two)
+    assert len(list(iter_shard(tmp_path / intact.file, META, verify_sha256=intact.sha256))) == 5
 
 
 def test_manifest_lists_finished_shards_and_catches_truncation(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from tests.unit.test_shards_format import META, sample
+from tests.unit.test_shards_format import META, flip_payload_bytes, sample
 from trainer.data.shard_datamodule import ShardDataModule, ShardLoader, round_robin
 from trainer.data.shards import ShardError, ShardWriter, write_manifest
 
@@ -132,6 +132,29 @@ def test_broken_shard_raises_naming_it_or_is_skipped_and_counted(shard_dir, tmp_
         got = digests(loader(skip))
     assert len(got) == len(loader(skip))  # the share is refilled: the epoch keeps its length
     assert "train-000002.tar" in caplog.text and "samples skipped so far" in caplog.text
+
+
+def test_a_shard_with_changed_bytes_is_refused_by_default(shard_dir, tmp_path, caplog):
+    import shutil
+
+    changed = tmp_path / "changed"
+    shutil.copytree(shard_dir, changed)
+    path = changed / "train-000001.tar"
+    first = sum(SIZES[:1])  # the key of the shard's first sample
+    flip_payload_bytes(path, f"{first + 2:09d}.hidden_0.npy", sample(np.random.default_rng(0))["hidden_0"])
+    dm = ShardDataModule(str(changed), batch_size=2, shuffle_buffer=0, shuffle_shards=False)
+    assert dm.verify_sha256
+    with pytest.raises(ShardError, match=r"train-000001\.tar: sha256 \w+ differs from the manifest"):
+        digests(loader(dm))
+    with pytest.raises(ShardError, match=r"train-000001\.tar: sha256"):
+        list(dm.training_rows())
+    skip = ShardDataModule(str(changed), batch_size=2, shuffle_buffer=0, shuffle_shards=False, on_error="skip")
+    with caplog.at_level(logging.WARNING):
+        digests(loader(skip))
+    assert "train-000001.tar: sha256" in caplog.text
+    off = ShardDataModule(str(changed), batch_size=2, shuffle_buffer=0, shuffle_shards=False, verify_sha256=False)
+    intact = ShardDataModule(str(shard_dir), batch_size=2, shuffle_buffer=0, shuffle_shards=False)
+    assert digests(loader(off)) == digests(loader(intact))  # unchecked, the change passes: only hidden_0 differs
 
 
 def test_too_few_shards_for_the_world_is_refused(shard_dir):

@@ -5,6 +5,10 @@ A row holds `seq_len + 1` token ids and a per-token "trained" flag; an example b
     input_ids  [S] long   row[:-1]
     labels     [S] long   row[1:] (the next token), IGNORE_INDEX where it is not trained
     loss_mask  [S] bool   True where labels is trained (aligned with labels)
+
+A row "has nothing to train" when no label is trained (`trained[1:]` all False; `trained[0]` is never a label of its
+row). `label_sources` tells which stream (file) each label of a row comes from, so that callers can drop such rows
+and count trained tokens per file.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 from torch.utils.data import Dataset
 
 IGNORE_INDEX = -100
+MIN_PAD_TOKENS = 2  # pad_rows drops streams shorter than this: one token gives no label
 
 
 class TokenRows(Dataset):
@@ -57,7 +62,7 @@ def pack_rows(streams: list[tuple[np.ndarray, np.ndarray]], seq_len: int) -> tup
 
 def pad_rows(streams: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     """One row per stream: truncated to seq_len + 1 tokens or right-padded with pad_id (pads not trained)."""
-    keep = [s for s in streams if s[0].shape[0] >= 2]
+    keep = [s for s in streams if s[0].shape[0] >= MIN_PAD_TOKENS]
     ids = np.full((len(keep), seq_len + 1), pad_id, np.int32)  # [R, S + 1]
     trained = np.zeros((len(keep), seq_len + 1), bool)  # [R, S + 1]
     for r, (doc_ids, doc_trained) in enumerate(keep):
@@ -65,3 +70,30 @@ def pad_rows(streams: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id:
         ids[r, :n] = doc_ids[:n]
         trained[r, :n] = doc_trained[:n]
     return ids, trained
+
+
+def label_sources(lengths: np.ndarray, tags: np.ndarray, seq_len: int, pack: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The tag of the stream each label of `pack_rows` (pack=True) or `pad_rows` (pack=False) rows comes from.
+
+    Args:
+        lengths: [D] tokens of each stream, in the order given to pack_rows / pad_rows.
+        tags: [D] an integer tag of each stream (e.g. the index of its file).
+        seq_len: the rows' seq_len.
+        pack: whether the rows were packed (True) or padded (False).
+
+    Returns tag [R, S] (label j of a row is its token j + 1) and real [R, S] bool: the label is a stream token, not
+    padding. The arrays may be read-only views.
+    """
+    lengths = np.asarray(lengths, np.int64)
+    tags = np.asarray(tags)
+    if pack:
+        total = int(lengths.sum())
+        rows = max(0, (total - 1) // seq_len)
+        per_token = np.repeat(tags, lengths)  # [N]
+        label = per_token[1 : rows * seq_len + 1].reshape(rows, seq_len)  # [R, S]
+        return label, np.ones((rows, seq_len), bool)
+    keep = lengths >= MIN_PAD_TOKENS
+    n = np.minimum(lengths[keep], seq_len + 1)  # [R] stream tokens in each row
+    label = np.broadcast_to(tags[keep][:, None], (int(keep.sum()), seq_len))  # [R, S]
+    real = np.arange(1, seq_len + 1)[None, :] < n[:, None]  # [R, S]
+    return label, real

@@ -20,7 +20,10 @@ The meta records the schema version, the teacher (path and a fingerprint), the t
 size, k, temperature, seq_len, dtypes and hidden layers. Readers check it against the recipe and refuse a mismatch.
 
 Safety: arrays are .npy parsed by header (``allow_pickle`` is never used); the dtype, shape and id range of every
-array are checked before use, so a broken or hostile shard gives an error naming the shard and sample.
+array are checked before use, so a broken or hostile shard gives an error naming the shard and sample. Changed bytes
+that still parse (a flipped bit in a hidden state) are caught by the sha256 the manifest records: ``iter_shard``
+hashes the bytes as it streams them (one read of the file) and raises naming the shard when the digest differs, at
+the end of the shard, so the samples before the check have already been served.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import tarfile
 from collections.abc import Collection, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -272,19 +275,39 @@ def load_manifest(folder: str | Path) -> tuple[ShardMeta, list[ShardInfo]]:
     return meta, shards
 
 
+class _HashingReader:
+    """A read-only binary stream that feeds every byte read through sha256 (tarfile's stream mode reads in order)."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self.raw, self.hash = raw, hashlib.sha256()
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.raw.read(size)
+        self.hash.update(data)
+        return data
+
+    def hexdigest_to_end(self) -> str:
+        """The digest of the whole file: reads (and hashes) what tarfile left after the end-of-archive block."""
+        while chunk := self.raw.read(1 << 22):
+            self.hash.update(chunk)
+        return self.hash.hexdigest()
+
+
 def iter_shard(
     path: Path, meta: ShardMeta, verify_sha256: str | None = None, fields: Collection[str] | None = None
 ) -> Iterator[tuple[str, dict]]:
     """Streams (key, {field: array}) from one shard, validated against ``meta``; errors name shard and sample.
 
-    ``fields`` (default: all) limits what is read and decoded: the other members are checked by name and skipped.
+    ``verify_sha256`` (the manifest's digest; None: not checked) is compared with the sha256 of the bytes read, hashed
+    as they stream (one read of the file): a mismatch raises ShardError naming the shard before the last sample is
+    yielded, i.e. after the others were. A reader that stops early (a worker's share ending inside a shard) checks
+    nothing. ``fields`` (default: all) limits what is decoded: the other members are checked by name and skipped (they
+    are still read, and hashed).
     """
     spec = meta.sample_spec()
     wanted = set(spec) if fields is None else set(fields)
     if not wanted <= set(spec):
         raise ValueError(f"{path}: fields {sorted(wanted - set(spec))} are not in the shards' schema {sorted(spec)}")
-    if verify_sha256 is not None and file_sha256(path) != verify_sha256:
-        raise ShardError(f"{path}: sha256 differs from the manifest (the shard is corrupted)")
     key, arrays, seen = None, {}, set()
 
     def finish() -> tuple[str, dict]:
@@ -295,23 +318,33 @@ def iter_shard(
         return key, arrays
 
     try:
-        with tarfile.open(path, mode="r|") as tar:
-            for member in tar:
-                stem, _, rest = member.name.partition(".")
-                name = rest[: -len(".npy")] if rest.endswith(".npy") else None
-                if not member.isfile() or name not in spec:
-                    raise ShardError(f"{path} sample {stem}: unexpected member {member.name!r}")
-                if stem != key:
-                    if key is not None:
-                        yield finish()
-                    key, arrays, seen = stem, {}, set()
-                if member.size > 64 * int(np.prod(spec[name][0])) + 4096:
-                    raise ShardError(f"{path} sample {key}: member {member.name} has {member.size} bytes")
-                seen.add(name)
-                if name not in wanted:
-                    continue  # the stream moves past the member's bytes without keeping them
-                data = tar.extractfile(member).read()
-                arrays[name] = decode_npy(data, *spec[name], f"{path} sample {key} field {name}")
+        with open(path, "rb") as raw:
+            reader = _HashingReader(raw) if verify_sha256 is not None else raw
+            with tarfile.open(fileobj=reader, mode="r|") as tar:
+                for member in tar:
+                    stem, _, rest = member.name.partition(".")
+                    name = rest[: -len(".npy")] if rest.endswith(".npy") else None
+                    if not member.isfile() or name not in spec:
+                        raise ShardError(f"{path} sample {stem}: unexpected member {member.name!r}")
+                    if stem != key:
+                        if key is not None:
+                            yield finish()
+                        key, arrays, seen = stem, {}, set()
+                    if member.size > 64 * int(np.prod(spec[name][0])) + 4096:
+                        raise ShardError(f"{path} sample {key}: member {member.name} has {member.size} bytes")
+                    seen.add(name)
+                    if name not in wanted:
+                        continue  # the stream moves past the member's bytes without keeping them
+                    data = tar.extractfile(member).read()
+                    arrays[name] = decode_npy(data, *spec[name], f"{path} sample {key} field {name}")
+            if isinstance(reader, _HashingReader):
+                digest = reader.hexdigest_to_end()
+                if digest != verify_sha256:
+                    raise ShardError(
+                        f"{path}: sha256 {digest[:16]} differs from the manifest's {str(verify_sha256)[:16]}: the"
+                        " shard is corrupted or was replaced after precompute (the samples read before this check"
+                        " came from it)"
+                    )
     except (tarfile.TarError, OSError, EOFError) as err:
         raise ShardError(f"{path} after sample {key}: broken tar ({type(err).__name__}: {err})") from err
     if key is not None:

@@ -15,9 +15,22 @@ one row, truncated to `seq_len + 1` tokens or right-padded with the pad token (p
 Chat (`format="chat"`): each conversation (a list of {"role", "content"} messages) goes through the tokenizer's chat
 template with `return_assistant_tokens_mask=True`; only assistant tokens are trained. An EOS is appended (not
 trained) when the rendered conversation does not end with one; rows are then packed or padded as for text.
+A conversation without an assistant turn is left out with a warning naming the file, the count and the first
+records; a file where no conversation has one is an error.
 
-Tokenized rows are cached as .npy files under `cache_dir`, keyed by the files (path, size, modification time), the
-tokenizer hash and every argument that changes the rows, so a rerun skips reading and tokenizing.
+Rows with nothing to train (no trained label: a packed row inside a long prompt, a padded row whose prompt fills
+`seq_len`) are dropped from the training and validation rows and counted in a log line per file, so that every batch
+has a trained label. Data where nothing is trained is refused, and so is data whose trained share of label tokens
+is below `min_trained_fraction`: per file for local files (the error names each file and its share), over the whole
+source for a hub split or a validation carve-out.
+
+Local files: `train_files` / `val_files` entries are files, folders (every supported file inside, recursively,
+sorted; hidden entries skipped) or glob patterns (`data/*.jsonl`, `data/**/*.txt`). .jsonl files (and .json files in
+JSON-lines form) are read line by line here: a broken line is an error `FILE:LINE: not valid JSON (...)`.
+
+Tokenized rows are cached as .npy files under `cache_dir`, keyed by the expanded file list (path, size, modification
+time of each file), the tokenizer hash and every argument that changes the rows, so a rerun skips reading and
+tokenizing.
 
 The train loader uses `ResumableSampler`: see trainer/data/sampler.py for how the data position is saved in
 checkpoints and restored exactly.
@@ -25,10 +38,12 @@ checkpoints and restored exactly.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,16 +51,100 @@ import lightning as L
 import numpy as np
 from torch.utils.data import DataLoader
 
-from trainer.data.packing import TokenRows, pack_rows, pad_rows
+from trainer.data.packing import TokenRows, label_sources, pack_rows, pad_rows
 from trainer.data.sampler import ResumableSampler, resume_point
 from trainer.data.tokenizer import load_tokenizer, tokenizer_hash
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: rows with nothing to train are dropped
 _TEXT_SUFFIXES = (".txt",)
 _JSON_SUFFIXES = (".jsonl", ".json")
 _PARQUET_SUFFIXES = (".parquet",)
+_GLOB_CHARS = ("*", "?", "[")
+_SHOW_RECORDS = 5  # records named in a warning about several
+
+
+def _supported(p: Path, suffixes: tuple[str, ...], skip: Path | None) -> bool:
+    return p.is_file() and p.suffix.lower() in suffixes and (skip is None or not p.resolve().is_relative_to(skip))
+
+
+def _folder_files(folder: Path, suffixes: tuple[str, ...], skip: Path | None) -> list[str]:
+    """Every file with one of `suffixes` under `folder` (recursively; hidden files and folders skipped), sorted."""
+    found = []
+    for p in sorted(folder.rglob("*")):
+        if any(part.startswith(".") for part in p.relative_to(folder).parts):
+            continue
+        if _supported(p, suffixes, skip):
+            found.append(str(p))
+    return found
+
+
+def expand_data_files(paths: list[str], suffixes: tuple[str, ...], skip: str | None = None) -> list[str]:
+    """The files that `train_files` / `val_files` entries name, in order: a file is itself, a folder gives every file
+    with one of `suffixes` inside it (recursively, sorted), a glob pattern gives its sorted matches (folders among them
+    expanded, files without a supported suffix left out). Files under `skip` (the cache folder) are never listed.
+
+    Raises FileNotFoundError naming the entry when a path does not exist or a folder or pattern holds no supported file.
+    """
+    skip_path = Path(skip).resolve() if skip else None
+    kinds = ", ".join(suffixes)
+    out: list[str] = []
+    for entry in paths:
+        path = os.path.expanduser(str(entry))
+        p = Path(path)
+        if p.is_file():
+            out.append(path)
+        elif p.is_dir():
+            found = _folder_files(p, suffixes, skip_path)
+            if not found:
+                raise FileNotFoundError(f"data folder {entry} holds no data file ({kinds})")
+            out.extend(found)
+        elif any(c in path for c in _GLOB_CHARS):
+            found = []
+            for match in sorted(glob.glob(path, recursive=True)):
+                m = Path(match)
+                if m.is_dir():
+                    found.extend(_folder_files(m, suffixes, skip_path))
+                elif _supported(m, suffixes, skip_path):
+                    found.append(match)
+            if not found:
+                raise FileNotFoundError(f"data pattern {entry} matches no data file ({kinds})")
+            out.extend(found)
+        else:
+            raise FileNotFoundError(f"data file not found: {entry}")
+    return out
+
+
+@dataclass
+class _Docs:
+    """Documents (str) or conversations (message lists) with the file and record each came from."""
+
+    items: list[Any]
+    source: np.ndarray  # [N] int64: index into `names`
+    record: np.ndarray  # [N] int64: line number (unit "line") or record index (unit "record") in its source
+    names: list[str]  # the sources: file paths or "hub_name[split]"
+    units: list[str]  # per source: "line", "record" or "file" (one document per file)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def where(self, i: int) -> str:
+        """`FILE:LINE`, `SOURCE record N` or `FILE` for document i."""
+        s = int(self.source[i])
+        unit = self.units[s]
+        if unit == "line":
+            return f"{self.names[s]}:{int(self.record[i])}"
+        return self.names[s] if unit == "file" else f"{self.names[s]} record {int(self.record[i])}"
+
+    def take(self, index: np.ndarray) -> _Docs:
+        """The documents at `index` (in that order), keeping their sources."""
+        return _Docs(
+            [self.items[i] for i in index.tolist()], self.source[index], self.record[index], self.names, self.units
+        )
+
+    def label(self) -> str:
+        return ", ".join(self.names)
 
 
 class ResumableLoader(DataLoader):
@@ -88,13 +187,16 @@ class TextDataModule(L.LightningDataModule):
         max_documents: int | None = None,
         cache_dir: str | None = None,
         trust_remote_code: bool = False,
+        min_trained_fraction: float = 0.01,
     ) -> None:
         """Configure the data; nothing is read until `prepare_data` / `setup`.
 
         Args:
             tokenizer: tokenizer folder or hub id (AutoTokenizer); required.
-            train_files: local training files: .txt (one document per file), .jsonl / .json, .parquet.
-            val_files: local validation files, same formats; when None see `val_split` and `val_fraction`.
+            train_files: local training data: files (.txt: one document per file; .jsonl / .json; .parquet), folders
+                (every such file inside, recursively, sorted; .txt only for format="text") or glob patterns
+                (`data/*.jsonl`, `data/**/*.parquet`); an entry matching no data file is an error.
+            val_files: local validation data, same forms; when None see `val_split` and `val_fraction`.
             dataset_name: a `datasets` hub name or loading script, used when `train_files` is None (needs network).
             dataset_config: the hub data set's configuration name.
             train_split: split of `dataset_name` used for training.
@@ -114,6 +216,9 @@ class TextDataModule(L.LightningDataModule):
             cache_dir: folder for tokenized rows (and `datasets`' own cache, under hf/); None uses $DRAFTSMITH_CACHE
                 or ~/.cache/draftsmith/tokenized.
             trust_remote_code: let the tokenizer run code from the hub (off unless a recipe asks).
+            min_trained_fraction: refuse data whose trained share of label tokens (assistant tokens for chat) is below
+                this, per local file (over the whole source for a hub split or a carve-out), naming the file and its
+                share; 0 disables this check. Data with no trained token at all is always refused.
         """
         super().__init__()
         if seq_len < 1 or batch_size < 1:
@@ -122,6 +227,8 @@ class TextDataModule(L.LightningDataModule):
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
         if format not in ("text", "chat"):
             raise ValueError(f"format must be 'text' or 'chat', got {format!r}")
+        if not 0.0 <= min_trained_fraction < 1.0:
+            raise ValueError(f"min_trained_fraction must be in [0, 1), got {min_trained_fraction}")
         self.save_hyperparameters()
         self.tokenizer_path = tokenizer
         self.train_files = list(train_files) if train_files else None
@@ -146,6 +253,7 @@ class TextDataModule(L.LightningDataModule):
             "DRAFTSMITH_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "draftsmith", "tokenized")
         )
         self.trust_remote_code = trust_remote_code
+        self.min_trained_fraction = min_trained_fraction
         self._tokenizer: Any = None
         self.train_dataset: TokenRows | None = None
         self.val_dataset: TokenRows | None = None
@@ -172,8 +280,76 @@ class TextDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------ reading
 
-    def _read_file(self, path: str) -> list[Any]:
-        """The documents (str) or conversations (list of messages) in one local file."""
+    def _key(self) -> str:
+        return self.messages_field if self.format == "chat" else self.text_field
+
+    def _field(self, record: Any, where: str) -> Any:
+        """The document or conversation of one JSON record read at `where`."""
+        key = self._key()
+        if not isinstance(record, dict):
+            raise ValueError(f"{where}: expected a JSON object with key {key!r}, got a {type(record).__name__}")
+        if key not in record:
+            raise KeyError(f"{where}: record has no key {key!r} (keys: {', '.join(record)})")
+        return record[key]
+
+    def _read_json_lines(self, p: Path, path: str) -> tuple[list[Any], list[int]]:
+        """The records of a JSON-lines file, parsed one line at a time (blank lines skipped), and their line numbers."""
+        items: list[Any] = []
+        lines: list[int] = []
+        with open(p, "rb") as f:
+            for number, raw in enumerate(f, 1):
+                if not raw.strip():
+                    continue
+                try:
+                    record = json.loads(raw)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}:{number}: not valid JSON ({err.msg}, column {err.colno})") from err
+                except UnicodeDecodeError as err:
+                    raise ValueError(f"{path}:{number}: not valid JSON (not UTF-8: {err.reason})") from err
+                items.append(self._field(record, f"{path}:{number}"))
+                lines.append(number)
+        return items, lines
+
+    def _read_json(self, p: Path, path: str) -> tuple[list[Any], list[int], str]:
+        """A .json file: a JSON array of records, JSON lines, or (read by `datasets`) one object of columns."""
+        try:
+            text = p.read_text(encoding="utf-8-sig")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{path}: not valid JSON (not UTF-8 at byte {err.start}: {err.reason})") from err
+        if not text.strip():
+            return [], [], "record"
+        try:
+            whole = json.loads(text)
+        except json.JSONDecodeError as err:
+            if err.msg != "Extra data" or text.lstrip().startswith("["):
+                raise ValueError(f"{path}:{err.lineno}: not valid JSON ({err.msg}, column {err.colno})") from err
+            whole = None  # a first value followed by more: JSON lines, read (and checked) one line at a time
+        if isinstance(whole, list):
+            items = [self._field(r, f"{path} record {i}") for i, r in enumerate(whole)]
+            return items, list(range(len(items))), "record"
+        if isinstance(whole, dict):  # one object: `datasets` reads it (e.g. columns of lists)
+            items = self._read_datasets("json", p, path)
+            return items, list(range(len(items))), "record"
+        if whole is not None:
+            raise ValueError(f"{path}: expected JSON records, got a {type(whole).__name__}")
+        del text  # the line reader reads the file again, one line at a time
+        items, lines = self._read_json_lines(p, path)
+        return items, lines, "line"
+
+    def _read_datasets(self, builder: str, p: Path, path: str) -> list[Any]:
+        import datasets
+
+        try:
+            ds = datasets.load_dataset(
+                builder, data_files=[str(p)], split="train", cache_dir=os.path.join(self.cache_dir, "hf")
+            )
+        except Exception as err:  # datasets wraps parser errors in several types
+            raise ValueError(f"could not read {path}: {err}") from err
+        return self._column(ds, path)
+
+    def _read_file(self, path: str) -> tuple[list[Any], list[int], str]:
+        """The documents (str) or conversations (list of messages) in one local file, the number of each record and
+        the unit of those numbers: "line" (.jsonl), "record" (index in the file) or "file" (.txt: one document)."""
         p = Path(path)
         if not p.is_file():
             raise FileNotFoundError(f"data file not found: {path}")
@@ -181,24 +357,19 @@ class TextDataModule(L.LightningDataModule):
         if suffix in _TEXT_SUFFIXES:
             if self.format == "chat":
                 raise ValueError(f"{path}: a .txt file holds plain text; chat data needs .jsonl, .json or .parquet")
-            return [p.read_text(encoding="utf-8", errors="replace")]
-        if suffix in _JSON_SUFFIXES or suffix in _PARQUET_SUFFIXES:
-            import datasets
-
-            builder = "parquet" if suffix in _PARQUET_SUFFIXES else "json"
-            if builder == "json" and p.stat().st_size < (1 << 16) and not p.read_bytes().strip():
-                return []  # an empty file: reported with the other sources when nothing is left
-            try:
-                ds = datasets.load_dataset(
-                    builder, data_files=[str(p)], split="train", cache_dir=os.path.join(self.cache_dir, "hf")
-                )
-            except Exception as err:  # datasets wraps parser errors in several types
-                raise ValueError(f"could not read {path}: {err}") from err
-            return self._column(ds, path)
+            return [p.read_text(encoding="utf-8", errors="replace")], [0], "file"
+        if suffix == ".jsonl":
+            items, lines = self._read_json_lines(p, path)
+            return items, lines, "line"
+        if suffix == ".json":
+            return self._read_json(p, path)
+        if suffix in _PARQUET_SUFFIXES:
+            items = self._read_datasets("parquet", p, path)
+            return items, list(range(len(items))), "record"
         raise ValueError(f"{path}: unsupported data file type {suffix!r} (use .txt, .jsonl, .json or .parquet)")
 
     def _column(self, ds: Any, source: str) -> list[Any]:
-        key = self.messages_field if self.format == "chat" else self.text_field
+        key = self._key()
         if len(ds) == 0:
             return []
         if key not in ds.column_names:
@@ -216,76 +387,224 @@ class TextDataModule(L.LightningDataModule):
             raise FileNotFoundError(f"data set {self.dataset_name!r} (split {split!r}) not found: {err}") from err
         return self._column(ds, f"{self.dataset_name}[{split}]")
 
+    def _expand(self, paths: list[str]) -> list[str]:
+        suffixes = (() if self.format == "chat" else _TEXT_SUFFIXES) + _JSON_SUFFIXES + _PARQUET_SUFFIXES
+        return expand_data_files(paths, suffixes, skip=self.cache_dir)
+
     def _sources(self, role: str) -> tuple[list[str], str | None]:
-        """(local files, hub split) for 'train' or 'val'."""
+        """(local files, folders and patterns expanded; hub split) for 'train' or 'val'."""
         if role == "train":
             if self.train_files:
-                return self.train_files, None
+                return self._expand(self.train_files), None
             if self.dataset_name:
                 return [], self.train_split
             raise ValueError("TextDataModule needs `train_files` or `dataset_name`")
         if self.val_files:
-            return self.val_files, None
+            return self._expand(self.val_files), None
         if self.dataset_name and self.val_split:
             return [], self.val_split
         return [], None
 
-    def _documents(self, files: list[str], split: str | None) -> list[Any]:
-        docs: list[Any] = []
+    def _documents(self, files: list[str], split: str | None) -> _Docs:
+        items: list[Any] = []
+        sources: list[np.ndarray] = []
+        records: list[np.ndarray] = []
+        names: list[str] = []
+        units: list[str] = []
         for f in files:
-            docs.extend(self._read_file(f))
+            got, numbers, unit = self._read_file(f)
+            items.extend(got)
+            sources.append(np.full(len(got), len(names), np.int64))
+            records.append(np.asarray(numbers, np.int64))
+            names.append(f)
+            units.append(unit)
         if split is not None:
-            docs.extend(self._read_hub(split))
-        return docs
+            got = self._read_hub(split)
+            items.extend(got)
+            sources.append(np.full(len(got), len(names), np.int64))
+            records.append(np.arange(len(got), dtype=np.int64))
+            names.append(f"{self.dataset_name}[{split}]")
+            units.append("record")
+        empty = np.zeros(0, np.int64)
+        source = np.concatenate(sources) if sources else empty
+        return _Docs(items, source, np.concatenate(records) if records else empty, names, units)
 
     # ------------------------------------------------------------------ tokenizing
 
-    def _tokenize_text(self, docs: list[str], source: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    def _tokenize_text(self, docs: _Docs) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray]:
+        """(ids, trained) of every document (all trained) and the source of each."""
         eos = self.tokenizer.eos_token_id
         streams = []
         for start in range(0, len(docs), 512):
-            chunk = docs[start : start + 512]
+            chunk = docs.items[start : start + 512]
             for i, d in enumerate(chunk):
                 if not isinstance(d, str):
-                    raise TypeError(f"{source}: document {start + i} field {self.text_field!r} is not a string")
+                    raise TypeError(f"{docs.where(start + i)}: field {self.text_field!r} is not a string")
             enc = self.tokenizer(chunk, add_special_tokens=False)["input_ids"]
             for ids in enc:
                 arr = np.asarray([*ids, eos], np.int32)
                 streams.append((arr, np.ones_like(arr, dtype=bool)))
-        return streams
+        return streams, docs.source
 
-    def _tokenize_chat(self, convs: list[Any], source: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    def _tokenize_chat(
+        self, docs: _Docs
+    ) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray, dict[int, tuple[int, list[str]]]]:
+        """(ids, assistant mask) of every conversation with an assistant turn, the source of each, and per source the
+        number of conversations without an assistant turn (left out, with a warning) and the roles they hold."""
         tok = self.tokenizer
         if not getattr(tok, "chat_template", None):
             raise ValueError(f"tokenizer {self.tokenizer_path} has no chat template: format='chat' needs one")
         eos = tok.eos_token_id
         streams = []
-        for i, messages in enumerate(convs):
+        tags: list[int] = []
+        missing: dict[int, list[int]] = {}  # source -> documents without an assistant turn
+        roles: dict[int, set[str]] = {}
+        for i, messages in enumerate(docs.items):
             if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-                raise TypeError(f"{source}: conversation {i} field {self.messages_field!r} is not a list of messages")
-            out = tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+                raise TypeError(f"{docs.where(i)}: field {self.messages_field!r} is not a list of messages")
+            if not any(m.get("role") == "assistant" for m in messages):
+                s = int(docs.source[i])
+                missing.setdefault(s, []).append(i)
+                seen = roles.setdefault(s, set())
+                for m in messages:
+                    seen.add(repr(m["role"]) if "role" in m else f"no 'role' key (keys: {', '.join(map(str, m))})")
+                continue
+            try:
+                out = tok.apply_chat_template(
+                    messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+                )
+            except Exception as err:  # jinja raises its own types (unknown roles, missing keys)
+                raise ValueError(f"{docs.where(i)}: the chat template failed on this conversation: {err}") from err
             ids = list(out["input_ids"])
             mask = list(out["assistant_masks"])
-            if not any(mask) and any(m.get("role") == "assistant" for m in messages):
+            if not any(mask):
                 raise ValueError(
-                    f"{source}: the chat template of {self.tokenizer_path} marks no assistant tokens in conversation"
-                    f" {i}; it needs {{% generation %}} blocks around assistant turns"
+                    f"{docs.where(i)}: the chat template of {self.tokenizer_path} marks no assistant tokens in this"
+                    " conversation; it needs {% generation %} blocks around assistant turns"
                 )
             if not ids or ids[-1] != eos:
                 ids.append(eos)
                 mask.append(0)
             streams.append((np.asarray(ids, np.int32), np.asarray(mask, bool)))
-        return streams
+            tags.append(int(docs.source[i]))
+        counts = np.bincount(docs.source, minlength=len(docs.names))
+        for s, idx in missing.items():
+            shown = ", ".join(docs.where(i) for i in idx[:_SHOW_RECORDS]) + (
+                ", ..." if len(idx) > _SHOW_RECORDS else ""
+            )
+            log.warning(
+                "%s: %d of %d conversations have no assistant turn and are left out (nothing in them is trained;"
+                " roles seen: %s): %s",
+                docs.names[s],
+                len(idx),
+                counts[s],
+                ", ".join(sorted(roles[s])) or "none",
+                shown,
+            )
+        info = {s: (len(idx), sorted(roles[s])) for s, idx in missing.items()}
+        return streams, np.asarray(tags, np.int64), info
 
-    def _rows(self, docs: list[Any], source: str) -> tuple[np.ndarray, np.ndarray]:
+    def _rows(self, docs: _Docs, role: str, source: str, per_file: bool) -> tuple[np.ndarray, np.ndarray]:
+        """The rows of `docs` without those that have nothing to train, after the trained-share checks.
+
+        Args:
+            docs: the documents or conversations.
+            role: "training" or "validation" (for messages).
+            source: what the messages call the whole data.
+            per_file: check the trained share of every source (else of the whole data).
+        """
+        missing: dict[int, tuple[int, list[str]]] = {}
         if self.format == "chat":
-            streams = self._tokenize_chat(docs, source)
+            streams, tags, missing = self._tokenize_chat(docs)
         else:
-            streams = self._tokenize_text(docs, source)
+            streams, tags = self._tokenize_text(docs)
         if self.pack:
-            return pack_rows(streams, self.seq_len)
-        pad = self.tokenizer.pad_token_id
-        return pad_rows(streams, self.seq_len, self.tokenizer.eos_token_id if pad is None else pad)
+            ids, trained = pack_rows(streams, self.seq_len)  # [R, S + 1] each
+        else:
+            pad = self.tokenizer.pad_token_id
+            ids, trained = pad_rows(streams, self.seq_len, self.tokenizer.eos_token_id if pad is None else pad)
+        if ids.shape[0] == 0 and streams:
+            return ids, trained  # too small: the caller says so (no rows because nothing is left: checked below)
+        lengths = np.fromiter((s[0].shape[0] for s in streams), np.int64, len(streams))  # [D]
+        del streams
+        label_src, real = label_sources(lengths, tags.astype(np.int32), self.seq_len, self.pack)  # [R, S] each
+        n = len(docs.names)
+        labels = trained[:, 1:]  # [R, S] the trained labels
+        keep = labels.any(axis=1)  # [R] rows with something to train
+        stats = {  # per source (all zero when every conversation was left out)
+            "rows": np.bincount(label_src[:, 0], minlength=n),  # a row counts for the source of its first label
+            "dropped": np.bincount(label_src[~keep, 0], minlength=n),
+            "real": np.bincount(label_src.reshape(-1) if self.pack else label_src[real], minlength=n),
+            "trained": np.bincount(label_src[labels], minlength=n),
+            "docs": np.bincount(docs.source, minlength=n),
+        }
+        self._check_trained(docs, stats, missing, role, source, per_file)
+        if not keep.all():
+            ids, trained = ids[keep], trained[keep]
+        return ids, trained
+
+    def _check_trained(
+        self,
+        docs: _Docs,
+        stats: dict[str, np.ndarray],
+        missing: dict[int, tuple[int, list[str]]],
+        role: str,
+        source: str,
+        per_file: bool,
+    ) -> None:
+        """Logs the rows dropped per source; refuses data with nothing trained or a trained share below the minimum."""
+        for s in np.nonzero(stats["dropped"])[0].tolist():
+            log.warning(
+                "%s: %d of %d %s rows have no trained label (only prompt or padding tokens) and are dropped",
+                docs.names[s],
+                stats["dropped"][s],
+                stats["rows"][s],
+                role,
+            )
+        floor = self.min_trained_fraction
+
+        def low(trained: int, real: int) -> bool:
+            return real > 0 and (trained == 0 or trained / real < floor)
+
+        def share(trained: int, real: int) -> str:
+            return f"{100 * trained / real:.3g}% of {real:,} label tokens trained"
+
+        problems = []
+        if per_file:
+            for s, name in enumerate(docs.names):
+                lacking, roles = missing.get(s, (0, []))
+                if lacking and lacking == stats["docs"][s]:
+                    problems.append(
+                        f"{name}: none of its {lacking} conversations has an assistant turn (roles: {', '.join(roles)})"
+                    )
+                elif low(int(stats["trained"][s]), int(stats["real"][s])):
+                    problems.append(f"{name}: {share(int(stats['trained'][s]), int(stats['real'][s]))}")
+        elif low(int(stats["trained"].sum()), int(stats["real"].sum())):
+            problems.append(f"{source}: {share(int(stats['trained'].sum()), int(stats['real'].sum()))}")
+        nothing = int(stats["trained"].sum()) == 0
+        if nothing and not problems:
+            problems.append(f"{source}: no label token is trained")
+        if not problems:
+            log.info(
+                "%s rows: %d (%s), %s",
+                role,
+                int(stats["rows"].sum() - stats["dropped"].sum()),
+                source,
+                share(int(stats["trained"].sum()), int(stats["real"].sum())),
+            )
+            return
+        head = f"nothing to train in the {role} data" if nothing else f"too little is trained in the {role} data"
+        hints = []
+        if self.format == "chat":
+            hints.append("format='chat' trains only assistant tokens (messages with role 'assistant')")
+            if not self.pack:
+                hints.append(
+                    f"with pack=False a conversation is cut to seq_len + 1 = {self.seq_len + 1} tokens, so a longer"
+                    " prompt leaves nothing to train: raise seq_len or set pack=True"
+                )
+        if floor > 0 and not nothing:
+            hints.append(f"min_trained_fraction={floor}; 0 accepts any share above zero")
+        raise ValueError(f"{head}: {'; '.join(problems)}" + (f" ({'; '.join(hints)})" if hints else ""))
 
     # ------------------------------------------------------------------ caching
 
@@ -297,51 +616,55 @@ class TextDataModule(L.LightningDataModule):
             st = p.stat()
             return [str(p.resolve()), st.st_size, st.st_mtime_ns]
 
+        train_files, _ = self._sources("train")
+        val_files, _ = self._sources("val")
         record = {
             "version": CACHE_VERSION,
-            "train": [stamp(f) for f in self.train_files or []],
-            "val": [stamp(f) for f in self.val_files or []],
+            "train": [stamp(f) for f in train_files],  # the expanded list: a file added to a folder is a new key
+            "val": [stamp(f) for f in val_files],
             "hub": [self.dataset_name, self.dataset_config, self.train_split, self.val_split],
             "tokenizer": tokenizer_hash(self.tokenizer),
             "chat_template": getattr(self.tokenizer, "chat_template", None) if self.format == "chat" else None,
             "args": [self.format, self.text_field, self.messages_field, self.seq_len, self.pack],
             "split": [self.val_fraction, self.seed, self.max_documents],
+            "checks": [self.min_trained_fraction],  # cached rows passed the checks of this value
         }
         return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:24]
 
     def _build(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         files, split = self._sources("train")
-        train_source = ", ".join(files) if files else f"{self.dataset_name}[{split}]"
         docs = self._documents(files, split)
+        train_source = docs.label()
         if self.max_documents is not None:
-            docs = docs[: self.max_documents]
-        if not docs:
+            docs = docs.take(np.arange(min(self.max_documents, len(docs))))
+        if not len(docs):
             raise ValueError(f"no documents in the training data: {train_source}")
         val_files, val_split = self._sources("val")
-        val_source = ", ".join(val_files) if val_files else f"{self.dataset_name}[{val_split}]"
+        val_docs: _Docs | None = None
+        val_per_file = True
         if val_files or val_split:
             val_docs = self._documents(val_files, val_split)
-            if not val_docs:
+            val_source = val_docs.label()
+            if not len(val_docs):
                 raise ValueError(f"no documents in the validation data: {val_source}")
         elif self.val_fraction > 0:
             if len(docs) < 2:
                 raise ValueError(f"val_fraction={self.val_fraction} needs at least 2 documents in {train_source}")
             order = np.random.default_rng(self.seed).permutation(len(docs))
             n_val = min(max(1, round(len(docs) * self.val_fraction)), len(docs) - 1)
-            val_set = set(order[:n_val].tolist())
-            val_docs = [d for i, d in enumerate(docs) if i in val_set]
-            docs = [d for i, d in enumerate(docs) if i not in val_set]
+            is_val = np.zeros(len(docs), bool)
+            is_val[order[:n_val]] = True
+            val_docs, docs = docs.take(np.nonzero(is_val)[0]), docs.take(np.nonzero(~is_val)[0])
             val_source = f"{len(val_docs)} documents carved from {train_source}"
-        else:
-            val_docs = []
-        out = {"train": self._rows(docs, train_source)}
+            val_per_file = False  # a few carved documents say little about a file's share
+        out = {"train": self._rows(docs, "training", train_source, per_file=True)}
         if len(out["train"][0]) == 0:
             raise ValueError(
                 f"the training data is too small: {len(docs)} documents give fewer tokens than one sequence of"
                 f" seq_len + 1 = {self.seq_len + 1} tokens: {train_source}"
             )
-        if val_docs:
-            out["val"] = self._rows(val_docs, val_source)
+        if val_docs is not None:
+            out["val"] = self._rows(val_docs, "validation", val_source, per_file=val_per_file)
             if len(out["val"][0]) == 0:
                 raise ValueError(
                     f"the validation data is too small for one sequence of {self.seq_len + 1} tokens: {val_source}"
