@@ -1,11 +1,15 @@
 """``draftsmith plan``: bytes per GPU of a distillation recipe under DDP and DeepSpeed ZeRO 1, 2 and 3.
 
-    draftsmith plan --config recipes/quickstart/kd.yaml --gpus 8 --gpu-memory 80GB [--target llama-3-8b]
+    draftsmith plan --config recipes/quickstart/kd.yaml --gpus 8 --gpu-memory 80GB [--target llama-3-8b] [-- FIT ARGS]
 
-The recipe is read, not instantiated: the target's config comes from ``AutoConfig.from_pretrained(model.init_args.
-teacher)`` (or ``--target-config DIR|config.json``, or a built-in ``--target`` preset for the Llama 3 shapes, no hub
-needed), the drafter is the target's config with ``model.init_args.student_config`` applied (as the KD objective
-builds it) or ``model.init_args.student``'s config, and batch and sequence come from ``data.init_args``.
+The recipe is parsed as ``draftsmith fit`` parses it (:func:`trainer.cli.parse_recipe`: the same ``--config``
+composition, the same errors for unknown keys, the signatures' defaults filled in; fit arguments go after ``--``), and
+nothing is instantiated: the target's config comes from ``AutoConfig.from_pretrained(model.init_args.teacher)`` (or
+``--target-config DIR|config.json``, or a built-in ``--target`` preset for the Llama 3 shapes, no hub needed), the
+drafter is the target's config with ``model.init_args.student_config`` applied (as the KD objective builds it) or
+``model.init_args.student``'s config, batch and sequence come from ``data.init_args`` (a ShardDataModule's sequence
+length from its shards' manifest), chunk size from ``model.init_args.chunk_size`` and precision from
+``trainer.precision``.
 
 What is counted, per GPU, for N GPUs (the ZeRO paper's accounting, Adam/AdamW):
 
@@ -36,8 +40,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 GIB = 1024**3
 STAGES = ("ddp", "zero1", "zero2", "zero3")
@@ -237,24 +239,6 @@ def estimate(
 # ------------------------------------------------------------------------------------------------- recipe reading
 
 
-def _merged(configs: list[str]) -> dict:
-    def merge(x: dict, y: dict) -> dict:
-        out = dict(x)
-        for key, value in y.items():
-            out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-        return out
-
-    merged: dict = {}
-    for path in configs:
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"draftsmith plan: recipe {path} does not exist")
-        loaded = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"draftsmith plan: recipe {path} is not a YAML mapping")
-        merged = merge(merged, loaded)
-    return merged
-
-
 def _load_config(source: str) -> dict[str, Any]:
     """An HF config as a dict: a config.json file, a model folder, or a hub id (AutoConfig)."""
     path = Path(source)
@@ -292,8 +276,9 @@ def plan_from_recipe(
     batch: int | None = None,
     seq: int | None = None,
     precision: str | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
 ) -> Plan:
-    """Read the target, drafter, batch, sequence and precision from recipe YAMLs (nothing is instantiated).
+    """Read the target, drafter, batch, sequence and precision from a recipe (nothing is instantiated).
 
     Args:
         configs: recipe YAMLs in --config order.
@@ -302,10 +287,20 @@ def plan_from_recipe(
         batch: overrides data.init_args.batch_size.
         seq: overrides data.init_args.seq_len.
         precision: overrides trainer.precision.
+        overrides: more ``draftsmith fit`` arguments, applied after the configs as fit applies them.
+
+    Raises:
+        trainer.cli.RecipeError: a recipe or override ``draftsmith fit`` would refuse (fit's message).
+        ValueError: a recipe the planner cannot size, or a target config it cannot read.
     """
-    recipe = _merged(configs)
-    model = (recipe.get("model") or {}).get("init_args") or {}
-    data = (recipe.get("data") or {}).get("init_args") or {}
+    from trainer.cli import parse_recipe
+
+    recipe = parse_recipe(configs, overrides)
+    if recipe.get("model") is None:
+        raise ValueError("draftsmith plan: the recipe has no model")
+    model = recipe.model.init_args
+    data = recipe.get("data.init_args")
+    model_name = recipe.model.class_path.rsplit(".", 1)[-1]
     if target is not None:
         if target not in PRESETS:
             raise ValueError(f"draftsmith plan: unknown --target {target!r}; presets: {', '.join(PRESETS)}")
@@ -314,32 +309,66 @@ def plan_from_recipe(
     elif target_config is not None:
         target_dict, source = _load_config(target_config), target_config
     elif model.get("teacher"):
-        target_dict, source = _load_config(str(model["teacher"])), str(model["teacher"])
+        target_dict, source = _load_config(str(model.teacher)), str(model.teacher)
     else:
-        raise ValueError("draftsmith plan: the recipe has no model.init_args.teacher; pass --target or --target-config")
+        raise ValueError(
+            f"draftsmith plan: the recipe's model ({model_name}) has no init_args.teacher; pass --target or "
+            "--target-config"
+        )
     if model.get("student"):
-        drafter_dict = _load_config(str(model["student"]))
+        drafter_dict = _load_config(str(model.student))
     elif "student_config" in model:
+        student_config = dict(model.student_config or {})
         drafter_dict = dict(target_dict)
-        for key, value in (model.get("student_config") or {}).items():
+        for key, value in student_config.items():
             if key not in drafter_dict and key not in ("head_dim", "tie_word_embeddings", "num_key_value_heads"):
                 raise ValueError(f"draftsmith plan: model.init_args.student_config: {key!r} is not a key of {source}")
             drafter_dict[key] = value
-        if "hidden_size" in (model.get("student_config") or {}) and "head_dim" not in model["student_config"]:
+        if "hidden_size" in student_config and "head_dim" not in student_config:
             drafter_dict.pop("head_dim", None)  # follows the new width, as in the HF config
     else:
         raise ValueError(
-            "draftsmith plan: the recipe's model has neither init_args.student nor init_args.student_config "
-            "(the planner covers distilled draft models)"
+            f"draftsmith plan: the recipe's model ({model_name}) has neither init_args.student nor "
+            "init_args.student_config (the planner covers distilled draft models)"
         )
+    if "chunk_size" not in model:
+        raise ValueError(f"draftsmith plan: the recipe's model ({model_name}) has no init_args.chunk_size")
+    if data is None:
+        raise ValueError("draftsmith plan: the recipe has no data")
+    if batch is None:
+        if "batch_size" not in data:
+            raise ValueError("draftsmith plan: the recipe's data has no init_args.batch_size; pass --batch-size")
+        batch = data.batch_size
+    if seq is None:
+        seq = _seq_len(data)
+    if precision is None:
+        # trainer.precision's default, None, is 32-true in Lightning's accelerator connector
+        precision = recipe.trainer.precision if recipe.trainer.precision is not None else "32-true"
     return Plan(
         target=Shape.from_config(target_dict, source),
         drafter=Shape.from_config(drafter_dict, "the drafter config"),
-        batch=int(batch if batch is not None else data.get("batch_size", 8)),
-        seq=int(seq if seq is not None else data.get("seq_len", 256)),
-        precision=str(precision if precision is not None else (recipe.get("trainer") or {}).get("precision", "32")),
-        chunk_size=int(model.get("chunk_size", 256)),
+        batch=int(batch),
+        seq=int(seq),
+        precision=str(precision),
+        chunk_size=int(model.chunk_size),
     )
+
+
+def _seq_len(data: Any) -> int:
+    """``data.init_args.seq_len``, or the sequence length in the manifest of a ShardDataModule's shards."""
+    if "seq_len" in data:
+        return int(data.seq_len)
+    if data.get("shards"):
+        from trainer.data.shards import load_manifest
+
+        try:
+            return load_manifest(data.shards)[0].seq_len
+        except (OSError, ValueError) as err:
+            raise ValueError(
+                f"draftsmith plan: the recipe's data has no init_args.seq_len and its shards' manifest cannot be "
+                f"read ({err}); pass --seq-len"
+            ) from err
+    raise ValueError("draftsmith plan: the recipe's data has no init_args.seq_len; pass --seq-len")
 
 
 def parse_bytes(text: str) -> int:
@@ -375,11 +404,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, help="override data.init_args.batch_size (per GPU)")
     p.add_argument("--seq-len", type=int, help="override data.init_args.seq_len")
     p.add_argument("--precision", help="override trainer.precision")
+    p.add_argument("fit_args", nargs="*", help="after --: more `draftsmith fit` arguments, e.g. --model.chunk_size 128")
     args = p.parse_args(argv)
     try:
         budget = parse_bytes(args.gpu_memory) - parse_bytes(args.reserve)  # bad sizes fail before any file is read
         plan = plan_from_recipe(
-            args.config, args.target, args.target_config, args.batch_size, args.seq_len, args.precision
+            args.config, args.target, args.target_config, args.batch_size, args.seq_len, args.precision, args.fit_args
         )
         estimates = estimate(
             plan.target, plan.drafter, plan.batch, plan.seq, args.gpus, plan.precision, plan.chunk_size

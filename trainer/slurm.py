@@ -11,19 +11,27 @@ main process), USR1 to the tasks ``--signal-lead`` seconds before the time limit
 :class:`trainer.preemption.PreemptionCheckpoint` callback and ``--ckpt_path last`` (so a requeued job resumes).
 ``--gpus-per-node 0`` renders a CPU job (``accelerator cpu``, ``--tasks-per-node`` processes per node).
 ``--dry-run`` prints the script; otherwise it is written to the log folder and submitted, and the job id is printed.
+
+The recipe is read by the parser of ``draftsmith fit`` (:func:`trainer.cli.parse_recipe`, nothing instantiated), with
+the fit arguments after ``--``: a key fit would refuse is refused before the job is queued, with fit's message. Every
+value that goes into the script is checked first (:func:`check_job`): a control character anywhere (a newline would
+add a line of its own, run on the cluster), and what SLURM does not accept (partition, account and job names, the
+time format, an output folder that ``#SBATCH --output`` cannot hold, an ``--sbatch`` value that is not an option) are
+refused with the option and the value named.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import subprocess
 import sys
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from string import Template
-
-import yaml
+from typing import Any
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "slurm" / "train.sbatch.in"
 PREEMPTION_CALLBACK = "trainer.preemption.PreemptionCheckpoint"
@@ -50,42 +58,112 @@ class SlurmJob:
     fit_args: list[str] = field(default_factory=list)  # more `draftsmith fit` arguments (overrides)
 
 
-def _merged_recipe(configs: list[str]) -> dict:
-    """The recipe YAMLs merged in order (dicts merge, everything else is replaced), as LightningCLI composes them."""
+def read_recipe(job: SlurmJob) -> Any:
+    """The job's recipe as ``draftsmith fit`` parses it (its configs, then its fit arguments), nothing instantiated.
 
-    def merge(a: dict, b: dict) -> dict:
-        out = dict(a)
-        for key, value in b.items():
-            out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-        return out
+    A key fit would refuse (misspelled, unknown, of the wrong type) is refused here with fit's message, before a job
+    is queued.
+    """
+    from trainer.cli import parse_recipe
 
-    merged: dict = {}
-    for path in configs:
-        p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"draftsmith slurm: recipe {path} does not exist")
-        loaded = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"draftsmith slurm: recipe {path} is not a YAML mapping")
-        merged = merge(merged, loaded)
-    return merged
+    return parse_recipe(job.configs, job.fit_args)
 
 
-def _num_workers(recipe: dict) -> int:
-    workers = ((recipe.get("data") or {}).get("init_args") or {}).get("num_workers", 0)
+def _num_workers(recipe: Any) -> int:
+    data = recipe.get("data")
+    init_args = data.get("init_args") if data is not None else None
+    # a datamodule without a num_workers option starts no worker processes of its own
+    workers = init_args.get("num_workers", 0) if init_args is not None else 0
     if not isinstance(workers, int) or workers < 0:
         raise ValueError(f"draftsmith slurm: data.init_args.num_workers must be a non-negative int, got {workers!r}")
     return workers
 
 
-def _has_preemption_callback(recipe: dict) -> bool:
-    callbacks = (recipe.get("trainer") or {}).get("callbacks") or []
-    if isinstance(callbacks, dict):
-        callbacks = [callbacks]
-    return any(isinstance(c, dict) and c.get("class_path") == PREEMPTION_CALLBACK for c in callbacks)
+def _has_preemption_callback(recipe: Any) -> bool:
+    callbacks = recipe.get("trainer.callbacks") or []
+    return any(getattr(c, "class_path", None) == PREEMPTION_CALLBACK for c in callbacks)
 
 
-def fit_command_args(job: SlurmJob, recipe: dict) -> list[str]:
+# ------------------------------------------------------------------------------------------- what a script may hold
+
+# SLURM's own names: letters, digits, "_", "-", "." (partitions may be a comma-separated list).
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+_PARTITIONS = re.compile(r"[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*")
+# sbatch --time: minutes, minutes:seconds, hours:minutes:seconds, days-hours, days-hours:minutes,
+# days-hours:minutes:seconds, or no limit.
+_TIME = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|UNLIMITED|INFINITE", flags=re.IGNORECASE)
+_SIGNAL_LEAD_MAX = 0xFFFF  # sbatch --signal=SIG@TIME: TIME is at most 65535 seconds
+
+
+def _control_characters(value: str) -> list[str]:
+    """The control and line-separator characters of ``value`` (newlines, carriage returns, NUL, escapes...)."""
+    return [c for c in value if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp")]
+
+
+def _refuse(option: str, value: str, why: str) -> ValueError:
+    return ValueError(f"draftsmith slurm: {option} {value!r} {why}")
+
+
+def check_job(job: SlurmJob) -> None:
+    """Refuses what the rendered script could not hold: a control character (a newline would start a line of its
+    own, run on the cluster) in any value, and values SLURM does not accept, each error naming the option and value.
+    """
+    texts: list[tuple[str, str]] = [
+        ("--partition", job.partition or ""),
+        ("--account", job.account or ""),
+        ("--time", job.time),
+        ("--job-name", job.job_name),
+        ("--log-dir", job.log_dir),
+        ("--workdir", job.workdir),
+        ("--python", job.python),
+        *(("--sbatch", option) for option in job.extra_sbatch),
+        *(("--config", config) for config in job.configs),
+        *(("a fit argument", arg) for arg in job.fit_args),
+    ]
+    for option, value in texts:
+        if _control_characters(value):
+            raise _refuse(option, value, "holds a control character (a newline would add a line to the script)")
+    if job.partition is not None and not _PARTITIONS.fullmatch(job.partition):
+        raise _refuse("--partition", job.partition, "is not a SLURM partition name (letters, digits, _ - . and commas)")
+    if job.account is not None and not _NAME.fullmatch(job.account):
+        raise _refuse("--account", job.account, "is not a SLURM account name (letters, digits, _ - .)")
+    if not _TIME.fullmatch(job.time):
+        raise _refuse(
+            "--time",
+            job.time,
+            "is not a SLURM time limit (MINUTES, MINUTES:SECONDS, HOURS:MINUTES:SECONDS, DAYS-HOURS, "
+            "DAYS-HOURS:MINUTES, DAYS-HOURS:MINUTES:SECONDS or UNLIMITED)",
+        )
+    if not _NAME.fullmatch(job.job_name) or job.job_name in (".", ".."):
+        raise _refuse(
+            "--job-name", job.job_name, "is not a job name this script can use (letters, digits, _ - ., not . or ..)"
+        )
+    if job.job_name in ("bash", "interactive"):
+        raise _refuse("--job-name", job.job_name, "makes Lightning ignore the SLURM environment")
+    output = str(log_path(job))
+    if any(c.isspace() or c in "%'\"\\" for c in output):
+        where = f"(in --workdir {str(Path(job.workdir).resolve())!r}) " if not Path(job.log_dir).is_absolute() else ""
+        raise _refuse(
+            "--log-dir",
+            job.log_dir,
+            f"{where}gives the output folder {output!r}, which #SBATCH --output cannot hold: no whitespace, quotes, "
+            "backslashes, or %, which SLURM expands",
+        )
+    for option in job.extra_sbatch:
+        if not re.fullmatch(r"--?[A-Za-z][A-Za-z0-9-]*([= ].+)?", option):
+            raise _refuse("--sbatch", option, "is not an sbatch option (e.g. --sbatch=--qos=high)")
+    if not job.python:
+        raise _refuse("--python", job.python, "is empty")
+    if not 0 <= job.signal_lead <= _SIGNAL_LEAD_MAX:
+        raise _refuse("--signal-lead", str(job.signal_lead), f"must lie in 0..{_SIGNAL_LEAD_MAX} seconds")
+
+
+def log_path(job: SlurmJob) -> Path:
+    """The folder of the job's output and script: ``log_dir``, relative to ``workdir`` unless absolute."""
+    return Path(job.log_dir) if Path(job.log_dir).is_absolute() else Path(job.workdir).resolve() / job.log_dir
+
+
+def fit_command_args(job: SlurmJob, recipe: Any) -> list[str]:
     """The arguments after ``python -m trainer.cli fit`` for the job: configs, matching overrides, resume."""
     tasks = resolved_tasks_per_node(job)
     args: list[str] = []
@@ -125,11 +203,10 @@ def render(job: SlurmJob, template: Path = TEMPLATE) -> str:
         raise ValueError(f"draftsmith slurm: --gpus-per-node must be >= 0, got {job.gpus_per_node}")
     if job.tasks_per_node is not None and job.tasks_per_node < 1:
         raise ValueError(f"draftsmith slurm: --tasks-per-node must be >= 1, got {job.tasks_per_node}")
-    if job.job_name in ("bash", "interactive"):
-        raise ValueError(f"draftsmith slurm: job name {job.job_name!r} makes Lightning ignore the SLURM environment")
+    check_job(job)
     if not template.is_file():
         raise FileNotFoundError(f"draftsmith slurm: template {template} does not exist (see --template)")
-    recipe = _merged_recipe(job.configs)
+    recipe = read_recipe(job)
     tasks = resolved_tasks_per_node(job)
     cpus = job.cpus_per_task if job.cpus_per_task is not None else _num_workers(recipe) + 1
     if cpus < 1:
@@ -150,7 +227,7 @@ def render(job: SlurmJob, template: Path = TEMPLATE) -> str:
         else:
             lines.append(shlex.quote(arg))
     workdir = Path(job.workdir).resolve()
-    log_dir = Path(job.log_dir) if Path(job.log_dir).is_absolute() else workdir / job.log_dir
+    log_dir = log_path(job)
     try:
         return Template(template.read_text()).substitute(
             job_name=job.job_name,
@@ -174,7 +251,7 @@ def render(job: SlurmJob, template: Path = TEMPLATE) -> str:
 def submit(script: str, job: SlurmJob) -> str:
     """Write the script into the log folder and submit it with sbatch; return the job id."""
     workdir = Path(job.workdir).resolve()
-    log_dir = Path(job.log_dir) if Path(job.log_dir).is_absolute() else workdir / job.log_dir
+    log_dir = log_path(job)
     log_dir.mkdir(parents=True, exist_ok=True)
     path = log_dir / f"{job.job_name}.sbatch"
     path.write_text(script)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -181,3 +182,27 @@ def test_completion_mode_appends_the_targets_greedy_continuation(tiny_target, ti
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": ""}])
     with pytest.raises(ValueError, match="bad.jsonl record 0: field 'prompt'"):
         gen.main(args(tiny_target, bad, tmp_path / "o.jsonl", "--prompt_field", "prompt"))
+
+
+def test_a_target_that_does_not_load_writes_nothing(tiny_target, tiny_corpus, tmp_path, monkeypatch):
+    """A misspelled --target is named as neither a local model folder nor a hub id, and leaves no output and no
+    meta file behind: the corrected command then runs (it used to be refused by the meta file of the failed one)."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # the hub answers at once: not there
+    monkeypatch.chdir(tmp_path)
+    src = write_jsonl(tmp_path / "chat.jsonl", conversations(tiny_corpus)[:2])
+    out = tmp_path / "out" / "regen.jsonl"
+    no_config = tmp_path / "not_a_model"
+    no_config.mkdir()
+    cases = [
+        ("artifacts/tiny_targte", "is not a local model folder or hub id"),  # a relative path: tried on the hub
+        (str(tmp_path / "tiny_targte"), "is not a local model folder or hub id (no such folder)"),
+        (str(no_config), "no config.json in that folder"),
+    ]
+    for target, message in cases:
+        with pytest.raises(FileNotFoundError, match=re.escape(f"target {target!r}") + ".*" + re.escape(message)):
+            gen.main(args(target, src, out))
+        assert not (tmp_path / "out").exists()
+    assert gen.main(args(tiny_target, src, out)) == 0
+    assert len(read_jsonl(out)) == 2 and (tmp_path / "out" / "regen.jsonl.meta.json").is_file()

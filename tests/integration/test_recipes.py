@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.recipe_runs import RECIPES
-from trainer.cli import DraftsmithCLI, main
+from trainer.cli import DraftsmithCLI, main, parse_recipe
 
 RECIPE_FILES = sorted(p for p in RECIPES.rglob("*.yaml") if "_base" not in p.parts)
 BASE_PIECES = sorted((RECIPES / "_base").glob("*.yaml"))
@@ -49,6 +51,25 @@ def test_base_piece_composes_with_the_kd_recipe(piece, capsys):
     assert piece.read_text().splitlines()[0].startswith("# draftsmith"), f"{piece} must open with its command"
     resolved = print_config(RECIPES / "quickstart" / "kd.yaml", piece, capsys=capsys)
     assert "strategy:" in resolved
+
+
+def _plain(config) -> dict:
+    """A parsed config as plain YAML data (tuples as lists), without the list of config files."""
+    data = json.loads(json.dumps(config.as_dict(), default=str))
+    data.pop("config", None)
+    return data
+
+
+@pytest.mark.parametrize(
+    "configs",
+    [[p] for p in RECIPE_FILES if p.read_text().startswith("# draftsmith fit")]
+    + [[RECIPES / "quickstart" / "kd.yaml", p] for p in BASE_PIECES],
+    ids=lambda c: "+".join(str(p.relative_to(RECIPES)) for p in c),
+)
+def test_parse_recipe_reads_what_fit_prints(configs, capsys):
+    """`draftsmith plan` and `slurm submit` read recipes with parse_recipe: the config fit resolves, key for key."""
+    printed = yaml.safe_load(print_config(*configs, capsys=capsys))
+    assert _plain(parse_recipe([str(p) for p in configs])) == printed
 
 
 def test_misspelled_key_is_named(tmp_path, capsys):

@@ -3,6 +3,7 @@ against tensors measured on CPU, recipe reading and the command's output."""
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -110,6 +111,57 @@ def test_recipe_reading_applies_student_config(tmp_path):
         plan_from_recipe([KD, str(bad)], target="llama-3-8b")
     with pytest.raises(ValueError, match="llama-9b"):
         plan_from_recipe([KD], target="llama-9b")
+
+
+@pytest.mark.parametrize("recipe", ["kd.yaml", "on_policy.yaml", "kd_offline.yaml"])
+def test_quickstart_recipes_plan_without_their_artifacts(recipe, tmp_path, monkeypatch, capsys):
+    """The recipes name artifacts/tiny_target, absent here: the recipe parses, the target shape is the preset's."""
+    monkeypatch.chdir(tmp_path)
+    path = str(ROOT / "recipes" / "quickstart" / recipe)
+    seq = ["--seq-len", "128"] if "offline" in recipe else []  # a ShardDataModule's length is in its shards
+    assert main(["--config", path, "--gpus", "2", "--target", "llama-3.2-1b", *seq]) == 0
+    out = capsys.readouterr().out
+    assert "fits:" in out and "| zero3 |" in out
+    plan = plan_from_recipe([path], target="llama-3.2-1b", seq=128 if seq else None)
+    assert plan.target == Shape.from_config(PRESETS["llama-3.2-1b"])
+    assert (plan.drafter.num_hidden_layers, plan.drafter.hidden_size) == (2, 128)
+    assert (plan.batch, plan.seq, plan.precision, plan.chunk_size) == (8, 128 if seq else 256, "32-true", 512)
+    if "offline" in recipe:
+        assert main(["--config", path, "--gpus", "2", "--target", "llama-3.2-1b"]) == 2
+        assert "seq_len" in capsys.readouterr().err
+
+
+def test_composed_recipe_and_fit_arguments(tmp_path):
+    ddp = str(ROOT / "recipes" / "_base" / "ddp.yaml")
+    plan = plan_from_recipe([KD, ddp], target="llama-3-8b", overrides=["--data.init_args.batch_size", "3"])
+    assert plan.batch == 3 and plan.seq == 256 and plan.chunk_size == 512
+    with pytest.raises(ValueError, match="batch_sise"):
+        plan_from_recipe([KD, ddp], target="llama-3-8b", overrides=["--data.init_args.batch_sise", "3"])
+
+
+def test_what_a_recipe_omits_comes_from_the_signatures(tmp_path):
+    """A recipe without chunk_size, batch_size, seq_len and precision: the KD objective's, the datamodule's and
+    the Trainer's defaults, as fit would use them."""
+    from trainer.data.text import TextDataModule
+    from trainer.objectives.kd import KnowledgeDistillation
+
+    lines = Path(KD).read_text().splitlines()
+    dropped = ("chunk_size:", "batch_size:", "seq_len:", "precision:")
+    bare = tmp_path / "bare.yaml"
+    bare.write_text("\n".join(line for line in lines if not line.strip().startswith(dropped)) + "\n")
+    plan = plan_from_recipe([str(bare)], target="llama-3-8b")
+
+    def default(cls, name):
+        return inspect.signature(cls.__init__).parameters[name].default
+
+    assert plan.chunk_size == default(KnowledgeDistillation, "chunk_size")
+    assert plan.batch == default(TextDataModule, "batch_size") and plan.seq == default(TextDataModule, "seq_len")
+    assert plan.precision == "32-true"  # Lightning's default precision (None) resolves to 32-true
+    # what a recipe sets wins over the default
+    sets = tmp_path / "sets.yaml"
+    sets.write_text("model:\n  init_args:\n    chunk_size: 64\ndata:\n  init_args:\n    seq_len: 32\n")
+    plan = plan_from_recipe([str(bare), str(sets)], target="llama-3-8b")
+    assert (plan.chunk_size, plan.seq) == (64, 32)
 
 
 def test_command_prints_the_table_and_what_fits(capsys):

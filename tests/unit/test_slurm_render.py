@@ -97,3 +97,128 @@ def test_bad_recipe_value_is_named(tmp_path, capsys):
     recipe.write_text(yaml.safe_dump({"data": {"init_args": {"num_workers": -1}}}))
     assert main(["submit", "--config", str(recipe), "--dry-run"]) == 2
     assert "num_workers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("recipe", ["kd.yaml", "kd_offline.yaml", "eagle3.yaml", "eagle3_offline.yaml"])
+def test_quickstart_recipes_render_without_their_artifacts(recipe, tmp_path, monkeypatch):
+    """The recipes name artifacts/tiny_target and shards that do not exist here; the workers come from the parsed
+    recipe (num_workers: 1 in the offline ones, the datamodule's default 0 in the others)."""
+    monkeypatch.chdir(tmp_path)
+    script = render(SlurmJob(configs=[str(ROOT / "recipes" / "quickstart" / recipe)], gpus_per_node=2))
+    assert _sbatch(script)["cpus-per-task"] == ("2" if "offline" in recipe else "1")
+    assert _fit_args(script)[-2:] == ["--ckpt_path", "last"]
+
+
+def test_preemption_callback_given_after_dashes_by_its_short_name_is_not_added_twice(tmp_path):
+    args = _fit_args(render(SlurmJob(configs=[KD], fit_args=["--trainer.callbacks+=PreemptionCheckpoint"])))
+    assert [a for a in args if "PreemptionCheckpoint" in a] == ["--trainer.callbacks+=PreemptionCheckpoint"]
+
+
+def test_a_misspelled_fit_argument_is_refused_before_submitting(capsys):
+    assert main(["submit", "--config", KD, "--dry-run", "--", "--trainer.max_step", "3"]) == 2
+    out = capsys.readouterr()
+    assert "max_step" in out.err and out.out == ""
+
+
+OPTIONS = {
+    "partition": "--partition",
+    "account": "--account",
+    "time": "--time",
+    "job_name": "--job-name",
+    "log_dir": "--log-dir",
+    "workdir": "--workdir",
+    "python": "--python",
+    "extra_sbatch": "--sbatch",
+    "configs": "--config",
+    "fit_args": "a fit argument",
+}
+
+
+@pytest.mark.parametrize("control", ["\n", "\r", "\x00", "\x1b", "\u2028"], ids=repr)
+@pytest.mark.parametrize("field", list(OPTIONS))
+def test_control_characters_are_refused_in_every_rendered_value(field, control, tmp_path):
+    good = {
+        "partition": "gpu",
+        "account": "proj",
+        "time": "1:00:00",
+        "job_name": "kd",
+        "log_dir": "logs",
+        "workdir": str(tmp_path),
+        "python": "/usr/bin/python3",
+        "extra_sbatch": ["--qos=high"],
+        "configs": [KD],
+        "fit_args": ["--trainer.max_steps", "5"],
+    }
+    value = good[field]
+    bad = [value[0] + control + "touch x"] + value[1:] if isinstance(value, list) else value + control + "touch x"
+    with pytest.raises(ValueError) as err:
+        render(SlurmJob(**{**good, field: bad}))
+    shown = bad[0] if isinstance(bad, list) else bad
+    assert str(err.value).startswith(f"draftsmith slurm: {OPTIONS[field]} {shown!r} ")
+    assert "control character" in str(err.value)
+
+
+def test_a_newline_in_the_partition_adds_no_line_to_the_script(tmp_path, capsys):
+    """The report: `--partition $'gpu\\ntouch x'` rendered `touch x` as a line of the script."""
+    argv = ["submit", "--config", KD, "--partition", "gpu\ntouch x", "--workdir", str(tmp_path), "--dry-run"]
+    assert main(argv) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and "--partition 'gpu\\ntouch x'" in out.err
+    assert not (tmp_path / "slurm-logs").exists()
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("partition", "gpu;touch x", "--partition 'gpu;touch x' is not a SLURM partition name"),
+        ("partition", "gpu a100", "--partition 'gpu a100' is not a SLURM partition name"),
+        ("partition", "", "--partition '' is not a SLURM partition name"),
+        ("account", "my proj", "--account 'my proj' is not a SLURM account name"),
+        ("account", "$(id)", "--account '$(id)' is not a SLURM account name"),
+        ("time", "24h", "--time '24h' is not a SLURM time limit"),
+        ("time", "1:2:3:4", "--time '1:2:3:4' is not a SLURM time limit"),
+        ("time", "1-", "--time '1-' is not a SLURM time limit"),
+        ("job_name", "a/b", "--job-name 'a/b' is not a job name"),
+        ("job_name", "..", "--job-name '..' is not a job name"),
+        ("job_name", "two words", "--job-name 'two words' is not a job name"),
+        ("job_name", "interactive", "--job-name 'interactive' makes Lightning ignore"),
+        ("log_dir", "/tmp/my logs", "--log-dir '/tmp/my logs' gives the output folder"),
+        ("log_dir", "/tmp/logs-%j", "--log-dir '/tmp/logs-%j' gives the output folder"),
+        ("log_dir", "/tmp/it's", '--log-dir "/tmp/it\'s" gives the output folder'),
+        ("extra_sbatch", ["qos=high"], "--sbatch 'qos=high' is not an sbatch option"),
+        ("extra_sbatch", ["echo hi"], "--sbatch 'echo hi' is not an sbatch option"),
+        ("python", "", "--python '' is empty"),
+        ("signal_lead", -1, "--signal-lead '-1' must lie in 0..65535"),
+    ],
+)
+def test_what_slurm_does_not_accept_is_named(field, value, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        render(SlurmJob(configs=[KD], **{field: value}))
+
+
+def test_a_workdir_the_output_path_cannot_hold_is_named(tmp_path):
+    workdir = tmp_path / "my runs"
+    with pytest.raises(ValueError, match=re.escape(f"--log-dir 'slurm-logs' (in --workdir {str(workdir)!r})")):
+        render(SlurmJob(configs=[KD], workdir=str(workdir)))
+    # an absolute log folder elsewhere is fine: the workdir itself is quoted in the script
+    script = render(SlurmJob(configs=[KD], workdir=str(workdir), log_dir=str(tmp_path / "logs")))
+    assert f"cd {shlex.quote(str(workdir))}" in script
+
+
+@pytest.mark.parametrize("time", ["30", "30:00", "24:00:00", "2-12", "2-12:30", "2-12:30:00", "UNLIMITED"])
+def test_slurm_time_formats_are_accepted(time):
+    assert _sbatch(render(SlurmJob(configs=[KD], time=time)))["time"] == time
+
+
+def test_valid_names_and_options_render_as_given():
+    job = SlurmJob(
+        configs=[KD],
+        partition="gpu-a100,gpu.h100",
+        account="my_proj-1",
+        job_name="kd.v2-run_1",
+        extra_sbatch=["--qos=high", "--exclusive", "--constraint a100"],
+    )
+    script = render(job)
+    sb = _sbatch(script)
+    assert sb["partition"] == "gpu-a100,gpu.h100" and sb["account"] == "my_proj-1" and sb["job-name"] == "kd.v2-run_1"
+    assert sb["qos"] == "high" and "exclusive" in sb and "#SBATCH --constraint a100" in script

@@ -19,8 +19,10 @@ Resuming. Records are written in chunks of ``chunk_size``. A jsonl output is app
 restart a partial last line (a crash mid-write) is cut off and the records already written are skipped. A parquet
 output is written as atomically renamed part files in ``OUTPUT.parts/`` and combined into OUTPUT at the end. A
 ``OUTPUT.meta.json`` beside the output records the input and the settings; a restart with different ones is refused
-(delete the output to start over). Sampling is seeded per chunk from ``seed`` and the chunk's first record, so a run
-resumed at a chunk boundary samples as a straight one would on the same hardware (greedy decoding always matches).
+(delete the output to start over). Nothing is written before the target has loaded: a ``--target`` that is not a
+local model folder or hub id (a misspelled path) is an error that leaves no output and no meta file. Sampling is
+seeded per chunk from ``seed`` and the chunk's first record, so a run resumed at a chunk boundary samples as a
+straight one would on the same hardware (greedy decoding always matches).
 """
 
 from __future__ import annotations
@@ -102,13 +104,14 @@ def _check_messages(record: dict[str, Any], field: str, where: str) -> list[dict
     return messages
 
 
-def _complete_jsonl_lines(path: Path) -> int:
-    """Cuts a partial last line off ``path`` (a crash mid-write) and returns the number of complete records."""
+def _complete_jsonl_lines(path: Path, repair: bool = True) -> int:
+    """The number of complete records of ``path``; with ``repair``, a partial last line (a crash mid-write) is cut
+    off first, else the file is only read."""
     if not path.is_file():
         return 0
     data = path.read_bytes()
     end = data.rfind(b"\n") + 1  # 0 when no line is complete
-    if end < len(data):
+    if end < len(data) and repair:
         log.warning("%s: cutting a partial last line of %d bytes (an interrupted write)", path, len(data) - end)
         with path.open("r+b") as f:
             f.truncate(end)
@@ -134,15 +137,16 @@ class _Writer:
             raise ValueError(f"{output}: unsupported output type {output.suffix!r} (use .jsonl or .parquet)")
         self.parts = output.with_name(output.name + ".parts")
 
-    def done(self) -> int:
-        """Records already written (a partial jsonl line is removed first)."""
+    def done(self, repair: bool = True) -> int:
+        """Records already written; with ``repair``, a partial jsonl line or stale parquet part is removed first
+        (without it nothing is written)."""
         if not self.parquet:
-            return _complete_jsonl_lines(self.output)
+            return _complete_jsonl_lines(self.output, repair)
         import pyarrow.parquet as pq
 
         if self.output.is_file():
             return pq.read_metadata(self.output).num_rows
-        for stale in self.parts.glob("*.tmp") if self.parts.is_dir() else []:
+        for stale in self.parts.glob("*.tmp") if self.parts.is_dir() and repair else []:
             stale.unlink()
         return sum(pq.read_metadata(f).num_rows for f in sorted(self.parts.glob("part-*.parquet")))
 
@@ -369,7 +373,8 @@ def regenerate(
         **{k: v for k, v in settings.items() if k != "batch_size"},
     }
     meta_path = out_path.with_name(out_path.name + ".meta.json")
-    done = writer.done() if meta_path.is_file() else 0
+    # Nothing is written before the target loads: a target that does not load leaves no output and no meta file.
+    done = writer.done(repair=False) if meta_path.is_file() else 0
     if meta_path.is_file():
         previous = json.loads(meta_path.read_text())
         changed = sorted(k for k in meta.keys() | previous.keys() if meta.get(k) != previous.get(k))
@@ -380,23 +385,19 @@ def regenerate(
             )
     elif out_path.exists() or writer.parts.exists():
         raise FileExistsError(f"{output} exists without {meta_path.name}: it was not written by this tool; move it")
-    else:
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        meta_path.write_text(json.dumps(meta, indent=1) + "\n")
     if done > len(records):
         raise ValueError(f"{output} holds {done} records but {input} only {len(records)}")
 
-    tokenizer = load_tokenizer(target, trust_remote_code=trust_remote_code)
-    if prompt_field is None and not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"the tokenizer of {target} has no chat template: generate needs one to render prompts")
-    if tokenizer.eos_token_id is None:
-        raise ValueError(f"the tokenizer of {target} has no EOS token: replies could not end")
+    tokenizer, model = load_target(target, dtype, trust_remote_code, needs_chat_template=prompt_field is None)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(
-        target, dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code
-    ).to(device)
+    model = model.to(device)
     model.eval()
+    if meta_path.is_file():
+        done = writer.done()  # now cuts a partial last line (the count is the same)
+    else:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        meta_path.write_text(json.dumps(meta, indent=1) + "\n")
     sample = temperature > 0
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
@@ -427,6 +428,46 @@ def regenerate(
         bar.close()
     writer.finish()
     return GenerateStats(len(records), written, turns, truncated, time.perf_counter() - started)
+
+
+def load_target(target: str, dtype: str, trust_remote_code: bool, needs_chat_template: bool) -> tuple[Any, Any]:
+    """The target's tokenizer and model (on CPU, in eval mode), with errors naming ``target``.
+
+    Args:
+        target: a local model folder (config.json, weights and tokenizer) or a hub id.
+        dtype: the weights dtype (float32, bfloat16, float16).
+        trust_remote_code: allow custom modelling code in the target folder.
+        needs_chat_template: refuse a tokenizer without a chat template (chat mode renders prompts with it).
+
+    Raises:
+        FileNotFoundError: ``target`` is neither a local model folder nor a hub id that loads (a misspelled path),
+            or is a folder without config.json.
+        ValueError: its tokenizer has no EOS token, or no chat template when one is needed.
+    """
+    path = Path(target).expanduser()
+    if path.exists() and not (path / "config.json").is_file():
+        raise FileNotFoundError(f"target {target!r}: no config.json in that folder (not a model folder)")
+    # "name" or "org/name" may be a hub id; any other path that does not exist is a missing local folder
+    looks_local = target.startswith((".", "/", "~")) or target.count("/") > 1
+    if looks_local and not path.exists():
+        raise FileNotFoundError(f"target {target!r} is not a local model folder or hub id (no such folder)")
+    try:
+        tokenizer = load_tokenizer(target, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path) if path.exists() else target, dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code
+        )
+    except (OSError, ValueError) as err:
+        if path.exists():
+            raise
+        raise FileNotFoundError(
+            f"target {target!r} is not a local model folder or hub id (no such folder, and loading it from the hub "
+            f"failed: {err}); check the path, or train or download the target first"
+        ) from err
+    if needs_chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"the tokenizer of {target} has no chat template: generate needs one to render prompts")
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"the tokenizer of {target} has no EOS token: replies could not end")
+    return tokenizer, model.eval()
 
 
 def _chunks(done: int, total: int, size: int) -> Iterator[tuple[int, int]]:
