@@ -36,8 +36,8 @@ bench: venv
 	$(BIN)/python bench/run_all.py
 
 lint: venv
-	$(BIN)/ruff check trainer tests bench scripts
-	$(BIN)/ruff format --check trainer tests bench scripts
+	$(BIN)/ruff check trainer tests bench
+	$(BIN)/ruff format --check trainer tests bench
 
 clean:
 	rm -rf artifacts runs lightning_logs .pytest_cache

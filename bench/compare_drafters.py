@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from trainer.decoding.evaluate import load_prompts  # noqa: E402
 from trainer.decoding.metrics import loop_mask  # noqa: E402
-from trainer.export.eagle3 import load_any  # noqa: E402
+from trainer.drafters.spec import load_drafter  # noqa: E402
 
 PROMPT_CHARS = 160
 
@@ -129,12 +129,11 @@ def greedy_continuations(
 
 
 def accepted_lengths(target, spec: str, sequences, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy chain acceptance of ``spec`` (a KD student directory or ``eagle3:DIR``) from every round start of every
-    continuation: (accepted drafts [R] in 0..k, inside-a-loop flag [R] of the round's first drafted token)."""
-    from transformers import AutoModelForCausalLM
-
-    eagle = spec.startswith("eagle3:")
-    drafter = load_any(spec.split(":", 1)[1]) if eagle else AutoModelForCausalLM.from_pretrained(spec)
+    """Greedy chain acceptance of the drafter at ``spec`` (a KD student or EAGLE-3 export folder) from every round
+    start of every continuation: (accepted drafts [R] in 0..k, inside-a-loop flag [R] of the round's first drafted
+    token)."""
+    drafter, record = load_drafter(spec)
+    eagle = record.kind == "eagle3"
     drafter.eval()
     lengths, loops = [], []
     for ids, prompt_len in sequences:
@@ -241,14 +240,14 @@ def main() -> int:
     drafters = {
         "prompt lookup": "prompt-lookup",
         "KD student": str(kd_dir),
-        "EAGLE-3 chain": f"eagle3:{eagle_dir}",
-        "EAGLE-3 tree": f"eagle3-tree:{eagle_dir}",
+        "EAGLE-3 chain": str(eagle_dir),
+        "EAGLE-3 tree": f"{eagle_dir} --tree",
     }
     rows = []
     for label, spec in drafters.items():
         report_dir = out / "eval" / label.lower().replace(" ", "_").replace("-", "")
         if not (report_dir / "report.json").is_file():
-            cmd = ["draftsmith", "eval", "--target", str(target), "--drafter", spec, "--prompts", str(heldout),
+            cmd = ["draftsmith", "eval", "--target", str(target), "--drafter", *spec.split(), "--prompts", str(heldout),
                    "--k", str(args.k), "--max-new-tokens", str(args.max_new_tokens), "--temperature", "0",
                    "--out", str(report_dir)]  # fmt: skip
             wait(run(cmd, report_dir.with_suffix(".log")), report_dir.with_suffix(".log"))
@@ -269,7 +268,7 @@ def main() -> int:
         model, AutoTokenizer.from_pretrained(target), chain_prompts, args.chain_new_tokens, out / "chain_greedy.pt"
     )
     chain_rows = []
-    for label, spec in {"KD student": str(kd_dir), "EAGLE-3 chain": f"eagle3:{eagle_dir}"}.items():
+    for label, spec in {"KD student": str(kd_dir), "EAGLE-3 chain": str(eagle_dir)}.items():
         accepted, in_loop = accepted_lengths(model, spec, sequences, args.k)
         chain_rows.append(chain_row(label, accepted, in_loop, args.k))
     if args.steps:

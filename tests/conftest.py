@@ -14,3 +14,22 @@ def tiny_corpus(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("tiny_corpus")
     return prepare_corpus(str(out), vocab_size=512, seed=0, max_files=80)
+
+
+@pytest.fixture(scope="session")
+def tok(tiny_corpus):
+    """The tiny corpus' tokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_corpus.tokenizer_dir)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run faster on one thread, and far faster on a busy machine."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -29,10 +29,14 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "quickstart"
 ARTIFACTS = Path("artifacts")
 
 
-def _fit(recipe: str, max_steps: int, summary_file: Path) -> dict:
-    """Runs ``draftsmith fit --config RECIPE`` in this process and keeps the final metrics beside its outputs."""
+def _fit(recipe: str, max_steps: int, summary_file: Path, checkpoints: Path) -> dict:
+    """Runs ``draftsmith fit --config RECIPE`` in this process and keeps the final metrics beside its outputs; a stage
+    interrupted earlier resumes from its ``last.ckpt`` (a fresh run into a folder of checkpoints is refused)."""
     start = time.perf_counter()
-    cli = DraftsmithCLI(args=["fit", "--config", str(RECIPES / recipe), "--trainer.max_steps", str(max_steps)])
+    args = ["fit", "--config", str(RECIPES / recipe), "--trainer.max_steps", str(max_steps)]
+    if (checkpoints / "last.ckpt").exists():
+        args += ["--ckpt_path", "last"]
+    cli = DraftsmithCLI(args=args)
     seconds = time.perf_counter() - start
     metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
     tokens = cli.trainer.global_step * cli.datamodule.batch_size * cli.datamodule.seq_len
@@ -76,9 +80,14 @@ def main(argv: list[str] | None = None) -> int:
     target_dir, student_dir = ARTIFACTS / "tiny_target", ARTIFACTS / "kd_student"
     target_summary_file, kd_summary_file = ARTIFACTS / "tiny_target.summary.json", ARTIFACTS / "kd_student.summary.json"
     if not (target_dir / "config.json").is_file():
-        _fit("tiny_target.yaml", args.target_steps, target_summary_file)
+        _fit(
+            "tiny_target.yaml",
+            args.target_steps,
+            target_summary_file,
+            ARTIFACTS / "runs" / "tiny_target" / "checkpoints",
+        )
     if not (student_dir / "config.json").is_file():
-        _fit("kd.yaml", args.kd_steps, kd_summary_file)
+        _fit("kd.yaml", args.kd_steps, kd_summary_file, ARTIFACTS / "runs" / "kd" / "checkpoints")
     target_summary = json.loads(target_summary_file.read_text())
     kd_summary = json.loads(kd_summary_file.read_text())
     timings["target"], timings["kd"] = target_summary["seconds"], kd_summary["seconds"]

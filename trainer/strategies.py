@@ -77,7 +77,8 @@ class CPUDeepSpeedStrategy(DeepSpeedStrategy):
     Takes every argument of :class:`lightning.pytorch.strategies.DeepSpeedStrategy` (``stage``,
     ``offload_optimizer``, ``offload_parameters``, ``config``, ...): this subclass adds none. On a CPU accelerator it
     initialises the process group as DDP does (gloo, no device index checks) and passes the local rank to
-    ``deepspeed.initialize``, which otherwise receives ``None`` for a CPU device.
+    ``deepspeed.initialize``, which otherwise receives ``None`` for a CPU device. Checkpoints exclude frozen
+    parameters (``exclude_frozen_parameters``), on CPU and CUDA alike.
     """
 
     def _on_cuda(self) -> bool:
@@ -126,6 +127,12 @@ class CPUDeepSpeedStrategy(DeepSpeedStrategy):
             dist_init_required=False,
         )
         return engine, ds_optimizer
+
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options: Any = None) -> None:
+        """Save without frozen parameters (also on CUDA): frozen targets are rebuilt from their paths on resume and
+        checked by fingerprint (trainer/objectives/base.py), so a checkpoint holds what training changes."""
+        self.exclude_frozen_parameters = True
+        super().save_checkpoint(checkpoint, filepath, storage_options)
 
 
 def _check_deepspeed_accelerator_is_cpu() -> None:

@@ -46,10 +46,13 @@ class TargetOutput:
 
 
 class FrozenTarget(nn.Module):
-    """Wraps an HF causal LM so that it can never be trained by accident.
+    """Wraps an HF causal LM so that it can never be trained by accident, nor saved into a training checkpoint.
 
     The wrapped model's parameters have ``requires_grad=False``, the model stays in eval mode whatever ``train()`` is
-    called on a parent module, and every forward runs under ``torch.no_grad()``.
+    called on a parent module, and every forward runs under ``torch.no_grad()``. Its weights never appear in a parent
+    module's ``state_dict`` (so a checkpoint of a distillation run holds the student only), and loading a state dict
+    leaves them as they are: on resume the frozen model is rebuilt from its path, and the objective checks its
+    fingerprint (trainer/fingerprint.py) against the one the checkpoint recorded.
     """
 
     def __init__(self, model: PreTrainedModel) -> None:
@@ -57,6 +60,8 @@ class FrozenTarget(nn.Module):
         self.model = model
         self.model.requires_grad_(False)
         self.model.eval()
+        self._register_state_dict_hook(_drop_own_entries)
+        self.register_load_state_dict_pre_hook(_keep_own_weights)
 
     @classmethod
     def from_pretrained(
@@ -137,6 +142,26 @@ class FrozenTarget(nn.Module):
         return TargetOutput(out.logits, hidden, out.cache if use_cache else None)
 
 
+def _drop_own_entries(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """State-dict hook of FrozenTarget: remove its weights from the parent's state dict."""
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        del state_dict[key]
+
+
+def _keep_own_weights(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    """Load pre-hook of FrozenTarget: whatever the incoming state dict holds under its prefix (nothing, in a
+    checkpoint written by this project), load the weights it already has."""
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        del state_dict[key]
+    for name, sub in module.named_modules(remove_duplicate=False):
+        entries = list(sub._parameters.items()) + [
+            (n, b) for n, b in sub._buffers.items() if n not in sub._non_persistent_buffers_set
+        ]
+        for local, tensor in entries:
+            if tensor is not None:
+                state_dict[f"{prefix}{name}.{local}" if name else prefix + local] = tensor
+
+
 # ---------------------------------------------------------------------------------------------------------- tensors
 
 EMBEDDING_NAMES = (
@@ -149,7 +174,7 @@ LM_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
-def _target_file(name_or_path: str, filename: str) -> Path | None:
+def target_file(name_or_path: str, filename: str) -> Path | None:
     """``filename`` of a local target directory (None when absent), or of a hub id (downloaded; None when absent)."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
@@ -167,6 +192,31 @@ def _target_file(name_or_path: str, filename: str) -> Path | None:
         ) from err
 
 
+def weight_map(name_or_path: str) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it, of a target directory (or hub id) with ``model.safetensors``
+    or a sharded checkpoint with ``model.safetensors.index.json``; an error naming the target when it has neither."""
+    from safetensors import safe_open
+
+    index = target_file(name_or_path, SAFETENSORS_INDEX)
+    if index is not None:
+        names: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = {}
+        for file_name in sorted(set(names.values())):
+            file = target_file(name_or_path, file_name)
+            if file is None:
+                raise FileNotFoundError(f"target {name_or_path!r}: {file_name} (named by its index) is missing")
+            files[file_name] = file
+        return {name: files[file_name] for name, file_name in names.items()}
+    single = target_file(name_or_path, "model.safetensors")
+    if single is None:
+        raise FileNotFoundError(
+            f"target {name_or_path!r}: no model.safetensors or {SAFETENSORS_INDEX}: the embedding and lm_head are "
+            "read from safetensors weights (resave the target with save_pretrained)"
+        )
+    with safe_open(str(single), framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
 def load_target_tensors(name_or_path: str, names: dict[str, Sequence[str]]) -> dict[str, torch.Tensor]:
     """Reads single tensors of a target's safetensors weights without building the model.
 
@@ -181,30 +231,16 @@ def load_target_tensors(name_or_path: str, names: dict[str, Sequence[str]]) -> d
     """
     from safetensors import safe_open
 
-    index = _target_file(name_or_path, SAFETENSORS_INDEX)
-    if index is not None:
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-    else:
-        single = _target_file(name_or_path, "model.safetensors")
-        if single is None:
-            raise FileNotFoundError(
-                f"target {name_or_path!r}: no model.safetensors or {SAFETENSORS_INDEX}: the embedding and lm_head are "
-                "read from safetensors weights (resave the target with save_pretrained)"
-            )
-        with safe_open(str(single), framework="pt") as f:
-            weight_map = dict.fromkeys(f.keys(), single.name)
+    files = weight_map(name_or_path)
     out: dict[str, torch.Tensor] = {}
     for role, candidates in names.items():
-        name = next((n for n in candidates if n in weight_map), None)
+        name = next((n for n in candidates if n in files), None)
         if name is None:
             raise ValueError(
                 f"target {name_or_path!r}: its safetensors weights hold no tensor named "
                 f"{' or '.join(repr(n) for n in candidates)} (the {role})"
             )
-        file = _target_file(name_or_path, weight_map[name])
-        if file is None:
-            raise FileNotFoundError(f"target {name_or_path!r}: {weight_map[name]} (holding {name!r}) is missing")
-        with safe_open(str(file), framework="pt") as f:
+        with safe_open(str(files[name]), framework="pt") as f:
             out[role] = f.get_tensor(name)
     return out
 

@@ -17,10 +17,11 @@ from trainer.decoding.eagle3_proposer import Eagle3Proposer, Eagle3TreeProposer
 from trainer.decoding.generate import speculative_generate
 from trainer.decoding.proposers import NoProposer
 from trainer.decoding.tree import DraftTree
+from trainer.drafters.spec import load_drafter
 from trainer.drafters.vocab_map import vocab_map_from_rows
 from trainer.export.checkpoint import load_training_checkpoint
 from trainer.export.cli import main as export_main
-from trainer.export.eagle3 import load_any, load_native, load_speculators
+from trainer.export.eagle3 import load_native, load_speculators
 
 pytestmark = pytest.mark.slow
 
@@ -51,6 +52,7 @@ def test_fit_logs_per_step_accuracy_and_records_the_drafter(eagle3_run, tiny_cor
     assert {"train/acc_0", "train/acc_2", "val/acc_1"} <= set(metrics)
     state, record = load_training_checkpoint(str(run / "checkpoints" / "last.ckpt"))
     assert record["kind"] == "eagle3" and record["config"]["aux_layers"] == [0, 1, 2]
+    assert record["draft_tokens"] == 3 and record["target_layers"] == [0, 1, 2]
     assert all(k.startswith("drafter.") for k in state)  # the target is not in the checkpoint
     # the map is the one counted from the training rows
     dataset = cli.datamodule.train_dataset
@@ -84,7 +86,7 @@ def test_exports_reload_with_the_same_logits(eagle3_run, tmp_path):
 def test_chain_and_tree_are_lossless_on_the_tiny_target(eagle3_run, tiny_target, tiny_corpus):
     run, _ = eagle3_run
     target = AutoModelForCausalLM.from_pretrained(tiny_target).to(torch.float64).eval()
-    drafter = load_any(str(run / "checkpoints" / "last.ckpt")).to(torch.float64)
+    drafter = load_drafter(str(run / "checkpoints" / "last.ckpt"))[0].to(torch.float64)
     emb = target.get_input_embeddings()
     texts = [json.loads(line)["text"] for line in Path(tiny_corpus.heldout_file).read_text().splitlines()[:2]]
     from transformers import AutoTokenizer
@@ -123,7 +125,7 @@ def test_decoding_drafts_with_the_distributions_of_the_training_unroll(eagle3_ru
     with training."""
     run, cli = eagle3_run
     target = cli.model.target.to(torch.float64)
-    drafter = load_any(str(run / "checkpoints" / "last.ckpt")).to(torch.float64).eval()
+    drafter = load_drafter(str(run / "checkpoints" / "last.ckpt"))[0].to(torch.float64).eval()
     emb = target.model.get_input_embeddings()
     text = json.loads(Path(tiny_corpus.heldout_file).read_text().splitlines()[0])["text"]
     from transformers import AutoTokenizer
@@ -179,3 +181,14 @@ def test_resume_and_fine_tuning_keep_the_checkpoint_map(eagle3_run, tiny_corpus,
     cli = fit("quickstart/eagle3.yaml", override, resumed, ("--ckpt_path", str(tmp_path / "tampered.ckpt")))
     assert bool((cli.model.drafter.d2t == 256).all()) and int(cli.model.drafter.t2d.sum()) == 256
     assert bool((_map(resumed / "checkpoints" / "last.ckpt")[0] == 256).all())
+
+
+def test_data_of_another_tokenizer_is_refused(tiny_corpus, tiny_target, tmp_path):
+    """One tokenizer check for every objective: EAGLE-3 refuses data tokenized for another vocabulary, as KD does."""
+    from trainer.data.corpus import prepare_corpus
+
+    other = prepare_corpus(str(tmp_path / "other"), vocab_size=300, seed=1, max_files=20)
+    run = tmp_path / "run"
+    override = merge(eagle3_override(run, tiny_corpus, tiny_target, 2, 2, aux_layers=[0, 1, 2]), data_overrides(other))
+    with pytest.raises(ValueError, match="vocabulary mismatch"):
+        fit("quickstart/eagle3.yaml", override, tmp_path / "run")

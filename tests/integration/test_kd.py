@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,10 @@ def test_resume_gives_the_same_batches_and_weights(stop_at, tiny_corpus, tiny_ta
 
     assert [r["batch"] for r in lines(straight)] == [r["batch"] for r in lines(split)]
     assert [r["step"] for r in lines(split)] == list(range(8))
+    # the checkpoint resumed from held the student only: the frozen teacher is rebuilt from its path, fingerprinted
+    saved = torch.load(split / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert saved["state_dict"] and all(k.startswith("student.") for k in saved["state_dict"])
+    assert saved["frozen_models"]["teacher"]["path"] == str(tiny_target)
     a, b = load_file(straight / "student" / "model.safetensors"), load_file(split / "student" / "model.safetensors")
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
@@ -138,3 +143,55 @@ def test_last_checkpoint_holds_the_final_step(tiny_corpus, tiny_target, tmp_path
     assert saved_student.keys() == student.keys()
     for key, value in saved_student.items():
         torch.testing.assert_close(value, student[key], rtol=0, atol=0)
+
+
+def test_resume_with_another_teacher_is_refused_naming_both(tiny_corpus, tiny_target, tmp_path):
+    """The checkpoint keeps the teacher's fingerprint, not its weights: a different teacher at the same path (one
+    weight changed) is refused on resume with both fingerprints in the message."""
+    teacher = tmp_path / "teacher"
+    model = AutoModelForCausalLM.from_pretrained(tiny_target)
+    model.save_pretrained(teacher)
+    AutoTokenizer.from_pretrained(tiny_target).save_pretrained(teacher)
+    run = tmp_path / "run"
+    fit("quickstart/kd.yaml", kd_override(run, tiny_corpus, teacher, 2, 2), run)
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, 0] += 1.0
+    model.save_pretrained(teacher)
+    resumed = kd_override(run, tiny_corpus, teacher, 4, 2)
+    with pytest.raises(
+        ValueError, match=r"another teacher: it recorded \(path .* sample (\w+)\), this run loads"
+    ) as err:
+        fit("quickstart/kd.yaml", resumed, run, ("--ckpt_path", "last"))
+    recorded, loaded = re.findall(r"sample (\w+)", str(err.value))
+    assert recorded != loaded
+
+
+def test_quickstart_fit_logs_tau_with_the_speculative_eval_callback(tiny_corpus, tiny_target, tmp_path):
+    """The callback of the quickstart recipes, on the held-out file: tau and acceptance per position are TensorBoard
+    scalars of the run."""
+    callback = {
+        "class_path": "trainer.decoding.callback.SpeculativeEvalCallback",
+        "init_args": {
+            "prompts": str(tiny_corpus.heldout_file), "prompt_tokens": 24, "k": 3, "max_new_tokens": 12,
+            "every_n_steps": 2, "max_prompts": 2, "temperature": 1.0,
+        },
+    }  # fmt: skip
+    fit("quickstart/kd.yaml", kd_override(tmp_path, tiny_corpus, tiny_target, 4, 4, callbacks=[callback]), tmp_path)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(next((tmp_path / "tensorboard").rglob("events.out.tfevents.*")).parent))
+    events.Reload()
+    scalars = set(events.Tags()["scalars"])
+    assert {"spec_eval/tau", "spec_eval/acceptance_1", "spec_eval/acceptance_3", "spec_eval/tau_sampling"} <= scalars
+    taus = [e.value for e in events.Scalars("spec_eval/tau")]
+    assert [e.step for e in events.Scalars("spec_eval/tau")] == [2, 4] and all(1.0 <= t <= 4.0 for t in taus)
+
+
+def test_a_learning_rate_that_kills_the_student_stops_the_run_and_exports_nothing(tiny_corpus, tiny_target, tmp_path):
+    """lr 1e6: weights in the millions and a gradient of exactly 0 from the next step on; the run stops with an error
+    naming the learning rate instead of ending "successfully" and exporting a dead student."""
+    override = kd_override(tmp_path, tiny_corpus, tiny_target, 12, 12)
+    override["model"]["init_args"]["optim"] = {"lr": 1e6, "warmup_steps": 0}
+    with pytest.raises(FloatingPointError, match=r"optim.lr=1000000.0"):
+        fit("quickstart/kd.yaml", override, tmp_path)
+    assert not (tmp_path / "student").exists()

@@ -42,9 +42,15 @@ def single_process_run(tiny_corpus, tiny_target, tmp_path_factory):
     return run
 
 
-def fit_two_processes(run: Path, tiny_corpus, tiny_target, strategy: str, torchrun_style: bool) -> None:
+def fit_two_processes(
+    run: Path, tiny_corpus, tiny_target, strategy: str, torchrun_style: bool, stop_at: int | None = None, resume=False
+) -> None:
+    callbacks = [record_batches(run)]
+    if stop_at is not None:
+        callbacks.append({"class_path": "tests.callbacks.StopAtStep", "init_args": {"step": stop_at}})
+    every = STEPS if stop_at is None else stop_at
     override = write_override(
-        run / "override.yaml", kd_override(run, tiny_corpus, tiny_target, STEPS, STEPS, 2, [record_batches(run)])
+        run / "override.yaml", kd_override(run, tiny_corpus, tiny_target, STEPS, every, 2, callbacks)
     )
     cmd = [
         str(Path(sys.executable).parent / "draftsmith"),
@@ -59,6 +65,7 @@ def fit_two_processes(run: Path, tiny_corpus, tiny_target, strategy: str, torchr
         "2",
         "--trainer.accelerator",
         "cpu",
+        *(["--ckpt_path", "last"] if resume else []),
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     res = run_group(
@@ -92,7 +99,8 @@ def test_kd_recipe_in_two_processes_matches_one_process(
     run = tmp_path / "run"
     run.mkdir()
     fit_two_processes(run, tiny_corpus, tiny_target, strategy, torchrun_style)
-    assert (run / "checkpoints").exists() and any((run / "checkpoints").iterdir())
+    checkpoints = [p for p in (run / "checkpoints").iterdir() if p.name.endswith(".ckpt")]
+    assert checkpoints and all(frozen_tensors_in(p) == [] for p in checkpoints)  # the student and its optimizer only
     check_same_as_single_process(run, single_process_run)
 
 
@@ -113,3 +121,34 @@ def test_zero3_checkpoint_exports_the_trained_student(
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=0, atol=0)
+
+
+def frozen_tensors_in(ckpt: Path) -> list[str]:
+    """Names of teacher tensors a checkpoint (file, DeepSpeed folder or FSDP2 distributed folder) holds."""
+    if ckpt.is_file():
+        return [k for k in torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"] if "teacher" in k]
+    if (ckpt / "checkpoint").is_dir():  # DeepSpeed: module states and frozen-parameter fragments per rank
+        names = []
+        for states in (ckpt / "checkpoint").glob("*model_states.pt"):
+            data = torch.load(states, map_location="cpu", weights_only=False)
+            names += [k for k in data["module"] if "teacher" in k]
+            names += [k for k in (data.get("frozen_param_fragments") or {}) if "teacher" in k]
+        return names
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return [k for k in FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata if "teacher" in k]
+
+
+@pytest.mark.parametrize("strategy", ["fsdp.yaml", "deepspeed_zero1.yaml", "deepspeed_zero3.yaml"])
+def test_checkpoints_hold_no_teacher_and_resume_exactly(
+    strategy, single_process_run, tiny_corpus, tiny_target, tmp_path, torch_extensions_dir
+):
+    """Stopped at step 2 and resumed in 2 processes: the checkpoint held the student and its optimizer only (the
+    teacher is rebuilt from its path), and the run ends with the weights of an uninterrupted 1-process run."""
+    run = tmp_path / "run"
+    run.mkdir()
+    fit_two_processes(run, tiny_corpus, tiny_target, strategy, True, stop_at=2)
+    checkpoints = [p for p in (run / "checkpoints").iterdir() if p.name.endswith(".ckpt")]
+    assert checkpoints and all(frozen_tensors_in(p) == [] for p in checkpoints)
+    fit_two_processes(run, tiny_corpus, tiny_target, strategy, True, resume=True)
+    check_same_as_single_process(run, single_process_run)

@@ -8,19 +8,14 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
+from tests.helpers import tiny_llama
 from trainer.decoding import metrics
 from trainer.decoding.generate import RoundStats, speculative_generate
 from trainer.decoding.proposers import DraftModelProposer, NoProposer, PromptLookupProposer, ProposalContext
 
-from .test_decoding_greedy import tiny_llama, train_student
+from .test_decoding_greedy import train_student
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def hf_assisted(target: LlamaForCausalLM, draft: LlamaForCausalLM, prompt: torch.Tensor, k: int, n: int):

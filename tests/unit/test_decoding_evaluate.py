@@ -8,31 +8,17 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
+from tests.helpers import tiny_llama
 from trainer.decoding.callback import SpeculativeEvalCallback
 from trainer.decoding.evaluate import SpeculativeMismatchError, check_identity, main
 from trainer.decoding.generate import GenerationResult
-from trainer.decoding.proposers import DraftModelProposer
+from trainer.drafters.kinds import hf_causal_lm
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 TEXT = ["the cat sat on the mat and the dog sat on the log", "a b c d e f g h i j k l m n o p", "def f(x): return x"]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def tiny_llama(seed: int, vocab: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None,
-    )  # fmt: skip
-    return LlamaForCausalLM(config).eval()
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +30,7 @@ def saved(tmp_path_factory):
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", eos_token="</s>")
     vocab = len(tokenizer)
     for name, seed in (("target", 0), ("draft", 1)):
-        tiny_llama(seed, vocab).save_pretrained(root / name)
+        tiny_llama(seed, vocab, dtype=torch.float32, eos_token_id=None).save_pretrained(root / name)
         tokenizer.save_pretrained(root / name)
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in TEXT))
@@ -74,7 +60,7 @@ def test_eval_writes_report(saved, drafter: str, capsys) -> None:
 
 def test_eval_rejects_bad_inputs(saved, tmp_path, capsys) -> None:
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"prompt": "ok"}\n{"text": "no prompt key"}\n')
+    bad.write_text('{"prompt": "ok"}\n{"other": "no prompt key"}\n')
     base = ["--target", str(saved / "target"), "--out", str(tmp_path / "o")]
     assert main(base + ["--drafter", "prompt-lookup", "--prompts", str(bad)]) == 1
     assert "bad.jsonl:2" in capsys.readouterr().err
@@ -82,6 +68,26 @@ def test_eval_rejects_bad_inputs(saved, tmp_path, capsys) -> None:
     assert "no-such-drafter" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(base + ["--drafter", "prompt-lookup", "--prompts", str(bad), "--k", "0"])
+    # a prompt longer than the target's context (256 positions) less the output budget
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt": " ".join(TEXT * 30)}) + "\n")
+    assert main(base + ["--drafter", "prompt-lookup", "--prompts", str(long)]) == 1
+    err = capsys.readouterr().err
+    assert "long.jsonl:1" in err and "context" in err
+    # ... unless cut to its first tokens
+    assert main(base + ["--drafter", "prompt-lookup", "--prompts", str(long), "--prompt-tokens", "32"]) == 0
+    capsys.readouterr()
+    # a target folder that is not a model, and a drafter of another vocabulary (its own tokenizer says so)
+    prompts = str(saved / "prompts.jsonl")
+    empty = tmp_path / "not_a_model"
+    empty.mkdir()
+    assert main(["--target", str(empty), "--drafter", "none", "--prompts", prompts, "--out", str(tmp_path / "x")]) == 1
+    assert "not a local model folder" in capsys.readouterr().err
+    other = tmp_path / "other_vocab"
+    tiny_llama(3, 77, dtype=torch.float32).save_pretrained(other)
+    assert main(base + ["--drafter", str(other), "--prompts", prompts]) == 1
+    assert "other_vocab: a drafter of 77 output tokens for a target of" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()  # a refused run writes nothing
 
 
 def test_mismatch_is_an_error_not_a_statistic() -> None:
@@ -92,15 +98,21 @@ def test_mismatch_is_an_error_not_a_statistic() -> None:
 
 
 class DraftModule(pl.LightningModule):
-    """The protocol a training objective implements: target_model and make_proposer()."""
+    """A minimal module implementing the callback's protocol (the objectives do it through their base class)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.target_model = tiny_llama(0, 64).requires_grad_(False)
-        self.student = tiny_llama(1, 64)
+        self.target_model = tiny_llama(0, 64, dtype=torch.float32, eos_token_id=None).requires_grad_(False)
+        self.student = tiny_llama(1, 64, dtype=torch.float32, eos_token_id=None)
 
-    def make_proposer(self) -> DraftModelProposer:
-        return DraftModelProposer(self.student)
+    def speculative_eval_target(self):
+        return self.target_model
+
+    def trainable_module(self):
+        return self.student
+
+    def drafter_record(self):
+        return hf_causal_lm.make_record(self.student, "student", "unused", self.target_model.config)
 
     def training_step(self, batch, batch_idx):
         return self.student(input_ids=batch[0], labels=batch[0]).loss
@@ -111,14 +123,21 @@ class DraftModule(pl.LightningModule):
 
 def test_callback_logs_tau_every_n_steps(tmp_path) -> None:
     data = torch.utils.data.TensorDataset(torch.randint(0, 64, (8, 12)))
-    callback = SpeculativeEvalCallback(prompts=[[1, 2, 3], [4, 5, 6, 7]], k=3, max_new_tokens=10, every_n_steps=2)
+    callback = SpeculativeEvalCallback(
+        prompts=[[1, 2, 3], [4, 5, 6, 7]], k=3, max_new_tokens=10, every_n_steps=2, temperature=1.0
+    )
     trainer = pl.Trainer(
-        max_steps=4, callbacks=[callback], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        max_steps=3, callbacks=[callback], logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, accelerator="cpu", default_root_dir=tmp_path,
     )  # fmt: skip
     module = DraftModule()
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))
-    assert callback._last_step == 4
-    assert 1.0 <= trainer.callback_metrics["spec_eval/tau"] <= 4.0
-    assert set(callback.last) == {"spec_eval/tau", "spec_eval/acceptance_rate", "spec_eval/loop_share"}
+    assert callback._last_step == 3  # step 2, then the last step
+    assert 1.0 <= callback.last["spec_eval/tau"] <= 4.0
+    assert 1.0 <= callback.last["spec_eval/tau_sampling"] <= 4.0
+    expected = {"spec_eval/tau", "spec_eval/acceptance_rate", "spec_eval/loop_share"}
+    expected |= {f"spec_eval/acceptance_{d}" for d in (1, 2, 3)}
+    expected |= {"spec_eval/tau_sampling", "spec_eval/acceptance_rate_sampling"}
+    expected |= {f"spec_eval/acceptance_sampling_{d}" for d in (1, 2, 3)}
+    assert set(callback.last) == expected
     assert module.training  # restored after the evaluation

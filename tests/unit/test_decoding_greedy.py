@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tests.helpers import tiny_llama
 from trainer.decoding.generate import speculative_generate
 from trainer.decoding.metrics import tau
 from trainer.decoding.proposers import (
@@ -23,23 +24,7 @@ from trainer.decoding.proposers import (
 )
 from trainer.decoding.tree import DraftTree
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run faster on one thread, and far faster on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def tiny_llama(seed: int, vocab: int = 128, hidden: int = 32, layers: int = 2) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-    )  # fmt: skip
-    return LlamaForCausalLM(config).to(torch.float64).eval()
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class WrongOracle(OracleProposer):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import tiny_llama
 from trainer.decoding.generate import speculative_generate
 from trainer.decoding.proposers import (
     DraftModelProposer,
@@ -16,29 +17,26 @@ from trainer.decoding.proposers import (
     registered_proposers,
 )
 from trainer.decoding.tree import DraftTree
+from trainer.drafters.spec import ProposerOptions
 
-from .test_decoding_greedy import tiny_llama
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_registry() -> None:
-    assert {"none", "prompt-lookup", "draft-model"} <= set(registered_proposers())
-    assert isinstance(build_proposer("none", None, None), NoProposer)
+def test_registry_of_drafters_without_weights() -> None:
+    assert set(registered_proposers()) >= {"none", "prompt-lookup", "early-exit"}
+    assert isinstance(build_proposer("none", None), NoProposer)
     with pytest.raises(ValueError, match="unknown proposer 'medusa-x'"):
-        build_proposer("medusa-x", None, None)
+        build_proposer("medusa-x", None)
     with pytest.raises(ValueError, match="already registered"):
         register_proposer("none")(OracleProposer.__class__("Other", (NoProposer,), {}))
-    with pytest.raises(TypeError, match="from_spec"):
+    with pytest.raises(TypeError, match="from_options"):
         register_proposer("no-factory")(OracleProposer)
-    with pytest.raises(ValueError, match="needs a directory"):
-        build_proposer("draft-model", None, None)
+    with pytest.raises(ValueError, match="--exit-layer"):
+        build_proposer("early-exit", None)
+    target = tiny_llama(0, layers=3)
+    assert build_proposer("early-exit", target, ProposerOptions(exit_layer=2)).exit_layer == 2
+    with pytest.raises(ValueError, match="exit layer 3 must be in 1..2"):
+        build_proposer("early-exit", target, ProposerOptions(exit_layer=3))
 
 
 class HiddenStateProbe(OracleProposer):

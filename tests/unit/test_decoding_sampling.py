@@ -15,15 +15,9 @@ from trainer.decoding.proposers import DraftModelProposer, ProposalContext
 from trainer.decoding.tree import DraftTree
 from trainer.decoding.verify import probs_from_logits, sampling_verify_chain, sampling_verify_tree
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 V = 6
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def markov(seed: int, sharpness: float) -> torch.Tensor:

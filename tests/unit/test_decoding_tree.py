@@ -4,40 +4,25 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicCache
 
+from tests.helpers import tiny_llama
 from trainer.decoding.cache import compact_cache, truncate_cache
 from trainer.decoding.generate import speculative_generate, verify_round
 from trainer.decoding.proposers import NoProposer, ProposalContext
+from trainer.decoding.session import TargetSession
 from trainer.decoding.tree import DraftTree
 from trainer.decoding.verify import greedy_verify_chain, greedy_verify_tree
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run faster on one thread, and far faster on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def tiny_llama(seed: int, vocab: int = 96) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-    )  # fmt: skip
-    return LlamaForCausalLM(config).to(torch.float64).eval()
-
-
-def prefilled(target, prompt: torch.Tensor) -> DynamicCache:
-    """A cache holding every prompt token but the last (the root of the first round)."""
-    cache = DynamicCache(config=target.config)
-    with torch.no_grad():
-        target(input_ids=prompt[None, :-1], cache=cache, use_cache=True)
-    return cache
+def prefilled(target, prompt: torch.Tensor) -> TargetSession:
+    """A session whose cache holds every prompt token but the last (the root of the first round), committed."""
+    session = TargetSession(target)
+    session.forward(input_ids=prompt[:-1])
+    session.commit(torch.arange(prompt.numel() - 1))
+    return session
 
 
 def assert_same_cache(a: DynamicCache, b: DynamicCache) -> None:
@@ -65,7 +50,7 @@ def test_ancestor_mask_and_positions_match_a_naive_reference() -> None:
 
 
 def test_hand_built_tree_accepts_known_path_and_compacts_cache() -> None:
-    target = tiny_llama(0)
+    target = tiny_llama(0, vocab=96)
     vocab = target.config.vocab_size
     prompt = torch.randint(0, vocab, (8,), generator=torch.Generator().manual_seed(0))
     g = speculative_generate(target, prompt, NoProposer(), 1, 5).tokens  # the target's greedy continuation
@@ -74,9 +59,9 @@ def test_hand_built_tree_accepts_known_path_and_compacts_cache() -> None:
         (wrong(g[0]), -1), (g[0], -1), (g[1], 0), (wrong(g[1]), 1), (g[1], 1), (g[2], 4), (g[2], 2), (wrong(g[3]), 5),
     ]  # fmt: skip
     tree = DraftTree(tokens=torch.tensor([t for t, _ in nodes]), parents=torch.tensor([p for _, p in nodes]))
-    cache = prefilled(target, prompt)
+    session = prefilled(target, prompt)
     layers = (0, 2)
-    out = verify_round(target, cache, prompt[-1:], tree, hidden_layers=layers)
+    out = verify_round(session, prompt[-1:], tree, hidden_layers=layers)
     assert out.path == [1, 4, 5]
     assert out.token == g[3]
     # the compacted cache equals a fresh forward over the committed tokens
@@ -84,7 +69,8 @@ def test_hand_built_tree_accepts_known_path_and_compacts_cache() -> None:
     fresh = DynamicCache(config=target.config)
     with torch.no_grad():
         ref = target(input_ids=committed[None], cache=fresh, use_cache=True, output_hidden_states=True)
-    assert_same_cache(cache, fresh)
+    assert_same_cache(session.cache, fresh)
+    assert session.committed == committed.numel()
     for layer in layers:  # hidden states of the root and the accepted nodes
         torch.testing.assert_close(out.hidden_states[layer], ref.hidden_states[layer][0, 7:], rtol=0, atol=1e-10)
     # the longest path wins over a shorter accepted one, whatever the node order
@@ -93,17 +79,17 @@ def test_hand_built_tree_accepts_known_path_and_compacts_cache() -> None:
 
 
 def test_chain_as_tree_gives_chain_output_and_cache() -> None:
-    target = tiny_llama(1)
+    target = tiny_llama(1, vocab=96)
     vocab = target.config.vocab_size
     prompt = torch.randint(0, vocab, (10,), generator=torch.Generator().manual_seed(1))
     g = speculative_generate(target, prompt, NoProposer(), 1, 4).tokens
     for drafts in ([g[0], g[1], (g[2] + 3) % vocab], [g[0], g[1], g[2]], [(g[0] + 1) % vocab]):
         tree = DraftTree.chain(torch.tensor(drafts))
-        cache_chain, cache_tree = prefilled(target, prompt), prefilled(target, prompt)
-        as_chain = verify_round(target, cache_chain, prompt[-1:], tree, tree_mask=False)
-        as_tree = verify_round(target, cache_tree, prompt[-1:], tree, tree_mask=True)
+        chain_session, tree_session = prefilled(target, prompt), prefilled(target, prompt)
+        as_chain = verify_round(chain_session, prompt[-1:], tree, tree_mask=False)
+        as_tree = verify_round(tree_session, prompt[-1:], tree, tree_mask=True)
         assert as_chain.path == as_tree.path and as_chain.token == as_tree.token
-        assert_same_cache(cache_chain, cache_tree)
+        assert_same_cache(chain_session.cache, tree_session.cache)
         # and the tree rule on a chain agrees with the batched chain rule
         logits = torch.randn(len(drafts) + 1, vocab, dtype=torch.float64)
         n, nxt = greedy_verify_chain(tree.tokens[None], logits[None])
@@ -133,7 +119,7 @@ class TopTwoTree:
 
 
 def test_tree_proposer_in_the_engine_is_lossless_and_accepts_the_right_branch() -> None:
-    target = tiny_llama(2)
+    target = tiny_llama(2, vocab=96)
     prompt = torch.randint(0, 96, (6,), generator=torch.Generator().manual_seed(2))
     reference = speculative_generate(target, prompt, NoProposer(), 1, 20).tokens
     for k in (1, 3, 5):
@@ -143,8 +129,8 @@ def test_tree_proposer_in_the_engine_is_lossless_and_accepts_the_right_branch() 
 
 
 def test_compact_and_truncate_cache_on_known_values() -> None:
-    target = tiny_llama(3)
-    cache = prefilled(target, torch.arange(11))  # 10 tokens cached
+    target = tiny_llama(3, vocab=96)
+    cache = prefilled(target, torch.arange(11)).cache  # 10 tokens cached
     before = [layer.keys.clone() for layer in cache.layers]
     compact_cache(cache, 4, torch.tensor([1, 3, 4]))
     for layer, old in zip(cache.layers, before):

@@ -19,16 +19,16 @@ from trainer.drafters.eagle3 import (
 from trainer.drafters.vocab_map import build_vocab_map, count_label_tokens
 
 
-def small_config(vocab: int = 50, draft_vocab: int = 20, aux=(1, 2, 3)) -> Eagle3Config:
+def small_config(vocab: int = 50, draft_vocab: int = 20, aux=(1, 2, 3), target_hidden: int = 12) -> Eagle3Config:
     return Eagle3Config(
         hidden_size=16, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        vocab_size=vocab, draft_vocab_size=draft_vocab, target_hidden_size=12, aux_layers=aux,
+        vocab_size=vocab, draft_vocab_size=draft_vocab, target_hidden_size=target_hidden, aux_layers=aux,
     )  # fmt: skip
 
 
-def small_drafter(seed: int = 0) -> tuple[Eagle3Drafter, nn.Embedding]:
+def small_drafter(seed: int = 0, target_hidden: int = 12) -> tuple[Eagle3Drafter, nn.Embedding]:
     torch.manual_seed(seed)
-    cfg = small_config()
+    cfg = small_config(target_hidden=target_hidden)
     drafter = Eagle3Drafter(cfg).double()
     for p in drafter.parameters():  # non-trivial norms too
         nn.init.normal_(p, std=0.3)
@@ -40,6 +40,10 @@ def small_drafter(seed: int = 0) -> tuple[Eagle3Drafter, nn.Embedding]:
 def test_default_layers():
     assert default_aux_layers(32) == (2, 16, 29)
     assert default_aux_layers(36) == (2, 18, 33)
+    # shallow targets: distinct ids (engines refuse repeats), not (2, 2, 1)
+    assert default_aux_layers(4) == (1, 2, 3)
+    assert default_aux_layers(3) == (1, 2)
+    assert default_aux_layers(1) == (1,)
 
 
 @pytest.mark.parametrize("step", [0, 1, 3])

@@ -10,12 +10,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.unit.test_eagle3_drafter import small_drafter
-from trainer.export.eagle3 import WEIGHTS, load_any, load_native, load_speculators, save_native, save_speculators
+from trainer.drafters.spec import load_drafter, recognise
+from trainer.export.eagle3 import WEIGHTS, load_native, load_speculators, save_native, save_speculators
 
 
 def logits_of(drafter, embedding, seed=0):
     g = torch.Generator().manual_seed(seed)
-    fused_in = [torch.randn(2, 6, 12, generator=g, dtype=torch.float64) for _ in drafter.config.aux_layers]
+    width = drafter.config.target_hidden_size
+    fused_in = [torch.randn(2, 6, width, generator=g, dtype=torch.float64) for _ in drafter.config.aux_layers]
     tokens = torch.randint(0, drafter.config.vocab_size, (2, 6), generator=g)
     fused = drafter.fuse(fused_in)
     return torch.stack([logits for logits in drafter.unroll(embedding, fused, tokens, 3)])  # [3, B, S, Vd]
@@ -23,22 +25,30 @@ def logits_of(drafter, embedding, seed=0):
 
 @pytest.mark.parametrize("fmt", ["native", "speculators"])
 def test_round_trip(fmt, tmp_path):
-    drafter, embedding = small_drafter(2)
+    drafter, embedding = small_drafter(2, target_hidden=12 if fmt == "native" else 16)
     if fmt == "native":
         save_native(drafter, str(tmp_path))
         reloaded = load_native(str(tmp_path))
     else:
-        save_speculators(drafter, str(tmp_path), verifier="some/target", verifier_architectures=["LlamaForCausalLM"])
+        save_speculators(
+            drafter, str(tmp_path), verifier="some/target", embedding=embedding.weight, speculative_tokens=5,
+            verifier_architectures=["LlamaForCausalLM"],
+        )  # fmt: skip
         reloaded = load_speculators(str(tmp_path))
-    assert type(load_any(str(tmp_path))) is type(reloaded)
+    kind, recognised = recognise(tmp_path)  # what `draftsmith eval --drafter DIR` does with the folder
+    assert (kind.name, recognised.name) == ("eagle3", "eagle3" if fmt == "native" else "eagle3-speculators")
+    assert load_drafter(str(tmp_path))[1].target_layers == [1, 2, 3]
     reloaded = reloaded.double()
     config = json.loads((tmp_path / "config.json").read_text())
     tensors = load_file(str(tmp_path / WEIGHTS))
     assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
-    assert tensors["fc.weight"].shape == (16, 3 * 12)
+    assert tensors["fc.weight"].shape == (16, 3 * drafter.config.target_hidden_size)
     layer = "midlayer." if fmt == "native" else "layers.0."
     assert tensors[layer + "self_attn.q_proj.weight"].shape == (4 * 8, 2 * 16)
-    assert not any(k.startswith("embed_tokens") for k in tensors)
+    if fmt == "native":  # SGLang and vLLM take the target's embedding
+        assert not any(k.startswith("embed_tokens") for k in tensors)
+    else:  # speculators reads it from the file (and keeps uninitialised memory without it)
+        torch.testing.assert_close(tensors["embed_tokens.weight"], embedding.weight, rtol=0, atol=0)
     # HF hidden_states indices (1, 2, 3) are inputs of layers for vLLM, outputs of layers (one less) for SGLang
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     if fmt == "native":
@@ -49,7 +59,9 @@ def test_round_trip(fmt, tmp_path):
     else:
         assert config["architectures"] == ["Eagle3Speculator"] and config["norm_before_residual"] is False
         assert config["speculators_config"]["verifier"]["name_or_path"] == "some/target"
+        assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
         assert config["transformer_layer_config"]["num_hidden_layers"] == 1
+        assert config["norm_before_fc"] is config["fc_norm"] is config["norm_output"] is False
     for key, value in drafter.state_dict().items():
         torch.testing.assert_close(reloaded.state_dict()[key], value, rtol=0, atol=0)
     torch.testing.assert_close(logits_of(reloaded, embedding), logits_of(drafter, embedding), rtol=0, atol=0)
@@ -79,10 +91,25 @@ def test_tampered_exports_are_refused(tamper, tmp_path):
         load_native(str(tmp_path))
 
 
-def test_speculators_loader_rejects_native_names(tmp_path):
-    drafter, _ = small_drafter(4)
+def test_speculators_loader_rejects_native_names_and_a_missing_embedding(tmp_path):
+    drafter, embedding = small_drafter(4, target_hidden=16)
     save_native(drafter, str(tmp_path / "native"))
-    save_speculators(drafter, str(tmp_path / "spec"), verifier="t")
-    save_file(load_file(str(tmp_path / "native" / WEIGHTS)), str(tmp_path / "spec" / WEIGHTS))
+    save_speculators(drafter, str(tmp_path / "spec"), verifier="t", embedding=embedding.weight, speculative_tokens=3)
+    native = load_file(str(tmp_path / "native" / WEIGHTS))
+    save_file(native, str(tmp_path / "spec" / WEIGHTS))
+    with pytest.raises(ValueError, match="embed_tokens.weight is None"):
+        load_speculators(str(tmp_path / "spec"))
+    save_file({**native, "embed_tokens.weight": embedding.weight.detach()}, str(tmp_path / "spec" / WEIGHTS))
     with pytest.raises(ValueError, match="not consumed"):
         load_speculators(str(tmp_path / "spec"))
+
+
+def test_speculators_writer_refuses_what_speculators_cannot_load(tmp_path):
+    drafter, embedding = small_drafter(5)  # drafter width 16, target width 12
+    with pytest.raises(ValueError, match="width .16. to be the target's .12."):
+        save_speculators(drafter, str(tmp_path), verifier="t", embedding=embedding.weight, speculative_tokens=3)
+    repeated, embedding = small_drafter(6, target_hidden=16)
+    repeated.config.aux_layers = (2, 2, 1)
+    with pytest.raises(ValueError, match="repeated target layer ids"):
+        save_speculators(repeated, str(tmp_path), verifier="t", embedding=embedding.weight, speculative_tokens=3)
+    assert not any(tmp_path.iterdir())  # nothing written

@@ -5,31 +5,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from tests.helpers import tiny_llama
 from trainer.decoding.eagle3_proposer import Eagle3Proposer, Eagle3TreeProposer
 from trainer.decoding.generate import speculative_generate
 from trainer.decoding.proposers import NoProposer, ProposalContext
 from trainer.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from trainer.drafters.vocab_map import build_vocab_map
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def target_and_drafter(seed: int, vocab: int = 96, layers: int = 4):
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256,
-    )  # fmt: skip
-    target = LlamaForCausalLM(config).to(torch.float64).eval()
-    drafter = Eagle3Drafter(Eagle3Config.from_target(config, draft_vocab_size=vocab // 2)).to(torch.float64)
+    target = tiny_llama(seed, vocab, layers=layers)
+    drafter = Eagle3Drafter(Eagle3Config.from_target(target.config, draft_vocab_size=vocab // 2)).to(torch.float64)
     drafter.set_vocab_map(*build_vocab_map(torch.randint(0, 50, (vocab,)), vocab // 2))
     return target, drafter
 

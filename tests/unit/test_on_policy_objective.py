@@ -116,6 +116,10 @@ def test_lambda_1_trains_exactly_the_generated_tokens(teacher_dir):
     loss, metrics = model.compute_loss(batch)
     assert float(metrics["on_policy"]) == 1.0
     torch.testing.assert_close(loss, model.distill(gen.input_ids, gen.loss_mask).loss)
+    # throughput counts the tokens the step ran on (prompts and what was generated), not the data batch's 3 x 12
+    assert (
+        model._tokens_in_batch == int((gen.prompt_lengths + gen.generated_lengths).sum()) < batch["input_ids"].numel()
+    )
 
 
 def test_sampling_is_deterministic_in_the_seed_and_leaves_the_global_rng(teacher_dir):

@@ -2,28 +2,13 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
+from tests.helpers import chat_stream, text_datamodule, write_jsonl
 from trainer.data.packing import IGNORE_INDEX, pack_rows
 from trainer.data.text import TextDataModule
-
-
-def _write_jsonl(path: Path, records: list[dict]) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_corpus):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_corpus.tokenizer_dir)
-
 
 DOCS = [f"def f{i}(x):\n    return x * {i} + {i * i}\n" * (1 + i % 3) for i in range(12)]
 CHATS = [
@@ -37,15 +22,10 @@ CHATS = [
 ]
 
 
-def _dm(tiny_corpus, tmp_path, **kw) -> TextDataModule:
-    kw.setdefault("cache_dir", str(tmp_path / "cache"))
-    return TextDataModule(tokenizer=tiny_corpus.tokenizer_dir, **kw)
-
-
 def test_packing_rows_are_the_token_stream_and_labels_are_shifted(tiny_corpus, tok, tmp_path):
-    data = _write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in DOCS])
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in DOCS])
     seq = 16
-    dm = _dm(tiny_corpus, tmp_path, train_files=[data], seq_len=seq, batch_size=4, shuffle=False)
+    dm = text_datamodule(tiny_corpus, tmp_path, train_files=[data], seq_len=seq, batch_size=4, shuffle=False)
     dm.setup("fit")
     stream = []
     for d in DOCS:
@@ -74,8 +54,10 @@ def test_pack_rows_stride_covers_every_token_once():
 
 def test_unpacked_rows_are_padded_and_padding_is_not_trained(tiny_corpus, tok, tmp_path):
     docs = ["short doc", "x = 1\n" * 40]
-    data = _write_jsonl(tmp_path / "d.jsonl", [{"body": d} for d in docs])
-    dm = _dm(tiny_corpus, tmp_path, train_files=[data], text_field="body", seq_len=32, pack=False, shuffle=False)
+    data = write_jsonl(tmp_path / "d.jsonl", [{"body": d} for d in docs])
+    dm = text_datamodule(
+        tiny_corpus, tmp_path, train_files=[data], text_field="body", seq_len=32, pack=False, shuffle=False
+    )
     dm.setup("fit")
     short = dm.train_dataset[0]
     ids = tok(docs[0], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
@@ -96,7 +78,7 @@ def test_txt_and_parquet_sources(tiny_corpus, tok, tmp_path):
     b.write_text(DOCS[1])
     pq = tmp_path / "c.parquet"
     datasets.Dataset.from_dict({"text": DOCS[2:4]}).to_parquet(str(pq))
-    dm = _dm(tiny_corpus, tmp_path, train_files=[str(a), str(b), str(pq)], seq_len=8, shuffle=False)
+    dm = text_datamodule(tiny_corpus, tmp_path, train_files=[str(a), str(b), str(pq)], seq_len=8, shuffle=False)
     dm.setup("fit")
     stream = []
     for d in DOCS[:4]:
@@ -106,17 +88,10 @@ def test_txt_and_parquet_sources(tiny_corpus, tok, tmp_path):
 
 
 def test_chat_loss_mask_is_the_assistant_tokens(tiny_corpus, tok, tmp_path):
-    data = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in CHATS])
-    dm = _dm(tiny_corpus, tmp_path, train_files=[data], format="chat", seq_len=24, shuffle=False)
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in CHATS])
+    dm = text_datamodule(tiny_corpus, tmp_path, train_files=[data], format="chat", seq_len=24, shuffle=False)
     dm.setup("fit")
-    ids, mask = [], []
-    for c in CHATS:
-        out = tok.apply_chat_template(c, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-        ids += out["input_ids"]
-        mask += out["assistant_masks"]
-        if ids[-1] != tok.eos_token_id:
-            ids.append(tok.eos_token_id)
-            mask.append(0)
+    ids, mask = chat_stream(tok, CHATS)
     seq = 24
     trained_labels = []
     for r in range(len(dm.train_dataset)):
@@ -139,17 +114,17 @@ def test_chat_loss_mask_is_the_assistant_tokens(tiny_corpus, tok, tmp_path):
 def test_dataset_name_reads_a_datasets_folder_with_splits(tiny_corpus, tok, tmp_path):
     folder = tmp_path / "hubish"
     folder.mkdir()
-    _write_jsonl(folder / "train.jsonl", [{"text": d} for d in DOCS[:6]])
-    _write_jsonl(folder / "validation.jsonl", [{"text": d} for d in DOCS[6:8]])
-    dm = _dm(tiny_corpus, tmp_path, dataset_name=str(folder), val_split="validation", seq_len=8, pack=False)
+    write_jsonl(folder / "train.jsonl", [{"text": d} for d in DOCS[:6]])
+    write_jsonl(folder / "validation.jsonl", [{"text": d} for d in DOCS[6:8]])
+    dm = text_datamodule(tiny_corpus, tmp_path, dataset_name=str(folder), val_split="validation", seq_len=8, pack=False)
     dm.setup("fit")
     assert len(dm.train_dataset) == 6 and len(dm.val_dataset) == 2
     assert dm.val_dataset[0]["input_ids"].tolist() == tok(DOCS[6], add_special_tokens=False)["input_ids"][:8]
 
 
 def test_val_fraction_carves_whole_documents(tiny_corpus, tmp_path):
-    data = _write_jsonl(tmp_path / "d.jsonl", [{"text": f"doc {i} " + "x" * (40 + i)} for i in range(20)])
-    dm = _dm(tiny_corpus, tmp_path, train_files=[data], seq_len=8, val_fraction=0.25, pack=False)
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": f"doc {i} " + "x" * (40 + i)} for i in range(20)])
+    dm = text_datamodule(tiny_corpus, tmp_path, train_files=[data], seq_len=8, val_fraction=0.25, pack=False)
     dm.setup("fit")
     assert len(dm.val_dataset) == 5 and len(dm.train_dataset) == 15
     train_rows = {tuple(dm.train_dataset[i]["input_ids"].tolist()) for i in range(15)}
@@ -160,56 +135,58 @@ def test_val_fraction_carves_whole_documents(tiny_corpus, tmp_path):
 
 
 def test_tokenized_rows_are_cached(tiny_corpus, tmp_path, monkeypatch):
-    data = _write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in DOCS])
-    first = _dm(tiny_corpus, tmp_path, train_files=[data], seq_len=16)
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in DOCS])
+    first = text_datamodule(tiny_corpus, tmp_path, train_files=[data], seq_len=16)
     first.setup("fit")
 
     def refuse(self):
         raise AssertionError("tokenized again despite the cache")
 
     monkeypatch.setattr(TextDataModule, "_build", refuse)
-    second = _dm(tiny_corpus, tmp_path, train_files=[data], seq_len=16)
+    second = text_datamodule(tiny_corpus, tmp_path, train_files=[data], seq_len=16)
     second.setup("fit")
     assert np.array_equal(first.train_dataset.ids, second.train_dataset.ids)
-    changed = _dm(tiny_corpus, tmp_path, train_files=[data], seq_len=12)  # another seq_len is another cache entry
+    changed = text_datamodule(
+        tiny_corpus, tmp_path, train_files=[data], seq_len=12
+    )  # another seq_len is another cache entry
     with pytest.raises(AssertionError, match="tokenized again"):
         changed.setup("fit")
 
 
 def test_missing_file_names_the_path(tiny_corpus, tmp_path):
-    dm = _dm(tiny_corpus, tmp_path, train_files=[str(tmp_path / "nope.jsonl")])
+    dm = text_datamodule(tiny_corpus, tmp_path, train_files=[str(tmp_path / "nope.jsonl")])
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
         dm.setup("fit")
 
 
 def test_missing_field_names_key_and_file(tiny_corpus, tmp_path):
-    data = _write_jsonl(tmp_path / "keys.jsonl", [{"content": "hello"}])
+    data = write_jsonl(tmp_path / "keys.jsonl", [{"content": "hello"}])
     with pytest.raises(KeyError, match=r"keys\.jsonl.*'text'"):
-        _dm(tiny_corpus, tmp_path, train_files=[data]).setup("fit")
+        text_datamodule(tiny_corpus, tmp_path, train_files=[data]).setup("fit")
     with pytest.raises(KeyError, match=r"keys\.jsonl.*'messages'"):
-        _dm(tiny_corpus, tmp_path, train_files=[data], format="chat").setup("fit")
+        text_datamodule(tiny_corpus, tmp_path, train_files=[data], format="chat").setup("fit")
 
 
 def test_empty_and_too_small_data_say_so(tiny_corpus, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     with pytest.raises(ValueError, match=r"no documents.*empty\.jsonl"):
-        _dm(tiny_corpus, tmp_path, train_files=[str(empty)]).setup("fit")
-    small = _write_jsonl(tmp_path / "small.jsonl", [{"text": "a = 1"}])
+        text_datamodule(tiny_corpus, tmp_path, train_files=[str(empty)]).setup("fit")
+    small = write_jsonl(tmp_path / "small.jsonl", [{"text": "a = 1"}])
     with pytest.raises(ValueError, match=r"too small.*small\.jsonl"):
-        _dm(tiny_corpus, tmp_path, train_files=[small], seq_len=256).setup("fit")
+        text_datamodule(tiny_corpus, tmp_path, train_files=[small], seq_len=256).setup("fit")
 
 
 def test_other_bad_inputs_are_named(tiny_corpus, tmp_path):
     txt = tmp_path / "a.txt"
     txt.write_text("hello")
     with pytest.raises(ValueError, match=r"a\.txt.*chat"):
-        _dm(tiny_corpus, tmp_path, train_files=[str(txt)], format="chat").setup("fit")
+        text_datamodule(tiny_corpus, tmp_path, train_files=[str(txt)], format="chat").setup("fit")
     csv = tmp_path / "a.csv"
     csv.write_text("x")
     with pytest.raises(ValueError, match=r"a\.csv.*unsupported"):
-        _dm(tiny_corpus, tmp_path, train_files=[str(csv)]).setup("fit")
+        text_datamodule(tiny_corpus, tmp_path, train_files=[str(csv)]).setup("fit")
     with pytest.raises(FileNotFoundError, match="no_tokenizer_here"):
         TextDataModule(tokenizer=str(tmp_path / "no_tokenizer_here"), train_files=[str(txt)]).setup("fit")
     with pytest.raises(ValueError, match="train_files"):
-        _dm(tiny_corpus, tmp_path).setup("fit")
+        text_datamodule(tiny_corpus, tmp_path).setup("fit")

@@ -42,25 +42,35 @@ def truncate_cache(cache: Cache, length: int) -> None:
 def compact_cache(cache: Cache, prefix: int, keep: torch.Tensor) -> None:
     """Keep the first ``prefix`` tokens and then the tokens at positions ``prefix + keep``, in that order, in place.
 
+    Layers may hold different numbers of entries after ``prefix`` (a self-speculative round drafts with the first
+    layers only); each is cut to ``prefix + len(keep)``, and every layer must hold the kept entries.
+
     Args:
-        cache: the HF cache; every layer must expose ``keys`` and ``values`` ``[B, H, S, D]`` (DynamicLayer).
+        cache: the HF cache; tree paths need layers exposing ``keys`` and ``values`` ``[B, H, S, D]`` (DynamicLayer).
         prefix: the number of leading tokens kept untouched (the committed context before the verified block).
         keep: ``[n]`` increasing offsets, relative to ``prefix``, of the verified tokens to keep (an accepted path).
     """
-    current = cache_length(cache)
     keep = keep.to(torch.long).flatten()  # [n]
-    if keep.numel() and (int(keep.min()) < 0 or prefix + int(keep.max()) >= current):
-        raise ValueError(f"keep offsets {keep.tolist()} out of range for a cache of {current} tokens, prefix {prefix}")
-    if bool((keep == torch.arange(keep.numel(), device=keep.device)).all()):
-        truncate_cache(cache, prefix + keep.numel())  # a prefix: cropping is enough
-        return
-    for layer in cache.layers:
-        if getattr(layer, "keys", None) is None or not getattr(layer, "is_initialized", True):
+    n = keep.numel()
+    needed = prefix + (int(keep.max()) + 1 if n else 0)
+    is_prefix = bool((keep == torch.arange(n, device=keep.device)).all())
+    for index, layer in enumerate(cache.layers):
+        current = int(layer.get_seq_length())
+        if current == 0 and not getattr(layer, "is_initialized", False):
+            continue  # a layer never run (shared KV or not reached)
+        if (n and int(keep.min()) < 0) or current < needed:
+            raise ValueError(
+                f"keep offsets {keep.tolist()} out of range for cache layer {index} of {current} entries, "
+                f"prefix {prefix}"
+            )
+        if is_prefix:
+            if current > prefix + n:
+                layer.crop(prefix + n - current)  # transformers >= 5 takes the number of tokens to remove, negative
             continue
-        if getattr(layer, "is_sliding", False) or not hasattr(layer, "crop"):
+        if getattr(layer, "is_sliding", False) or getattr(layer, "keys", None) is None:
             raise NotImplementedError(f"tree compaction of a {type(layer).__name__} cache layer; use chains")
-        index = (prefix + keep).to(layer.keys.device)  # [n]
-        kept_keys = layer.keys.index_select(2, index)  # [B, H, n, D]
-        kept_values = layer.values.index_select(2, index)  # [B, H, n, D]
+        index_ = (prefix + keep).to(layer.keys.device)  # [n]
+        kept_keys = layer.keys.index_select(2, index_)  # [B, H, n, D]
+        kept_values = layer.values.index_select(2, index_)  # [B, H, n, D]
         layer.keys = torch.cat([layer.keys[:, :, :prefix], kept_keys], dim=2)  # [B, H, prefix + n, D]
         layer.values = torch.cat([layer.values[:, :, :prefix], kept_values], dim=2)  # [B, H, prefix + n, D]

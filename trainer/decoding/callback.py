@@ -1,56 +1,44 @@
 """A Lightning callback that measures tau with real speculative decoding every N training steps.
 
-The LightningModule being trained exposes the drafter-side protocol :class:`SpeculativeEvalModule`:
+Every objective that trains a drafter implements the protocol :class:`SpeculativeEvalModule` through the base class
+(trainer/objectives/base.py): ``speculative_eval_target()`` (the frozen HF target, on the module's device),
+``trainable_module()`` (the drafter as it is being trained) and ``drafter_record()`` (what it is). The callback asks
+the record's drafter kind for a proposer (trainer/drafters/spec.py), the same factory ``draftsmith eval`` uses, so
+what is logged during training is what ``eval`` measures afterwards.
 
-- ``target_model``: the frozen HF target (``AutoModelForCausalLM``), on the module's device;
-- ``make_proposer() -> Proposer``: a proposer drafting with the module's current weights (for a distilled draft model,
-  ``DraftModelProposer(self.student)``; for Medusa or EAGLE, their own proposers).
-
-Every ``every_n_steps`` optimizer steps the callback decodes the held-out prompts greedily with the target alone (once,
-then cached) and with speculation, checks that the outputs are identical (a difference raises), and logs
-``spec_eval/tau``, ``spec_eval/acceptance_rate`` and ``spec_eval/loop_share`` through ``pl_module.log`` (TensorBoard
-with the default logger).
+Every ``every_n_steps`` optimizer steps, and at the last step, the callback decodes the held-out prompts greedily
+with the target alone (once, then cached) and with speculation, checks that the outputs are identical (a difference
+raises), and logs ``spec_eval/tau``, ``spec_eval/acceptance_rate``, ``spec_eval/acceptance_{d}`` for every draft
+position d, and ``spec_eval/loop_share``; with ``temperature > 0`` also ``spec_eval/tau_sampling`` and its
+acceptance. Values go to the trainer's loggers at that step (TensorBoard with the recipes' logger). Every rank
+decodes the same prompts (under sharded strategies the drafter's forward is collective); rank zero logs.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 import torch
+from torch import nn
 from transformers import PreTrainedModel
 
 from trainer.decoding import metrics
-from trainer.decoding.evaluate import check_identity, loop_statistics, run_prompts
-from trainer.decoding.proposers import NoProposer, Proposer
+from trainer.decoding.evaluate import check_identity, load_prompts, loop_statistics, run_prompts
+from trainer.decoding.proposers import NoProposer
+from trainer.drafters.spec import DrafterRecord, ProposerOptions, get_kind
 
 
 @runtime_checkable
 class SpeculativeEvalModule(Protocol):
     """What the callback needs from the LightningModule."""
 
-    target_model: PreTrainedModel
+    def speculative_eval_target(self) -> PreTrainedModel: ...
 
-    def make_proposer(self) -> Proposer: ...
+    def trainable_module(self) -> nn.Module: ...
 
-
-def read_token_prompts(path: str | Path) -> list[list[int]]:
-    """Prompts from a jsonl file with an ``input_ids`` list of token ids per line."""
-    prompts = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            ids = record.get("input_ids") if isinstance(record, dict) else None
-            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
-                raise ValueError(f"{path}:{number}: needs a non-empty 'input_ids' list of token ids")
-            prompts.append(ids)
-    if not prompts:
-        raise ValueError(f"{path}: no prompts")
-    return prompts
+    def drafter_record(self) -> DrafterRecord: ...
 
 
 class SpeculativeEvalCallback(pl.Callback):
@@ -59,74 +47,121 @@ class SpeculativeEvalCallback(pl.Callback):
     def __init__(
         self,
         prompts: str | list[list[int]] = "",
+        prompt_tokens: int = 64,
         k: int = 4,
         max_new_tokens: int = 64,
-        every_n_steps: int = 500,
-        max_prompts: int = 16,
+        every_n_steps: int = 200,
+        max_prompts: int = 8,
+        temperature: float = 0.0,
+        tree: bool = False,
+        seed: int = 0,
         eos_token_id: int | None = None,
     ) -> None:
         """
         Args:
-            prompts: a jsonl file with an ``input_ids`` token list per line, or the token lists themselves.
+            prompts: a jsonl file (one ``prompt``, chat ``messages``, ``text`` or ``input_ids`` per line; the
+                corpus' held-out file works as it is), or the token lists themselves.
+            prompt_tokens: each prompt is cut to its first this many tokens (0 keeps it whole).
             k: drafts per round.
             max_new_tokens: output budget per prompt.
-            every_n_steps: evaluate when the global step is a multiple of this (and > 0).
+            every_n_steps: evaluate when the global step is a multiple of this, and at the last step.
             max_prompts: use at most this many prompts (0: all).
+            temperature: 0 measures greedy decoding only; above 0 also speculative sampling at this temperature.
+            tree: draft trees, for drafter kinds that can (see ``draftsmith eval --tree``).
+            seed: seed of the sampling mode.
             eos_token_id: token that ends a generation, or None for the full budget.
         """
         super().__init__()
-        if k < 1 or max_new_tokens < 1 or every_n_steps < 1:
+        if k < 1 or max_new_tokens < 1 or every_n_steps < 1 or prompt_tokens < 0 or temperature < 0:
             raise ValueError(
-                f"k, max_new_tokens and every_n_steps must be >= 1, got {k}, {max_new_tokens}, {every_n_steps}"
+                "SpeculativeEvalCallback: k, max_new_tokens and every_n_steps must be >= 1, prompt_tokens and "
+                f"temperature >= 0; got {k}, {max_new_tokens}, {every_n_steps}, {prompt_tokens}, {temperature}"
             )
-        loaded = read_token_prompts(prompts) if isinstance(prompts, str | Path) else [list(p) for p in prompts]
-        if not loaded:
-            raise ValueError("SpeculativeEvalCallback needs at least one prompt")
-        self.prompts = loaded[:max_prompts] if max_prompts > 0 else loaded
-        self.k = k
-        self.max_new_tokens = max_new_tokens
-        self.every_n_steps = every_n_steps
-        self.eos_token_id = eos_token_id
+        if isinstance(prompts, str) and not prompts:
+            raise ValueError("SpeculativeEvalCallback needs prompts: a jsonl file or token lists")
+        self.source = prompts
+        self.prompt_tokens, self.max_prompts = prompt_tokens, max_prompts
+        self.k, self.max_new_tokens, self.every_n_steps = k, max_new_tokens, every_n_steps
+        self.temperature, self.seed, self.eos_token_id = temperature, seed, eos_token_id
+        self.options = ProposerOptions(tree=tree)
+        self.prompts: list[list[int]] | None = None
         self._reference = None
         self._last_step = -1
         self.last: dict[str, float] = {}
 
-    def evaluate(self, pl_module: pl.LightningModule) -> dict[str, float]:
-        """Run the evaluation now; returns the logged values."""
+    def _load_prompts(self, record: DrafterRecord) -> list[list[int]]:
+        if isinstance(self.source, str | Path):
+            from transformers import AutoTokenizer
+
+            if not record.tokenizer:
+                raise ValueError("SpeculativeEvalCallback: the drafter record names no tokenizer to read the prompts")
+            tokenizer = AutoTokenizer.from_pretrained(record.tokenizer)
+            prompts = load_prompts(self.source, tokenizer, cut=self.prompt_tokens or None)
+        else:
+            prompts = [list(p)[: self.prompt_tokens or None] for p in self.source]
+        if not prompts:
+            raise ValueError("SpeculativeEvalCallback needs at least one prompt")
+        return prompts[: self.max_prompts] if self.max_prompts > 0 else prompts
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Check the module before training starts: a module that cannot be measured fails now, not at step N."""
         if not isinstance(pl_module, SpeculativeEvalModule):
-            raise TypeError(
-                f"{type(pl_module).__name__} must expose target_model and make_proposer() for SpeculativeEvalCallback"
-            )
-        target = pl_module.target_model
+            raise TypeError(f"{type(pl_module).__name__} does not implement the SpeculativeEvalCallback protocol")
+        pl_module.speculative_eval_target()
+        self.prompts = self._load_prompts(pl_module.drafter_record())
+
+    def evaluate(self, pl_module: pl.LightningModule) -> dict[str, float]:
+        """Run the evaluation now; returns the values logged."""
+        target = pl_module.speculative_eval_target()
+        record = pl_module.drafter_record()
+        if self.prompts is None:
+            self.prompts = self._load_prompts(record)
+        kind = get_kind(record.kind, type(pl_module).__name__)
         was_training = pl_module.training
         pl_module.eval()
+        values: dict[str, float] = {}
         try:
             with torch.no_grad():
+                proposer = kind.proposer(pl_module.trainable_module(), record, target, self.options)
                 if self._reference is None:
                     self._reference = run_prompts(
                         target, NoProposer(), self.prompts, 1, self.max_new_tokens, 0.0, self.eos_token_id
                     )
-                results = run_prompts(
-                    target, pl_module.make_proposer(), self.prompts, self.k, self.max_new_tokens, 0.0, self.eos_token_id
+                greedy = run_prompts(
+                    target, proposer, self.prompts, self.k, self.max_new_tokens, 0.0, self.eos_token_id
                 )
+                check_identity(self._reference, greedy, self.k)
+                values.update(self._values(greedy, ""))
+                values["spec_eval/loop_share"] = loop_statistics(self._reference)[0]["share"]
+                if self.temperature > 0:
+                    sampled = run_prompts(
+                        target, proposer, self.prompts, self.k, self.max_new_tokens, self.temperature,
+                        self.eos_token_id, self.seed,
+                    )  # fmt: skip
+                    values.update(self._values(sampled, "_sampling"))
         finally:
             pl_module.train(was_training)
-        check_identity(self._reference, results, self.k)
+        self.last = values
+        return values
+
+    def _values(self, results, suffix: str) -> dict[str, float]:
         rounds = [r for res in results for r in res.rounds]
-        loops, _ = loop_statistics(self._reference)
-        self.last = {
-            "spec_eval/tau": metrics.tau(rounds),
-            "spec_eval/acceptance_rate": metrics.acceptance_rate(rounds),
-            "spec_eval/loop_share": loops["share"],
+        out = {
+            f"spec_eval/tau{suffix}": metrics.tau(rounds),
+            f"spec_eval/acceptance_rate{suffix}": metrics.acceptance_rate(rounds),
         }
-        return self.last
+        for d, rate in enumerate(metrics.acceptance_per_position(rounds, self.k), 1):
+            out[f"spec_eval/acceptance{suffix}_{d}"] = rate
+        return out
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
-        """Evaluate and log every ``every_n_steps`` global steps (every rank decodes the same prompts)."""
+        """Evaluate and log every ``every_n_steps`` global steps and at the last one."""
         step = trainer.global_step
-        if step == 0 or step % self.every_n_steps or self._last_step == step:
+        last = trainer.max_steps > 0 and step >= trainer.max_steps
+        if step == 0 or self._last_step == step or (step % self.every_n_steps and not last):
             return
         self._last_step = step
-        values = self.evaluate(pl_module)
-        for name, value in values.items():
-            pl_module.log(name, float(value), on_step=True, on_epoch=False, rank_zero_only=True)
+        values = {name: float(value) for name, value in self.evaluate(pl_module).items()}
+        if trainer.is_global_zero:  # written at this step whatever the trainer's log_every_n_steps
+            for logger in trainer.loggers:
+                logger.log_metrics(values, step=step)

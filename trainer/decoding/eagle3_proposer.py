@@ -6,11 +6,12 @@ target hidden states arrived with the context (the root and the accepted drafts 
 are extra entries at positions ``T - 2 + depth`` that see the cache, their ancestors and themselves (the attention of
 training-time test), and are dropped at the end of the round.
 
-``eagle3`` drafts a chain of ``k`` greedy tokens (or sampled ones, with their distributions, at a temperature).
-``eagle3-tree`` grows a tree the EAGLE-2 way: the root's ``top_k`` children, then at every depth the ``top_k`` most
-probable (cumulative draft log-probability) new nodes are expanded, ``top_k`` children each; finally the ``budget``
-best nodes of all are kept (an ancestor always scores at least as well as its descendants). Greedy verification
-with tree attention keeps it lossless; at a temperature the tree proposer drafts a sampled chain instead.
+:class:`Eagle3Proposer` drafts a chain of ``k`` greedy tokens (or sampled ones, with their distributions, at a
+temperature). :class:`Eagle3TreeProposer` grows a tree the EAGLE-2 way: the root's ``top_k`` children, then at
+every depth the ``top_k`` most probable (cumulative draft log-probability) new nodes are expanded, ``top_k`` children
+each; finally the ``budget`` best nodes of all are kept (an ancestor always scores at least as well as its
+descendants). Greedy verification with tree attention keeps it lossless; at a temperature the tree proposer drafts a
+sampled chain instead.
 
 The ranking scores use the drafter's log-probabilities at ``rank_temperature`` (default 0.1), not at 1. Greedy
 verification accepts a node when it is the target's argmax; the drafter learned the target's distribution, whose
@@ -19,15 +20,15 @@ and high sibling ones, so at temperature 1 the budget goes to width. On the tiny
 temperature 1 and 5.00 at 0.1 (4.78 at 0.3, 4.85 at 0.5; the chain's 3.86), on an 8-layer one 3.79 against 6.04
 (README, EAGLE-3).
 
-``--drafter eagle3:DIR`` or ``eagle3-tree:DIR``: DIR is a native or speculators export (or a training .ckpt).
+``draftsmith eval --drafter PATH [--tree]``: PATH is a native or speculators export, or a training checkpoint (the
+drafter kind ``eagle3``, trainer/drafters/kinds/eagle3.py).
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import PreTrainedModel
 
-from trainer.decoding.proposers import ProposalContext, register_proposer
+from trainer.decoding.proposers import ProposalContext
 from trainer.decoding.tree import DraftTree
 from trainer.drafters.eagle3 import Eagle3Drafter
 
@@ -45,16 +46,6 @@ class _Eagle3Base:
         self.embedding = embedding
         self.needs_hidden_states: tuple[int, ...] = tuple(drafter.config.aux_layers)
         self.past: tuple[torch.Tensor, torch.Tensor] | None = None  # each [1, nkv, C, D]
-
-    @classmethod
-    def from_spec(cls, path: str | None, target: PreTrainedModel):
-        """Load a native or speculators export, or a training checkpoint, on the target's device and dtype."""
-        from trainer.export.eagle3 import load_any
-
-        if path is None:
-            raise ValueError("the EAGLE-3 proposers need a drafter: --drafter eagle3:DIR or eagle3-tree:DIR")
-        drafter = load_any(path).to(device=target.device, dtype=target.dtype)
-        return cls(drafter, target.get_input_embeddings())
 
     def reset(self) -> None:
         """A new sequence: drop the cache."""
@@ -139,7 +130,6 @@ class _Eagle3Base:
         return DraftTree.chain(torch.cat(drafts), torch.stack(probs) if probs else None)
 
 
-@register_proposer("eagle3")
 class Eagle3Proposer(_Eagle3Base):
     """EAGLE-3 chain drafting."""
 
@@ -152,7 +142,6 @@ class Eagle3Proposer(_Eagle3Base):
         return self._chain(ctx, feat, logits)
 
 
-@register_proposer("eagle3-tree")
 class Eagle3TreeProposer(_Eagle3Base):
     """EAGLE-3 with an EAGLE-2 dynamic draft tree (greedy); a sampled chain at a temperature."""
 

@@ -21,11 +21,13 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-import trainer.decoding.eagle3_proposer  # noqa: F401  (registers the eagle3 and eagle3-tree proposers)
+from trainer.data.tokenizer import tokenizer_hash
 from trainer.decoding import metrics
 from trainer.decoding.generate import GenerationResult, speculative_generate
 from trainer.decoding.proposers import NoProposer, Proposer, build_proposer, registered_proposers
 from trainer.decoding.report import write_report
+from trainer.drafters.spec import ProposerOptions, check_target, get_kind, load_drafter
+from trainer.vocab import load_tokenizer_if_present
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +39,15 @@ class SpeculativeMismatchError(RuntimeError):
     """Greedy speculative output differs from the target's own greedy output."""
 
 
-def load_prompts(path: str | Path, tokenizer) -> list[list[int]]:
-    """Token ids of every line of a jsonl file with a ``prompt`` string or chat ``messages``.
+def load_prompts(path: str | Path, tokenizer, max_length: int | None = None, cut: int | None = None) -> list[list[int]]:
+    """Token ids of every line of a jsonl file: a ``prompt`` string, chat ``messages`` (through the chat template),
+    a ``text`` document (such as the corpus' held-out files) or ``input_ids``.
 
     Args:
         path: the jsonl file.
         tokenizer: the target's tokenizer (chat lines need its chat template).
+        max_length: the most tokens a prompt may have (the target's context less the output budget), or None.
+        cut: keep only the first this many tokens of every prompt (None: whole prompts).
     """
     prompts = []
     with open(path, encoding="utf-8") as f:
@@ -54,38 +59,68 @@ def load_prompts(path: str | Path, tokenizer) -> list[list[int]]:
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{number}: not valid JSON ({err.msg})") from err
             if not isinstance(record, dict):
-                raise ValueError(f"{path}:{number}: expected an object with 'prompt' or 'messages'")
-            if isinstance(record.get("prompt"), str):
-                ids = tokenizer(record["prompt"]).input_ids
+                raise ValueError(
+                    f"{path}:{number}: expected an object with 'prompt', 'messages', 'text' or 'input_ids'"
+                )
+            if isinstance(record.get("prompt"), str) or isinstance(record.get("text"), str):
+                ids = tokenizer(record.get("prompt", record.get("text"))).input_ids
             elif isinstance(record.get("messages"), list):
                 if not getattr(tokenizer, "chat_template", None):
                     raise ValueError(f"{path}:{number}: chat 'messages' given but the tokenizer has no chat template")
                 text = tokenizer.apply_chat_template(record["messages"], add_generation_prompt=True, tokenize=False)
                 ids = tokenizer(text, add_special_tokens=False).input_ids
+            elif isinstance(record.get("input_ids"), list) and all(isinstance(t, int) for t in record["input_ids"]):
+                ids = record["input_ids"]
             else:
                 raise ValueError(
-                    f"{path}:{number}: needs a string 'prompt' or a list 'messages', got keys {list(record)}"
+                    f"{path}:{number}: needs a string 'prompt' or 'text', a list 'messages' or token 'input_ids', got "
+                    f"keys {list(record)}"
                 )
+            ids = list(ids)[:cut]
             if not ids:
                 raise ValueError(f"{path}:{number}: the prompt tokenizes to nothing")
-            prompts.append(list(ids))
+            if max_length is not None and len(ids) > max_length:
+                raise ValueError(
+                    f"{path}:{number}: the prompt has {len(ids)} tokens, more than the {max_length} the target's "
+                    "context leaves beside the output budget (shorten it, cut it with --prompt-tokens, or lower "
+                    "--max-new-tokens)"
+                )
+            prompts.append(ids)
     if not prompts:
         raise ValueError(f"{path}: no prompts")
     return prompts
 
 
-def resolve_drafter(spec: str, target: PreTrainedModel) -> Proposer:
-    """``--drafter``: a registered name (``prompt-lookup``, ``none``), ``NAME:DIR``, or a draft model directory."""
-    name, sep, path = spec.partition(":")
-    if sep and name in registered_proposers():
-        return build_proposer(name, path, target)
+def resolve_drafter(
+    spec: str, target: PreTrainedModel, options: ProposerOptions = ProposerOptions(), target_tokenizer=None
+) -> Proposer:
+    """``--drafter``: a registered name needing no weights (``prompt-lookup``, ``none``, ``early-exit``), or the path
+    of a training checkpoint or an exported folder, whose drafter kind builds the proposer.
+
+    A drafter made for another target (vocabulary, hidden size, layers, tokenizer) is refused, naming the path.
+    """
     if spec in registered_proposers():
-        return build_proposer(spec, None, target)
-    if os.path.isdir(spec):
-        return build_proposer("draft-model", spec, target)
-    raise ValueError(
-        f"--drafter {spec!r} is neither a directory nor a registered proposer ({', '.join(registered_proposers())})"
-    )
+        return build_proposer(spec, target, options)
+    if not os.path.exists(spec):
+        raise ValueError(
+            f"--drafter {spec!r} is neither an existing checkpoint or export folder nor a registered proposer "
+            f"({', '.join(registered_proposers())})"
+        )
+    module, record = load_drafter(spec)
+    check_target(record, target.config, spec)
+    drafter_tokenizer = load_tokenizer_if_present(record.tokenizer) if record.tokenizer else None
+    if drafter_tokenizer is not None and target_tokenizer is not None:
+        if tokenizer_hash(drafter_tokenizer) != tokenizer_hash(target_tokenizer):
+            raise ValueError(
+                f"{spec}: the drafter's tokenizer ({record.tokenizer}) is not the target's: token ids would mean "
+                "different strings"
+            )
+    elif record.target_vocab_size is None and hasattr(module, "get_output_embeddings"):
+        width = module.get_output_embeddings().weight.shape[0]  # a draft model without a tokenizer beside it
+        if width != target.config.vocab_size:
+            raise ValueError(f"{spec}: a drafter of {width} output tokens for a target of {target.config.vocab_size}")
+    module = module.to(device=target.device, dtype=target.dtype).eval()
+    return get_kind(record.kind, spec).proposer(module, record, target, options)
 
 
 def run_prompts(
@@ -229,9 +264,22 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--drafter",
         required=True,
-        help="draft model directory, a registered proposer (prompt-lookup, none), or NAME:DIR",
+        help="a training checkpoint (.ckpt or DeepSpeed folder), an exported drafter folder (any format draftsmith "
+        "writes: its kind is read from its files), or a drafter without weights: prompt-lookup, none, early-exit",
     )
-    parser.add_argument("--prompts", required=True, help="jsonl file, one 'prompt' string or chat 'messages' per line")
+    parser.add_argument("--tree", action="store_true", help="draft a tree (kinds that can: eagle3)")
+    parser.add_argument("--tree-nodes", type=int, default=24, help="node budget of a tree (default 24)")
+    parser.add_argument("--tree-top-k", type=int, default=4, help="children per expanded tree node (default 4)")
+    parser.add_argument("--rank-temperature", type=float, default=0.1, help="temperature that ranks tree nodes")
+    parser.add_argument("--exit-layer", type=int, default=None, help="the layer early-exit drafters exit at")
+    parser.add_argument(
+        "--prompts",
+        required=True,
+        help="jsonl file: one 'prompt' or 'text' string, chat 'messages' or 'input_ids' per line",
+    )
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=0, help="cut every prompt to its first N tokens (0: keep it whole)"
+    )
     parser.add_argument("--k", type=_parse_ks, default=[4], help="drafts per round, or a sweep such as 1,2,4,8")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="output budget per prompt")
     parser.add_argument("--out", required=True, help="output directory for report.json, report.md, acceptance.png")
@@ -243,6 +291,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def load_target(path: str, dtype: str, device: torch.device) -> tuple[PreTrainedModel, object]:
+    """The HF target and its tokenizer from a local folder, with an error that says what the folder lacks."""
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"--target {path!r} is not a local model folder (no config.json)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, ImportError) as err:
+        raise ValueError(f"--target {path!r}: no usable tokenizer in that folder ({err})") from err
+    target = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    return target, tokenizer
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``draftsmith eval``; returns the exit status (2 for a greedy output mismatch)."""
     args = _parser().parse_args(argv)
@@ -250,14 +311,19 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
         device = torch.device(args.device)
-    if not os.path.isdir(args.target):
-        print(f"error: --target {args.target!r} is not a directory", file=sys.stderr)
-        return 1
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype)).to(device).eval()
+    options = ProposerOptions(
+        tree=args.tree,
+        tree_nodes=args.tree_nodes,
+        tree_top_k=args.tree_top_k,
+        rank_temperature=args.rank_temperature,
+        exit_layer=args.exit_layer,
+    )
     try:
-        prompts = load_prompts(args.prompts, tokenizer)
-        proposer = resolve_drafter(args.drafter, target)
+        target, tokenizer = load_target(args.target, args.dtype, device)
+        context = getattr(target.config, "max_position_embeddings", None)
+        max_length = context - args.max_new_tokens if context else None
+        prompts = load_prompts(args.prompts, tokenizer, max_length, cut=args.prompt_tokens or None)
+        proposer = resolve_drafter(args.drafter, target, options, tokenizer)
     except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

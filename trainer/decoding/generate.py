@@ -6,6 +6,10 @@ ancestor-only mask for trees; the acceptance rule keeps the longest accepted pat
 target's cache keeps the root and the accepted nodes only. With the empty tree (:class:`NoProposer`) a round is one
 plain decoding step, so the same engine gives the target-only baseline.
 
+The target and its cache live in a :class:`~trainer.decoding.session.TargetSession`, which proposers receive in their
+context: a drafter that is part of the target drafts through the session's first layers, and the verification then
+starts at the layer the drafts' hidden states reached (``DraftTree.verify_layer``), reusing their cache entries.
+
 Exactness. The rules are exact; the arithmetic is the target's. A forward over K + 1 tokens and K + 1 one-token
 forwards compute the same logits up to the last bits of floating point (other kernel shapes, other summation order),
 so on a near-tie between the top two logits (a gap of about 1e-6 in float32, far less in float64) the argmax may
@@ -21,10 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
-from transformers.cache_utils import Cache
 
-from trainer.decoding.cache import cache_length, compact_cache, new_cache
 from trainer.decoding.proposers import ProposalContext, Proposer
+from trainer.decoding.session import TargetSession
 from trainer.decoding.tree import DraftTree
 from trainer.decoding.verify import (
     greedy_verify_chain,
@@ -98,7 +101,8 @@ class VerifyOutput:
     Attributes:
         path: accepted nodes of the tree, from the root down.
         token: the target's token after the path (correction or bonus).
-        hidden_states: requested layer -> ``[n, H]`` target hidden states of the root and the accepted nodes.
+        hidden_states: requested layer -> ``[n, H]`` target hidden states of the pending tokens and the accepted
+            nodes (the entries the round committed).
     """
 
     path: list[int]
@@ -108,8 +112,7 @@ class VerifyOutput:
 
 @torch.no_grad()
 def verify_round(
-    target: PreTrainedModel,
-    cache: Cache,
+    session: TargetSession,
     pending: torch.Tensor,
     tree: DraftTree,
     temperature: float = 0.0,
@@ -117,42 +120,51 @@ def verify_round(
     hidden_layers: tuple[int, ...] = (),
     tree_mask: bool | None = None,
 ) -> VerifyOutput:
-    """Run the target once over the pending tokens and the tree, accept a path, keep only its entries in the cache.
+    """Run the target once over the pending tokens and the tree, accept a path, commit only its entries.
 
     Args:
-        target: the HF target.
-        cache: the target's cache, holding the committed tokens before ``pending``; updated in place.
+        session: the target and its cache, holding the committed tokens before ``pending``; updated in place.
         pending: ``[m]`` committed tokens not yet in the cache (the whole prompt in the first round, then the root:
             the last committed token); the drafts continue after the last one.
-        tree: the drafts.
+        tree: the drafts. With ``tree.verify_layer = E > 0`` the forward runs layers ``[E, L)`` only, from
+            ``tree.verify_hidden`` (the pending tokens' and nodes' hidden states entering layer E, whose entries in
+            layers ``[0, E)`` the proposer already wrote to the session's cache).
         temperature: 0 for greedy verification, otherwise speculative sampling.
         generator: random generator for sampling.
         hidden_layers: target hidden-state layers to return for the kept positions.
         tree_mask: force (True) or skip (False) the explicit ancestor mask and positions; by default they are used
-            for trees only, and a chain goes through the model's own causal mask.
+            for trees only, and a chain goes through the causal mask.
     """
-    device = target.device
-    prefix = cache_length(cache)
+    device = session.device
+    prefix = session.committed
     m = pending.numel()
-    inputs = torch.cat([pending.to(device), tree.tokens.to(device)])  # [m + N]
     chain = tree.is_chain()
     use_mask = (not chain) if tree_mask is None else tree_mask
     if not use_mask and not chain:
         raise ValueError("a tree that is not a chain needs its ancestor mask")
-    mask = (
-        tree.attention_mask(prefix, target.dtype, m).to(device) if use_mask else None
-    )  # [1, 1, m + N, prefix + m + N]
+    mask = tree.attention_mask(prefix, session.dtype, m).to(device) if use_mask else None  # [1, 1, m + N, P + m + N]
     positions = tree.position_ids(prefix, m).to(device) if use_mask else None  # [1, m + N]
-    out = target(
-        input_ids=inputs[None],
-        attention_mask=mask,
-        position_ids=positions,
-        cache=cache,
-        use_cache=True,
-        output_hidden_states=bool(hidden_layers),
-        logits_to_keep=tree.num_nodes + 1,
-    )
-    logits = out.logits[0]  # [N + 1, V]
+    rows = tree.num_nodes + 1
+    if tree.verify_layer == 0:
+        inputs = torch.cat([pending.to(device), tree.tokens.to(device)])  # [m + N]
+        out = session.forward(
+            input_ids=inputs, position_ids=positions, attention_mask=mask, layers=hidden_layers, logits_rows=rows
+        )
+    else:
+        if tree.verify_hidden is None or tree.verify_hidden.shape[0] != m + tree.num_nodes:
+            raise ValueError(
+                f"verification from layer {tree.verify_layer} needs the hidden states of the {m} pending tokens and "
+                f"{tree.num_nodes} nodes entering it"
+            )
+        out = session.forward(
+            hidden=tree.verify_hidden.to(device),
+            start=tree.verify_layer,
+            position_ids=positions,
+            attention_mask=mask,
+            layers=hidden_layers,
+            logits_rows=rows,
+        )
+    logits = out.logits  # [N + 1, V]
     if chain:
         drafts = tree.tokens[None].to(device)  # [1, N]
         if temperature > 0:
@@ -167,14 +179,14 @@ def verify_round(
     else:
         path, token = greedy_verify_tree(tree, logits)
     keep = torch.tensor(list(range(m)) + [m + i for i in path], dtype=torch.long, device=device)  # [n]: pending + path
-    compact_cache(cache, prefix, keep)
-    hidden = {i: out.hidden_states[i][0].index_select(0, keep) for i in hidden_layers}  # layer -> [n, H]
+    session.commit(keep)
+    hidden = {i: out.layers[i].index_select(0, keep) for i in hidden_layers}  # layer -> [n, H]
     return VerifyOutput(path=path, token=token, hidden_states=hidden)
 
 
 @torch.no_grad()
 def speculative_generate(
-    target: PreTrainedModel,
+    target: PreTrainedModel | TargetSession,
     input_ids: torch.Tensor,
     proposer: Proposer,
     k: int,
@@ -186,7 +198,8 @@ def speculative_generate(
     """Generate with speculative decoding; lossless: greedy output equals the target's, samples are distributed as it.
 
     Args:
-        target: an HF causal LM (eval mode; its forward takes ``cache``, ``position_ids`` and a 4D ``attention_mask``).
+        target: an HF causal LM (eval mode; its forward takes ``cache``, ``position_ids`` and a 4D ``attention_mask``),
+            or a :class:`TargetSession` of one (reset here; proposers reach it through ``ProposalContext.session``).
         input_ids: ``[S]`` or ``[1, S]`` prompt tokens (one sequence).
         proposer: the source of drafts (:class:`NoProposer` for the target alone).
         k: the most drafts on one path per round.
@@ -204,9 +217,10 @@ def speculative_generate(
     if k < 0 or max_new_tokens < 0:
         raise ValueError(f"k and max_new_tokens must be >= 0, got k={k}, max_new_tokens={max_new_tokens}")
     eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
-    device = target.device
+    session = target if isinstance(target, TargetSession) else TargetSession(target)
+    device = session.device
     layers = tuple(getattr(proposer, "needs_hidden_states", ()))
-    vocab_size = int(target.get_output_embeddings().weight.shape[0])
+    vocab_size = session.vocab_size
     result = GenerationResult(tokens=[])
     if max_new_tokens == 0:
         return result
@@ -214,7 +228,7 @@ def speculative_generate(
     _sync(device)
     start_time = time.perf_counter()
 
-    cache = new_cache(target.config)
+    session.reset()
     committed = input_ids.to(device=device, dtype=torch.long)  # [T]
     hidden: dict[int, torch.Tensor] = {}
     token = -1
@@ -229,6 +243,7 @@ def speculative_generate(
             generator=generator,
             vocab_size=vocab_size,
             hidden_states=hidden,
+            session=session,
         )
         t0 = time.perf_counter()
         tree = proposer.propose(ctx) if ctx.k > 0 else DraftTree.empty(device)
@@ -241,8 +256,8 @@ def speculative_generate(
         if tree.num_nodes and int(tree.tokens.max()) >= vocab_size:
             raise ValueError(f"{type(proposer).__name__} drafted token {int(tree.tokens.max())} >= vocab {vocab_size}")
 
-        pending = committed[cache_length(cache) :]  # [m]: the prompt in the first round, then the root
-        verified = verify_round(target, cache, pending, tree, temperature, generator, layers)
+        pending = committed[session.committed :]  # [m]: the prompt in the first round, then the root
+        verified = verify_round(session, pending, tree, temperature, generator, layers)
         path, token, hidden = verified.path, verified.token, verified.hidden_states
         _sync(device)
         elapsed = time.perf_counter() - t1

@@ -1,12 +1,12 @@
-"""Proposers: where the drafts come from. A protocol, a registry, and the proposers that need no training.
+"""Proposers: where the drafts come from. A protocol, the registry of drafters without weights, and the proposers
+that need no training.
 
 A proposer is called once per round with a :class:`ProposalContext` and returns a :class:`DraftTree` (a chain for
-most). The engine never looks inside a proposer, so later objectives (Medusa heads, EAGLE-3, DFlash, LayerSkip early
-exit, MTP modules) add theirs with ``@register_proposer("name")`` without touching the engine.
-
-Registered proposers build from the ``--drafter`` argument of ``draftsmith eval`` through a classmethod
-``from_spec(path, target)``: ``path`` is the drafter's directory (``None`` when the name alone is given) and
-``target`` the HF target, for proposers that reuse its embeddings, head or layers.
+most). The engine never looks inside a proposer. Trained drafters get theirs from their drafter kind
+(trainer/drafters/spec.py: ``draftsmith eval --drafter PATH`` loads the drafter and asks its kind); drafters that
+need no weights register a name here with ``@register_proposer("name")`` and a classmethod
+``from_options(target, options)`` (``draftsmith eval --drafter NAME``): ``none``, ``prompt-lookup`` and
+``early-exit`` (the target's own first layers, trainer/decoding/early_exit.py).
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar, runtime_checkable
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from trainer.decoding.cache import new_cache, truncate_cache
+from trainer.decoding.session import TargetSession
 from trainer.decoding.tree import DraftTree
 from trainer.decoding.verify import probs_from_logits
 
@@ -39,7 +40,10 @@ class ProposalContext:
             convention: 0 is the embeddings, i the input of layer i, the last the final normed output) to
             ``[n, H]`` target hidden states of the tokens that entered the target's cache in the last forward,
             which are ``tokens[T - 1 - n : T - 1]`` (the whole prompt after prefill, then the root and the accepted
-            nodes of the previous round). Empty for other proposers.
+            nodes of the previous round). Empty for other proposers. ``FINAL_PRENORM`` (-1) names the last layer's
+            output before the final norm.
+        session: the target session (its model, its cache, forwards through a slice of layers), for proposers that
+            draft with the target's own layers; the cache holds the committed tokens before the round's pending ones.
     """
 
     tokens: torch.Tensor
@@ -48,6 +52,7 @@ class ProposalContext:
     generator: torch.Generator | None = None
     vocab_size: int = 0
     hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
+    session: TargetSession | None = None
 
 
 @runtime_checkable
@@ -66,18 +71,27 @@ class Proposer(Protocol):
     def propose(self, ctx: ProposalContext) -> DraftTree: ...
 
 
+def draw(logits: torch.Tensor, ctx: ProposalContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The next draft from ``[V]`` logits: ``([1] token, None)`` greedy, or ``([1] token, [V] the distribution it was
+    drawn from)`` at ``ctx.temperature`` (speculative sampling needs it)."""
+    if ctx.temperature <= 0:
+        return logits.argmax()[None], None
+    p = probs_from_logits(logits, ctx.temperature)  # [V]
+    return torch.multinomial(p, 1, generator=ctx.generator), p
+
+
 _REGISTRY: dict[str, type] = {}
 P = TypeVar("P", bound=type)
 
 
 def register_proposer(name: str) -> Callable[[P], P]:
-    """Class decorator: make a proposer available to ``draftsmith eval --drafter NAME[:DIR]``."""
+    """Class decorator: make a proposer that needs no weights available to ``draftsmith eval --drafter NAME``."""
 
     def decorate(cls: P) -> P:
         if name in _REGISTRY and _REGISTRY[name] is not cls:
             raise ValueError(f"proposer name {name!r} is already registered by {_REGISTRY[name].__name__}")
-        if not callable(getattr(cls, "from_spec", None)):
-            raise TypeError(f"proposer {cls.__name__} needs a classmethod from_spec(path, target)")
+        if not callable(getattr(cls, "from_options", None)):
+            raise TypeError(f"proposer {cls.__name__} needs a classmethod from_options(target, options)")
         _REGISTRY[name] = cls
         return cls
 
@@ -86,20 +100,22 @@ def register_proposer(name: str) -> Callable[[P], P]:
 
 def registered_proposers() -> list[str]:
     """Names of the registered proposers."""
+    import trainer.decoding.early_exit  # noqa: F401  (registers early-exit)
+
     return sorted(_REGISTRY)
 
 
-def build_proposer(name: str, path: str | None, target: PreTrainedModel) -> Proposer:
+def build_proposer(name: str, target: PreTrainedModel | None, options=None) -> Proposer:
     """Build a registered proposer by name.
 
     Args:
         name: a registered name (see :func:`registered_proposers`).
-        path: the drafter's directory, or ``None``.
         target: the HF target model.
+        options: a trainer.drafters.spec.ProposerOptions, for the proposers that read one (None: defaults).
     """
-    if name not in _REGISTRY:
+    if name not in registered_proposers():
         raise ValueError(f"unknown proposer {name!r}; registered: {', '.join(registered_proposers())}")
-    return _REGISTRY[name].from_spec(path, target)
+    return _REGISTRY[name].from_options(target, options)
 
 
 @register_proposer("none")
@@ -109,8 +125,8 @@ class NoProposer:
     needs_hidden_states: tuple[int, ...] = ()
 
     @classmethod
-    def from_spec(cls, path: str | None, target: PreTrainedModel) -> NoProposer:
-        """Build from the command line (no arguments)."""
+    def from_options(cls, target: PreTrainedModel | None, options=None) -> NoProposer:
+        """Build from the command line (no options)."""
         return cls()
 
     def reset(self) -> None:
@@ -139,7 +155,7 @@ class PromptLookupProposer:
         self.min_ngram = min_ngram
 
     @classmethod
-    def from_spec(cls, path: str | None, target: PreTrainedModel) -> PromptLookupProposer:
+    def from_options(cls, target: PreTrainedModel | None, options=None) -> PromptLookupProposer:
         """Build from the command line (default n-gram sizes)."""
         return cls()
 
@@ -164,7 +180,6 @@ class PromptLookupProposer:
         return DraftTree.empty(tokens.device)
 
 
-@register_proposer("draft-model")
 class DraftModelProposer:
     """A separate HF causal LM drafting autoregressively, with its own KV cache reused across rounds.
 
@@ -183,14 +198,6 @@ class DraftModelProposer:
         self.model = model.eval()
         self.cache = new_cache(model.config)
         self.cached: list[int] = []
-
-    @classmethod
-    def from_spec(cls, path: str | None, target: PreTrainedModel) -> DraftModelProposer:
-        """Load ``path`` with ``AutoModelForCausalLM`` on the target's device and dtype."""
-        if path is None:
-            raise ValueError("the draft-model proposer needs a directory: --drafter DIR or --drafter draft-model:DIR")
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=target.dtype)
-        return cls(model.to(target.device))
 
     def reset(self) -> None:
         """Drop the cache."""
@@ -226,17 +233,10 @@ class DraftModelProposer:
         drafts, probs = [], []
         feed = tokens[common:]  # [T - common]
         for _ in range(ctx.k):
-            logits = self._logits(feed, ctx.vocab_size)  # [V]
-            if ctx.temperature > 0:
-                p = probs_from_logits(logits, ctx.temperature)  # [V]
-                token = torch.multinomial(p, 1, generator=ctx.generator)  # [1]
-                probs.append(p)
-            else:
-                token = logits.argmax()[None]  # [1]
-            drafts.append(token)
-            feed = token
-        draft_tokens = torch.cat(drafts)  # [k]
-        return DraftTree.chain(draft_tokens, torch.stack(probs) if probs else None)
+            feed, p = draw(self._logits(feed, ctx.vocab_size), ctx)
+            drafts.append(feed)
+            probs.append(p)
+        return DraftTree.chain(torch.cat(drafts), torch.stack(probs) if ctx.temperature > 0 else None)
 
 
 class OracleProposer:

@@ -23,11 +23,17 @@ class DraftTree:
         parents: ``[N]`` parent node of every node, ``-1`` for the children of the root; ``parents[i] < i``.
         probs: ``[N, V]`` the distribution each node was drawn from (its siblings before it taken into account), used
             by speculative sampling; ``None`` for deterministic drafts (a one-hot distribution on the token).
+        verify_layer: the target layer the verification starts at: 0 (all layers, from the token ids), or E > 0
+            for a proposer that ran the round's tokens through the target's layers ``[0, E)`` itself.
+        verify_hidden: with ``verify_layer`` E > 0, ``[m + N, H]`` the hidden states entering layer E of the round's
+            pending tokens and of every node, in input order.
     """
 
     tokens: torch.Tensor
     parents: torch.Tensor
     probs: torch.Tensor | None = None
+    verify_layer: int = 0
+    verify_hidden: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.tokens = self.tokens.to(torch.long).flatten()
@@ -40,13 +46,21 @@ class DraftTree:
             raise ValueError(f"tree parents must satisfy -1 <= parents[i] < i, got {self.parents.tolist()}")
         if self.probs is not None and (self.probs.dim() != 2 or self.probs.shape[0] != n):
             raise ValueError(f"draft probs must be [N={n}, V], got {tuple(self.probs.shape)}")
+        if self.verify_layer < 0 or (self.verify_layer > 0) != (self.verify_hidden is not None):
+            raise ValueError("verify_hidden is given exactly when verify_layer > 0")
 
     @classmethod
-    def chain(cls, tokens: torch.Tensor, probs: torch.Tensor | None = None) -> DraftTree:
+    def chain(
+        cls,
+        tokens: torch.Tensor,
+        probs: torch.Tensor | None = None,
+        verify_layer: int = 0,
+        verify_hidden: torch.Tensor | None = None,
+    ) -> DraftTree:
         """A chain of drafts: node i is the child of node i - 1 (the first one of the root)."""
         tokens = tokens.to(torch.long).flatten()  # [K]
         parents = torch.arange(tokens.numel(), device=tokens.device) - 1  # [K]
-        return cls(tokens=tokens, parents=parents, probs=probs)
+        return cls(tokens, parents, probs, verify_layer, verify_hidden)
 
     @classmethod
     def empty(cls, device: torch.device | str = "cpu") -> DraftTree:

@@ -25,10 +25,13 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 
-def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's default target layers in HF ``hidden_states`` indices: 2, L // 2 and L - 3 (clamped to 1..L-1)."""
-    picks = (2, num_layers // 2, num_layers - 3)
-    return tuple(min(max(1, i), max(1, num_layers - 1)) for i in picks)  # type: ignore[return-value]
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's default target layers in HF ``hidden_states`` indices: 2, L // 2 and L - 3, clamped to 1..L-1,
+    distinct and sorted (a shallow target gets the smallest unused ids instead of repeats: engines refuse repeats)."""
+    top = max(1, num_layers - 1)
+    ids = sorted({min(max(1, i), top) for i in (2, num_layers // 2, num_layers - 3)})
+    spare = [i for i in range(1, top + 1) if i not in ids]
+    return tuple(sorted(ids + spare[: 3 - len(ids)]))
 
 
 @dataclass

@@ -1,39 +1,54 @@
-"""``draftsmith export --ckpt CKPT --out DIR [--format FORMAT]``: a trained drafter in a serving engine's format."""
+"""``draftsmith export --ckpt CKPT --out DIR [--format FORMAT]``: a trained drafter in a serving engine's format.
+
+The checkpoint's drafter record says what the drafter is; its kind says which formats it can be written in
+(trainer/drafters/spec.py). Without ``--format`` the kind's first format is written.
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-from trainer.export.checkpoint import load_training_checkpoint, sub_state_dict
-from trainer.export.hf import build_hf_causal_lm, save_hf
+from trainer.drafters.spec import DrafterRecord, get_kind, is_training_checkpoint, kinds, load_components
 
-FORMATS = {
-    "hf": "a plain HF checkpoint (distilled draft models): transformers, vLLM and SGLang load it",
-    "eagle3": "native EAGLE-3 (LlamaForCausalLMEagle3): SGLang and vLLM",
-    "eagle3-speculators": "EAGLE-3 in the speculators format (Eagle3Speculator): vLLM",
-}
+
+def _formats_help() -> str:
+    return "; ".join(f"{k.name}: {', '.join(f.name for f in k.formats)}" for k in kinds().values())
+
+
+def export(ckpt: str, out: str, fmt: str | None = None) -> tuple[Path, str]:
+    """Write the drafter of training checkpoint ``ckpt`` to ``out``; returns the folder and the format's name.
+
+    Nothing is written when the checkpoint holds no drafter record, a kind draftsmith does not know, or a kind that
+    cannot be written as ``fmt``.
+    """
+    from trainer.export.checkpoint import load_training_checkpoint
+
+    path = Path(ckpt)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {ckpt!r} does not exist")
+    if not is_training_checkpoint(path):
+        raise ValueError(f"{ckpt!r} is neither a .ckpt file nor a DeepSpeed checkpoint folder (no checkpoint/ inside)")
+    state, raw = load_training_checkpoint(ckpt)
+    record = DrafterRecord.from_dict(raw, ckpt)
+    kind = get_kind(record.kind, ckpt)
+    writer = kind.format(fmt)
+    module = kind.build(record)
+    load_components(module, record, state, ckpt)
+    return writer.write(module, record, Path(out)), writer.name
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="draftsmith export", description=__doc__)
+    parser = argparse.ArgumentParser(prog="draftsmith export", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ckpt", required=True, help="a Lightning .ckpt file or a DeepSpeed checkpoint directory")
     parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--format", default="hf", choices=sorted(FORMATS), help="target format")
+    parser.add_argument("--format", default=None, help=f"target format (default: the kind's first). {_formats_help()}")
     args = parser.parse_args(argv)
-
-    state, record = load_training_checkpoint(args.ckpt)
-    if record.get("kind") == "eagle3" and args.format.startswith("eagle3"):
-        from trainer.export.eagle3 import export_checkpoint
-
-        path = export_checkpoint(state, record, args.out, args.format)
-        print(f"exported {args.ckpt} as {args.format} to {path}")
-        return 0
-    if record.get("kind") != "hf_causal_lm" or args.format != "hf":
-        raise SystemExit(
-            f"draftsmith export: {args.ckpt!r} holds a drafter of kind {record.get('kind')!r}, which format "
-            f"{args.format!r} cannot write"
-        )
-    model = build_hf_causal_lm(record, sub_state_dict(state, record["prefix"]))
-    path = save_hf(model, args.out, record.get("tokenizer_from"))
-    print(f"exported {args.ckpt} as {args.format} to {path}")
+    try:
+        path, name = export(args.ckpt, args.out, args.format)
+    except (OSError, ValueError, KeyError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"exported {args.ckpt} as {name} to {path}")
     return 0

@@ -10,9 +10,14 @@ Speculators: ``architectures: ["Eagle3Speculator"]``, ``speculators_model_type: 
 ``transformer_layer_config``, ``norm_before_residual: false`` written explicitly (vLLM assumes true when missing),
 weights under ``layers.0.*`` instead of ``midlayer.*``; vLLM reads ``eagle_aux_hidden_state_layer_ids`` as inputs.
 
+The speculators format also carries the target's input embedding as ``embed_tokens.weight`` (speculators 0.9 reads
+it from the file and keeps uninitialised memory when it is missing: drafts at tau 1.23 instead of 4.04 were measured
+that way), the TTT steps as ``speculative_tokens``, and the norm flags written explicitly; the native format carries
+no embedding (SGLang and vLLM use the target's). tests/clients/ runs the speculators library itself on the export.
+
 The loaders follow each engine's naming rules: they map every tensor of the file to a drafter parameter, and fail
 when a tensor is not consumed, a parameter is missing, a shape differs, or the layer ids disagree between the two
-conventions. Neither format carries the embedding: the target's is used.
+conventions.
 """
 
 from __future__ import annotations
@@ -26,7 +31,6 @@ from safetensors.torch import load_file, save_file
 from trainer.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 
 WEIGHTS = "model.safetensors"
-FORMATS = ("eagle3", "eagle3-speculators")
 
 
 def _layer_keys(config: Eagle3Config) -> dict:
@@ -81,12 +85,39 @@ def save_speculators(
     drafter: Eagle3Drafter,
     out_dir: str,
     verifier: str,
+    embedding: torch.Tensor,
+    speculative_tokens: int,
     verifier_architectures: list[str] | None = None,
-    speculative_tokens: int = 3,
     dtype: torch.dtype | None = None,
 ) -> Path:
-    """Write the speculators-format checkpoint (vLLM ``Eagle3Speculator``)."""
+    """Write the speculators-format checkpoint (vLLM ``Eagle3Speculator``, and the speculators library).
+
+    Args:
+        drafter: the drafter.
+        out_dir: the folder to write.
+        verifier: the target's directory or hub id (speculators reads its config and weights on every load).
+        embedding: the target's input embedding [V, H], written as ``embed_tokens.weight``: speculators 0.9 reads
+            the drafter's embedding from the file and, when it is missing, keeps uninitialised memory (no warning).
+        speculative_tokens: drafts per round the drafter was trained for (its TTT steps); vLLM's default
+            ``num_speculative_tokens``.
+        verifier_architectures: the target config's ``architectures``.
+        dtype: the weights' dtype in the file (default: the drafter's).
+    """
     c = drafter.config
+    if not verifier:
+        raise ValueError("the speculators format names its verifier (the target): none given")
+    if c.hidden_size != c.target_hidden_size:
+        raise ValueError(
+            f"the speculators format needs the drafter's width ({c.hidden_size}) to be the target's "
+            f"({c.target_hidden_size}); use the native eagle3 format"
+        )
+    if len(set(c.aux_layers)) != len(c.aux_layers):
+        raise ValueError(f"the speculators format refuses repeated target layer ids: {list(c.aux_layers)}")
+    if tuple(embedding.shape) != (c.vocab_size, c.hidden_size):
+        raise ValueError(f"the target embedding is {tuple(embedding.shape)}, expected {(c.vocab_size, c.hidden_size)}")
+    if speculative_tokens < 1:
+        raise ValueError(f"speculative_tokens must be >= 1, got {speculative_tokens}")
+    dtype_name = str(dtype or drafter.fc.weight.dtype).removeprefix("torch.")
     config = {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
@@ -100,10 +131,16 @@ def save_speculators(
         "draft_vocab_size": c.draft_vocab_size,
         "target_hidden_size": c.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(c.aux_layers),
+        # explicit: vLLM assumes norm_before_residual true when it is missing; the others are speculators' defaults
         "norm_before_residual": False,
-        "torch_dtype": str(dtype or drafter.fc.weight.dtype).removeprefix("torch."),
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "dtype": dtype_name,
+        "torch_dtype": dtype_name,
     }
     tensors = {k.replace("midlayer.", "layers.0.", 1): v for k, v in _tensors(drafter).items()}
+    tensors["embed_tokens.weight"] = embedding.detach().cpu().to(drafter.fc.weight.dtype).contiguous()
     if dtype is not None:
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     return _write(out_dir, config, tensors)
@@ -200,38 +237,18 @@ def load_speculators(path: str) -> Eagle3Drafter:
         raise ValueError(f"{path}: transformer_layer_config must be a dict")
     drafter = Eagle3Drafter(_config(layer, config, config["eagle_aux_hidden_state_layer_ids"], path))
 
+    embedding = tensors.pop("embed_tokens.weight", None)
+    c = drafter.config
+    if embedding is None or tuple(embedding.shape) != (c.vocab_size, c.hidden_size):
+        shape = None if embedding is None else tuple(embedding.shape)
+        raise ValueError(
+            f"{path}: embed_tokens.weight is {shape}, expected the target's embedding {(c.vocab_size, c.hidden_size)} "
+            "(speculators keeps uninitialised memory for a missing one)"
+        )
+
     def rename(name: str) -> str:
         if name.startswith("layers.0."):
             return "midlayer." + name.removeprefix("layers.0.")
         return "" if name.startswith("midlayer.") else name  # vLLM would not load midlayer.* from this format
 
     return _consume(drafter, tensors, rename, path)
-
-
-def load_any(path: str) -> Eagle3Drafter:
-    """A native or speculators export directory, or a training checkpoint (.ckpt file or DeepSpeed directory)."""
-    folder = Path(path)
-    if (folder / "config.json").is_file():
-        config = json.loads((folder / "config.json").read_text())
-        return load_speculators(path) if "speculators_model_type" in config else load_native(path)
-    from trainer.export.checkpoint import load_training_checkpoint, sub_state_dict
-    from trainer.objectives.eagle3 import config_from_record
-
-    state, record = load_training_checkpoint(path)
-    drafter = Eagle3Drafter(config_from_record(record, path))
-    drafter.load_state_dict(sub_state_dict(state, record["prefix"]), strict=True)
-    return drafter
-
-
-def export_checkpoint(state: dict[str, torch.Tensor], record: dict, out_dir: str, fmt: str) -> Path:
-    """``draftsmith export`` for EAGLE-3 checkpoints: rebuild the drafter from the record, write ``fmt``."""
-    from trainer.export.checkpoint import sub_state_dict
-    from trainer.objectives.eagle3 import config_from_record
-
-    drafter = Eagle3Drafter(config_from_record(record, "checkpoint"))
-    drafter.load_state_dict(sub_state_dict(state, record["prefix"]), strict=True)
-    if fmt == "eagle3":
-        return save_native(drafter, out_dir)
-    if fmt == "eagle3-speculators":
-        return save_speculators(drafter, out_dir, record.get("target", ""), record.get("target_architectures"))
-    raise ValueError(f"format {fmt!r} cannot write an EAGLE-3 drafter: use one of {FORMATS}")

@@ -10,36 +10,11 @@ import logging
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from trainer.vocab import load_tokenizer_if_present
 
 log = logging.getLogger(__name__)
-
-
-def drafter_record(model: PreTrainedModel, prefix: str, tokenizer_from: str | None) -> dict:
-    """What a checkpoint stores so that the drafter can be rebuilt without its objective or target."""
-    return {
-        "kind": "hf_causal_lm",
-        "prefix": prefix,
-        "config": model.config.to_dict(),
-        "tokenizer_from": tokenizer_from,
-    }
-
-
-def build_hf_causal_lm(record: dict, state: dict[str, torch.Tensor]) -> PreTrainedModel:
-    """Rebuilds the model described by ``record`` and loads ``state`` into it strictly (no missing, no extra keys)."""
-    config_dict = dict(record["config"])
-    config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
-    model = AutoModelForCausalLM.from_config(config)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    # tied output embeddings are stored once
-    tied = {k for k in missing if getattr(config, "tie_word_embeddings", False) and k.endswith("lm_head.weight")}
-    if set(missing) - tied or unexpected:
-        raise ValueError(f"checkpoint does not match its recorded config: missing {missing}, unexpected {unexpected}")
-    if tied:
-        model.tie_weights()
-    return model
 
 
 def save_hf(

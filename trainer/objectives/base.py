@@ -1,7 +1,16 @@
-"""The base of every objective: optimizer and schedule, token counting, throughput and MFU, and loss checks.
+"""The base of every objective: optimizer and schedule, token counting, throughput and MFU, training checks, and
+what a checkpoint holds.
 
-Subclasses implement ``trainable_module()`` (what the optimizer trains and what is checkpointed as the drafter),
-``compute_loss(batch)`` (returns the loss and a dict of extra metrics) and ``flops_per_token()``.
+Subclasses implement ``trainable_module()`` (what the optimizer trains), ``compute_loss(batch)`` (returns the loss
+and a dict of extra metrics), ``flops_per_token()`` and ``drafter_record()`` (what the trained drafter is, for
+``draftsmith export`` and ``eval``). Frozen models (targets, teachers) are declared with :meth:`track_frozen`:
+checkpoints hold their fingerprints, not their weights (a FrozenTarget never enters a state dict), and a resumed run
+with a different frozen model is refused with both fingerprints in the message.
+
+Training checks: a non-finite loss stops the run (naming the step); so do a gradient norm of exactly zero for
+:data:`DEAD_GRADIENT_STEPS` optimizer steps in a row and trainable weights whose root mean square exceeds
+:data:`MAX_WEIGHT_RMS` (a learning rate far too high leaves a dead model, which must not be exported). The last saved
+checkpoint stays intact.
 """
 
 from __future__ import annotations
@@ -15,12 +24,17 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DeepSpeedStrategy
-from lightning.pytorch.utilities import grad_norm
 from torch import nn
+from transformers import PreTrainedModel
 
+from trainer.drafters.spec import DrafterRecord
+from trainer.fingerprint import describe, fingerprint
 from trainer.preemption import PreemptionCheckpoint
 from trainer.strategies import deepspeed_offload_enabled, shard_for_fsdp2
 from trainer.throughput import measure_matmul_peak
+
+DEAD_GRADIENT_STEPS = 3
+MAX_WEIGHT_RMS = 1e3
 
 
 @dataclass(frozen=True)
@@ -70,6 +84,9 @@ class DraftObjective(L.LightningModule):
         self._peak_flops: float | None = None
         self._step_started: float | None = None
         self._tokens_in_step = 0
+        self._tokens_in_batch: int | None = None
+        self._zero_grad_steps = 0
+        self._frozen: dict[str, dict[str, str]] = {}
 
     # ---- to implement --------------------------------------------------------------------------------------------
     def trainable_module(self) -> nn.Module:
@@ -83,6 +100,38 @@ class DraftObjective(L.LightningModule):
     def flops_per_token(self) -> float:
         """Training FLOPs per trained token (forward and backward of trainable parts, forward of frozen ones)."""
         raise NotImplementedError
+
+    def drafter_record(self) -> DrafterRecord:
+        """What the trained module is (trainer/drafters/spec.py), stored in every checkpoint."""
+        raise NotImplementedError
+
+    def speculative_eval_target(self) -> PreTrainedModel:
+        """The HF target the drafter is measured against by SpeculativeEvalCallback (trainer/decoding/callback.py)."""
+        raise ValueError(f"{type(self).__name__} trains no drafter against a target for SpeculativeEvalCallback")
+
+    # ---- frozen models and checkpoints ---------------------------------------------------------------------------
+    def track_frozen(self, name: str, name_or_path: str, config) -> None:
+        """Declare a frozen model (rebuilt from ``name_or_path`` on resume): checkpoints keep its fingerprint."""
+        self._frozen[name] = fingerprint(name_or_path, config)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["drafter"] = self.drafter_record().to_dict()
+        checkpoint["frozen_models"] = dict(self._frozen)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        saved = checkpoint.get("frozen_models") or {}
+        for name, current in self._frozen.items():
+            old = saved.get(name)
+            if old is not None and old != current:
+                raise ValueError(
+                    f"the checkpoint was trained with another {name}: it recorded ({describe(old)}), this run loads "
+                    f"({describe(current)}); resume with the model it was trained with, or start a new run"
+                )
+
+    def count_tokens(self, n: int) -> None:
+        """Called from ``compute_loss`` when a training step ran on other tokens than the batch's (e.g. sequences
+        generated in the step): the throughput counts ``n`` for this batch."""
+        self._tokens_in_batch = n
 
     # ---- shared --------------------------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -120,8 +169,11 @@ class DraftObjective(L.LightningModule):
         return loss
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        self._tokens_in_step += int(batch["input_ids"].numel())
-        return self._step(batch, "train")
+        self._tokens_in_batch = None
+        loss = self._step(batch, "train")
+        counted = self._tokens_in_batch
+        self._tokens_in_step += int(batch["input_ids"].numel()) if counted is None else counted
+        return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self._step(batch, "val")
@@ -163,10 +215,51 @@ class DraftObjective(L.LightningModule):
             self._step_started = time.perf_counter()
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        norms = grad_norm(self.trainable_module(), norm_type=2)
-        if "grad_2.0_norm_total" in norms:  # absent under ZeRO, where gradients are partitioned
-            self.log("train/grad_norm", norms["grad_2.0_norm_total"])
+        total = self._grad_norm()
+        if total is not None:  # None under ZeRO, where gradients are partitioned inside DeepSpeed
+            self.log("train/grad_norm", total)
+            self._zero_grad_steps = self._zero_grad_steps + 1 if total == 0.0 else 0
+            if self._zero_grad_steps >= DEAD_GRADIENT_STEPS:
+                raise FloatingPointError(
+                    f"the gradient norm has been exactly 0 for {self._zero_grad_steps} optimizer steps (global step "
+                    f"{self.global_step}): the model no longer learns (a learning rate far too high, "
+                    f"model.init_args.optim.lr={self.optim.lr}, kills it); the last saved checkpoint is intact"
+                )
         self.log("train/lr", optimizer.param_groups[0]["lr"])
+        self._check_weights()
+
+    def _grad_norm(self) -> float | None:
+        """The 2-norm of the trainable gradients (under FSDP2 the local shards' squares summed over ranks), or None
+        when the parameters hold no gradient (ZeRO keeps them in its own partitioned buffers)."""
+        grads = [p.grad for p in self.trainable_module().parameters() if p.grad is not None]
+        if not grads:
+            return None
+        if self.device_mesh is not None:
+            from torch.distributed.tensor import DTensor
+
+            local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+            squares = torch.stack([g.float().pow(2).sum() for g in local]).sum()
+            torch.distributed.all_reduce(squares)
+        else:
+            squares = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+        return math.sqrt(float(squares))
+
+    def _check_weights(self) -> None:
+        """Every ``log_every_n_steps``: the trainable weights' root mean square, logged and bounded."""
+        if self.global_step % max(1, self.trainer.log_every_n_steps) or self.weights_are_sharded():
+            return
+        params = [p.detach() for p in self.trainable_module().parameters() if p.requires_grad and p.numel()]
+        if not params:
+            return
+        squares = sum(float(p.float().pow(2).sum()) for p in params)
+        rms = math.sqrt(squares / sum(p.numel() for p in params))
+        self.log("train/weight_rms", rms)
+        if not math.isfinite(rms) or rms > MAX_WEIGHT_RMS:
+            raise FloatingPointError(
+                f"the trainable weights' root mean square is {rms:.3g} at global step {self.global_step} (more than "
+                f"{MAX_WEIGHT_RMS:g}): training diverged (model.init_args.optim.lr={self.optim.lr}); the last saved "
+                "checkpoint is intact"
+            )
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         if not self.trainer.fit_loop._should_accumulate():

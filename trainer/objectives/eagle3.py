@@ -41,38 +41,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import PreTrainedModel
 
 from trainer.data.shard_datamodule import checked_shard_data
 from trainer.drafters import vocab_map
 from trainer.drafters.eagle3 import Eagle3Config, Eagle3Drafter
-from trainer.export.checkpoint import load_training_checkpoint, sub_state_dict
+from trainer.drafters.kinds import eagle3 as eagle3_kind
+from trainer.drafters.spec import DrafterRecord, check_target, load_drafter
 from trainer.objectives.base import DraftObjective, Optim, causal_lm_flops_per_token, count_params
 from trainer.target import FrozenTarget, TargetEmbeddings, resolve_dtype
-from trainer.vocab import load_tokenizer_if_present
+from trainer.vocab import check_data_tokenizer, load_tokenizer_if_present
 
 log = logging.getLogger(__name__)
-
-DRAFTER_KIND = "eagle3"
-PREFIX = "drafter."
-
-
-def drafter_record(config: Eagle3Config, target: str, target_architectures: list[str] | None) -> dict:
-    """What a checkpoint stores so that exporters rebuild the drafter without the target."""
-    return {
-        "kind": DRAFTER_KIND,
-        "prefix": PREFIX,
-        "config": config.to_dict(),
-        "target": target,
-        "target_architectures": list(target_architectures or []),
-        "tokenizer_from": target,
-    }
-
-
-def config_from_record(record: dict, where: str) -> Eagle3Config:
-    """The drafter config of a checkpoint's drafter record, with an error naming ``where`` when it is not EAGLE-3."""
-    if record.get("kind") != DRAFTER_KIND:
-        raise ValueError(f"{where}: holds a drafter of kind {record.get('kind')!r}, not {DRAFTER_KIND!r}")
-    return Eagle3Config(**record["config"])
 
 
 class Eagle3(DraftObjective):
@@ -138,18 +118,16 @@ class Eagle3(DraftObjective):
         else:
             raise ValueError(f"model.teacher_signals={teacher_signals!r} is not 'online' or 'shards'")
         self._target = [frozen]  # a list: kept out of the module tree, so out of checkpoints and optimizers
+        self.track_frozen("target", target, frozen.config)
         torch.manual_seed(seed)
         self.vocab_fixed = init_from is not None
         if init_from is not None:
-            state, record = load_training_checkpoint(init_from)
-            config = config_from_record(record, f"model.init_from {init_from!r}")
-            if config.vocab_size != frozen.vocab_size:
-                raise ValueError(
-                    f"model.init_from {init_from!r}: its drafter has vocab_size {config.vocab_size}, the target "
-                    f"{target!r} has {frozen.vocab_size}"
-                )
-            self.drafter = Eagle3Drafter(config)
-            self.drafter.load_state_dict(sub_state_dict(state, record["prefix"]), strict=True)
+            drafter, record = load_drafter(init_from)
+            where = f"model.init_from {init_from!r}"
+            if record.kind != eagle3_kind.KIND:
+                raise ValueError(f"{where}: holds a drafter of kind {record.kind!r}, not {eagle3_kind.KIND!r}")
+            check_target(record, frozen.config, where)
+            self.drafter = drafter
             log.info("EAGLE-3 drafter, its shape and its vocabulary map loaded from %s", init_from)
         else:
             config = Eagle3Config.from_target(frozen.config, draft_vocab_size, aux_layers)
@@ -174,6 +152,10 @@ class Eagle3(DraftObjective):
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if self.teacher_signals == "shards":
             self._check_shards(datamodule)
+        else:  # the data's token ids must mean what the target's do (the shards' check covers the other mode)
+            width = self.target.vocab_size
+            tokenizer = load_tokenizer_if_present(self.target_path)
+            check_data_tokenizer(datamodule, self.target_path, tokenizer, width, width)
         if self.vocab_fixed:
             return
         if self.teacher_signals == "shards":
@@ -343,6 +325,14 @@ class Eagle3(DraftObjective):
         target = causal_lm_flops_per_token(self.target.model, 1024)
         return 3.0 * drafter * self.ttt_steps + target
 
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        architectures = getattr(self.target.config, "architectures", None)
-        checkpoint["drafter"] = drafter_record(self.drafter.config, self.target_path, architectures)
+    def speculative_eval_target(self) -> PreTrainedModel:
+        if not isinstance(self.target, FrozenTarget):
+            raise ValueError(
+                "teacher_signals: shards never builds the target, so SpeculativeEvalCallback cannot decode with it: "
+                "measure the exported drafter with draftsmith eval, or train online"
+            )
+        return self.target.model
+
+    def drafter_record(self) -> DrafterRecord:
+        architectures = getattr(self.target.config, "architectures", None) or []
+        return eagle3_kind.make_record(self.drafter.config, self.target_path, architectures, self.ttt_steps)

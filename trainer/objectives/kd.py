@@ -24,7 +24,9 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from trainer.data.shard_datamodule import checked_shard_data
-from trainer.export.hf import drafter_record, export_student
+from trainer.drafters.kinds import hf_causal_lm
+from trainer.drafters.spec import DrafterRecord
+from trainer.export.hf import export_student
 from trainer.losses import fused_kd_loss, kd_loss, sparse_kd_loss
 from trainer.objectives.base import DraftObjective, Optim, causal_lm_flops_per_token
 from trainer.target import FrozenTarget, resolve_dtype
@@ -116,6 +118,8 @@ class KnowledgeDistillation(DraftObjective):
             teacher_config, teacher_width = self.teacher.config, self.teacher.vocab_size
         else:
             raise ValueError(f"model.teacher_signals={teacher_signals!r} is not 'online' or 'shards'")
+        self.teacher_config = teacher_config
+        self.track_frozen("teacher", teacher, teacher_config)
         torch.manual_seed(seed)
         self.student = build_student(teacher_config, student, student_config, student_dtype)
         self.tokenizer = load_tokenizer_if_present(teacher)
@@ -194,8 +198,16 @@ class KnowledgeDistillation(DraftObjective):
         teacher = causal_lm_flops_per_token(self.teacher.model, seq_len)
         return 3.0 * student + teacher  # forward and backward of the student, forward of the teacher
 
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["drafter"] = drafter_record(self.student, "student.", self.teacher_path)
+    def speculative_eval_target(self) -> PreTrainedModel:
+        if self.teacher is None:
+            raise ValueError(
+                "teacher_signals: shards never builds the target, so SpeculativeEvalCallback cannot decode with it: "
+                "measure the exported drafter with draftsmith eval, or train online"
+            )
+        return self.teacher.model
+
+    def drafter_record(self) -> DrafterRecord:
+        return hf_causal_lm.make_record(self.student, "student", self.teacher_path, self.teacher_config)
 
     def on_train_end(self) -> None:
         if self.export_dir:

@@ -22,7 +22,8 @@ Determinism. The coin and the sampling seed are functions of (seed, global step,
 makes the same choices and, on the same hardware, samples the same tokens. Validation always uses the data set.
 
 Limits: generation calls HF ``generate`` on the student as it is held by the strategy; under DeepSpeed ZeRO-3 or FSDP
-(sharded parameters) it is not supported yet. Throughput logging counts the data batch's tokens on every step.
+(sharded parameters) it is not supported yet. Throughput logging counts the tokens each step trained on (prompts and
+generated tokens on generated steps, the data batch otherwise); the generation itself is not counted.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ import torch
 from torch import nn
 from transformers import GenerationConfig, PreTrainedModel
 
-from trainer.export.hf import drafter_record, export_student
+from trainer.drafters.kinds import hf_causal_lm
+from trainer.drafters.spec import DrafterRecord
+from trainer.export.hf import export_student
 from trainer.losses import LossParts, fused_kd_loss
 from trainer.objectives.base import DraftObjective, Optim, causal_lm_flops_per_token
 from trainer.objectives.kd import build_student
@@ -204,6 +207,7 @@ class OnPolicyDistillation(DraftObjective):
         self.max_new_tokens, self.prompt, self.prompt_len = max_new_tokens, prompt, prompt_len
         self.chunk_size, self.export_dir, self.seed = chunk_size, export_dir, seed
         self.teacher = FrozenTarget.from_pretrained(teacher, teacher_dtype, trust_remote_code)
+        self.track_frozen("teacher", teacher, self.teacher.config)
         torch.manual_seed(seed)
         self.student = build_student(self.teacher.config, student, student_config, student_dtype)
         self.tokenizer = load_tokenizer_if_present(teacher)
@@ -309,6 +313,7 @@ class OnPolicyDistillation(DraftObjective):
             gen = self.generate(model, batch, sample_seed)
             input_ids, loss_mask = gen.input_ids, gen.loss_mask  # [B, T] each
             metrics["generated_tokens"] = gen.generated_lengths.float().mean()
+            self.count_tokens(int((gen.prompt_lengths + gen.generated_lengths).sum()))  # what the step ran on
         out = self.distill(input_ids, loss_mask)
         metrics["on_policy"] = torch.tensor(float(source == "student"), device=device)
         metrics["kd"] = out.kd.detach()
@@ -321,8 +326,11 @@ class OnPolicyDistillation(DraftObjective):
             self.teacher.model, seq_len
         )
 
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["drafter"] = drafter_record(self.student, "student.", self.teacher_path)
+    def speculative_eval_target(self) -> PreTrainedModel:
+        return self.teacher.model
+
+    def drafter_record(self) -> DrafterRecord:
+        return hf_causal_lm.make_record(self.student, "student", self.teacher_path, self.teacher.config)
 
     def on_train_end(self) -> None:
         if self.export_dir:

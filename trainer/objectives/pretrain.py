@@ -16,6 +16,8 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from trainer.drafters.kinds import hf_causal_lm
+from trainer.drafters.spec import DrafterRecord
 from trainer.losses import chunked_cross_entropy
 from trainer.objectives.base import DraftObjective, Optim, causal_lm_flops_per_token
 
@@ -90,6 +92,12 @@ class CausalLMPretraining(DraftObjective):
     def flops_per_token(self) -> float:
         seq_len = self.data_seq_len()
         return 3.0 * causal_lm_flops_per_token(self.model, seq_len)
+
+    def drafter_record(self) -> DrafterRecord:
+        """An HF causal LM (kind ``hf_causal_lm``): ``draftsmith export`` writes it as an HF checkpoint."""
+        record = hf_causal_lm.make_record(self.model, "model", None, self.model.config)
+        record.tokenizer = self.hparams.tokenizer
+        return record
 
     def on_train_end(self) -> None:
         if self.save_dir:

@@ -1,0 +1,88 @@
+"""Builders the tests share: tiny HF causal LMs of several families, made locally with fixed seeds."""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV3Config,
+    GemmaConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+
+def tiny_llama(
+    seed: int,
+    vocab: int = 128,
+    hidden: int = 32,
+    layers: int = 2,
+    dtype: torch.dtype = torch.float64,
+    **config,
+) -> LlamaForCausalLM:
+    """A random Llama of ``layers`` layers and width ``hidden`` in eval mode (float64: no near-ties in argmax)."""
+    torch.manual_seed(seed)
+    settings = dict(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    settings.update(config)
+    return LlamaForCausalLM(LlamaConfig(**settings)).to(dtype).eval()
+
+
+def tiny_model(model_type: str, seed: int, vocab: int = 96, layers: int = 3, **config) -> PreTrainedModel:
+    """A random float64 causal LM of another family: qwen2, qwen3, mistral, gemma or deepseek_v3 (dense layers)."""
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    if model_type == "deepseek_v3":
+        extra = dict(
+            first_k_dense_replace=layers, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+            moe_intermediate_size=16, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=8, head_dim=8, n_group=1, topk_group=1, num_nextn_predict_layers=0,
+        )  # fmt: skip
+        common["num_key_value_heads"] = common["num_attention_heads"]  # MLA: one latent, expanded to every head
+        cfg = DeepseekV3Config(**common, **extra, **config)
+    else:
+        classes = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig, "gemma": GemmaConfig}
+        extra = {"head_dim": 8} if model_type in ("qwen3", "gemma") else {}
+        if model_type == "mistral":
+            extra["sliding_window"] = None
+        cfg = classes[model_type](**common, **{**extra, **config})
+    return AutoModelForCausalLM.from_config(cfg).to(torch.float64).eval()
+
+
+def chat_stream(tok, convs: list[list[dict]]) -> tuple[list[int], list[int]]:
+    """The token stream and assistant mask TextDataModule packs from chat conversations, built here from the chat
+    template (an EOS appended, untrained, when a conversation does not end with one)."""
+    ids, mask = [], []
+    for c in convs:
+        out = tok.apply_chat_template(c, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        ids += out["input_ids"]
+        mask += out["assistant_masks"]
+        if ids[-1] != tok.eos_token_id:
+            ids.append(tok.eos_token_id)
+            mask.append(0)
+    return ids, mask
+
+
+def write_jsonl(path, records: list) -> str:
+    """``records`` as a jsonl file at ``path``; returns the path as a string."""
+    import json
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def text_datamodule(corpus, tmp_path, **kw):
+    """A TextDataModule with the test corpus' tokenizer and a cache under ``tmp_path``."""
+    from trainer.data.text import TextDataModule
+
+    kw.setdefault("cache_dir", str(tmp_path / "cache"))
+    return TextDataModule(tokenizer=corpus.tokenizer_dir, **kw)

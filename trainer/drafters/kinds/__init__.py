@@ -1,0 +1,1 @@
+"""The built-in drafter kinds, one module each, registered with trainer.drafters.spec on import."""
