@@ -324,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
         max_length = context - args.max_new_tokens if context else None
         prompts = load_prompts(args.prompts, tokenizer, max_length, cut=args.prompt_tokens or None)
         proposer = resolve_drafter(args.drafter, target, options, tokenizer)
+        limit = getattr(proposer, "max_drafts", None)  # drafters with a fixed number of heads or modules
+        if limit is not None and max(args.k) > limit:
+            raise ValueError(f"--k {max(args.k)}: {args.drafter} drafts at most {limit} tokens per round")
     except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -60,6 +60,8 @@ class Proposer(Protocol):
     """The drafting side of speculative decoding.
 
     ``needs_hidden_states``: target hidden-state layers the proposer wants in its context (empty for none).
+    Proposers with a fixed number of drafts per round (heads, modules) also set ``max_drafts``, which
+    ``draftsmith eval`` checks against ``--k`` before decoding.
     ``reset()``: forget any state (a new sequence starts). ``propose(ctx)``: the drafts of one round; no path may be
     deeper than ``ctx.k``.
     """

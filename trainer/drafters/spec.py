@@ -8,22 +8,20 @@ A drafter kind registers once (:func:`register_kind`) with
 - its proposer factory: (module, record, target model, :class:`ProposerOptions`) -> a proposer for the engine.
 
 ``draftsmith export``, ``draftsmith eval --drafter PATH`` and the training callback dispatch on the record's kind and
-nothing else, so a new method is one kind (``trainer/drafters/kinds/``), one objective and its recipes. Training
-checkpoints store the record under ``checkpoint["drafter"]``; :func:`load_drafter` reads a checkpoint (``.ckpt`` file
-or DeepSpeed folder) or any exported folder and returns the module with its record.
+nothing else, so a new method is one kind (a module in ``trainer/drafters/kinds/``), one objective and its recipes.
+Training checkpoints store the record under ``checkpoint["drafter"]``; :func:`load_drafter` reads a checkpoint
+(``.ckpt`` file or DeepSpeed folder) or any exported folder and returns the module with its record.
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from torch import nn
-
-# modules that register the built-in kinds (imported on first use of the registry)
-KIND_MODULES = ("trainer.drafters.kinds.hf_causal_lm", "trainer.drafters.kinds.eagle3")
 
 
 @dataclass
@@ -122,12 +120,21 @@ class DrafterKind:
         build: record -> an initialised module of the record's shape (weights loaded after).
         formats: export formats, the first the default of ``draftsmith export``.
         proposer: (module, record, target model, options) -> a proposer.
+        load_weights: (module, record, checkpoint state dict, where) -> None, loading a training checkpoint's
+            weights into the rebuilt module; None is :func:`load_components` (strict).
     """
 
     name: str
     build: Callable[[DrafterRecord], nn.Module]
     formats: tuple[ExportFormat, ...]
     proposer: Callable[..., object]
+    load_weights: Callable[[nn.Module, DrafterRecord, dict, str], None] | None = None
+
+    def load(self, record: DrafterRecord, state: dict, where: str) -> nn.Module:
+        """The module of ``record`` with a training checkpoint's weights."""
+        module = self.build(record)
+        (self.load_weights or load_components)(module, record, state, where)
+        return module
 
     def format(self, name: str | None) -> ExportFormat:
         """The named format (None: the default), or an error listing what this kind writes."""
@@ -155,9 +162,12 @@ def register_kind(kind: DrafterKind) -> DrafterKind:
 
 
 def kinds() -> dict[str, DrafterKind]:
-    """Every registered kind (the built-in ones are imported on first call)."""
-    for module in KIND_MODULES:
-        importlib.import_module(module)
+    """Every registered kind: the modules of trainer/drafters/kinds/ are imported on first call, each registering
+    one kind (a new kind is a new module there, and nothing else changes)."""
+    import trainer.drafters.kinds as package
+
+    for info in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"{package.__name__}.{info.name}")
     return dict(_KINDS)
 
 
@@ -197,10 +207,7 @@ def load_drafter(path: str) -> tuple[nn.Module, DrafterRecord]:
         return recognise(where)[1].load(where)
     state, raw = load_training_checkpoint(path)
     record = DrafterRecord.from_dict(raw, path)
-    kind = get_kind(record.kind, path)
-    module = kind.build(record)
-    load_components(module, record, state, path)
-    return module, record
+    return get_kind(record.kind, path).load(record, state, path), record
 
 
 def load_components(module: nn.Module, record: DrafterRecord, state: dict, where: str) -> None:

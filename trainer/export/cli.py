@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from trainer.drafters.spec import DrafterRecord, get_kind, is_training_checkpoint, kinds, load_components
+from trainer.drafters.spec import DrafterRecord, get_kind, is_training_checkpoint, kinds
 
 
 def _formats_help() -> str:
@@ -34,9 +34,7 @@ def export(ckpt: str, out: str, fmt: str | None = None) -> tuple[Path, str]:
     record = DrafterRecord.from_dict(raw, ckpt)
     kind = get_kind(record.kind, ckpt)
     writer = kind.format(fmt)
-    module = kind.build(record)
-    load_components(module, record, state, ckpt)
-    return writer.write(module, record, Path(out)), writer.name
+    return writer.write(kind.load(record, state, ckpt), record, Path(out)), writer.name
 
 
 def main(argv: list[str]) -> int:

@@ -178,15 +178,22 @@ class DraftObjective(L.LightningModule):
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self._step(batch, "val")
 
+    def lr_groups(self) -> list[tuple[nn.Module, float]]:
+        """The trained modules and the multiplier of the learning rate of each (default: the trainable module at 1;
+        Medusa-2 trains its heads 4 times faster than the target)."""
+        return [(self.trainable_module(), 1.0)]
+
     def configure_optimizers(self):
-        decay, no_decay = [], []
-        for p in self.trainable_module().parameters():
-            if p.requires_grad:
-                (decay if p.ndim >= 2 else no_decay).append(p)
-        groups = [
-            {"params": decay, "weight_decay": self.optim.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
+        groups = []
+        for module, multiplier in self.lr_groups():
+            decay = [p for p in module.parameters() if p.requires_grad and p.ndim >= 2]
+            no_decay = [p for p in module.parameters() if p.requires_grad and p.ndim < 2]
+            lr = self.optim.lr * multiplier
+            groups += [
+                {"params": decay, "weight_decay": self.optim.weight_decay, "lr": lr},
+                {"params": no_decay, "weight_decay": 0.0, "lr": lr},
+            ]
+        groups = [g for g in groups if g["params"]]
         if self._trainer is not None and deepspeed_offload_enabled(self.trainer.strategy):
             from deepspeed.ops.adam import DeepSpeedCPUAdam  # offload refuses a torch optimizer
 
