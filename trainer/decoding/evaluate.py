@@ -24,6 +24,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from trainer.data.tokenizer import tokenizer_hash
 from trainer.decoding import metrics
 from trainer.decoding.generate import GenerationResult, speculative_generate
+from trainer.decoding.head_tree import tree_for_budget
+from trainer.decoding.heads_proposer import ParallelHeadsProposer, measure_head_accuracy
 from trainer.decoding.proposers import NoProposer, Proposer, build_proposer, registered_proposers
 from trainer.decoding.report import write_report
 from trainer.drafters.spec import ProposerOptions, check_target, get_kind, load_drafter
@@ -273,6 +275,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--rank-temperature", type=float, default=0.1, help="temperature that ranks tree nodes")
     parser.add_argument("--exit-layer", type=int, default=None, help="the layer early-exit drafters exit at")
     parser.add_argument(
+        "--tree-choices", default=None, help="parallel heads: a JSON file of tree paths (per-head top-k ranks)"
+    )
+    parser.add_argument(
+        "--write-tree",
+        default=None,
+        help="parallel heads: measure the heads' top-k accuracy on the prompts and write the best tree of "
+        "--tree-nodes paths to this JSON file (then use it with --tree --tree-choices FILE)",
+    )
+    parser.add_argument(
         "--prompts",
         required=True,
         help="jsonl file: one 'prompt' or 'text' string, chat 'messages' or 'input_ids' per line",
@@ -289,6 +300,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda when available)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
     return parser
+
+
+def read_tree(path: str) -> tuple[tuple[int, ...], ...]:
+    """Tree paths from a JSON file: a list of paths, or the ``paths`` of a file ``--write-tree`` wrote."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"--tree-choices {path}: not a readable JSON file ({err})") from err
+    paths = data.get("paths") if isinstance(data, dict) else data
+    if not isinstance(paths, list) or not all(isinstance(p, list) for p in paths):
+        raise ValueError(f"--tree-choices {path}: expected a list of paths (lists of top-k ranks)")
+    return tuple(tuple(int(r) for r in p) for p in paths)
 
 
 def load_target(path: str, dtype: str, device: torch.device) -> tuple[PreTrainedModel, object]:
@@ -311,14 +334,15 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
         device = torch.device(args.device)
-    options = ProposerOptions(
-        tree=args.tree,
-        tree_nodes=args.tree_nodes,
-        tree_top_k=args.tree_top_k,
-        rank_temperature=args.rank_temperature,
-        exit_layer=args.exit_layer,
-    )
     try:
+        options = ProposerOptions(
+            tree=args.tree,
+            tree_nodes=args.tree_nodes,
+            tree_top_k=args.tree_top_k,
+            rank_temperature=args.rank_temperature,
+            tree_choices=read_tree(args.tree_choices) if args.tree_choices else None,
+            exit_layer=args.exit_layer,
+        )
         target, tokenizer = load_target(args.target, args.dtype, device)
         context = getattr(target.config, "max_position_embeddings", None)
         max_length = context - args.max_new_tokens if context else None
@@ -332,6 +356,15 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.max_prompts > 0:
         prompts = prompts[: args.max_prompts]
+    if args.write_tree:
+        if not isinstance(proposer, ParallelHeadsProposer):
+            print(f"error: --write-tree: {args.drafter} does not draft with parallel heads", file=sys.stderr)
+            return 1
+        accuracy = measure_head_accuracy(target, proposer, prompts, args.max_new_tokens, top_k=10)
+        paths = tree_for_budget(accuracy, args.tree_nodes)
+        record = {"paths": [list(p) for p in paths], "accuracy": accuracy.tolist(), "nodes": len(paths)}
+        Path(args.write_tree).write_text(json.dumps(record) + "\n")
+        print(f"wrote a {len(paths)}-node tree from the heads' measured top-10 accuracy to {args.write_tree}")
     eos = target.generation_config.eos_token_id if target.generation_config is not None else None
     eos = tokenizer.eos_token_id if eos is None else eos
     try:

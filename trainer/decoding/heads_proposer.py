@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from trainer.decoding.head_tree import Path, check_choices, top_k_needed, tree_from_choices
+from trainer.decoding.head_tree import Path, check_choices, head_accuracy, top_k_needed, tree_from_choices
 from trainer.decoding.proposers import ProposalContext, draw
 from trainer.decoding.tree import DraftTree
 
@@ -32,6 +32,7 @@ class ParallelHeadsProposer:
         self.needs_hidden_states: tuple[int, ...] = (layer,)
         self.max_drafts = num_heads
         self.choices: tuple[Path, ...] | None = None if choices is None else check_choices(choices, num_heads)
+        self.recorded: list[tuple[int, torch.Tensor]] | None = None  # (committed tokens, [K, V] logits) per round
 
     def head_logits(self, ctx: ProposalContext) -> torch.Tensor:
         """``[K, V]`` every head's logits at the last committed token."""
@@ -50,12 +51,42 @@ class ParallelHeadsProposer:
                 f"{ctx.k} drafts per round asked of {self.max_drafts} heads: use --k {self.max_drafts} or less"
             )
         logits = self.head_logits(ctx)[:, : ctx.vocab_size]  # [K, V]
+        if self.recorded is not None:
+            self.recorded.append((ctx.tokens.numel(), logits.detach().float().cpu()))
         if self.choices is not None:
             top = logits.topk(min(top_k_needed(self.choices), logits.shape[-1]), dim=-1).indices  # [K, r]
             return tree_from_choices(self.choices, top, max_depth=ctx.k)
         drafts = [draw(logits[d], ctx) for d in range(ctx.k)]  # ([1] token, [V] or None) per head
         probs = torch.stack([p for _, p in drafts]) if ctx.temperature > 0 else None
         return DraftTree.chain(torch.cat([t for t, _ in drafts]), probs)
+
+
+def measure_head_accuracy(
+    target, proposer: ParallelHeadsProposer, prompts: Sequence[Sequence[int]], max_new_tokens: int, top_k: int
+) -> torch.Tensor:
+    """Per-head top-k accuracy ``[K, top_k]`` at the positions the heads really draft from: the prompts are decoded
+    greedily with the heads' chain, and each round's head logits are compared with the tokens that followed."""
+    from trainer.decoding.generate import speculative_generate
+
+    K = proposer.max_drafts
+    choices, proposer.choices = proposer.choices, None
+    ranks = []
+    try:
+        for prompt in prompts:
+            proposer.recorded = []
+            ids = torch.tensor(list(prompt), dtype=torch.long, device=target.device)  # [S]
+            result = speculative_generate(target, ids, proposer, K, max_new_tokens)
+            sequence = list(prompt) + result.tokens
+            for committed, logits in proposer.recorded:  # logits [K, V]: draft d guesses token committed + d
+                truth = sequence[committed : committed + K]
+                if len(truth) == K:
+                    right = logits.gather(1, torch.tensor(truth)[:, None])  # [K, 1]
+                    ranks.append((logits > right).sum(1))  # [K]
+    finally:
+        proposer.recorded, proposer.choices = None, choices
+    if not ranks:
+        raise ValueError("no drafting round to measure the heads on: longer outputs or more prompts are needed")
+    return head_accuracy(torch.stack(ranks), top_k)
 
 
 class MedusaProposer(ParallelHeadsProposer):

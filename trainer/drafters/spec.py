@@ -82,6 +82,7 @@ class ProposerOptions:
         tree_nodes: the tree's node budget (draft tokens verified in one target forward).
         tree_top_k: children per expanded node, and nodes expanded per depth.
         rank_temperature: temperature of the log-probabilities that rank tree nodes.
+        tree_choices: for parallel heads, the tree's paths of per-head top-k ranks (None: the kind's default).
         exit_layer: for self-speculative drafters, the layer the draft exits at.
     """
 
@@ -89,6 +90,7 @@ class ProposerOptions:
     tree_nodes: int = 24
     tree_top_k: int = 4
     rank_temperature: float = 0.1
+    tree_choices: tuple[tuple[int, ...], ...] | None = None
     exit_layer: int | None = None
 
 
