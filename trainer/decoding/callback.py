@@ -54,6 +54,7 @@ class SpeculativeEvalCallback(pl.Callback):
         max_prompts: int = 8,
         temperature: float = 0.0,
         tree: bool = False,
+        exit_layer: int | None = None,
         seed: int = 0,
         eos_token_id: int | None = None,
     ) -> None:
@@ -68,6 +69,7 @@ class SpeculativeEvalCallback(pl.Callback):
             max_prompts: use at most this many prompts (0: all).
             temperature: 0 measures greedy decoding only; above 0 also speculative sampling at this temperature.
             tree: draft trees, for drafter kinds that can (see ``draftsmith eval --tree``).
+            exit_layer: the layer self-speculative drafters (LayerSkip) exit at.
             seed: seed of the sampling mode.
             eos_token_id: token that ends a generation, or None for the full budget.
         """
@@ -83,7 +85,7 @@ class SpeculativeEvalCallback(pl.Callback):
         self.prompt_tokens, self.max_prompts = prompt_tokens, max_prompts
         self.k, self.max_new_tokens, self.every_n_steps = k, max_new_tokens, every_n_steps
         self.temperature, self.seed, self.eos_token_id = temperature, seed, eos_token_id
-        self.options = ProposerOptions(tree=tree)
+        self.options = ProposerOptions(tree=tree, exit_layer=exit_layer)
         self.prompts: list[list[int]] | None = None
         self._reference = None
         self._last_step = -1

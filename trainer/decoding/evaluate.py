@@ -16,6 +16,7 @@ import math
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -250,14 +251,19 @@ def evaluate_drafter(
     return report
 
 
-def _parse_ks(text: str) -> list[int]:
-    try:
-        ks = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"--k must be integers separated by commas, got {text!r}") from err
-    if not ks or any(k < 1 for k in ks):
-        raise argparse.ArgumentTypeError(f"--k needs values >= 1, got {text!r}")
-    return ks
+def _positive_ints(flag: str):
+    """An argparse type: integers >= 1 separated by commas, errors naming ``flag``."""
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"{flag} must be integers separated by commas, got {text!r}") from err
+        if not values or any(v < 1 for v in values):
+            raise argparse.ArgumentTypeError(f"{flag} needs values >= 1, got {text!r}")
+        return values
+
+    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -273,7 +279,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--tree-nodes", type=int, default=24, help="node budget of a tree (default 24)")
     parser.add_argument("--tree-top-k", type=int, default=4, help="children per expanded tree node (default 4)")
     parser.add_argument("--rank-temperature", type=float, default=0.1, help="temperature that ranks tree nodes")
-    parser.add_argument("--exit-layer", type=int, default=None, help="the layer early-exit drafters exit at")
+    parser.add_argument(
+        "--exit-layer",
+        type=_positive_ints("--exit-layer"),
+        default=None,
+        help="the layer self-speculative drafters (early-exit, LayerSkip) exit at, or a sweep such as 1,2,3 (one "
+        "report each, in OUT/exit_<E>)",
+    )
     parser.add_argument(
         "--tree-choices", default=None, help="parallel heads: a JSON file of tree paths (per-head top-k ranks)"
     )
@@ -291,7 +303,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--prompt-tokens", type=int, default=0, help="cut every prompt to its first N tokens (0: keep it whole)"
     )
-    parser.add_argument("--k", type=_parse_ks, default=[4], help="drafts per round, or a sweep such as 1,2,4,8")
+    parser.add_argument(
+        "--k", type=_positive_ints("--k"), default=[4], help="drafts per round, or a sweep such as 1,2,4,8"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128, help="output budget per prompt")
     parser.add_argument("--out", required=True, help="output directory for report.json, report.md, acceptance.png")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling-mode temperature (0 skips sampling)")
@@ -334,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
         device = torch.device(args.device)
+    sweep = args.exit_layer or [None]  # several exit layers: one evaluation each, in out/exit_<E>
     try:
         options = ProposerOptions(
             tree=args.tree,
@@ -341,14 +356,13 @@ def main(argv: list[str] | None = None) -> int:
             tree_top_k=args.tree_top_k,
             rank_temperature=args.rank_temperature,
             tree_choices=read_tree(args.tree_choices) if args.tree_choices else None,
-            exit_layer=args.exit_layer,
         )
         target, tokenizer = load_target(args.target, args.dtype, device)
         context = getattr(target.config, "max_position_embeddings", None)
         max_length = context - args.max_new_tokens if context else None
         prompts = load_prompts(args.prompts, tokenizer, max_length, cut=args.prompt_tokens or None)
-        proposer = resolve_drafter(args.drafter, target, options, tokenizer)
-        limit = getattr(proposer, "max_drafts", None)  # drafters with a fixed number of heads or modules
+        proposers = {e: resolve_drafter(args.drafter, target, replace(options, exit_layer=e), tokenizer) for e in sweep}
+        limit = getattr(proposers[sweep[0]], "max_drafts", None)  # drafters with a fixed number of heads or modules
         if limit is not None and max(args.k) > limit:
             raise ValueError(f"--k {max(args.k)}: {args.drafter} drafts at most {limit} tokens per round")
     except (OSError, ValueError) as err:
@@ -357,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_prompts > 0:
         prompts = prompts[: args.max_prompts]
     if args.write_tree:
+        proposer = proposers[sweep[0]]
         if not isinstance(proposer, ParallelHeadsProposer):
             print(f"error: --write-tree: {args.drafter} does not draft with parallel heads", file=sys.stderr)
             return 1
@@ -367,22 +382,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote a {len(paths)}-node tree from the heads' measured top-10 accuracy to {args.write_tree}")
     eos = target.generation_config.eos_token_id if target.generation_config is not None else None
     eos = tokenizer.eos_token_id if eos is None else eos
-    try:
-        report = evaluate_drafter(
-            target, proposer, prompts, args.k, args.max_new_tokens, args.temperature, eos, args.seed
+    for exit_layer, proposer in proposers.items():
+        out = Path(args.out) / f"exit_{exit_layer}" if len(sweep) > 1 else Path(args.out)
+        try:
+            report = evaluate_drafter(
+                target, proposer, prompts, args.k, args.max_new_tokens, args.temperature, eos, args.seed
+            )
+        except SpeculativeMismatchError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        report.update(
+            target=args.target, drafter=args.drafter, prompts=len(prompts), max_new_tokens=args.max_new_tokens
         )
-    except SpeculativeMismatchError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    report.update(target=args.target, drafter=args.drafter, prompts=len(prompts), max_new_tokens=args.max_new_tokens)
-    paths = write_report(report, args.out)
-    for entry in report["greedy"]:
-        print(
-            f"K={entry['k']}: tau {entry['tau']:.3f}, speedup {entry['measured_speedup']:.2f}x measured, "
-            f"{entry['projected_speedup']:.2f}x projected (c={entry['draft_cost']:.3f})"
-        )
-    print(f"loop share of the target's output: {report['loops']['share']:.1%}; best K: {report['best_k']}")
-    print("wrote " + ", ".join(str(p) for p in paths))
+        if exit_layer is not None:
+            report["exit_layer"] = exit_layer
+        paths = write_report(report, out)
+        for entry in report["greedy"]:
+            prefix = "" if exit_layer is None else f"E={exit_layer} "
+            print(
+                f"{prefix}K={entry['k']}: tau {entry['tau']:.3f}, speedup {entry['measured_speedup']:.2f}x measured, "
+                f"{entry['projected_speedup']:.2f}x projected (c={entry['draft_cost']:.3f})"
+            )
+        print(f"loop share of the target's output: {report['loops']['share']:.1%}; best K: {report['best_k']}")
+        print("wrote " + ", ".join(str(p) for p in paths))
     return 0
 
 

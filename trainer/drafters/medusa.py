@@ -2,10 +2,10 @@
 after the next one (the target's own head guesses the next one), without seeing the other heads' guesses.
 
 Head k is ``num_layers`` residual blocks ``x + SiLU(W x + b)`` (W starts at zero, so a new head starts as the
-target's head on ``x + SiLU(b)``; b keeps nn.Linear's default init), each with its own weights (the original Medusa code repeats one block
-module inside a head, which ties the weights of its layers when there are several: not done here), then an output
-layer that starts as a copy of the target's lm_head. Parameter names are vLLM's Medusa checkpoint names
-(``blocks.{h}.layers.{l}.weight``/``.bias``, ``lm_heads.{h}.weight``), so that export is the state dict.
+target's head on ``x + SiLU(b)``; b keeps nn.Linear's default init), each with its own weights (the original Medusa
+code repeats one block module inside a head, which ties the weights of its layers when there are several: not done
+here), then an output layer that starts as a copy of the target's lm_head. Parameter names are vLLM's Medusa
+checkpoint names (``blocks.{h}.layers.{l}.weight``/``.bias``, ``lm_heads.{h}.weight``): the export is the state dict.
 
 :class:`MedusaDrafter` is what the ``medusa`` drafter kind holds: the heads, and for Medusa-2 the target trained
 with them (``model``), whose changed weights are exported beside the heads.

@@ -104,6 +104,8 @@ class ExportFormat:
         write: (module, record, out_dir) -> the written folder.
         load: folder -> (module, record), by the engine's naming rules (every tensor consumed).
         recognise: folder -> True when the folder holds this format.
+        generic: the format of any plain checkpoint (an HF model folder): a folder another format also recognises
+            (an HF model with a kind's files beside it) is that other format's.
     """
 
     name: str
@@ -111,6 +113,7 @@ class ExportFormat:
     write: Callable[[nn.Module, DrafterRecord, Path], Path]
     load: Callable[[Path], tuple[nn.Module, DrafterRecord]]
     recognise: Callable[[Path], bool]
+    generic: bool = False
 
 
 @dataclass(frozen=True)
@@ -184,6 +187,7 @@ def get_kind(name: str, where: str) -> DrafterKind:
 def recognise(folder: Path) -> tuple[DrafterKind, ExportFormat]:
     """The kind and format of an exported folder, from its files; an error listing the formats known."""
     matches = [(k, f) for k in kinds().values() for f in k.formats if f.recognise(folder)]
+    matches.sort(key=lambda match: match[1].generic)  # specific formats first
     if not matches:
         listing = "; ".join(f"{k.name}: {', '.join(f.name for f in k.formats)}" for k in kinds().values())
         raise ValueError(

@@ -15,6 +15,7 @@ checkpoint stays intact.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from dataclasses import dataclass
@@ -58,6 +59,12 @@ class Optim:
     warmup_steps: int = 0
     decay: Literal["cosine", "linear", "constant"] = "cosine"
     min_lr_ratio: float = 0.1
+
+
+def derived_seed(*parts: object) -> int:
+    """A 63-bit seed that depends on every part (stable across processes and Python versions)."""
+    digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 def lr_factor(step: int, optim: Optim, total_steps: int) -> float:

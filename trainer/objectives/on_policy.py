@@ -28,7 +28,6 @@ generated tokens on generated steps, the data batch otherwise); the generation i
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import random
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ from trainer.drafters.kinds import hf_causal_lm
 from trainer.drafters.spec import DrafterRecord
 from trainer.export.hf import export_student
 from trainer.losses import LossParts, fused_kd_loss
-from trainer.objectives.base import DraftObjective, Optim, causal_lm_flops_per_token
+from trainer.objectives.base import DraftObjective, Optim, causal_lm_flops_per_token, derived_seed
 from trainer.objectives.kd import build_student
 from trainer.target import FrozenTarget
 from trainer.vocab import check_data_tokenizer, load_tokenizer_if_present, shared_vocab_size
@@ -68,12 +67,6 @@ class GeneratedBatch:
     loss_mask: torch.Tensor
     prompt_lengths: torch.Tensor
     generated_lengths: torch.Tensor
-
-
-def derived_seed(*parts: object) -> int:
-    """A 63-bit seed that depends on every part (stable across processes and Python versions)."""
-    digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 def prompt_lengths(loss_mask: torch.Tensor, prompt: str, prompt_len: int) -> torch.Tensor:

@@ -24,6 +24,25 @@ from trainer.objectives.base import DraftObjective, Optim, causal_lm_flops_per_t
 log = logging.getLogger(__name__)
 
 
+def new_llama_config(tokenizer, overrides: dict, where: str) -> LlamaConfig:
+    """A Llama config for a fresh model of ``tokenizer`` (its length is the vocabulary; its special tokens are the
+    config's) with ``overrides`` (hidden_size, num_hidden_layers, ...), built in one call so that what derives from
+    them (key/value heads, head width) follows; a key Llama configs lack is an error naming ``where``."""
+    known = set(LlamaConfig().to_dict())
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"{where}: {unknown} are not keys of a Llama config")
+    return LlamaConfig(
+        **{
+            "vocab_size": len(tokenizer),
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+            **overrides,
+        }
+    )
+
+
 class CausalLMPretraining(DraftObjective):
     """Trains a fresh Llama-architecture model with next-token cross entropy."""
 
@@ -60,18 +79,18 @@ class CausalLMPretraining(DraftObjective):
         super().__init__(optim)
         self.save_hyperparameters(ignore=["optim"])
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-        config = LlamaConfig(
-            vocab_size=len(self.tokenizer),
-            hidden_size=hidden_size,
-            intermediate_size=intermediate_size,
-            num_hidden_layers=num_hidden_layers,
-            num_attention_heads=num_attention_heads,
-            num_key_value_heads=num_key_value_heads,
-            max_position_embeddings=max_position_embeddings,
-            tie_word_embeddings=tie_word_embeddings,
-            bos_token_id=self.tokenizer.bos_token_id,
-            eos_token_id=self.tokenizer.eos_token_id,
-            pad_token_id=self.tokenizer.pad_token_id,
+        config = new_llama_config(
+            self.tokenizer,
+            {
+                "hidden_size": hidden_size,
+                "intermediate_size": intermediate_size,
+                "num_hidden_layers": num_hidden_layers,
+                "num_attention_heads": num_attention_heads,
+                "num_key_value_heads": num_key_value_heads,
+                "max_position_embeddings": max_position_embeddings,
+                "tie_word_embeddings": tie_word_embeddings,
+            },
+            "model",
         )
         torch.manual_seed(seed)
         self.model = LlamaForCausalLM(config)

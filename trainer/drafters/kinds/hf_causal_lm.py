@@ -84,6 +84,7 @@ HF = ExportFormat(
     write=write,
     load=load,
     recognise=recognise,
+    generic=True,
 )
 
 register_kind(DrafterKind(name=KIND, build=build, formats=(HF,), proposer=proposer))

@@ -1,0 +1,77 @@
+"""LayerSkip through the real CLI: per-sample layer dropout in 2 processes under DDP, FSDP2 and ZeRO-3 (ranks skip
+different layers: no collective may hang, no gradient may be missing), the end-of-fit export, and ``draftsmith eval``
+sweeping the exit layer on it."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests._multiproc import run_group
+from tests.recipe_runs import RECIPES, data_overrides, merge, trainer_overrides, write_override
+from trainer.decoding.evaluate import main as eval_main
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+SHAPE = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4}
+
+
+def layerskip_override(run: Path, corpus, steps: int) -> dict:
+    """The quickstart pre-training recipe on a 4-layer, hidden-32 model with a high dropout rate: with 2 rows per
+    rank, some steps have a layer that every row of one rank skips while the other rank runs it."""
+    return merge(
+        trainer_overrides(run, max_steps=steps, every_n=steps),
+        data_overrides(corpus, batch_size=2),
+        {
+            "model": {
+                "init_args": {
+                    "tokenizer": str(corpus.tokenizer_dir),
+                    "model_config": SHAPE,
+                    "p_max": 0.9,
+                    "save_dir": str(run / "model"),
+                    "chunk_size": 64,
+                }
+            }
+        },
+    )
+
+
+@pytest.mark.parametrize("strategy", ["ddp.yaml", "fsdp.yaml", "deepspeed_zero3.yaml"])
+def test_layer_dropout_in_two_processes_neither_hangs_nor_misses_gradients(
+    strategy, tiny_corpus, tmp_path, torch_extensions_dir
+) -> None:
+    run = tmp_path / "run"
+    override = write_override(tmp_path / "override.yaml", layerskip_override(run, tiny_corpus, 6))
+    cmd = [
+        str(Path(sys.executable).parent / "draftsmith"), "fit",
+        "--config", str(RECIPES / "quickstart/layerskip_pretrain.yaml"), "--config", str(RECIPES / "_base" / strategy),
+        "--config", str(override), "--trainer.devices", "2", "--trainer.accelerator", "cpu",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    res = run_group(cmd, timeout=300, log_dir=run / "logs", nprocs=2, env=env, rank_env=True, cwd=str(REPO))
+    assert res.ok, f"2-process fit failed (timed out: {res.timed_out}, exit {res.returncodes}):\n{res.output[-5000:]}"
+    assert (run / "model" / "layerskip.json").is_file() and (run / "model" / "model.safetensors").is_file()
+
+
+def test_eval_sweeps_the_exit_layer_of_an_exported_model(tiny_corpus, tmp_path) -> None:
+    from tests.recipe_runs import fit
+
+    run = tmp_path / "run"
+    fit("quickstart/layerskip_pretrain.yaml", layerskip_override(run, tiny_corpus, 4), run)
+    prompts = tmp_path / "prompts.jsonl"
+    lines = Path(tiny_corpus.heldout_file).read_text().splitlines()[:2]
+    prompts.write_text("".join(json.dumps({"prompt": json.loads(x)["text"][:100]}) + "\n" for x in lines))
+    model = str(run / "model")
+    argv = ["--target", model, "--drafter", model, "--prompts", str(prompts), "--max-new-tokens", "12"]
+    argv += ["--k", "3", "--dtype", "float64", "--temperature", "0", "--out", str(tmp_path / "eval")]
+    assert eval_main([*argv, "--exit-layer", "1,3"]) == 0
+    for exit_layer in (1, 3):
+        report = json.loads((tmp_path / "eval" / f"exit_{exit_layer}" / "report.json").read_text())
+        assert report["exit_layer"] == exit_layer and report["greedy"][0]["identical"]
+    assert eval_main([*argv, "--exit-layer", "4"]) == 1  # the model has layers 0..3: E must be in 1..3
+    with pytest.raises(SystemExit):
+        eval_main([*argv, "--exit-layer", "0"])
