@@ -269,10 +269,17 @@ class Medusa(DraftObjective):
             features = heads.head_hidden(hidden, k)  # [B, S, H]
             loss_k = chunked_cross_entropy(features, heads.lm_heads[k].weight, target_k, self.chunk_size)
             total = total + weight * loss_k
-            guess = chunked_argmax(features.detach(), heads.lm_heads[k].weight.detach(), self.chunk_size)  # [B, S]
             metrics[f"loss_{k}"] = loss_k.detach()
-            metrics[f"acc_{k}"] = ((guess == target_k) & trained).sum().float() / trained.sum().float()
+            if self._log_accuracy():  # one more projection per head: only at the steps that are logged
+                guess = chunked_argmax(features.detach(), heads.lm_heads[k].weight.detach(), self.chunk_size)  # [B, S]
+                metrics[f"acc_{k}"] = ((guess == target_k) & trained).sum().float() / trained.sum().float()
         return total, metrics
+
+    def _log_accuracy(self) -> bool:
+        """Validation, and the training steps the logger writes (and outside a trainer: always)."""
+        if self._trainer is None or not self.training:
+            return True
+        return self.global_step % max(1, self.trainer.log_every_n_steps) == 0
 
     def flops_per_token(self) -> float:
         heads = 2.0 * count_params(self.drafter.heads)
