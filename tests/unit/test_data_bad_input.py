@@ -13,7 +13,7 @@ import torch
 
 from tests.helpers import chat_stream, text_datamodule, write_jsonl
 from trainer.data.packing import IGNORE_INDEX, label_sources, pack_rows, pad_rows
-from trainer.data.text import expand_data_files
+from trainer.data.sources import expand_data_files
 from trainer.losses import chunked_cross_entropy
 
 

@@ -26,7 +26,8 @@ source for a hub split or a validation carve-out.
 
 Local files: `train_files` / `val_files` entries are files, folders (every supported file inside, recursively,
 sorted; hidden entries skipped) or glob patterns (`data/*.jsonl`, `data/**/*.txt`). .jsonl files (and .json files in
-JSON-lines form) are read line by line here: a broken line is an error `FILE:LINE: not valid JSON (...)`.
+JSON-lines form) are read line by line (trainer/data/sources.py): a broken line is an error `FILE:LINE: not valid
+JSON (...)`.
 
 Tokenized rows are cached as .npy files under `cache_dir`, keyed by the expanded file list (path, size, modification
 time of each file), the tokenizer hash and every argument that changes the rows, so a rerun skips reading and
@@ -38,12 +39,10 @@ checkpoints and restored exactly.
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -53,98 +52,13 @@ from torch.utils.data import DataLoader
 
 from trainer.data.packing import TokenRows, label_sources, pack_rows, pad_rows
 from trainer.data.sampler import ResumableSampler, resume_point
+from trainer.data.sources import DocumentReader, Documents
 from trainer.data.tokenizer import load_tokenizer, tokenizer_hash
 
 log = logging.getLogger(__name__)
 
 CACHE_VERSION = 2  # 2: rows with nothing to train are dropped
-_TEXT_SUFFIXES = (".txt",)
-_JSON_SUFFIXES = (".jsonl", ".json")
-_PARQUET_SUFFIXES = (".parquet",)
-_GLOB_CHARS = ("*", "?", "[")
 _SHOW_RECORDS = 5  # records named in a warning about several
-
-
-def _supported(p: Path, suffixes: tuple[str, ...], skip: Path | None) -> bool:
-    return p.is_file() and p.suffix.lower() in suffixes and (skip is None or not p.resolve().is_relative_to(skip))
-
-
-def _folder_files(folder: Path, suffixes: tuple[str, ...], skip: Path | None) -> list[str]:
-    """Every file with one of `suffixes` under `folder` (recursively; hidden files and folders skipped), sorted."""
-    found = []
-    for p in sorted(folder.rglob("*")):
-        if any(part.startswith(".") for part in p.relative_to(folder).parts):
-            continue
-        if _supported(p, suffixes, skip):
-            found.append(str(p))
-    return found
-
-
-def expand_data_files(paths: list[str], suffixes: tuple[str, ...], skip: str | None = None) -> list[str]:
-    """The files that `train_files` / `val_files` entries name, in order: a file is itself, a folder gives every file
-    with one of `suffixes` inside it (recursively, sorted), a glob pattern gives its sorted matches (folders among them
-    expanded, files without a supported suffix left out). Files under `skip` (the cache folder) are never listed.
-
-    Raises FileNotFoundError naming the entry when a path does not exist or a folder or pattern holds no supported file.
-    """
-    skip_path = Path(skip).resolve() if skip else None
-    kinds = ", ".join(suffixes)
-    out: list[str] = []
-    for entry in paths:
-        path = os.path.expanduser(str(entry))
-        p = Path(path)
-        if p.is_file():
-            out.append(path)
-        elif p.is_dir():
-            found = _folder_files(p, suffixes, skip_path)
-            if not found:
-                raise FileNotFoundError(f"data folder {entry} holds no data file ({kinds})")
-            out.extend(found)
-        elif any(c in path for c in _GLOB_CHARS):
-            found = []
-            for match in sorted(glob.glob(path, recursive=True)):
-                m = Path(match)
-                if m.is_dir():
-                    found.extend(_folder_files(m, suffixes, skip_path))
-                elif _supported(m, suffixes, skip_path):
-                    found.append(match)
-            if not found:
-                raise FileNotFoundError(f"data pattern {entry} matches no data file ({kinds})")
-            out.extend(found)
-        else:
-            raise FileNotFoundError(f"data file not found: {entry}")
-    return out
-
-
-@dataclass
-class _Docs:
-    """Documents (str) or conversations (message lists) with the file and record each came from."""
-
-    items: list[Any]
-    source: np.ndarray  # [N] int64: index into `names`
-    record: np.ndarray  # [N] int64: line number (unit "line") or record index (unit "record") in its source
-    names: list[str]  # the sources: file paths or "hub_name[split]"
-    units: list[str]  # per source: "line", "record" or "file" (one document per file)
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def where(self, i: int) -> str:
-        """`FILE:LINE`, `SOURCE record N` or `FILE` for document i."""
-        s = int(self.source[i])
-        unit = self.units[s]
-        if unit == "line":
-            return f"{self.names[s]}:{int(self.record[i])}"
-        return self.names[s] if unit == "file" else f"{self.names[s]} record {int(self.record[i])}"
-
-    def take(self, index: np.ndarray) -> _Docs:
-        """The documents at `index` (in that order), keeping their sources."""
-        return _Docs(
-            [self.items[i] for i in index.tolist()], self.source[index], self.record[index], self.names, self.units
-        )
-
-    def label(self) -> str:
-        return ", ".join(self.names)
 
 
 class ResumableLoader(DataLoader):
@@ -254,6 +168,7 @@ class TextDataModule(L.LightningDataModule):
         )
         self.trust_remote_code = trust_remote_code
         self.min_trained_fraction = min_trained_fraction
+        self.reader = DocumentReader(format, text_field, messages_field, self.cache_dir, dataset_name, dataset_config)
         self._tokenizer: Any = None
         self.train_dataset: TokenRows | None = None
         self.val_dataset: TokenRows | None = None
@@ -280,158 +195,23 @@ class TextDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------ reading
 
-    def _key(self) -> str:
-        return self.messages_field if self.format == "chat" else self.text_field
-
-    def _field(self, record: Any, where: str) -> Any:
-        """The document or conversation of one JSON record read at `where`."""
-        key = self._key()
-        if not isinstance(record, dict):
-            raise ValueError(f"{where}: expected a JSON object with key {key!r}, got a {type(record).__name__}")
-        if key not in record:
-            raise KeyError(f"{where}: record has no key {key!r} (keys: {', '.join(record)})")
-        return record[key]
-
-    def _read_json_lines(self, p: Path, path: str) -> tuple[list[Any], list[int]]:
-        """The records of a JSON-lines file, parsed one line at a time (blank lines skipped), and their line numbers."""
-        items: list[Any] = []
-        lines: list[int] = []
-        with open(p, "rb") as f:
-            for number, raw in enumerate(f, 1):
-                if not raw.strip():
-                    continue
-                try:
-                    record = json.loads(raw)
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}:{number}: not valid JSON ({err.msg}, column {err.colno})") from err
-                except UnicodeDecodeError as err:
-                    raise ValueError(f"{path}:{number}: not valid JSON (not UTF-8: {err.reason})") from err
-                items.append(self._field(record, f"{path}:{number}"))
-                lines.append(number)
-        return items, lines
-
-    def _read_json(self, p: Path, path: str) -> tuple[list[Any], list[int], str]:
-        """A .json file: a JSON array of records, JSON lines, or (read by `datasets`) one object of columns."""
-        try:
-            text = p.read_text(encoding="utf-8-sig")
-        except UnicodeDecodeError as err:
-            raise ValueError(f"{path}: not valid JSON (not UTF-8 at byte {err.start}: {err.reason})") from err
-        if not text.strip():
-            return [], [], "record"
-        try:
-            whole = json.loads(text)
-        except json.JSONDecodeError as err:
-            if err.msg != "Extra data" or text.lstrip().startswith("["):
-                raise ValueError(f"{path}:{err.lineno}: not valid JSON ({err.msg}, column {err.colno})") from err
-            whole = None  # a first value followed by more: JSON lines, read (and checked) one line at a time
-        if isinstance(whole, list):
-            items = [self._field(r, f"{path} record {i}") for i, r in enumerate(whole)]
-            return items, list(range(len(items))), "record"
-        if isinstance(whole, dict):  # one object: `datasets` reads it (e.g. columns of lists)
-            items = self._read_datasets("json", p, path)
-            return items, list(range(len(items))), "record"
-        if whole is not None:
-            raise ValueError(f"{path}: expected JSON records, got a {type(whole).__name__}")
-        del text  # the line reader reads the file again, one line at a time
-        items, lines = self._read_json_lines(p, path)
-        return items, lines, "line"
-
-    def _read_datasets(self, builder: str, p: Path, path: str) -> list[Any]:
-        import datasets
-
-        try:
-            ds = datasets.load_dataset(
-                builder, data_files=[str(p)], split="train", cache_dir=os.path.join(self.cache_dir, "hf")
-            )
-        except Exception as err:  # datasets wraps parser errors in several types
-            raise ValueError(f"could not read {path}: {err}") from err
-        return self._column(ds, path)
-
-    def _read_file(self, path: str) -> tuple[list[Any], list[int], str]:
-        """The documents (str) or conversations (list of messages) in one local file, the number of each record and
-        the unit of those numbers: "line" (.jsonl), "record" (index in the file) or "file" (.txt: one document)."""
-        p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"data file not found: {path}")
-        suffix = p.suffix.lower()
-        if suffix in _TEXT_SUFFIXES:
-            if self.format == "chat":
-                raise ValueError(f"{path}: a .txt file holds plain text; chat data needs .jsonl, .json or .parquet")
-            return [p.read_text(encoding="utf-8", errors="replace")], [0], "file"
-        if suffix == ".jsonl":
-            items, lines = self._read_json_lines(p, path)
-            return items, lines, "line"
-        if suffix == ".json":
-            return self._read_json(p, path)
-        if suffix in _PARQUET_SUFFIXES:
-            items = self._read_datasets("parquet", p, path)
-            return items, list(range(len(items))), "record"
-        raise ValueError(f"{path}: unsupported data file type {suffix!r} (use .txt, .jsonl, .json or .parquet)")
-
-    def _column(self, ds: Any, source: str) -> list[Any]:
-        key = self._key()
-        if len(ds) == 0:
-            return []
-        if key not in ds.column_names:
-            raise KeyError(f"{source}: records have no key {key!r} (keys: {', '.join(ds.column_names)})")
-        return list(ds[key])
-
-    def _read_hub(self, split: str) -> list[Any]:
-        import datasets
-
-        try:
-            ds = datasets.load_dataset(
-                self.dataset_name, self.dataset_config, split=split, cache_dir=os.path.join(self.cache_dir, "hf")
-            )
-        except FileNotFoundError as err:
-            raise FileNotFoundError(f"data set {self.dataset_name!r} (split {split!r}) not found: {err}") from err
-        return self._column(ds, f"{self.dataset_name}[{split}]")
-
-    def _expand(self, paths: list[str]) -> list[str]:
-        suffixes = (() if self.format == "chat" else _TEXT_SUFFIXES) + _JSON_SUFFIXES + _PARQUET_SUFFIXES
-        return expand_data_files(paths, suffixes, skip=self.cache_dir)
-
     def _sources(self, role: str) -> tuple[list[str], str | None]:
         """(local files, folders and patterns expanded; hub split) for 'train' or 'val'."""
         if role == "train":
             if self.train_files:
-                return self._expand(self.train_files), None
+                return self.reader.expand(self.train_files), None
             if self.dataset_name:
                 return [], self.train_split
             raise ValueError("TextDataModule needs `train_files` or `dataset_name`")
         if self.val_files:
-            return self._expand(self.val_files), None
+            return self.reader.expand(self.val_files), None
         if self.dataset_name and self.val_split:
             return [], self.val_split
         return [], None
 
-    def _documents(self, files: list[str], split: str | None) -> _Docs:
-        items: list[Any] = []
-        sources: list[np.ndarray] = []
-        records: list[np.ndarray] = []
-        names: list[str] = []
-        units: list[str] = []
-        for f in files:
-            got, numbers, unit = self._read_file(f)
-            items.extend(got)
-            sources.append(np.full(len(got), len(names), np.int64))
-            records.append(np.asarray(numbers, np.int64))
-            names.append(f)
-            units.append(unit)
-        if split is not None:
-            got = self._read_hub(split)
-            items.extend(got)
-            sources.append(np.full(len(got), len(names), np.int64))
-            records.append(np.arange(len(got), dtype=np.int64))
-            names.append(f"{self.dataset_name}[{split}]")
-            units.append("record")
-        empty = np.zeros(0, np.int64)
-        source = np.concatenate(sources) if sources else empty
-        return _Docs(items, source, np.concatenate(records) if records else empty, names, units)
-
     # ------------------------------------------------------------------ tokenizing
 
-    def _tokenize_text(self, docs: _Docs) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray]:
+    def _tokenize_text(self, docs: Documents) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray]:
         """(ids, trained) of every document (all trained) and the source of each."""
         eos = self.tokenizer.eos_token_id
         streams = []
@@ -447,7 +227,7 @@ class TextDataModule(L.LightningDataModule):
         return streams, docs.source
 
     def _tokenize_chat(
-        self, docs: _Docs
+        self, docs: Documents
     ) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray, dict[int, tuple[int, list[str]]]]:
         """(ids, assistant mask) of every conversation with an assistant turn, the source of each, and per source the
         number of conversations without an assistant turn (left out, with a warning) and the roles they hold."""
@@ -504,7 +284,7 @@ class TextDataModule(L.LightningDataModule):
         info = {s: (len(idx), sorted(roles[s])) for s, idx in missing.items()}
         return streams, np.asarray(tags, np.int64), info
 
-    def _rows(self, docs: _Docs, role: str, source: str, per_file: bool) -> tuple[np.ndarray, np.ndarray]:
+    def _rows(self, docs: Documents, role: str, source: str, per_file: bool) -> tuple[np.ndarray, np.ndarray]:
         """The rows of `docs` without those that have nothing to train, after the trained-share checks.
 
         Args:
@@ -545,7 +325,7 @@ class TextDataModule(L.LightningDataModule):
 
     def _check_trained(
         self,
-        docs: _Docs,
+        docs: Documents,
         stats: dict[str, np.ndarray],
         missing: dict[int, tuple[int, list[str]]],
         role: str,
@@ -633,17 +413,17 @@ class TextDataModule(L.LightningDataModule):
 
     def _build(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         files, split = self._sources("train")
-        docs = self._documents(files, split)
+        docs = self.reader.documents(files, split)
         train_source = docs.label()
         if self.max_documents is not None:
             docs = docs.take(np.arange(min(self.max_documents, len(docs))))
         if not len(docs):
             raise ValueError(f"no documents in the training data: {train_source}")
         val_files, val_split = self._sources("val")
-        val_docs: _Docs | None = None
+        val_docs: Documents | None = None
         val_per_file = True
         if val_files or val_split:
-            val_docs = self._documents(val_files, val_split)
+            val_docs = self.reader.documents(val_files, val_split)
             val_source = val_docs.label()
             if not len(val_docs):
                 raise ValueError(f"no documents in the validation data: {val_source}")
