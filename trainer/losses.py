@@ -444,3 +444,78 @@ def sparse_kd_loss(
 
     plan = _Plan(idx, w, lab, kd_rows, alpha, chunk_size, kd_den, ce_den)
     return _reduce(student_logits.reshape(b * s, v), None, plan)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Cross entropy with its gradients taken at once (the heads of parallel multi-token prediction).
+
+
+def cross_entropy_with_grads(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int | None = 256,
+    grad_hidden: bool = True,
+    grad_weight: bool = True,
+    scale: float = 1.0,
+    weight_grad_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Mean cross entropy of ``hidden @ lm_head_weight.T`` over labels != -100 and, computed at once without
+    autograd, the gradients of ``scale * loss`` with respect to ``hidden`` and ``lm_head_weight``.
+
+    One chunk of ``chunk_size`` labelled positions at a time: the chunk's logits are projected in the inputs' dtype,
+    widened to float32 (float64 inputs stay float64, so a float64 caller gets float64-exact gradients, where
+    :func:`chunked_cross_entropy` computes in float32), turned in place into ``softmax - onehot`` and folded into the
+    two gradients, so only one chunk's logits exist at a time. The gradient of the mean is
+    ``scale * (softmax(logits) - onehot(label)) / n`` per labelled position, zero elsewhere. Used inside the sequential
+    backward of parallel MTP heads (trainer/drafters/mtp_heads.py), which runs one head's backward at a time.
+
+    hidden: [B, S, H]; lm_head_weight: [V, H]; labels: [B, S], aligned with hidden (label i is the target of position
+    i). Returns ``(loss [] in the compute dtype, grad of hidden [B, S, H] or None, grad of the weight [V, H] or
+    None)``; with no labelled position the loss is 0 and the gradients are zero. ``weight_grad_out``: a [V, H] tensor
+    of the compute dtype to add the weight's gradient to (returned as the third item), instead of a new one (callers
+    summing several losses' gradients then hold one such tensor, not one per loss).
+    """
+    _check_options("forward_kl", 0.5, 1.0, 1.0, chunk_size)
+    b, s, h = _check_3d(hidden, "hidden")
+    v = _check_head(lm_head_weight, hidden, "lm_head_weight")
+    if tuple(labels.shape) != (b, s):
+        raise ValueError(f"labels must be [B, S] = {(b, s)}, got shape {tuple(labels.shape)}")
+    compute = torch.promote_types(hidden.dtype, torch.float32)
+    flat = hidden.detach().reshape(b * s, h)  # [N, H]
+    weight = lm_head_weight.detach()  # [V, H]
+    lab = labels.reshape(-1)  # [N]
+    idx = torch.nonzero(lab != IGNORE_INDEX).squeeze(-1)  # [n]
+    n = idx.numel()
+    if n and bool(((lab[idx] < 0) | (lab[idx] >= v)).any()):
+        raise ValueError(f"labels hold ids outside [0, {v}) other than {IGNORE_INDEX}")
+    g_hidden = torch.zeros_like(flat) if grad_hidden else None  # [N, H]
+    g_weight = None
+    if grad_weight:
+        g_weight = weight_grad_out if weight_grad_out is not None else torch.zeros_like(weight, dtype=compute)  # [V, H]
+        if g_weight.shape != weight.shape or g_weight.dtype != compute:
+            raise ValueError(f"weight_grad_out must be {tuple(weight.shape)} {compute}, got {tuple(g_weight.shape)} "
+                             f"{g_weight.dtype}")  # fmt: skip
+    total = torch.zeros((), dtype=compute, device=hidden.device)
+    step = chunk_size or max(1, n)
+    for start in range(0, n, step):
+        ids = idx[start : start + step]  # [C]
+        rows = flat.index_select(0, ids)  # [C, H]
+        targets = lab.index_select(0, ids).long()  # [C]
+        logits = (rows @ weight.t()).to(compute)  # [C, V]
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [C, 1]
+        total += (lse[:, 0] - logits.gather(-1, targets[:, None])[:, 0]).sum()
+        if not (grad_hidden or grad_weight):
+            continue
+        g = logits.sub_(lse).exp_()  # [C, V] softmax, in place of the logits
+        g[torch.arange(ids.numel(), device=g.device), targets] -= 1.0
+        g.mul_(scale / n)
+        if grad_hidden:
+            g_hidden.index_copy_(0, ids, (g.to(weight.dtype) @ weight).to(g_hidden.dtype))  # [C, H]
+        if grad_weight:
+            g_weight.addmm_(g.t(), rows.to(compute))  # [V, H] += [V, C] @ [C, H]
+    loss = total / max(1, n)
+    g_hidden = g_hidden.view(b, s, h) if g_hidden is not None else None
+    if g_weight is not None and weight_grad_out is None:
+        g_weight = g_weight.to(weight.dtype)
+    return loss, g_hidden, g_weight

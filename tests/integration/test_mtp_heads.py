@@ -1,0 +1,101 @@
+"""The MTP heads recipes through the real ``draftsmith fit``: fine-tuning the test target with new heads (the
+training callback measures self-speculative decoding; the end-of-fit export is a plain HF model that transformers
+loads, with the heads beside it; ``draftsmith export`` and ``draftsmith eval`` work from the checkpoint through the
+drafter-kind registry), and pre-training a fresh model with heads, initialised as the plain pre-training is."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.recipe_runs import TINY_MODEL, data_overrides, fit, merge, trainer_overrides
+from trainer.decoding.evaluate import main as eval_main
+from trainer.export.cli import main as export_main
+from trainer.export.mtp_heads import load as load_export
+from trainer.objectives.mtp_heads import ParallelMTPHeads
+from trainer.objectives.pretrain import CausalLMPretraining
+
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def finetuned(tiny_corpus, tiny_target, tmp_path_factory):
+    """The fine-tune recipe on the test target: 3 heads, 6 steps, validation and tau every 3 steps."""
+    run = tmp_path_factory.mktemp("mtp_finetune")
+    override = merge(
+        trainer_overrides(run, max_steps=STEPS, every_n=3),
+        data_overrides(tiny_corpus),
+        {"model": {"init_args": {"model": str(tiny_target), "n_heads": 3, "save_dir": str(run / "model"),
+                                 "chunk_size": 64}}},
+    )  # fmt: skip
+    spec_eval = {
+        "class_path": "trainer.decoding.callback.SpeculativeEvalCallback",
+        "init_args": {"prompts": str(tiny_corpus.heldout_file), "prompt_tokens": 16, "k": 2, "max_new_tokens": 12,
+                      "every_n_steps": 3, "max_prompts": 2, "temperature": 1.0},
+    }  # fmt: skip
+    override["trainer"]["callbacks"].append(spec_eval)
+    cli = fit("quickstart/mtp_heads_finetune.yaml", override, run)
+    return run, cli
+
+
+def test_finetuning_logs_tau_and_exports_a_plain_model_with_heads(finetuned, tiny_target, tmp_path, capsys) -> None:
+    run, cli = finetuned
+    objective = cli.model
+    callback = next(c for c in cli.trainer.callbacks if type(c).__name__ == "SpeculativeEvalCallback")
+    assert callback.last["spec_eval/tau"] >= 1.0 and "spec_eval/acceptance_2" in callback.last
+    assert objective.mtp.measured_agreement() is not None  # validation measured the heads against head 0
+    # the end-of-fit export: transformers loads the model alone, the heads reload beside it
+    model_dir = run / "model"
+    plain = AutoModelForCausalLM.from_pretrained(model_dir)
+    ids = torch.randint(0, plain.config.vocab_size, (1, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids).logits, objective.mtp.model.cpu()(ids).logits, rtol=0, atol=0)
+    assert AutoTokenizer.from_pretrained(model_dir).vocab_size > 0
+    original = load_file(tiny_target / "model.safetensors")
+    assert not torch.equal(load_file(model_dir / "model.safetensors")["lm_head.weight"], original["lm_head.weight"])
+    # draftsmith export of the last checkpoint through the registry: the same files
+    out = tmp_path / "exported"
+    assert export_main(["--ckpt", str(run / "checkpoints" / "last.ckpt"), "--out", str(out)]) == 0
+    for name in ("model.safetensors", "mtp_heads.safetensors"):
+        a, b = load_file(model_dir / name), load_file(out / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    assert json.loads((out / "mtp_heads.json").read_text())["agreement"] is not None
+    assert load_export(out).num_heads == 3
+    # draftsmith eval of the checkpoint against the exported model: greedy identical to the model alone (eval
+    # refuses any difference), then sampling; the tree is tested in tests/unit/test_mtp_heads_drafting.py
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": list(range(5 + i, 25 + i))}) + "\n" for i in range(2)))
+    args = ["--target", str(model_dir), "--drafter", str(run / "checkpoints" / "last.ckpt"), "--prompts", str(prompts),
+            "--max-new-tokens", "16", "--out", str(tmp_path / "eval")]  # fmt: skip
+    assert eval_main([*args, "--k", "2"]) == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert report["greedy"][0]["identical"] and report["sampling"][0]["tau"] >= 1.0
+    assert eval_main([*args, "--k", "3"]) == 1
+    assert "drafts at most 2 tokens per round" in capsys.readouterr().err
+
+
+def test_a_fresh_model_with_heads_starts_as_the_plain_pretraining_would(tiny_corpus, tmp_path) -> None:
+    """The held-out comparison with and without heads is fair: same initial model (the heads come after), same
+    data; and the pre-training recipe runs with the sequential backward."""
+    shape = {k: v for k, v in TINY_MODEL.items()}
+    plain = CausalLMPretraining(tokenizer=tiny_corpus.tokenizer_dir, seed=3, **shape)
+    with_heads = ParallelMTPHeads(tokenizer=tiny_corpus.tokenizer_dir, model_config=shape, n_heads=4, seed=3)
+    a, b = plain.model.state_dict(), with_heads.mtp.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match=r"\['num_hiden_layers'\] are not keys of a Llama config"):
+        ParallelMTPHeads(tokenizer=tiny_corpus.tokenizer_dir, model_config={"num_hiden_layers": 2})
+    run = tmp_path / "run"
+    override = merge(
+        trainer_overrides(run, max_steps=1, every_n=1),
+        data_overrides(tiny_corpus),
+        {"model": {"init_args": {"tokenizer": tiny_corpus.tokenizer_dir, "model_config": shape,
+                                 "save_dir": str(run / "model"), "chunk_size": 64}}},
+    )  # fmt: skip
+    cli = fit("quickstart/mtp_heads_pretrain.yaml", override, run)
+    assert cli.model.backward_mode() == "sequential" and cli.model.mtp.num_heads == 4
+    exported = load_export(run / "model")
+    assert exported.num_layers == TINY_MODEL["num_hidden_layers"] and exported.num_heads == 4
