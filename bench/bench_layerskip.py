@@ -1,11 +1,13 @@
 """LayerSkip on the tiny target: tau of every early exit with and without LayerSkip training, what the training costs
 the full model (held-out loss), and our self-speculative decoding against transformers' ``assistant_early_exit``.
 
-    python bench/bench_layerskip.py [--steps 400] [--k 4]
+    python bench/bench_layerskip.py [--steps 400] [--k 4] [--baseline DIR]
 
 Needs the demo's artifacts (``make demo``: the corpus, the tiny target trained for 400 steps, the held-out prompts).
-Trains recipes/quickstart/layerskip_pretrain.yaml for the same steps as the demo's target (skipped when its model
-exists under ``--out``), then:
+Trains recipes/quickstart/layerskip_pretrain.yaml for ``--steps`` steps (skipped when its model exists under
+``--out``) and compares it with ``--baseline``, the same shape trained without LayerSkip for as many steps (default
+the demo's target, 400 steps; for other step counts, ``draftsmith fit --config recipes/quickstart/tiny_target.yaml
+--trainer.max_steps N`` with its own ``save_dir``), then:
 
 1. ``draftsmith eval --exit-layer 1,2,3`` of both models (K = ``--k``, greedy and sampling at T = 1; the ordinary
    target through ``--drafter early-exit``);
@@ -150,9 +152,13 @@ def main() -> int:
     parser.add_argument("--k", type=int, default=4, help="drafts per round")
     parser.add_argument("--new-tokens", type=int, default=48, help="tokens generated per prompt in the speed runs")
     parser.add_argument("--repeats", type=int, default=2, help="passes over the prompts in the speed runs")
+    parser.add_argument(
+        "--baseline", default=None, help="the model trained without LayerSkip for --steps steps (default: the demo's)"
+    )
     args = parser.parse_args()
     artifacts, out = Path(args.artifacts), Path(args.out)
-    plain, prompts = artifacts / "tiny_target", artifacts / "heldout_prompts.jsonl"
+    plain = Path(args.baseline) if args.baseline else artifacts / "tiny_target"
+    prompts = artifacts / "heldout_prompts.jsonl"
     if not (plain / "config.json").is_file() or not prompts.is_file():
         raise SystemExit(f"{plain} or {prompts} not found: run `make demo` first")
     out.mkdir(parents=True, exist_ok=True)

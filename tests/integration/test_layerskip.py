@@ -75,3 +75,31 @@ def test_eval_sweeps_the_exit_layer_of_an_exported_model(tiny_corpus, tmp_path) 
     assert eval_main([*argv, "--exit-layer", "4"]) == 1  # the model has layers 0..3: E must be in 1..3
     with pytest.raises(SystemExit):
         eval_main([*argv, "--exit-layer", "0"])
+
+
+def test_resume_drops_the_same_layers_and_ends_at_the_same_weights(tiny_corpus, tmp_path) -> None:
+    """Layer dropout and the rotational curriculum are functions of (seed, step): a run stopped after 2 of 4 steps and
+    resumed from its checkpoint ends at the uninterrupted run's weights."""
+    import torch
+    from safetensors.torch import load_file
+
+    from tests.recipe_runs import fit
+
+    def override(run: Path, extra_callbacks: list) -> dict:
+        settings = layerskip_override(run, tiny_corpus, 4)
+        settings["model"]["init_args"].update({"p_max": 0.5, "curriculum": "rotational"})
+        settings["trainer"]["val_check_interval"] = 2
+        settings["trainer"]["callbacks"][0]["init_args"]["every_n_train_steps"] = 2
+        settings["trainer"]["callbacks"] += extra_callbacks
+        return settings
+
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    fit("quickstart/layerskip_pretrain.yaml", override(straight, []), straight)
+    stop = {"class_path": "tests.callbacks.StopAtStep", "init_args": {"step": 2}}
+    fit("quickstart/layerskip_pretrain.yaml", override(split, [stop]), split)
+    fit("quickstart/layerskip_pretrain.yaml", override(split, []), split, ("--ckpt_path", "last"))
+    a = load_file(straight / "model" / "model.safetensors")
+    b = load_file(split / "model" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=key)

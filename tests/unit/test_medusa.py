@@ -76,7 +76,7 @@ def test_stage1_loss_is_the_decayed_sum_of_head_cross_entropies(target_dir, labe
     assert not any(p.grad is not None for p in target.parameters())
 
 
-def test_labels_shift_and_heads_start_from_the_target_head(target_dir) -> None:
+def test_labels_shift_and_heads_start_from_the_target_head(target_dir, caplog) -> None:
     labels = torch.arange(6)[None]
     assert shifted(labels, 0).tolist() == [[1, 2, 3, 4, 5, -100]]
     assert shifted(labels, 2).tolist() == [[3, 4, 5, -100, -100, -100]]
@@ -89,8 +89,10 @@ def test_labels_shift_and_heads_start_from_the_target_head(target_dir) -> None:
         torch.testing.assert_close(heads(hidden)[:, 1], target.lm_head(hidden + shift), rtol=1e-6, atol=1e-6)
     tied = tiny_llama(1, vocab=V, hidden=H, dtype=torch.float32, tie_word_embeddings=True)
     tied.save_pretrained(target_dir.parent / "tied")
-    heads = Medusa(str(target_dir.parent / "tied"), num_heads=2).drafter.heads  # a tied target: the embedding
+    with caplog.at_level("INFO", logger="trainer.objectives.medusa"):
+        heads = Medusa(str(target_dir.parent / "tied"), num_heads=2).drafter.heads  # a tied target: the embedding
     torch.testing.assert_close(heads.lm_heads[0].weight, tied.get_input_embeddings().weight, rtol=0, atol=0)
+    assert "ties its input embedding and lm_head" in caplog.text  # the user is told how the heads start
 
 
 def test_stage2_trains_the_target_with_self_distillation_and_faster_heads(target_dir) -> None:

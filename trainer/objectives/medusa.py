@@ -22,6 +22,7 @@ Medusa-2, the trained target; drafter kind ``medusa`` (trainer/drafters/kinds/me
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Literal
 
@@ -39,6 +40,7 @@ from trainer.target import FrozenTarget, TargetEmbeddings, resolve_dtype
 from trainer.vocab import check_data_tokenizer, load_tokenizer_if_present
 
 IGNORE_INDEX = -100
+log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
@@ -176,6 +178,12 @@ class Medusa(DraftObjective):
         torch.manual_seed(seed)
         self.drafter = MedusaDrafter(heads, model)
         self.drafter.heads.init_from(lm_head)  # a target that ties its embedding: copies of the embedding
+        if getattr(text, "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False):
+            log.info(
+                "%s ties its input embedding and lm_head: every head's output layer starts as a copy of that shared "
+                "matrix and trains as a weight of its own, apart from the embedding",
+                target,
+            )
         self.drafter.heads.to(resolve_dtype(heads_dtype))
 
     @staticmethod
