@@ -1,13 +1,14 @@
 """Medusa-1 and Medusa-2 on the tiny target: tau of the heads (chain and the paper's tree, greedy and sampling) and how
 far Medusa-2 moves the target (held-out loss), with and without self-distillation.
 
-    python bench/bench_medusa.py [--medusa1-steps 400] [--medusa2-steps 200] [--prompts 10]
+    python bench/bench_medusa.py [--medusa1-steps 400] [--medusa2-steps 200] [--new-tokens 48]
 
 Needs the demo's artifacts (``make demo``). Trains, each skipped when its export already exists under ``--out``:
 Medusa-1 (recipes/quickstart/medusa1.yaml), Medusa-2 with self-distillation (recipes/quickstart/medusa2.yaml) and
 Medusa-2 with the plain next-token loss (``self_distillation: false``), all with K = 4 heads. Then ``draftsmith eval``
 on the demo's held-out prompts at K = 4, chain and ``--tree`` (63 nodes), greedy and sampling at T = 1 (Medusa-2 heads
-against their own trained target), and the held-out next-token loss of each Medusa-2 target against the original.
+against their own trained target), prompt lookup and the demo's KD student beside them (same prompts and K), and the
+held-out next-token loss of each Medusa-2 target against the original.
 Writes ``OUT/medusa.md`` and prints it.
 """
 
@@ -47,7 +48,9 @@ def fit(name: str, recipe: str, steps: int, out: Path, extra: list[str]) -> floa
     return seconds
 
 
-def evaluate(name: str, target: Path, drafter: Path, prompts: Path, out: Path, tree: bool, new_tokens: int) -> dict:
+def evaluate(
+    name: str, target: Path, drafter: Path | str, prompts: Path, out: Path, tree: bool, new_tokens: int
+) -> dict:
     report_dir = out / "eval" / (name + ("_tree" if tree else ""))
     if not (report_dir / "report.json").is_file():
         cmd = ["draftsmith", "eval", "--target", str(target), "--drafter", str(drafter), "--prompts", str(prompts),
@@ -107,6 +110,12 @@ def main() -> int:
             rows.append(
                 f"| {label}, {shape} | {g['tau']:.2f} | {s['tau']:.2f} | {accept} | {g['measured_speedup']:.2f}x |"
             )
+    for name, drafter, label in (("prompt_lookup", "prompt-lookup", "prompt lookup"),
+                                 ("kd_student", artifacts / "kd_student", "the demo's KD student")):  # fmt: skip
+        report = evaluate(name, target, drafter, prompts, out, False, args.new_tokens)
+        g, s = report["greedy"][0], report["sampling"][0]
+        accept = " ".join(f"{a:.2f}" for a in g["acceptance_per_position"])
+        rows.append(f"| {label}, chain | {g['tau']:.2f} | {s['tau']:.2f} | {accept} | {g['measured_speedup']:.2f}x |")
     losses = heldout_losses(
         artifacts, {"original target": target, **{n: out / n / "target" for n in ("medusa2_sd", "medusa2_lm")}}
     )
