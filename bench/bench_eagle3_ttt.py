@@ -1,11 +1,15 @@
-"""Training-time test cost against the unrolled steps K: step time and memory of an EAGLE-3 training step.
+"""Training-time test cost against the unrolled steps K: step time and memory of an EAGLE-3 training step, with and
+without recomputing the earlier TTT steps in backward (``model.recompute``).
 
-    .venv/bin/python bench/bench_eagle3_ttt.py [--hidden 256] [--layers 4] [--vocab 8192] [--seq-len 256] [--batch 4]
+    .venv/bin/python bench/bench_eagle3_ttt.py [--hidden 256] [--layers 4] [--vocab 8192] [--seq-len 256] [--batch 2]
 
-A random Llama target of the given shape is saved to a temporary directory; for K = 1, 3, 7 one forward and backward
-of the EAGLE-3 objective is timed (median of a few) and its memory measured: on CUDA the peak allocated memory, and
-everywhere the bytes autograd saves for the backward pass (the part that grows with K). Printed as ratios to K = 1,
-measured side by side in one run.
+A random Llama target of the given shape is saved to a temporary directory; for K = 1, 3, 7, each with
+``recompute`` off and on, one forward and backward of the EAGLE-3 objective is timed (median of a few, the
+configurations taking turns so that load changes hit all alike) and its memory measured once under the profiler:
+``held``, the bytes allocated during the forward pass and still alive when backward starts (what the step keeps for
+backward: saved activations, and with recomputation each step's inputs and outputs), and ``peak``, the highest
+allocation above the start during forward and backward (on CUDA, the allocator's own peak). Printed as ratios to
+K = 1 without recomputation (K = 1 recomputes nothing either way: its only step is the last one).
 """
 
 from __future__ import annotations
@@ -17,22 +21,39 @@ import time
 
 import numpy as np
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainer.objectives.eagle3 import Eagle3
 
 
-def saved_bytes(fn) -> int:
-    """Bytes of the tensors autograd saves while running ``fn`` (each storage counted once)."""
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
+def memory(step_forward, device: torch.device) -> tuple[int, int]:
+    """(held, peak) bytes of one forward (``step_forward()`` returns the loss) and its backward."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        loss = step_forward()
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - start
+        loss.backward()
+        torch.cuda.synchronize()
+        return held, torch.cuda.max_memory_allocated() - start
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss = step_forward()
+        with record_function("bench_backward"):
+            loss.backward()
+    events = prof.events()
+    split = next(e.time_range.start for e in events if e.name == "bench_backward")
+    # each allocation and free is attributed to the op it happens in (its self memory), at that op's start
+    timeline = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in events if e.self_cpu_memory_usage)
+    running, peak, held = 0, 0, 0
+    for at, delta in timeline:
+        running += delta
+        peak = max(peak, running)
+        if at < split:
+            held = running
+    return held, peak
 
 
 def main() -> None:
@@ -42,8 +63,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--draft-vocab", type=int, default=2048)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
@@ -57,39 +78,43 @@ def main() -> None:
         batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.bool)}
         rows = np.random.default_rng(0).integers(0, args.vocab, (64, args.seq_len + 1))
         objectives = {}
-        for k in (1, 3, 7):
-            objectives[k] = Eagle3(target_dir, draft_vocab_size=args.draft_vocab, ttt_steps=k).to(device)
-            objectives[k].build_vocab_map(rows, np.ones_like(rows, dtype=bool))
+        for recompute in (False, True):
+            for k in (1, 3, 7):
+                objective = Eagle3(target_dir, draft_vocab_size=args.draft_vocab, ttt_steps=k, recompute=recompute)
+                objective.build_vocab_map(rows, np.ones_like(rows, dtype=bool))
+                objectives[(k, recompute)] = objective.to(device)
 
         def step(objective: Eagle3) -> None:
             loss, _ = objective.compute_loss(batch)
             loss.backward()
 
-        times: dict[int, list[float]] = {k: [] for k in objectives}
-        peaks: dict[int, int | None] = {}
+        times: dict[tuple[int, bool], list[float]] = {key: [] for key in objectives}
         for objective in objectives.values():
             step(objective)  # warm-up
-        for _ in range(args.repeats):  # round-robin over K, so that load changes hit every K alike
-            for k, objective in objectives.items():
+        for _ in range(args.repeats):  # round-robin, so that load changes hit every configuration alike
+            for key, objective in objectives.items():
                 if device.type == "cuda":
                     torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
                 t0 = time.perf_counter()
                 step(objective)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
-                times[k].append(time.perf_counter() - t0)
-                peaks[k] = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
-        results = {
-            k: (statistics.median(times[k]), saved_bytes(lambda o=o: step(o)), peaks[k]) for k, o in objectives.items()
-        }
-    t1, s1, p1 = results[1]
+                times[key].append(time.perf_counter() - t0)
+        results = {}
+        for key, objective in objectives.items():
+            objective.drafter.zero_grad(set_to_none=True)  # gradients of earlier steps would count as held
+            held, peak = memory(lambda o=objective: o.compute_loss(batch)[0], device)
+            results[key] = (statistics.median(times[key]), held, peak)
+    t1, h1, p1 = results[(1, False)]
     print(f"EAGLE-3 TTT step on {device}: target {args.layers}x{args.hidden}, vocab {args.vocab}, "
           f"draft vocab {args.draft_vocab}, batch {args.batch} x {args.seq_len}")  # fmt: skip
-    print(f"{'K':>3} {'step s':>8} {'time/K=1':>9} {'saved MiB':>10} {'saved/K=1':>10} {'peak/K=1':>9}")
-    for k, (t, s, p) in results.items():
-        peak = f"{p / p1:9.2f}" if p is not None and p1 else f"{'n/a':>9}"
-        print(f"{k:>3} {t:8.3f} {t / t1:9.2f} {s / 2**20:10.1f} {s / s1:10.2f} {peak}")
+    header = f"{'K':>3} {'recompute':>9} {'step s':>8} {'time/K=1':>9} {'held MiB':>9} {'held/K=1':>9}"
+    print(header + f" {'peak MiB':>9} {'peak/K=1':>9}")
+    for (k, recompute), (t, h, p) in results.items():
+        print(
+            f"{k:>3} {'yes' if recompute else 'no':>9} {t:8.3f} {t / t1:9.2f} {h / 2**20:9.1f} {h / h1:9.2f} "
+            f"{p / 2**20:9.1f} {p / p1:9.2f}"
+        )
 
 
 if __name__ == "__main__":

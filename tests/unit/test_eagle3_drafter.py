@@ -124,3 +124,18 @@ def test_vocab_map_counts_trained_labels_and_breaks_ties_by_id():
     assert (torch.arange(4) + d2t).tolist() == [0, 1, 2, 5]
     with pytest.raises(ValueError, match="outside the vocabulary"):
         count_label_tokens([(np.array([[1, 40]]), np.array([[True, True]]))], 30)
+
+
+def test_ttt_flex_attention_matches_the_dense_one():
+    """The flex path (CUDA's training path; here its uncompiled forward) applies the same TTT mask."""
+    torch.manual_seed(0)
+    B, nh, nkv, S, D = 1, 4, 2, 24, 8
+    q = torch.randn(B, nh, S, D)
+    keys = [torch.randn(B, nkv, S, D) for _ in range(3)]
+    values = [torch.randn(B, nkv, S, D) for _ in range(3)]
+    torch.testing.assert_close(
+        ttt_attention(q, keys, values, "flex"), ttt_attention(q, keys, values, "dense"), rtol=1e-5, atol=1e-5
+    )
+    q.requires_grad_(True)
+    with pytest.raises(ValueError, match="attention='flex' cannot train on cpu"):
+        ttt_attention(q, keys, values, "flex")

@@ -68,3 +68,32 @@ def test_ttt_loss_equals_chain_drafting_scored_position_by_position(ttt_inputs, 
     torch.testing.assert_close(float(loss), expected, rtol=1e-5, atol=0)
     for i in range(K):
         assert float(metrics[f"acc_{i}"]) == pytest.approx(accuracies[i], abs=1e-6)
+
+
+def test_recomputing_earlier_steps_changes_neither_loss_nor_gradients(tmp_path):
+    """recompute=True (the default) reruns TTT steps 0..K-2 in backward instead of storing them: the same loss,
+    metrics and gradients as storing every step, to float32 rounding (the drafter's own guesses fed back, so that
+    the recomputed steps must also reproduce the tokens they feed on)."""
+    tiny_llama(tmp_path / "target", tied=False)
+    rows = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(3))  # [B, S + 1]
+    ids, loss_mask = rows[:, :-1], rows[:, 1:] > 4
+    results = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        objective = Eagle3(str(tmp_path / "target"), draft_vocab_size=32, aux_layers=[0, 1, 2], ttt_steps=4,
+                           ttt_inputs="predicted", recompute=recompute)  # fmt: skip
+        objective.build_vocab_map(rows.numpy(), (rows > 4).numpy())
+        torch.nn.init.normal_(objective.drafter.midlayer.self_attn.o_proj.weight, std=0.5)
+        loss, metrics = objective.compute_loss({"input_ids": ids, "loss_mask": loss_mask})
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in objective.drafter.named_parameters() if p.grad is not None}
+        results.append((loss.detach(), metrics, grads))
+    (a, metrics_a, grads_a), (b, metrics_b, grads_b) = results
+    assert float(a) > 0 and len(grads_a) > 5
+    torch.testing.assert_close(b, a, rtol=1e-6, atol=0)
+    assert {k: float(v) for k, v in metrics_a.items()} == pytest.approx({k: float(v) for k, v in metrics_b.items()})
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(
+            grads_b[name], grads_a[name], rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}"
+        )

@@ -24,6 +24,8 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from trainer.drafters.block_attention import Impl, resolve_impl, ttt_flex_attention
+
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
     """EAGLE-3's default target layers in HF ``hidden_states`` indices: 2, L // 2 and L - 3, clamped to 1..L-1,
@@ -221,12 +223,20 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
     return F.scaled_dot_product_attention(q, _repeat_kv(k, groups), _repeat_kv(v, groups), attn_mask=allowed)
 
 
-def ttt_attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> torch.Tensor:
+def ttt_attention(
+    q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], impl: Impl = "dense"
+) -> torch.Tensor:
     """Attention of training-time-test step ``i = len(keys) - 1`` without building the ``[S, (i + 1) S]`` mask.
 
     Query ``t`` sees the step-0 keys ``0..t`` (causal) and, for every later step ``j = 1..i``, only the key at its
     own position ``t``. q: [B, nh, S, D]; keys[j], values[j]: [B, nkv, S, D] -> [B, nh, S, D].
+
+    ``impl``: ``dense`` computes the causal scores [S, S] and the i diagonal ones [S, i] and normalises them together;
+    ``flex`` runs the same mask through flex attention (trainer/drafters/block_attention.py: fused, no probabilities
+    stored; CUDA only for training); ``auto`` picks flex on CUDA.
     """
+    if _resolved(impl, q) == "flex":
+        return ttt_flex_attention(q, list(keys), list(values))
     groups = q.shape[1] // keys[0].shape[1]
     S = q.shape[2]
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -240,6 +250,11 @@ def ttt_attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequenc
     for j, v in enumerate(values[1:]):
         out = out + probs[..., S + j : S + j + 1] * _repeat_kv(v, groups)
     return out
+
+
+def _resolved(impl: Impl, q: torch.Tensor) -> str:
+    """The implementation ``impl`` resolves to for queries ``q`` (trainer/drafters/block_attention.py)."""
+    return resolve_impl(impl, q.device, torch.is_grad_enabled() and q.requires_grad)
 
 
 def ttt_mask(seq_len: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -340,6 +355,36 @@ class Eagle3Drafter(nn.Module):
         out = self.midlayer.finish(hidden, masked_attention(q, keys, values, allowed))  # [B, N, H]
         return out, self.logits(out), (k, v)
 
+    def ttt_step(
+        self,
+        embedding: nn.Module,
+        hidden: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        keys: Sequence[torch.Tensor],
+        values: Sequence[torch.Tensor],
+        impl: Impl = "dense",
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One training-time-test step ``i = len(keys)`` over every element of a row.
+
+        Args:
+            embedding: the target's (frozen) input embedding.
+            hidden: [B, S, H] the step's input features (fused target features at step 0, else the step before's
+                outputs).
+            tokens: [B, S] the tokens embedded at this step.
+            positions: [B, S] rotary positions (the step-0 positions plus i).
+            keys, values: the keys and values of steps 0..i-1, each [B, nkv, S, D].
+            impl: the TTT attention's implementation (see :func:`ttt_attention`).
+
+        Returns:
+            out [B, S, H] (the next step's features), logits [B, S, Vd], and this step's (k, v).
+        """
+        embeds = embedding(tokens).to(hidden.dtype)  # [B, S, H]
+        cos, sin = self.rope(hidden, positions)
+        q, k, v = self.midlayer.qkv(embeds, hidden, cos, sin)
+        out = self.midlayer.finish(hidden, ttt_attention(q, [*keys, k], [*values, v], impl))  # [B, S, H]
+        return out, self.logits(out), k, v
+
     def unroll(
         self,
         embedding: nn.Module,
@@ -347,6 +392,7 @@ class Eagle3Drafter(nn.Module):
         next_tokens: torch.Tensor,
         steps: int,
         data_tokens: torch.Tensor | None = None,
+        impl: Impl = "dense",
     ):
         """Training-time test: yields the draft logits [B, S, Vd] of steps 0..steps-1.
 
@@ -358,6 +404,7 @@ class Eagle3Drafter(nn.Module):
             data_tokens: None feeds, at step i > 0, the drafter's own argmax of step i - 1 (mapped to target ids);
                 otherwise [B, S + steps] a token stream whose entry ``t + 1 + i`` is fed at step i (the data's
                 tokens, as in the reference implementations).
+            impl: the TTT attention's implementation (see :func:`ttt_attention`).
         """
         B, S, _ = fused.shape
         base = torch.arange(S, device=fused.device).expand(B, S)  # [B, S]
@@ -365,13 +412,9 @@ class Eagle3Drafter(nn.Module):
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         for i in range(steps):
-            embeds = embedding(tokens).to(hidden.dtype)  # [B, S, H]
-            cos, sin = self.rope(hidden, base + i)
-            q, k, v = self.midlayer.qkv(embeds, hidden, cos, sin)
+            hidden, logits, k, v = self.ttt_step(embedding, hidden, tokens, base + i, keys, values, impl)
             keys.append(k)
             values.append(v)
-            hidden = self.midlayer.finish(hidden, ttt_attention(q, keys, values))  # [B, S, H]
-            logits = self.logits(hidden)  # [B, S, Vd]
             yield logits
             if data_tokens is None:
                 tokens = self.to_target_ids(logits.detach().argmax(-1))  # [B, S]

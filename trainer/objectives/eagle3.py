@@ -24,6 +24,15 @@ safetensors (trainer.target.TargetEmbeddings). Soft labels are the top-k probabi
 vocabulary and renormalised over it (positions where none of the k ids is in it are not trained); hard labels and the
 accuracies use the top-1 id. With k equal to the vocabulary and float32 shards it is the online objective.
 
+Memory: a step's activations would grow linearly in K (5.9x at K = 7 against K = 1). With ``recompute``
+(the default) the steps 0..K-2 keep only their inputs and outputs (features, keys and values: what later steps read)
+and are rerun in backward, their logits and loss included; the last step, the first one backward needs, is stored as
+before. bench/bench_eagle3_ttt.py measures K = 7 at 1.4x the memory held for backward of K = 1 (1.5x at the peak),
+for about a third more step time (1.3x at K = 3 and 7, on CPU); the loss and gradients are unchanged (tested).
+``attention: flex`` (or ``auto``) runs the TTT mask through flex attention on CUDA
+(trainer/drafters/block_attention.py), which stores no attention probabilities; it is checked against the dense
+path on CPU (forward) but has not been run on a GPU in this repository, so the default stays ``dense``.
+
 The reduced vocabulary (trainer/drafters/vocab_map.py) is counted once from the datamodule's training rows in
 ``setup`` (the text rows, or the shards' tokens and loss masks); it is a buffer of the drafter, so a resumed run gets
 the checkpoint's map back when Lightning restores the state dict after ``setup``, and ``init_from`` (fine-tuning from
@@ -35,16 +44,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 from trainer.data.shard_datamodule import checked_shard_data
 from trainer.drafters import vocab_map
+from trainer.drafters.block_attention import Impl
 from trainer.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from trainer.drafters.kinds import eagle3 as eagle3_kind
 from trainer.drafters.spec import DrafterRecord, check_target, load_drafter
@@ -73,6 +85,8 @@ class Eagle3(DraftObjective):
         trust_remote_code: bool = False,
         seed: int = 0,
         teacher_signals: Literal["online", "shards"] = "online",
+        recompute: bool = True,
+        attention: Impl = "dense",
         optim: Optim = Optim(),
     ) -> None:
         """
@@ -99,6 +113,11 @@ class Eagle3(DraftObjective):
                 top-k next tokens (temperature 1) from the batches of a ShardDataModule whose hidden_layers are the
                 aux_layers (written by ``draftsmith precompute``), loading only the target's config, embedding and
                 lm_head, never the model.
+            recompute: recompute TTT steps 0..K-2 in backward instead of storing their activations (each keeps its
+                inputs and outputs only; the last step is stored, as it is the first one backward needs): at K = 7
+                the step holds 1.4x the memory K = 1 holds for backward instead of 5.9x (bench/bench_eagle3_ttt.py).
+            attention: the TTT attention: "dense" (mask-aware, the default), "flex" (flex attention, CUDA) or "auto"
+                (flex on CUDA, dense elsewhere).
             optim: optimizer and learning-rate schedule.
         """
         super().__init__(optim)
@@ -109,7 +128,7 @@ class Eagle3(DraftObjective):
             raise ValueError(f"model.step_decay must be in (0, 1], got {step_decay}")
         self.target_path = target
         self.ttt_steps, self.step_decay, self.labels, self.ttt_inputs = ttt_steps, step_decay, labels, ttt_inputs
-        self.teacher_signals = teacher_signals
+        self.teacher_signals, self.recompute, self.attention = teacher_signals, recompute, attention
         frozen: FrozenTarget | TargetEmbeddings
         if teacher_signals == "online":
             frozen = FrozenTarget.from_pretrained(target, target_dtype, trust_remote_code)
@@ -283,7 +302,7 @@ class Eagle3(DraftObjective):
             label_ok: [B, S] bool, False where a soft label is missing (not trained), or None (all present).
         """
         drafter = self.drafter
-        S = ids.shape[1]
+        B, S = ids.shape
         if self.labels == "hard":
             t2d_index = self._draft_index()  # [V] draft index of every target id
             hard = torch.where(drafter.t2d[target_argmax], t2d_index[target_argmax], -100)  # [B, S]
@@ -292,11 +311,16 @@ class Eagle3(DraftObjective):
             data_tokens = F.pad(ids, (0, self.ttt_steps), value=0)  # [B, S + K]
         total = fused.new_zeros((), dtype=torch.float32)
         metrics: dict[str, torch.Tensor] = {}
-        steps = drafter.unroll(embedding, fused, ids[:, 1:], self.ttt_steps, data_tokens)
-        for i, logits in enumerate(steps):  # logits [B, S - 1, Vd]
+        positions = torch.arange(S - 1, device=ids.device).expand(B, S - 1)  # [B, S - 1] rotary positions of step 0
+        steps = min(self.ttt_steps, S - 1)  # step i trains elements whose label position t + 1 + i is in the row
+
+        def step(i: int, hidden: torch.Tensor, tokens: torch.Tensor, *kv: torch.Tensor):
+            """TTT step i: (out, k, v, loss_i, acc_i, guess [B, S - 1]) from the step's inputs alone, so that it can be
+            recomputed in backward."""
+            out, logits, k, v = drafter.ttt_step(
+                embedding, hidden, tokens, positions + i, kv[:i], kv[i:], self.attention
+            )
             n = S - 1 - i  # elements whose label position t + 1 + i is inside the row
-            if n <= 0:
-                break
             mask = loss_mask[:, 1 + i :].float()  # [B, n]
             if label_ok is not None:
                 mask = mask * label_ok[:, 1 + i :]
@@ -307,15 +331,31 @@ class Eagle3(DraftObjective):
                 labels = hard[:, 1 + i :]  # [B, n]
                 mask = mask * (labels >= 0)
                 per_pos = -log_q.gather(-1, labels.clamp(min=0)[..., None])[..., 0]  # [B, n]
-            denom = mask.sum().clamp(min=1.0)
-            loss_i = (per_pos * mask).sum() / denom
-            total = total + self.step_decay**i * loss_i
+            loss_i = (per_pos * mask).sum() / mask.sum().clamp(min=1.0)
             with torch.no_grad():
-                guess = drafter.to_target_ids(logits[:, :n].argmax(-1))  # [B, n]
+                guess = drafter.to_target_ids(logits.argmax(-1))  # [B, S - 1]
                 trained = loss_mask[:, 1 + i :]
-                hits = (guess == target_argmax[:, 1 + i :]) & trained
-                metrics[f"acc_{i}"] = hits.sum().float() / trained.sum().clamp(min=1).float()
-                metrics[f"loss_{i}"] = loss_i.detach()
+                hits = (guess[:, :n] == target_argmax[:, 1 + i :]) & trained
+                accuracy = hits.sum().float() / trained.sum().clamp(min=1).float()
+            return out, k, v, loss_i, accuracy, guess
+
+        hidden, tokens = fused, ids[:, 1:]
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        for i in range(steps):
+            inputs = (hidden, tokens, *keys, *values)
+            if self.recompute and i < steps - 1 and torch.is_grad_enabled():
+                # earlier steps keep only their inputs and outputs; the last step's activations are needed first in
+                # backward, so recomputing it would save nothing at the peak
+                hidden, k, v, loss_i, accuracy, guess = checkpoint(partial(step, i), *inputs, use_reentrant=False)
+            else:
+                hidden, k, v, loss_i, accuracy, guess = step(i, *inputs)
+            keys.append(k)
+            values.append(v)
+            total = total + self.step_decay**i * loss_i
+            metrics[f"acc_{i}"] = accuracy
+            metrics[f"loss_{i}"] = loss_i.detach()
+            tokens = guess if data_tokens is None else data_tokens[:, i + 2 : i + 1 + S]  # [B, S - 1]
         return total, metrics
 
     def flops_per_token(self) -> float:

@@ -1,0 +1,129 @@
+"""DFlash end to end through the real CLI: a short fit of recipes/quickstart/dflash.yaml, both exports through
+``draftsmith export`` read back by the engines' rules, lossless chain and DDTree decoding on the tiny target, and the
+offline recipe from ``draftsmith precompute`` shards with its refusals of shards that do not fit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.integration.test_eagle3_offline import run_precompute, shard_data
+from tests.recipe_runs import data_overrides, fit, merge, trainer_overrides
+from trainer.decoding.evaluate import resolve_drafter
+from trainer.decoding.generate import speculative_generate
+from trainer.decoding.proposers import NoProposer
+from trainer.drafters.spec import ProposerOptions
+from trainer.export.checkpoint import load_training_checkpoint
+from trainer.export.cli import main as export_main
+from trainer.export.dflash import load_speculators, load_zlab
+
+pytestmark = pytest.mark.slow
+
+# the test target has 2 layers: the only layer output every engine reads is hidden_states[1] (z-lab id 0)
+MODEL = {"num_draft_layers": 1, "block_size": 8, "mask_token_id": 2, "max_anchors": 8, "loss_chunk_size": 256}
+
+
+def dflash_override(run: Path, corpus, target: Path, max_steps: int, every_n: int, **model) -> dict:
+    return merge(
+        trainer_overrides(run, max_steps=max_steps, every_n=every_n),
+        data_overrides(corpus),
+        {"model": {"init_args": {"target": str(target), **MODEL, **model}}},
+    )
+
+
+@pytest.fixture(scope="module")
+def dflash_run(tiny_corpus, tiny_target, tmp_path_factory):
+    run = tmp_path_factory.mktemp("dflash")
+    return run, fit("quickstart/dflash.yaml", dflash_override(run, tiny_corpus, tiny_target, 6, 3), run)
+
+
+def test_fit_logs_block_metrics_and_records_the_drafter(dflash_run):
+    run, cli = dflash_run
+    metrics = cli.trainer.callback_metrics
+    assert {"train/acc_1", "train/acc_7", "train/block_tau", "val/acc_1"} <= set(metrics)
+    state, record = load_training_checkpoint(str(run / "checkpoints" / "last.ckpt"))
+    assert all(k.startswith("drafter.") for k in state)  # neither the target nor its embedding
+    assert record["kind"] == "dflash" and record["target_layers"] == [1] and record["draft_tokens"] == 7
+    assert record["config"]["mask_token_id"] == 2 and record["config"]["block_size"] == 8
+
+
+def test_exports_reload_and_decode_losslessly(dflash_run, tiny_target, tiny_corpus, tmp_path):
+    run, cli = dflash_run
+    drafter = cli.model.drafter.eval()
+    ckpt = str(run / "checkpoints" / "last.ckpt")
+    g = torch.Generator().manual_seed(0)
+    hidden, block = [torch.randn(1, 9, 64, generator=g)], torch.randn(1, 8, 64, generator=g)
+
+    def logits(module) -> torch.Tensor:
+        with torch.no_grad():
+            past = module.context_kv(module.context(hidden), torch.arange(9)[None])
+            return module.draft(block, torch.arange(9, 17)[None], past)
+
+    for fmt, loader in (("dflash", load_zlab), ("dflash-speculators", load_speculators)):
+        out = tmp_path / fmt
+        assert export_main(["--ckpt", ckpt, "--out", str(out), "--format", fmt]) == 0
+        torch.testing.assert_close(logits(loader(str(out)).eval()), logits(drafter), rtol=0, atol=0)
+    config = json.loads((tmp_path / "dflash" / "config.json").read_text())
+    assert config["dflash_config"] == {"mask_token_id": 2, "target_layer_ids": [0], "block_size": 8}
+    assert config["num_target_layers"] == 2
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_target).to(torch.float64).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    texts = [json.loads(line)["text"] for line in Path(tiny_corpus.heldout_file).read_text().splitlines()[:2]]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for text in texts:
+            prompt = torch.tensor(tok(text[:300]).input_ids[:32])
+            alone = speculative_generate(target, prompt, NoProposer(), k=0, max_new_tokens=20).tokens
+            for spec in (ckpt, str(tmp_path / "dflash")):
+                for tree in (False, True):
+                    options = ProposerOptions(tree=tree, tree_nodes=10, tree_top_k=3)
+                    proposer = resolve_drafter(spec, target, options, tok)
+                    result = speculative_generate(target, prompt, proposer, k=7, max_new_tokens=20)
+                    assert result.tokens == alone, (spec, tree)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def offline_override(run: Path, corpus, target: Path, shards: Path, steps: int, **data) -> dict:
+    return merge(
+        trainer_overrides(run, max_steps=steps, every_n=steps),
+        shard_data(corpus, shards, **{"hidden_layers": [1], **data}),
+        {"model": {"init_args": {"target": str(target), "target_layers": [1], **MODEL}}},
+    )
+
+
+def test_offline_recipe_trains_from_shards_and_refuses_shards_that_do_not_fit(tiny_corpus, tiny_target, tmp_path):
+    shards = tmp_path / "shards"
+    args = ("--k", "8", "--hidden_layers", "[0, 1]", "--samples_per_shard", "48", "--batch_size", "8")
+    assert run_precompute(tiny_corpus, tiny_target, shards, *args) == 0
+    run = tmp_path / "offline"
+    for labels in ("hard", "soft"):
+        override = offline_override(run / labels, tiny_corpus, tiny_target, shards, 2)
+        override["model"]["init_args"]["labels"] = labels
+        cli = fit("quickstart/dflash_offline.yaml", override, run / labels)
+        assert torch.isfinite(cli.trainer.callback_metrics["train/loss"])
+    state, record = load_training_checkpoint(str(run / "soft" / "checkpoints" / "last.ckpt"))
+    assert all(k.startswith("drafter.") for k in state) and record["target_layers"] == [1]
+
+    # the shards hold layers [0, 1], the drafter reads [1]: data.hidden_layers must be the drafter's layers
+    with pytest.raises(ValueError, match=r"data.hidden_layers=\[0, 1\] must equal the drafter's target_layers \[1\]"):
+        fit("quickstart/dflash_offline.yaml", offline_override(run / "order", tiny_corpus, tiny_target, shards, 1,
+            hidden_layers=[0, 1]), run / "order")  # fmt: skip
+    # shards that lack the drafter's layer
+    partial = tmp_path / "shards_0"
+    assert run_precompute(tiny_corpus, tiny_target, partial, "--k", "8", "--hidden_layers", "[0]") == 0
+    with pytest.raises(ValueError, match=r"hidden_layers \[1\] not stored \(the shards hold \[0\]\)"):
+        fit("quickstart/dflash_offline.yaml", offline_override(run / "partial", tiny_corpus, tiny_target, partial, 1),
+            run / "partial")  # fmt: skip
+    # shards without hidden states (and data.hidden_layers left out: the datamodule itself asks for none)
+    bare = tmp_path / "shards_bare"
+    assert run_precompute(tiny_corpus, tiny_target, bare, "--k", "8") == 0
+    with pytest.raises(ValueError, match=r"shards_bare: the shards hold no hidden states; DFlash reads target layers"):
+        fit("quickstart/dflash_offline.yaml", offline_override(run / "bare", tiny_corpus, tiny_target, bare, 1,
+            hidden_layers=[]), run / "bare")  # fmt: skip
