@@ -275,7 +275,7 @@ def _parser() -> argparse.ArgumentParser:
         help="a training checkpoint (.ckpt or DeepSpeed folder), an exported drafter folder (any format draftsmith "
         "writes: its kind is read from its files), or a drafter without weights: prompt-lookup, none, early-exit",
     )
-    parser.add_argument("--tree", action="store_true", help="draft a tree (kinds that can: eagle3)")
+    parser.add_argument("--tree", action="store_true", help="draft a tree (eagle3, dflash, medusa, mtp_heads, mtp)")
     parser.add_argument("--tree-nodes", type=int, default=24, help="node budget of a tree (default 24)")
     parser.add_argument("--tree-top-k", type=int, default=4, help="children per expanded tree node (default 4)")
     parser.add_argument("--rank-temperature", type=float, default=0.1, help="temperature that ranks tree nodes")
