@@ -365,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
         limit = getattr(proposers[sweep[0]], "max_drafts", None)  # drafters with a fixed number of heads or modules
         if limit is not None and max(args.k) > limit:
             raise ValueError(f"--k {max(args.k)}: {args.drafter} drafts at most {limit} tokens per round")
+        check_k = getattr(proposers[sweep[0]], "check_k", None)  # drafters that refuse some K (MTP modules)
+        for k in args.k if check_k is not None else ():
+            check_k(k)  # every --k before any decoding
     except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
