@@ -58,6 +58,8 @@ LOCK_FILE = ".draftsmith-fit.lock"
 # frozen target sits in eval mode inside a training module.
 warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
+if "SLURM_JOB_ID" not in os.environ:  # outside a SLURM allocation Lightning's hint to prepend srun does not apply
+    warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system but is not used")
 
 
 class CheckpointFolderError(RuntimeError):

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -27,6 +29,46 @@ from trainer.heldout import heldout_loss, unigram_baseline, unigram_counts
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "quickstart"
 ARTIFACTS = Path("artifacts")
+SUMMARY_FILE = ARTIFACTS / "demo_summary.json"
+README_START = "<!-- demo summary: written by `python -m trainer.demo --readme README.md` from the demo's summary -->"
+README_END = "<!-- end of demo summary -->"
+README_SUMMARY = "docs/demo_summary.json"
+
+
+def render_summary(summary: dict) -> str:
+    """The demo's figures as it prints them (and as the README shows them, generated from the same summary)."""
+    kd, lookup, pad, s = summary["kd_student"], summary["prompt_lookup"], " " * 29, summary
+    return "\n".join(
+        [
+            f"held-out loss (nats/token)   unigram baseline {summary['unigram_loss']:.3f}",
+            f"{pad}tiny target      {s['target_loss']:.3f}  ({s['target_params'] / 1e6:.1f} M parameters)",
+            f"{pad}KD student       {s['student_loss']:.3f}  ({s['student_params'] / 1e6:.1f} M parameters)",
+            f"training throughput          target {summary['target_tokens_per_s']:,.0f} tokens/s, KD "
+            f"{summary['kd_tokens_per_s']:,.0f} tokens/s (whole fit, start-up included)",
+            f"speculative decoding, K=4    KD student    tau {kd['tau_greedy']:.2f} greedy, "
+            f"{kd['tau_sampling']:.2f} sampling (T=1)",
+            f"{pad}prompt lookup tau {lookup['tau_greedy']:.2f} greedy",
+            f"{pad}loops: {100 * summary['loop_share']:.0f}% of the target's greedy output positions, in "
+            f"{summary['looped_prompts']} of {summary['prompts']} prompts",
+        ]
+    )
+
+
+def write_readme_block(readme: Path, summary_file: Path) -> None:
+    """Replace the README's demo block (between its two markers) with :func:`render_summary` of ``summary_file``, and
+    keep that summary beside the README (``docs/demo_summary.json``), which the tests render and compare."""
+    if not summary_file.is_file():
+        raise SystemExit(f"{summary_file} not found: run `draftsmith demo` first")
+    text = readme.read_text()
+    pattern = re.compile(re.escape(README_START) + r"\n```\n.*?\n```\n" + re.escape(README_END), re.S)
+    if not pattern.search(text):
+        raise SystemExit(f"{readme}: no demo block between {README_START!r} and {README_END!r}")
+    summary = json.loads(summary_file.read_text())
+    block = f"{README_START}\n```\n{render_summary(summary)}\n```\n{README_END}"
+    readme.write_text(pattern.sub(lambda _: block, text, count=1))
+    kept = readme.parent / README_SUMMARY
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    kept.write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def _fit(recipe: str, max_steps: int, summary_file: Path, checkpoints: Path) -> dict:
@@ -36,7 +78,9 @@ def _fit(recipe: str, max_steps: int, summary_file: Path, checkpoints: Path) -> 
     args = ["fit", "--config", str(RECIPES / recipe), "--trainer.max_steps", str(max_steps)]
     if (checkpoints / "last.ckpt").exists():
         args += ["--ckpt_path", "last"]
-    cli = DraftsmithCLI(args=args)
+    with warnings.catch_warnings():  # the demo hands fit its arguments in-process, on purpose
+        warnings.filterwarnings("ignore", message=r"LightningCLI's args parameter is intended")
+        cli = DraftsmithCLI(args=args)
     seconds = time.perf_counter() - start
     metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
     tokens = cli.trainer.global_step * cli.datamodule.batch_size * cli.datamodule.seq_len
@@ -65,7 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=10, help="held-out prompts for the speculative evaluation")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="output tokens per prompt in the evaluation")
     parser.add_argument("--fresh", action="store_true", help="delete the demo's outputs and start over")
+    parser.add_argument(
+        "--readme",
+        default=None,
+        help=f"only rewrite this README's demo block from {SUMMARY_FILE} (what the last demo run measured)",
+    )
     args = parser.parse_args(argv)
+    if args.readme:
+        write_readme_block(Path(args.readme), SUMMARY_FILE)
+        return 0
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if args.fresh:
         for name in ("tiny_target", "kd_student", "runs", "eval"):
@@ -123,22 +175,31 @@ def main(argv: list[str] | None = None) -> int:
     timings["evaluate"] = time.perf_counter() - start
 
     kd, lookup = reports["kd_student"], reports["prompt_lookup"]
+    summary = {
+        "unigram_loss": baseline,
+        "target_loss": target_loss,
+        "student_loss": student_loss,
+        "target_params": target.num_parameters(),
+        "student_params": student.num_parameters(),
+        "target_tokens_per_s": target_summary["tokens_per_s"],
+        "kd_tokens_per_s": kd_summary["tokens_per_s"],
+        "kd_student": {"tau_greedy": kd["greedy"][0]["tau"], "tau_sampling": kd["sampling"][0]["tau"]},
+        "prompt_lookup": {"tau_greedy": lookup["greedy"][0]["tau"]},
+        "loop_share": kd["loops"]["share"],
+        "looped_prompts": kd["loops"]["looped_prompts"],
+        "prompts": args.prompts,
+        "target_steps": target_summary["steps"],
+        "kd_steps": kd_summary["steps"],
+        "seconds": timings,
+    }
+    SUMMARY_FILE.write_text(json.dumps(summary, indent=2) + "\n")
     print(
         f"""
 draftsmith demo: done in {sum(timings.values()):.0f} s of work (prepare {timings["prepare"]:.0f} s, target \
 {timings["target"]:.0f} s, KD {timings["kd"]:.0f} s, evaluation {timings["evaluate"]:.0f} s; reused stages count \
 their first run)
 
-held-out loss (nats/token)   unigram baseline {baseline:.3f}
-                             tiny target      {target_loss:.3f}  ({target.num_parameters() / 1e6:.1f} M parameters)
-                             KD student       {student_loss:.3f}  ({student.num_parameters() / 1e6:.1f} M parameters)
-training throughput          target {target_summary["tokens_per_s"]:,.0f} tokens/s, KD \
-{kd_summary["tokens_per_s"]:,.0f} tokens/s (trained tokens over the whole fit, start-up included)
-speculative decoding, K=4    KD student    tau {kd["greedy"][0]["tau"]:.2f} greedy, \
-{kd["sampling"][0]["tau"]:.2f} sampling (T=1)
-                             prompt lookup tau {lookup["greedy"][0]["tau"]:.2f} greedy
-                             loops: {100 * kd["loops"]["share"]:.0f}% of the target's greedy output positions, \
-in {kd["loops"]["looped_prompts"]} of {args.prompts} prompts
+{render_summary(summary)}
 
 outputs     corpus and tokenizer  {corpus.out_dir}
             tiny target (HF)      {target_dir}
@@ -146,6 +207,7 @@ outputs     corpus and tokenizer  {corpus.out_dir}
             checkpoints           {ARTIFACTS / "runs" / "*" / "checkpoints"}
             TensorBoard logs      tensorboard --logdir {ARTIFACTS / "runs"}
             evaluation reports    {ARTIFACTS / "eval" / "*" / "report.md"}
+            summary               {SUMMARY_FILE} (python -m trainer.demo --readme README.md copies it into the README)
 
 next        draftsmith eval --target {target_dir} --drafter {student_dir} --prompts {prompts} --k 1,2,4,8 \
 --out {ARTIFACTS / "eval" / "sweep"}
@@ -154,3 +216,7 @@ next        draftsmith eval --target {target_dir} --drafter {student_dir} --prom
 """
     )
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -141,3 +141,31 @@ def test_callback_logs_tau_every_n_steps(tmp_path) -> None:
     expected |= {f"spec_eval/acceptance_sampling_{d}" for d in (1, 2, 3)}
     assert set(callback.last) == expected
     assert module.training  # restored after the evaluation
+
+
+def test_measured_speedup_is_the_median_of_side_by_side_ratios(monkeypatch) -> None:
+    """Each prompt runs alone and with the drafter back to back, the order alternating by prompt and pass; the speedup
+    is the median of the per-prompt ratios, quartiles beside it (durations here are given, not timed)."""
+    from trainer.decoding import evaluate
+    from trainer.decoding.proposers import NoProposer
+
+    calls = []
+    seconds = {"alone": [4.0, 6.0, 9.0], "drafter": [2.0, 2.0, 3.0]}  # per prompt: ratios 2, 3, 3
+
+    def fake_run_prompts(target, proposer, prompts, k, max_new_tokens, temperature, eos, seed):
+        who = "alone" if isinstance(proposer, NoProposer) else "drafter"
+        index = prompts[0][0]
+        calls.append((index, who))
+        return [GenerationResult(tokens=[1, 2], total_seconds=seconds[who][index])]
+
+    monkeypatch.setattr(evaluate, "run_prompts", fake_run_prompts)
+    alone, drafted, ratios = evaluate.run_side_by_side(None, object(), [[0], [1], [2]], 4, 2, repeats=2)
+    first, second = ["alone", "drafter"], ["drafter", "alone"]
+    assert [who for _, who in calls] == first + second + first + second + first + second
+    assert [index for index, _ in calls] == [0, 0, 1, 1, 2, 2] * 2
+    assert ratios == [2.0, 3.0, 3.0, 2.0, 3.0, 3.0] and len(alone) == len(drafted) == 3
+    entry = evaluate.summarize(drafted, alone, 4, ratios)
+    assert entry["measured_speedup"] == 3.0 and entry["measured_pairs"] == 6
+    assert entry["measured_speedup_quartiles"][0] <= 3.0 <= entry["measured_speedup_quartiles"][1]
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        evaluate.run_side_by_side(None, object(), [[0]], 4, 2, repeats=0)

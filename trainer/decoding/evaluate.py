@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -166,13 +167,50 @@ def _forward_seconds(baseline: Sequence[GenerationResult]) -> float:
     return seconds / forwards if forwards else float("nan")
 
 
-def summarize(results: Sequence[GenerationResult], baseline: Sequence[GenerationResult], k: int) -> dict:
-    """The statistics of one mode and one K, pooled over prompts."""
+def run_side_by_side(
+    target: PreTrainedModel,
+    proposer: Proposer,
+    prompts: Sequence[Sequence[int]],
+    k: int,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    eos_token_id: int | list[int] | None = None,
+    seed: int = 0,
+    repeats: int = 1,
+) -> tuple[list[GenerationResult], list[GenerationResult], list[float]]:
+    """Every prompt decoded by the target alone and with the drafter one right after the other, which of the two goes
+    first alternating from prompt to prompt and from pass to pass, over ``repeats`` passes: a load change on a shared
+    machine then hits both sides of a ratio alike. Returns the first pass's results of the target alone and with the
+    drafter, and the wall-clock ratio (alone / with the drafter) of every prompt in every pass."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    alone, drafted, ratios = [], [], []
+    for repeat in range(repeats):
+        for i, prompt in enumerate(prompts):
+            pair = {}
+            for who in ("alone", "drafter") if (i + repeat) % 2 == 0 else ("drafter", "alone"):
+                pair[who] = run_prompts(
+                    target, NoProposer() if who == "alone" else proposer, [prompt], 1 if who == "alone" else k,
+                    max_new_tokens, temperature, eos_token_id, seed + i,
+                )[0]  # fmt: skip
+            ratios.append(pair["alone"].total_seconds / pair["drafter"].total_seconds)
+            if repeat == 0:
+                alone.append(pair["alone"])
+                drafted.append(pair["drafter"])
+    return alone, drafted, ratios
+
+
+def summarize(
+    results: Sequence[GenerationResult], baseline: Sequence[GenerationResult], k: int, ratios: Sequence[float]
+) -> dict:
+    """The statistics of one mode and one K, pooled over prompts; the measured speedup is the median of the
+    side-by-side ratios (:func:`run_side_by_side`), with their quartiles as its spread."""
     rounds = [r for res in results for r in res.rounds]
     alpha = metrics.acceptance_rate(rounds)
     drafted = sum(r.drafted for r in rounds)
     propose = sum(res.propose_seconds for res in results)
     cost = propose / drafted / _forward_seconds(baseline) if drafted else 0.0
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0], ratios[0], ratios[0]]
     return {
         "k": k,
         "tau": metrics.tau(rounds),
@@ -183,7 +221,9 @@ def summarize(results: Sequence[GenerationResult], baseline: Sequence[Generation
         "tokens": sum(len(res.tokens) for res in results),
         "draft_cost": cost,
         "projected_speedup": metrics.leviathan_speedup(alpha, k, cost) if not math.isnan(alpha) else 1.0,
-        "measured_speedup": sum(r.total_seconds for r in baseline) / sum(r.total_seconds for r in results),
+        "measured_speedup": statistics.median(ratios),
+        "measured_speedup_quartiles": [quartiles[0], quartiles[2]],
+        "measured_pairs": len(ratios),
     }
 
 
@@ -208,17 +248,22 @@ def evaluate_drafter(
     temperature: float = 1.0,
     eos_token_id: int | list[int] | None = None,
     seed: int = 0,
+    repeats: int = 1,
 ) -> dict:
-    """Greedy and sampling evaluation for every K; raises :class:`SpeculativeMismatchError` on a greedy mismatch."""
-    baseline_proposer = NoProposer()
-    run_prompts(target, baseline_proposer, prompts[:1], 1, min(8, max_new_tokens), 0.0, eos_token_id)  # warm-up
-    greedy_base = run_prompts(target, baseline_proposer, prompts, 1, max_new_tokens, 0.0, eos_token_id)
-    loops, masks = loop_statistics(greedy_base)
-    report: dict = {"loops": loops, "greedy": [], "sampling": [], "temperature": temperature}
+    """Greedy and sampling evaluation for every K, each run side by side with the target alone
+    (:func:`run_side_by_side`, ``repeats`` passes); raises :class:`SpeculativeMismatchError` on a greedy mismatch."""
+    run_prompts(target, NoProposer(), prompts[:1], 1, min(8, max_new_tokens), 0.0, eos_token_id)  # warm-up
+    report: dict = {"greedy": [], "sampling": [], "temperature": temperature, "repeats": repeats}
+    greedy_base, masks = None, None
     for k in ks:
-        results = run_prompts(target, proposer, prompts, k, max_new_tokens, 0.0, eos_token_id)
+        base, results, ratios = run_side_by_side(
+            target, proposer, prompts, k, max_new_tokens, 0.0, eos_token_id, repeats=repeats
+        )
+        if greedy_base is None:
+            greedy_base = base
+            report["loops"], masks = loop_statistics(greedy_base)
         check_identity(greedy_base, results, k)
-        entry = summarize(results, greedy_base, k)
+        entry = summarize(results, base, k, ratios)
         inside, outside = [], []
         for res, mask in zip(results, masks):
             a, b = metrics.split_rounds_by_loop(res.rounds, mask)
@@ -234,12 +279,11 @@ def evaluate_drafter(
         report["greedy"].append(entry)
         log.info("greedy K=%d tau=%.3f speedup=%.2f", k, entry["tau"], entry["measured_speedup"])
     if temperature > 0:
-        sample_base = run_prompts(
-            target, baseline_proposer, prompts, 1, max_new_tokens, temperature, eos_token_id, seed
-        )
         for k in ks:
-            results = run_prompts(target, proposer, prompts, k, max_new_tokens, temperature, eos_token_id, seed)
-            report["sampling"].append(summarize(results, sample_base, k))
+            base, results, ratios = run_side_by_side(
+                target, proposer, prompts, k, max_new_tokens, temperature, eos_token_id, seed, repeats
+            )
+            report["sampling"].append(summarize(results, base, k, ratios))
     best = max(report["greedy"], key=lambda e: e["measured_speedup"])
     report["best_k"] = best["k"]
     report["baseline"] = {
@@ -311,6 +355,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling-mode temperature (0 skips sampling)")
     parser.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0: all)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling mode")
+    parser.add_argument(
+        "--repeats",
+        type=_positive_ints("--repeats"),
+        default=[1],
+        help="passes over the prompts, the target alone and with the drafter side by side (the measured speedup is "
+        "the median of the per-prompt ratios of all passes)",
+    )
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda when available)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
     return parser
@@ -389,7 +440,15 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out) / f"exit_{exit_layer}" if len(sweep) > 1 else Path(args.out)
         try:
             report = evaluate_drafter(
-                target, proposer, prompts, args.k, args.max_new_tokens, args.temperature, eos, args.seed
+                target,
+                proposer,
+                prompts,
+                args.k,
+                args.max_new_tokens,
+                args.temperature,
+                eos,
+                args.seed,
+                args.repeats[0],
             )
         except SpeculativeMismatchError as err:
             print(f"error: {err}", file=sys.stderr)
@@ -402,8 +461,10 @@ def main(argv: list[str] | None = None) -> int:
         paths = write_report(report, out)
         for entry in report["greedy"]:
             prefix = "" if exit_layer is None else f"E={exit_layer} "
+            low, high = entry["measured_speedup_quartiles"]
             print(
-                f"{prefix}K={entry['k']}: tau {entry['tau']:.3f}, speedup {entry['measured_speedup']:.2f}x measured, "
+                f"{prefix}K={entry['k']}: tau {entry['tau']:.3f}, speedup {entry['measured_speedup']:.2f}x measured "
+                f"(quartiles {low:.2f}-{high:.2f}), "
                 f"{entry['projected_speedup']:.2f}x projected (c={entry['draft_cost']:.3f})"
             )
         print(f"loop share of the target's output: {report['loops']['share']:.1%}; best K: {report['best_k']}")

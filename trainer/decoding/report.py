@@ -42,7 +42,9 @@ def markdown(report: dict) -> str:
         "tau: mean tokens committed per forward of the target, the bonus token counted (the first forward, also the",
         "prefill, verifies drafts made after the prompt). c: one draft's measured cost relative to a target decoding",
         "forward. Projected: Leviathan's (1 - a^(K+1)) / ((1 - a)(cK + 1)) with a the measured acceptance",
-        "rate. Measured: wall-clock time of the target alone over the time with speculation, on the same prompts.",
+        "rate. Measured: the median over prompts (and passes) of the wall-clock time of the target alone over the time",
+        "with speculation, the two run one right after the other for each prompt, the order alternating; in brackets",
+        "the quartiles of those ratios.",
         "",
         "## Greedy (output identical to the target's, checked token for token)",
         "",
@@ -53,7 +55,7 @@ def markdown(report: dict) -> str:
         lines.append(
             f"| {e['k']} | {_fmt(e['tau'])} | {_fmt(e['tau_in_loops'])} | {_fmt(e['tau_outside_loops'])} "
             f"| {_fmt(e['acceptance_rate'])} | {e['target_forwards']} ({e['baseline_target_forwards']}) "
-            f"| {_fmt(e['draft_cost'])} | {_fmt(e['projected_speedup'], 2)}x | {_fmt(e['measured_speedup'], 2)}x |"
+            f"| {_fmt(e['draft_cost'])} | {_fmt(e['projected_speedup'], 2)}x | {_measured(e)} |"
         )
     if report["sampling"]:
         lines += [
@@ -67,13 +69,18 @@ def markdown(report: dict) -> str:
             lines.append(
                 f"| {e['k']} | {_fmt(e['tau'])} | {_fmt(e['acceptance_rate'])} "
                 f"| {e['target_forwards']} ({e['baseline_target_forwards']}) | {_fmt(e['draft_cost'])} "
-                f"| {_fmt(e['projected_speedup'], 2)}x | {_fmt(e['measured_speedup'], 2)}x |"
+                f"| {_fmt(e['projected_speedup'], 2)}x | {_measured(e)} |"
             )
     lines += ["", "## Acceptance per draft position (greedy)", ""]
     for e in report["greedy"]:
         rates = ", ".join(_fmt(a, 2) for a in e["acceptance_per_position"])
         lines.append(f"- K={e['k']}: {rates}")
     return "\n".join(lines) + "\n"
+
+
+def _measured(entry: dict) -> str:
+    low, high = entry["measured_speedup_quartiles"]
+    return f"{_fmt(entry['measured_speedup'], 2)}x ({_fmt(low, 2)}-{_fmt(high, 2)})"
 
 
 def plot(report: dict, path: Path) -> None:

@@ -1,0 +1,53 @@
+"""The README's demo block is generated from the demo's summary (docs/demo_summary.json), not written by hand; the
+demo's in-process fits and plain runs outside SLURM print none of Lightning's warnings that do not apply."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer.demo import README_END, README_START, README_SUMMARY, render_summary, write_readme_block
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_readmes_demo_block_is_the_rendered_summary() -> None:
+    readme = (REPO / "README.md").read_text()
+    block = readme.split(README_START + "\n```\n", 1)[1].split("\n```\n" + README_END, 1)[0]
+    summary = json.loads((REPO / README_SUMMARY).read_text())
+    assert block == render_summary(summary)
+
+
+def test_writing_the_block_replaces_it_and_keeps_the_summary(tmp_path) -> None:
+    summary = json.loads((REPO / README_SUMMARY).read_text())
+    summary["kd_student"]["tau_greedy"] = 9.87
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\nbefore\n\n{README_START}\n```\nstale\n```\n{README_END}\n\nafter\n")
+    write_readme_block(readme, tmp_path / "summary.json")
+    text = readme.read_text()
+    assert "tau 9.87 greedy" in text and "stale" not in text
+    assert text.startswith("# x\n\nbefore\n\n") and text.endswith("\n\nafter\n")
+    assert json.loads((tmp_path / README_SUMMARY).read_text()) == summary
+    (tmp_path / "plain.md").write_text("# no block\n")
+    with pytest.raises(SystemExit, match="no demo block"):
+        write_readme_block(tmp_path / "plain.md", tmp_path / "summary.json")
+
+
+@pytest.mark.parametrize("in_slurm_job", [False, True])
+def test_lightnings_srun_hint_is_shown_only_inside_a_slurm_job(in_slurm_job) -> None:
+    code = (
+        "import warnings, trainer.cli; from lightning.fabric.utilities.warnings import PossibleUserWarning; "
+        "warnings.warn('The `srun` command is available on your system but is not used. HINT: x', PossibleUserWarning)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_JOB_ID"}
+    if in_slurm_job:
+        env["SLURM_JOB_ID"] = "7"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert ("srun" in done.stderr) == in_slurm_job
