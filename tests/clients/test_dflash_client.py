@@ -14,11 +14,8 @@ reading of ``target_layer_ids``), and runs its forward on the block; with ``--ge
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,62 +25,27 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tests.clients.venvs import client_python as venv_python
+from tests.clients.venvs import opt_in
 from trainer.decoding.dflash_proposer import DFlashProposer
 from trainer.decoding.generate import speculative_generate
 from trainer.drafters.dflash import DFlashConfig, DFlashDrafter
 from trainer.export import dflash as formats
 
 ROOT = Path(__file__).resolve().parents[2]
-CLIENT = ROOT / ".cache" / "clients" / "dflash"
 SCRIPT = Path(__file__).with_name("dflash_forward.py")
-TORCH, DFLASH = "torch==2.13.0", "dflash[local]==0.1.0"
-UNUSED = ("torchvision", "torchaudio")  # built for another torch when pulled in; transformers imports them if present
-INSTALL_TIMEOUT = 1200  # seconds per pip command
+DFLASH = "dflash[local]==0.1.0"
 
 V, S, BLOCK, MASK = 256, 10, 8, 255
 LAYERS = (1, 3)  # HF hidden_states indices: z-lab ids 0 and 2
 
-pytestmark = [
-    pytest.mark.clients,
-    pytest.mark.skipif(
-        os.environ.get("DRAFTSMITH_TEST_CLIENTS") != "1",
-        reason="client test: set DRAFTSMITH_TEST_CLIENTS=1 (builds a dflash virtualenv in .cache/clients)",
-    ),
-]
-
-
-def _pip(python: Path, *args: str) -> None:
-    cmd = [str(python), "-m", "pip", "install", "--quiet", *args]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=INSTALL_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        pytest.skip(f"{' '.join(cmd)}: no result after {INSTALL_TIMEOUT} s")
-    if done.returncode:
-        pytest.skip(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+pytestmark = opt_in("dflash")
 
 
 @pytest.fixture(scope="session")
 def dflash_python() -> Path:
-    """The client venv's python, built on first use (under a lock: parallel sessions share the folder)."""
-    python = CLIENT / "bin" / "python"
-    stamp = CLIENT / ".installed"
-    want = f"{TORCH} {DFLASH}\n"
-    CLIENT.parent.mkdir(parents=True, exist_ok=True)
-    with open(CLIENT.parent / "dflash.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if stamp.is_file() and stamp.read_text() == want and python.is_file():
-            return python
-        stamp.unlink(missing_ok=True)
-        done = subprocess.run([sys.executable, "-m", "venv", "--clear", str(CLIENT)], capture_output=True, text=True)
-        if done.returncode:
-            pytest.skip(f"python -m venv {CLIENT} failed:\n{done.stderr[-2000:]}")
-        _pip(python, TORCH)
-        constraints = CLIENT / "constraints.txt"
-        constraints.write_text(TORCH + "\n")
-        _pip(python, DFLASH, "-c", str(constraints))
-        subprocess.run([str(python), "-m", "pip", "uninstall", "--quiet", "-y", *UNUSED], capture_output=True)
-        stamp.write_text(want)
-    return python
+    """The dflash client's python (tests/clients/venvs.py)."""
+    return venv_python("dflash", DFLASH)
 
 
 class Recording(DFlashProposer):

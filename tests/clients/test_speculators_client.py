@@ -13,11 +13,8 @@ data tokens fed at steps i > 0 and zeros past the end of the row, which is what 
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,63 +24,26 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tests.clients.venvs import client_python as venv_python
+from tests.clients.venvs import opt_in
 from trainer.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from trainer.drafters.vocab_map import build_vocab_map
 from trainer.export import eagle3 as formats
 
 ROOT = Path(__file__).resolve().parents[2]
-CLIENT = ROOT / ".cache" / "clients" / "speculators"
 SCRIPT = Path(__file__).with_name("speculators_forward.py")
-TORCH, SPECULATORS = "torch==2.13.0", "speculators==0.9.0"
-# pip pulls these as speculators' dependencies, built for another torch: their extensions fail to load, and
-# transformers imports torchvision whenever it is installed. speculators itself never imports either.
-UNUSED = ("torchvision", "torchaudio")
-INSTALL_TIMEOUT = 1200  # seconds per pip command
+SPECULATORS = "speculators==0.9.0"
 
 B, S, K = 2, 12, 3  # rows, elements per row, TTT steps
 AUX = (1, 2, 3)  # distinct ids: speculators rejects repeated layer ids (and default_aux_layers(4) repeats one)
 
-pytestmark = [
-    pytest.mark.clients,
-    pytest.mark.skipif(
-        os.environ.get("DRAFTSMITH_TEST_CLIENTS") != "1",
-        reason="client test: set DRAFTSMITH_TEST_CLIENTS=1 (builds a speculators virtualenv in .cache/clients)",
-    ),
-]
-
-
-def _pip(python: Path, *args: str) -> None:
-    cmd = [str(python), "-m", "pip", "install", "--quiet", *args]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=INSTALL_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        pytest.skip(f"{' '.join(cmd)}: no result after {INSTALL_TIMEOUT} s")
-    if done.returncode:
-        pytest.skip(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+pytestmark = opt_in("speculators")
 
 
 @pytest.fixture(scope="session")
 def client_python() -> Path:
-    """The client venv's python, built on first use (under a lock: parallel sessions share the folder)."""
-    python = CLIENT / "bin" / "python"
-    stamp = CLIENT / ".installed"
-    want = f"{TORCH} {SPECULATORS}\n"
-    CLIENT.parent.mkdir(parents=True, exist_ok=True)
-    with open(CLIENT.parent / "speculators.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if stamp.is_file() and stamp.read_text() == want and python.is_file():
-            return python
-        stamp.unlink(missing_ok=True)
-        done = subprocess.run([sys.executable, "-m", "venv", "--clear", str(CLIENT)], capture_output=True, text=True)
-        if done.returncode:
-            pytest.skip(f"python -m venv {CLIENT} failed:\n{done.stderr[-2000:]}")
-        _pip(python, TORCH)
-        constraints = CLIENT / "constraints.txt"
-        constraints.write_text(TORCH + "\n")
-        _pip(python, SPECULATORS, "-c", str(constraints))
-        subprocess.run([str(python), "-m", "pip", "uninstall", "--quiet", "-y", *UNUSED], capture_output=True)
-        stamp.write_text(want)
-    return python
+    """The speculators client's python (tests/clients/venvs.py)."""
+    return venv_python("speculators", SPECULATORS)
 
 
 @pytest.fixture(scope="module")
