@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from tests.unit.test_eagle3_drafter import small_drafter
 from trainer.drafters.spec import load_drafter, recognise
-from trainer.export.eagle3 import WEIGHTS, load_native, load_speculators, save_native, save_speculators
+from trainer.export.eagle3 import load_native, load_speculators, save_native, save_speculators
+from trainer.export.files import WEIGHTS
 
 
 def logits_of(drafter, embedding, seed=0):

@@ -30,11 +30,10 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from trainer.drafters.dflash import DFlashConfig, DFlashDrafter
+from trainer.export.files import cpu_tensors, read_folder, write_folder
 
-WEIGHTS = "model.safetensors"
 ZLAB_ARCHITECTURES = ["DFlashDraftModel"]
 SPECULATORS_ARCHITECTURES = ["DFlashSpeculator"]
 Reading = Literal["vllm", "sglang", "dflash"]
@@ -67,19 +66,6 @@ def _layer_keys(c: DFlashConfig) -> dict:
     return keys
 
 
-def _tensors(drafter: DFlashDrafter, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    out = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
-    return {k: v.to(dtype) for k, v in out.items()} if dtype is not None else out
-
-
-def _write(out_dir: str, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
-    path = Path(out_dir)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / WEIGHTS), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return path
-
-
 def save_zlab(drafter: DFlashDrafter, out_dir: str, dtype: torch.dtype | None = None) -> Path:
     """Write the z-lab checkpoint (``DFlashDraftModel``: SGLang, vLLM, ``DFlashDraftModel.from_pretrained``)."""
     c = drafter.config
@@ -97,7 +83,7 @@ def save_zlab(drafter: DFlashDrafter, out_dir: str, dtype: torch.dtype | None = 
         "dtype": dtype_name,
         "torch_dtype": dtype_name,
     }
-    return _write(out_dir, config, _tensors(drafter, dtype))
+    return write_folder(out_dir, config, cpu_tensors(drafter, dtype))
 
 
 def save_speculators(
@@ -139,18 +125,10 @@ def save_speculators(
         "dtype": dtype_name,
         "torch_dtype": dtype_name,
     }
-    return _write(out_dir, config, _tensors(drafter, dtype))
+    return write_folder(out_dir, config, cpu_tensors(drafter, dtype))
 
 
 # ---- loaders -----------------------------------------------------------------------------------------------------
-
-
-def _read(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    folder = Path(path)
-    for name in ("config.json", WEIGHTS):
-        if not (folder / name).is_file():
-            raise FileNotFoundError(f"{folder / name}: missing (not a DFlash export)")
-    return json.loads((folder / "config.json").read_text()), load_file(str(folder / WEIGHTS))
 
 
 def zlab_target_layers(config: dict, reading: Reading, where: str) -> list[int]:
@@ -231,7 +209,7 @@ def load_zlab(path: str, reading: Reading = "vllm") -> DFlashDrafter:
     """Read a z-lab export by an engine's rules (``reading``: whose layer-id convention; every other rule is shared:
     Qwen3 layer keys, ``block_size`` from ``dflash_config`` first, ``mask_token_id`` from ``dflash_config``, weights
     without prefix and without embedding or lm_head)."""
-    config, tensors = _read(path)
+    config, tensors = read_folder(path, "a DFlash export")
     if config.get("architectures") != ZLAB_ARCHITECTURES:
         raise ValueError(f"{path}: architectures {config.get('architectures')}, expected {ZLAB_ARCHITECTURES}")
     dflash = config.get("dflash_config") or {}
@@ -252,7 +230,7 @@ def load_zlab(path: str, reading: Reading = "vllm") -> DFlashDrafter:
 def load_speculators(path: str) -> DFlashDrafter:
     """Read a speculators export by its rules: the layer config under ``transformer_layer_config``, layer ids in
     ``aux_hidden_state_layer_ids`` (HF indices), a full-vocabulary draft (no vocabulary map)."""
-    config, tensors = _read(path)
+    config, tensors = read_folder(path, "a DFlash export")
     if config.get("speculators_model_type") != "dflash":
         raise ValueError(f"{path}: speculators_model_type {config.get('speculators_model_type')!r}, expected 'dflash'")
     layer = config.get("transformer_layer_config")

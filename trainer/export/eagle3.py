@@ -22,15 +22,12 @@ conventions.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from trainer.drafters.eagle3 import Eagle3Config, Eagle3Drafter
-
-WEIGHTS = "model.safetensors"
+from trainer.export.files import cpu_tensors, read_folder, write_folder
 
 
 def _layer_keys(config: Eagle3Config) -> dict:
@@ -51,18 +48,6 @@ def _layer_keys(config: Eagle3Config) -> dict:
     return out
 
 
-def _tensors(drafter: Eagle3Drafter) -> dict[str, torch.Tensor]:
-    return {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
-
-
-def _write(out_dir: str, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
-    path = Path(out_dir)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / WEIGHTS), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return path
-
-
 def save_native(drafter: Eagle3Drafter, out_dir: str, dtype: torch.dtype | None = None) -> Path:
     """Write the native EAGLE-3 checkpoint (SGLang and vLLM ``LlamaForCausalLMEagle3``)."""
     c = drafter.config
@@ -75,10 +60,10 @@ def save_native(drafter: Eagle3Drafter, out_dir: str, dtype: torch.dtype | None 
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in c.aux_layers]},
         "torch_dtype": str(dtype or drafter.fc.weight.dtype).removeprefix("torch."),
     }
-    tensors = _tensors(drafter)
+    tensors = cpu_tensors(drafter)
     if dtype is not None:
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
-    return _write(out_dir, config, tensors)
+    return write_folder(out_dir, config, tensors)
 
 
 def save_speculators(
@@ -139,22 +124,14 @@ def save_speculators(
         "dtype": dtype_name,
         "torch_dtype": dtype_name,
     }
-    tensors = {k.replace("midlayer.", "layers.0.", 1): v for k, v in _tensors(drafter).items()}
+    tensors = {k.replace("midlayer.", "layers.0.", 1): v for k, v in cpu_tensors(drafter).items()}
     tensors["embed_tokens.weight"] = embedding.detach().cpu().to(drafter.fc.weight.dtype).contiguous()
     if dtype is not None:
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
-    return _write(out_dir, config, tensors)
+    return write_folder(out_dir, config, tensors)
 
 
 # ---- loaders -----------------------------------------------------------------------------------------------------
-
-
-def _read(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    folder = Path(path)
-    for name in ("config.json", WEIGHTS):
-        if not (folder / name).is_file():
-            raise FileNotFoundError(f"{folder / name}: missing (not an EAGLE-3 export)")
-    return json.loads((folder / "config.json").read_text()), load_file(str(folder / WEIGHTS))
 
 
 def _config(layer: dict, top: dict, aux_layers: list[int], where: str) -> Eagle3Config:
@@ -210,7 +187,7 @@ def _consume(drafter: Eagle3Drafter, tensors: dict[str, torch.Tensor], rename, w
 def load_native(path: str) -> Eagle3Drafter:
     """Read a native export by the engines' rules: names without prefix, ``midlayer.*`` the one layer; layer ids from
     vLLM's top-level key (inputs of layers), checked against SGLang's ``eagle_config`` (outputs of layers)."""
-    config, tensors = _read(path)
+    config, tensors = read_folder(path, "an EAGLE-3 export")
     if config.get("architectures") != ["LlamaForCausalLMEagle3"]:
         raise ValueError(f"{path}: architectures {config.get('architectures')}, expected ['LlamaForCausalLMEagle3']")
     vllm_ids = config.get("eagle_aux_hidden_state_layer_ids")
@@ -227,7 +204,7 @@ def load_native(path: str) -> Eagle3Drafter:
 
 def load_speculators(path: str) -> Eagle3Drafter:
     """Read a speculators export by vLLM's rules: ``layers.0.*`` is the layer, the rest without prefix."""
-    config, tensors = _read(path)
+    config, tensors = read_folder(path, "an EAGLE-3 export")
     if config.get("speculators_model_type") != "eagle3":
         raise ValueError(f"{path}: speculators_model_type {config.get('speculators_model_type')!r}, expected 'eagle3'")
     if config.get("norm_before_residual") is not False:

@@ -22,22 +22,17 @@ Medusa-2 drafters carry their trained target: it is written beside the heads as 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from trainer.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaHeads
+from trainer.drafters.medusa import MedusaConfig, MedusaDrafter
+from trainer.export.files import WEIGHTS, cpu_tensors, read_folder, write_folder
 
-VLLM_WEIGHTS = "model.safetensors"
+VLLM_WEIGHTS = WEIGHTS
 TGI_WEIGHTS = "medusa_lm_head.safetensors"
 TARGET_FOLDER = "target"
-
-
-def _tensors(heads: MedusaHeads) -> dict[str, torch.Tensor]:
-    return {k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}
 
 
 def _write_target(drafter: MedusaDrafter, folder: Path, tokenizer_from: str | None) -> None:
@@ -62,8 +57,7 @@ def save_vllm(drafter: MedusaDrafter, out_dir: str, tokenizer_from: str | None =
         "medusa_fc_bias": c.bias,
         "torch_dtype": str(drafter.heads.lm_heads[0].weight.dtype).removeprefix("torch."),
     }
-    save_file(_tensors(drafter.heads), str(folder / VLLM_WEIGHTS), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_folder(folder, config, cpu_tensors(drafter.heads), VLLM_WEIGHTS)
     _write_target(drafter, folder, tokenizer_from)
     return folder
 
@@ -81,20 +75,12 @@ def save_tgi(drafter: MedusaDrafter, out_dir: str, base_model: str, tokenizer_fr
             tensors[f"{h}.{i}.linear.bias"] = bias.detach().cpu().contiguous()
         tensors[f"{h}.{c.num_layers}.weight"] = head.weight.detach().cpu().contiguous()
     config = {"medusa_num_heads": c.num_heads, "medusa_num_layers": c.num_layers, "base_model_name_or_path": base_model}
-    save_file(tensors, str(folder / TGI_WEIGHTS), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_folder(folder, config, tensors, TGI_WEIGHTS)
     _write_target(drafter, folder, tokenizer_from)
     return folder
 
 
 # ---- loaders -----------------------------------------------------------------------------------------------------
-
-
-def _read_config(folder: Path, weights: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    for name in ("config.json", weights):
-        if not (folder / name).is_file():
-            raise FileNotFoundError(f"{folder / name}: missing (not a Medusa export)")
-    return json.loads((folder / "config.json").read_text()), load_file(str(folder / weights))
 
 
 def _target(folder: Path) -> object | None:
@@ -142,7 +128,7 @@ def load_vllm(path: str, num_speculative_tokens: int | None = None) -> MedusaDra
     """Read a vLLM Medusa export by vLLM's rules (renamed config keys, ``num_speculative_tokens`` heads built, names
     matched as they are); ``num_speculative_tokens`` defaults to the config's ``num_heads``."""
     folder = Path(path)
-    raw, tensors = _read_config(folder, VLLM_WEIGHTS)
+    raw, tensors = read_folder(folder, "a Medusa export", VLLM_WEIGHTS)
     config = vllm_config_keys(raw)
     if config.get("architectures") != ["MedusaModel"]:
         raise ValueError(f"{path}: architectures {config.get('architectures')}, expected ['MedusaModel']")
@@ -161,7 +147,7 @@ def load_tgi(path: str) -> MedusaDrafter:
     """Read an original Medusa / TGI export by TGI's rules (no ``architectures``; blocks ``{h}.{l}.linear`` with a
     bias, the output layer ``{h}.{num_layers}``)."""
     folder = Path(path)
-    config, tensors = _read_config(folder, TGI_WEIGHTS)
+    config, tensors = read_folder(folder, "a Medusa export", TGI_WEIGHTS)
     if "architectures" in config:
         raise ValueError(f"{path}: config.json has 'architectures', with which TGI disables Medusa speculation")
     heads, layers = int(config["medusa_num_heads"]), int(config["medusa_num_layers"])

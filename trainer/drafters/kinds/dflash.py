@@ -7,7 +7,6 @@ DDTree with ``--tree`` (trainer/decoding/dflash_proposer.py), through the target
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from transformers import PreTrainedModel
@@ -16,6 +15,7 @@ from trainer.decoding.dflash_proposer import DFlashProposer, DFlashTreeProposer
 from trainer.drafters.dflash import DFlashConfig, DFlashDrafter
 from trainer.drafters.spec import DrafterKind, DrafterRecord, ExportFormat, ProposerOptions, register_kind
 from trainer.export import dflash as formats
+from trainer.export.files import folder_config
 
 KIND = "dflash"
 
@@ -41,11 +41,6 @@ def build(record: DrafterRecord) -> DFlashDrafter:
     return DFlashDrafter(DFlashConfig(**record.config))
 
 
-def _config(folder: Path) -> dict:
-    path = folder / "config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
 def load_zlab(folder: Path) -> tuple[DFlashDrafter, DrafterRecord]:
     drafter = formats.load_zlab(str(folder))
     return drafter, make_record(drafter.config, None, [])
@@ -53,7 +48,7 @@ def load_zlab(folder: Path) -> tuple[DFlashDrafter, DrafterRecord]:
 
 def load_speculators(folder: Path) -> tuple[DFlashDrafter, DrafterRecord]:
     drafter = formats.load_speculators(str(folder))
-    verifier = ((_config(folder).get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    verifier = ((folder_config(folder).get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
     return drafter, make_record(drafter.config, verifier or None, [])
 
 
@@ -80,14 +75,14 @@ ZLAB = ExportFormat(
     description="z-lab DFlash (DFlashDraftModel): SGLang, vLLM and the dflash package",
     write=lambda drafter, record, out: formats.save_zlab(drafter, str(out)),
     load=load_zlab,
-    recognise=lambda folder: _config(folder).get("architectures") == formats.ZLAB_ARCHITECTURES,
+    recognise=lambda folder: folder_config(folder).get("architectures") == formats.ZLAB_ARCHITECTURES,
 )
 SPECULATORS = ExportFormat(
     name="dflash-speculators",
     description="DFlash in the speculators format (DFlashSpeculator)",
     write=write_speculators,
     load=load_speculators,
-    recognise=lambda folder: _config(folder).get("speculators_model_type") == "dflash",
+    recognise=lambda folder: folder_config(folder).get("speculators_model_type") == "dflash",
 )
 
 register_kind(DrafterKind(name=KIND, build=build, formats=(ZLAB, SPECULATORS), proposer=proposer))

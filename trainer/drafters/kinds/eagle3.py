@@ -7,7 +7,6 @@ Exported natively (``eagle3``: SGLang and vLLM ``LlamaForCausalLMEagle3``) or in
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from transformers import PreTrainedModel
@@ -16,6 +15,7 @@ from trainer.decoding.eagle3_proposer import Eagle3Proposer, Eagle3TreeProposer
 from trainer.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from trainer.drafters.spec import DrafterKind, DrafterRecord, ExportFormat, ProposerOptions, register_kind
 from trainer.export import eagle3 as formats
+from trainer.export.files import folder_config
 from trainer.target import EMBEDDING_NAMES, load_target_tensors
 
 KIND = "eagle3"
@@ -56,11 +56,6 @@ def build(record: DrafterRecord) -> Eagle3Drafter:
     return Eagle3Drafter(Eagle3Config(**record.config))
 
 
-def _config(folder: Path) -> dict:
-    path = folder / "config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
 def load_native(folder: Path) -> tuple[Eagle3Drafter, DrafterRecord]:
     drafter = formats.load_native(str(folder))
     return drafter, record_of(drafter)
@@ -68,7 +63,7 @@ def load_native(folder: Path) -> tuple[Eagle3Drafter, DrafterRecord]:
 
 def load_speculators(folder: Path) -> tuple[Eagle3Drafter, DrafterRecord]:
     drafter = formats.load_speculators(str(folder))
-    spec = _config(folder).get("speculators_config") or {}
+    spec = folder_config(folder).get("speculators_config") or {}
     verifier = (spec.get("verifier") or {}).get("name_or_path")
     methods = spec.get("proposal_methods") or [{}]
     return drafter, record_of(drafter, verifier or None, methods[0].get("speculative_tokens"))
@@ -108,14 +103,14 @@ NATIVE = ExportFormat(
     description="native EAGLE-3 (LlamaForCausalLMEagle3): SGLang and vLLM",
     write=lambda drafter, record, out: formats.save_native(drafter, str(out)),
     load=load_native,
-    recognise=lambda folder: _config(folder).get("architectures") == ["LlamaForCausalLMEagle3"],
+    recognise=lambda folder: folder_config(folder).get("architectures") == ["LlamaForCausalLMEagle3"],
 )
 SPECULATORS = ExportFormat(
     name="eagle3-speculators",
     description="EAGLE-3 in the speculators format (Eagle3Speculator): vLLM and the speculators library",
     write=write_speculators,
     load=load_speculators,
-    recognise=lambda folder: _config(folder).get("speculators_model_type") == "eagle3",
+    recognise=lambda folder: folder_config(folder).get("speculators_model_type") == "eagle3",
 )
 
 register_kind(DrafterKind(name=KIND, build=build, formats=(NATIVE, SPECULATORS), proposer=proposer))

@@ -9,7 +9,6 @@ of top-k paths (``--tree-choices FILE``; the Medusa paper's 63-node tree for 4 h
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from torch import nn
@@ -21,6 +20,7 @@ from trainer.drafters.medusa import MedusaConfig, MedusaDrafter
 from trainer.drafters.spec import DrafterKind, DrafterRecord, ExportFormat, ProposerOptions, register_kind
 from trainer.export import medusa as formats
 from trainer.export.checkpoint import sub_state_dict
+from trainer.export.files import folder_config
 
 KIND = "medusa"
 
@@ -73,11 +73,6 @@ def load_weights(module: MedusaDrafter, record: DrafterRecord, state: dict, wher
         raise ValueError(f"{where}: weights do not match the drafter record: missing {missing}, extra {unexpected}")
 
 
-def _config(folder: Path) -> dict:
-    path = folder / "config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
 def proposer(module: MedusaDrafter, record: DrafterRecord, target: PreTrainedModel, options: ProposerOptions):
     """The heads' argmax chain, or a tree (``options.tree_choices``, the paper's tree for 4 heads)."""
     choices = None
@@ -99,7 +94,7 @@ def _load_vllm(folder: Path) -> tuple[MedusaDrafter, DrafterRecord]:
 
 def _load_tgi(folder: Path) -> tuple[MedusaDrafter, DrafterRecord]:
     drafter = formats.load_tgi(str(folder))
-    return drafter, record_of(drafter, _config(folder).get("base_model_name_or_path"))
+    return drafter, record_of(drafter, folder_config(folder).get("base_model_name_or_path"))
 
 
 def _write_vllm(module: nn.Module, record: DrafterRecord, out: Path) -> Path:
@@ -117,14 +112,14 @@ VLLM = ExportFormat(
     description="vLLM MedusaModel (pass --num-speculative-tokens equal to the heads)",
     write=_write_vllm,
     load=_load_vllm,
-    recognise=lambda folder: _config(folder).get("architectures") == ["MedusaModel"],
+    recognise=lambda folder: folder_config(folder).get("architectures") == ["MedusaModel"],
 )
 TGI = ExportFormat(
     name="medusa-tgi",
     description="the original Medusa / TGI layout (medusa_lm_head.safetensors)",
     write=_write_tgi,
     load=_load_tgi,
-    recognise=lambda folder: "medusa_num_heads" in _config(folder) and (folder / formats.TGI_WEIGHTS).is_file(),
+    recognise=lambda folder: "medusa_num_heads" in folder_config(folder) and (folder / formats.TGI_WEIGHTS).is_file(),
 )
 
 register_kind(DrafterKind(name=KIND, build=build, formats=(VLLM, TGI), proposer=proposer, load_weights=load_weights))

@@ -1,0 +1,43 @@
+"""The files of an exported drafter folder with one ``config.json`` beside one safetensors file of weights, written
+and read the same way by every format of that shape (EAGLE-3, DFlash, Medusa)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+WEIGHTS = "model.safetensors"
+
+
+def cpu_tensors(module: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The module's state dict as contiguous CPU tensors, cast to ``dtype`` when one is given."""
+    out = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
+    return {k: v.to(dtype) for k, v in out.items()} if dtype is not None else out
+
+
+def write_folder(out_dir: str | Path, config: dict, tensors: dict[str, torch.Tensor], weights: str = WEIGHTS) -> Path:
+    """``config.json`` and the ``weights`` safetensors file in ``out_dir`` (created when missing)."""
+    path = Path(out_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / weights), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
+def read_folder(path: str | Path, what: str, weights: str = WEIGHTS) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The config and tensors of a folder :func:`write_folder` wrote; a missing file is named (``not {what}``)."""
+    folder = Path(path)
+    for name in ("config.json", weights):
+        if not (folder / name).is_file():
+            raise FileNotFoundError(f"{folder / name}: missing (not {what})")
+    return json.loads((folder / "config.json").read_text()), load_file(str(folder / weights))
+
+
+def folder_config(folder: Path) -> dict:
+    """A folder's ``config.json``, or {} when it has none (what the kinds' ``recognise`` tests read)."""
+    path = folder / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
