@@ -34,7 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.compare_drafters import run, wait  # noqa: E402
+from bench.compare_drafters import heldout_data, run, wait  # noqa: E402
 
 
 def train(out: Path, artifacts: Path, steps: int) -> Path:
@@ -68,14 +68,7 @@ def exit_losses(model_dir: Path, artifacts: Path) -> list[float]:
     """Held-out loss of every exit (after layer 1..L) through the model's own final norm and head."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.data.text import TextDataModule
-
-    corpus = artifacts / "corpus"
-    data = TextDataModule(
-        tokenizer=str(corpus / "tokenizer"), train_files=[str(corpus / "train.jsonl")],
-        val_files=[str(corpus / "heldout.jsonl")], seq_len=256, batch_size=8,
-    )  # fmt: skip
-    data.setup("fit")
+    data = heldout_data(artifacts / "corpus")
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     L = model.config.num_hidden_layers
     totals, count = [0.0] * L, 0

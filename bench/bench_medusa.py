@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.compare_drafters import run, wait  # noqa: E402
+from bench.compare_drafters import heldout_data, run, wait  # noqa: E402
 
 
 def fit(name: str, recipe: str, steps: int, out: Path, extra: list[str]) -> float:
@@ -63,15 +63,9 @@ def evaluate(
 def heldout_losses(artifacts: Path, models: dict[str, Path]) -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
-    from trainer.data.text import TextDataModule
     from trainer.heldout import heldout_loss
 
-    corpus = artifacts / "corpus"
-    data = TextDataModule(
-        tokenizer=str(corpus / "tokenizer"), train_files=[str(corpus / "train.jsonl")],
-        val_files=[str(corpus / "heldout.jsonl")], seq_len=256, batch_size=8,
-    )  # fmt: skip
-    data.setup("fit")
+    data = heldout_data(artifacts / "corpus")
     return {
         n: heldout_loss(AutoModelForCausalLM.from_pretrained(p).eval(), data.val_dataloader())
         for n, p in models.items()

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from compare_drafters import training_prompts  # noqa: E402
+from compare_drafters import heldout_data, training_prompts  # noqa: E402
 
 ARTIFACTS = ROOT / "artifacts"
 SHAPE = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -97,14 +97,9 @@ def stage_heldout(out: Path, d0_model: str | None) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trainer.data.text import TextDataModule
     from trainer.heldout import heldout_loss
 
-    data = TextDataModule(
-        tokenizer=str(ARTIFACTS / "corpus" / "tokenizer"), train_files=[str(ARTIFACTS / "corpus" / "train.jsonl")],
-        val_files=[str(ARTIFACTS / "corpus" / "heldout.jsonl")], seq_len=256, batch_size=8,
-    )  # fmt: skip
-    data.setup("fit")
+    data = heldout_data(ARTIFACTS / "corpus")
     losses = {}
     for name in ("d0", "d1"):
         path = d0_model if name == "d0" and d0_model else out / name / "model"

@@ -145,16 +145,11 @@ def heldout(args: argparse.Namespace) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trainer.data.text import TextDataModule
+    from bench.compare_drafters import heldout_data
     from trainer.heldout import heldout_loss
 
     torch.set_num_threads(args.threads)
-    corpus = Path(args.corpus)
-    data = TextDataModule(
-        tokenizer=str(corpus / "tokenizer"), train_files=[str(corpus / "train.jsonl")],
-        val_files=[str(corpus / "heldout.jsonl")], seq_len=256, batch_size=8,
-    )  # fmt: skip
-    data.setup("fit")
+    data = heldout_data(Path(args.corpus))
     for label, path in (("with heads", args.with_heads), ("without heads", args.without_heads)):
         model = AutoModelForCausalLM.from_pretrained(path).eval()
         print(f"{label:<14} {path}: held-out next-token loss {heldout_loss(model, data.val_dataloader()):.4f} nats")

@@ -69,6 +69,19 @@ def wait(proc: subprocess.Popen, log: Path) -> None:
         sys.exit(f"failed (exit {proc.returncode}), see {log}:\n" + "".join(log.read_text().splitlines(True)[-20:]))
 
 
+def heldout_data(corpus: Path):
+    """The demo's held-out batches (8 x 256 tokens of the corpus' held-out files), set up: what the benchmarks'
+    held-out losses are measured on, as ``draftsmith demo`` measures them."""
+    from trainer.data.text import TextDataModule
+
+    data = TextDataModule(
+        tokenizer=str(corpus / "tokenizer"), train_files=[str(corpus / "train.jsonl")],
+        val_files=[str(corpus / "heldout.jsonl")], seq_len=256, batch_size=8,
+    )  # fmt: skip
+    data.setup("fit")
+    return data
+
+
 def training_prompts(train_file: Path, out: Path, per_file: int, seed: int) -> None:
     rng = random.Random(seed)
     prompts = []
