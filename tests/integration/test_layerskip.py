@@ -103,3 +103,27 @@ def test_resume_drops_the_same_layers_and_ends_at_the_same_weights(tiny_corpus, 
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_the_fine_tune_recipe_runs_with_a_logger(tiny_corpus, tiny_target, tmp_path) -> None:
+    """recipes/quickstart/layerskip_finetune.yaml logs to TensorBoard: the model's unused ``tokenizer`` argument must
+    not clash with the datamodule's hyperparameter of the same name (Lightning refuses two values)."""
+    from tests.recipe_runs import fit
+
+    settings = merge(
+        trainer_overrides(tmp_path, max_steps=2, every_n=2),
+        data_overrides(tiny_corpus, batch_size=2),
+        {
+            "model": {
+                "init_args": {
+                    "model": str(tiny_target),
+                    "save_dir": str(tmp_path / "model"),
+                    "chunk_size": 64,
+                    "early_exit_layers": [0],
+                }
+            }
+        },  # the test target has 2 layers
+    )
+    fit("quickstart/layerskip_finetune.yaml", settings, tmp_path)
+    assert (tmp_path / "model" / "layerskip.json").is_file()
+    assert list((tmp_path / "tensorboard").rglob("hparams.yaml"))

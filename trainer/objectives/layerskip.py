@@ -187,7 +187,9 @@ class LayerSkip(DraftObjective):
             optim: optimizer and learning-rate schedule.
         """
         super().__init__(optim)
-        self.save_hyperparameters(ignore=["optim"])
+        # the tokenizer argument only shapes a fresh model: kept out of the hyperparameters, where Lightning refuses
+        # a value other than the datamodule's tokenizer of the same name (a fine-tune leaves it None)
+        self.save_hyperparameters(ignore=["optim", "tokenizer"])
         if not 0.0 <= p_max < 1.0:
             raise ValueError(f"model.p_max must be in [0, 1), got {p_max}")
         if curriculum_period < 1 or curriculum_steps < 0:
