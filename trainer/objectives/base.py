@@ -91,6 +91,7 @@ class DraftObjective(L.LightningModule):
         self._peak_flops: float | None = None
         self._step_started: float | None = None
         self._tokens_in_step = 0
+        self._tokens_seen = 0  # over every rank and step of the run, resumes included (kept in checkpoints)
         self._tokens_in_batch: int | None = None
         self._zero_grad_steps = 0
         self._frozen: dict[str, dict[str, str]] = {}
@@ -124,8 +125,10 @@ class DraftObjective(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["drafter"] = self.drafter_record().to_dict()
         checkpoint["frozen_models"] = dict(self._frozen)
+        checkpoint["tokens_seen"] = self._tokens_seen
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self._tokens_seen = int(checkpoint.get("tokens_seen", 0))
         saved = checkpoint.get("frozen_models") or {}
         for name, current in self._frozen.items():
             old = saved.get(name)
@@ -277,6 +280,9 @@ class DraftObjective(L.LightningModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         if not self.trainer.fit_loop._should_accumulate():
+            self._tokens_seen += self._tokens_in_step * self.trainer.world_size
+            self.log("train/tokens", float(self._tokens_seen))
+            self._log_final_tokens()
             elapsed = time.perf_counter() - (self._step_started or time.perf_counter())
             if elapsed > 0:
                 tokens_per_s = self._tokens_in_step * self.trainer.world_size / elapsed
@@ -286,6 +292,15 @@ class DraftObjective(L.LightningModule):
                     self.log("train/mfu", mfu)
             self._step_started, self._tokens_in_step = None, 0
             self._save_last_if_final()
+
+    def _log_final_tokens(self) -> None:
+        """At the run's final step, write the tokens seen to the loggers whatever ``log_every_n_steps`` (what a run
+        cost in tokens, read back by ``draftsmith compare``)."""
+        trainer = self.trainer
+        final = trainer.should_stop or (trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps)
+        if final and trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics({"train/tokens": float(self._tokens_seen)}, step=trainer.global_step)
 
     def _save_last_if_final(self) -> None:
         """At the run's final optimizer step, write ``last.ckpt`` where Lightning would not.
