@@ -75,9 +75,14 @@ def test_resume_gives_the_same_batches_and_weights(stop_at, tiny_corpus, tiny_ta
 
     assert [r["batch"] for r in lines(straight)] == [r["batch"] for r in lines(split)]
     assert [r["step"] for r in lines(split)] == list(range(8))
-    # the checkpoint resumed from held the student only: the frozen teacher is rebuilt from its path, fingerprinted
-    saved = torch.load(split / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    # the final checkpoint holds the student only: the frozen teacher is rebuilt from its path, fingerprinted (the
+    # newest last*.ckpt, as --ckpt_path last resolves it: the two runs' different callback lists give their
+    # ModelCheckpoints different state keys, so the resumed run versions its file)
+    newest = max((split / "checkpoints").glob("last*.ckpt"), key=lambda p: p.stat().st_mtime)
+    saved = torch.load(newest, map_location="cpu", weights_only=True)
     assert saved["state_dict"] and all(k.startswith("student.") for k in saved["state_dict"])
+    # the tokens seen count on across the resume (what draftsmith compare reports as training tokens)
+    assert saved["global_step"] == 8 and saved["tokens_seen"] == 8 * 4 * 64
     assert saved["frozen_models"]["teacher"]["path"] == str(tiny_target)
     a, b = load_file(straight / "student" / "model.safetensors"), load_file(split / "student" / "model.safetensors")
     for key in a:

@@ -125,7 +125,10 @@ class DraftObjective(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["drafter"] = self.drafter_record().to_dict()
         checkpoint["frozen_models"] = dict(self._frozen)
-        checkpoint["tokens_seen"] = self._tokens_seen
+        # a checkpoint written in a callback's on_train_batch_end (before this module's, where the step's tokens are
+        # added) holds the step's tokens too: it resumes after that step
+        world = self.trainer.world_size if self._trainer is not None else 1
+        checkpoint["tokens_seen"] = self._tokens_seen + self._tokens_in_step * world
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self._tokens_seen = int(checkpoint.get("tokens_seen", 0))
