@@ -44,6 +44,7 @@ TOOLS: dict[str, tuple[str, str]] = {
     "prepare": ("trainer.data.corpus:main", "build the bundled corpus and train its tokenizer"),
     "demo": ("trainer.demo:main", "prepare, train a tiny target, distil a student, evaluate both"),
     "eval": ("trainer.decoding.evaluate:main", "measure a drafter with lossless speculative decoding"),
+    "compare": ("trainer.compare.run:main", "train every method on one target, measure all with one engine, report"),
     "export": ("trainer.export.cli:main", "write a trained drafter in a serving engine's format"),
     "precompute": ("trainer.data.precompute:main", "write the target's top-k logits and hidden states to shards"),
     "generate": ("trainer.data.generate:main", "regenerate a chat data set's responses with the target"),

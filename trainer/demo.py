@@ -33,6 +33,7 @@ SUMMARY_FILE = ARTIFACTS / "demo_summary.json"
 README_START = "<!-- demo summary: written by `python -m trainer.demo --readme README.md` from the demo's summary -->"
 README_END = "<!-- end of demo summary -->"
 README_SUMMARY = "docs/demo_summary.json"
+COMPARE_RECIPE = "recipes/compare/tiny.yaml"
 
 
 def render_summary(summary: dict) -> str:
@@ -109,6 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=10, help="held-out prompts for the speculative evaluation")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="output tokens per prompt in the evaluation")
     parser.add_argument("--fresh", action="store_true", help="delete the demo's outputs and start over")
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help=f"then compare every method on the tiny target ({COMPARE_RECIPE}, draftsmith compare; see the README "
+        "for its time)",
+    )
     parser.add_argument(
         "--readme",
         default=None,
@@ -213,8 +220,13 @@ next        draftsmith eval --target {target_dir} --drafter {student_dir} --prom
 --out {ARTIFACTS / "eval" / "sweep"}
             draftsmith fit --config recipes/quickstart/kd.yaml --config recipes/_base/ddp.yaml --trainer.devices 2
             draftsmith export --ckpt {ARTIFACTS / "runs" / "kd" / "checkpoints" / "last.ckpt"} --out {ARTIFACTS / "hf"}
+            draftsmith compare --config {COMPARE_RECIPE}   (every method side by side; or draftsmith demo --compare)
 """
     )
+    if args.compare:
+        from trainer.compare.run import main as compare_main
+
+        return compare_main(["--config", str(Path(__file__).resolve().parents[1] / COMPARE_RECIPE)])
     return 0
 
 

@@ -1,0 +1,213 @@
+"""``draftsmith compare``: the recipe schema's errors, budgets, training prompts, footprints and the report."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import tiny_llama
+from trainer.compare.config import Budget, CompareConfigError, read_config
+from trainer.compare.fit_logs import steps_for_budget, tokens_at
+from trainer.compare.footprint import footprint
+from trainer.compare.report import METRICS, metric, ordering_flips, write_report
+from trainer.compare.run import Comparison, training_prompts
+
+ROOT = Path(__file__).resolve().parents[2]
+KD = str(ROOT / "recipes" / "quickstart" / "kd.yaml")
+
+
+def write_recipe(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "compare.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+BASE = f"""
+target: t
+evaluation: {{prompts: p.jsonl}}
+budget: {{steps: 100}}
+methods:
+  - name: lookup
+    drafter: prompt-lookup
+  - name: kd
+    recipe: {KD}
+    fit_args: ["--model.init_args.export_dir={{run}}/student"]
+"""
+
+
+@pytest.mark.parametrize("name, methods", [("tiny", 10), ("llama31_8b", 8)])
+def test_the_compare_recipes_read_with_every_fit_argument_known(name, methods):
+    path = str(ROOT / "recipes" / "compare" / f"{name}.yaml")
+    config = read_config(path)
+    assert len(config.methods) == methods and config.methods[0].drafter == "prompt-lookup"
+    Comparison(config, path).check_methods()  # fit's own parser: every key of every method exists
+
+
+def test_a_misspelled_fit_argument_names_the_method(tmp_path):
+    config = read_config(write_recipe(tmp_path, BASE.replace("export_dir=", "exportdir=")))
+    with pytest.raises(CompareConfigError, match=r"(?s)methods\[1\] \('kd'\).*exportdir"):
+        Comparison(config, "compare.yaml").check_methods()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (("recipe:", "recpe:"), "recpe"),  # a misspelled key is named
+        (("name: kd", "name: lookup"), "a second method of this name"),
+        (("name: kd", "name: k/d"), "name must be letters"),
+        (("{run}/student", "{runs}/student"), "['runs']"),
+        (("drafter: prompt-lookup", "drafter: some/folder"), "must name a drafter without weights"),
+        (("kd.yaml", "kd_missing.yaml"), "not found"),
+    ],
+)
+def test_a_bad_recipe_is_refused_naming_the_key(tmp_path, change, message):
+    with pytest.raises(CompareConfigError, match=None) as err:
+        read_config(write_recipe(tmp_path, BASE.replace(*change)))
+    assert message in str(err.value) and "compare.yaml" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "budget, message",
+    [
+        ("{steps: 3, tokens: 9}", "give exactly one of steps, tokens or seconds, got {'steps': 3, 'tokens': 9}"),
+        ("{}", "give exactly one of steps, tokens or seconds, got none"),
+        ("{seconds: 0}", "seconds must be >= 1"),
+    ],
+)
+def test_a_budget_is_exactly_one_positive_length(tmp_path, budget, message):
+    with pytest.raises(CompareConfigError) as err:
+        read_config(write_recipe(tmp_path, BASE.replace("budget: {steps: 100}", f"budget: {budget}")))
+    assert f"compare.yaml: budget: {message}" in str(err.value)
+    with pytest.raises(CompareConfigError) as err:
+        read_config(write_recipe(tmp_path, BASE + f"    budget: {budget}\n"))
+    assert f"compare.yaml: methods[1] ('kd'): budget: {message}" in str(err.value)
+
+
+def test_a_token_budget_becomes_steps_of_the_recipes_batch():
+    # kd.yaml: batch 8 x 256 tokens; accumulation and devices multiply the tokens of a step
+    assert steps_for_budget(Budget(tokens=8 * 256 * 10), KD, []) == 10
+    assert steps_for_budget(Budget(tokens=8 * 256 * 10 + 1), KD, []) == 11
+    assert steps_for_budget(Budget(tokens=8 * 256 * 10), KD, ["--trainer.accumulate_grad_batches", "2"]) == 5
+    assert steps_for_budget(Budget(steps=7), KD, []) == 7
+    assert steps_for_budget(Budget(seconds=60), KD, []) is None
+
+
+def test_tokens_between_logged_steps_are_interpolated():
+    tokens = {10: 1000.0, 20: 2000.0}
+    assert tokens_at(tokens, 15) == 1500.0 and tokens_at(tokens, 20) == 2000.0
+    assert tokens_at(tokens, 5) == 500.0 and tokens_at(tokens, 30) == 3000.0 and tokens_at({}, 3) is None
+
+
+def test_training_prompts_are_cut_from_every_document(tmp_path):
+    docs = tmp_path / "docs.jsonl"
+    texts = ["a" * 50 + "\n" + "b" * 300, "short doc", "   "]
+    docs.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    out = tmp_path / "prompts.jsonl"
+    assert training_prompts(docs, out, chars=40, per_document=2, seed=0) == 3
+    prompts = sorted(json.loads(line)["prompt"] for line in out.read_text().splitlines())
+    assert prompts == sorted(["a" * 40, "b" * 40, "short doc"])
+    docs.write_text('{"txt": "x"}\n')
+    with pytest.raises(ValueError, match=r"docs.jsonl:1: expected a JSON object with a 'text'"):
+        training_prompts(docs, out, chars=40, per_document=2, seed=0)
+
+
+def test_footprint_counts_what_the_target_does_not_hold(tmp_path):
+    import torch
+
+    target, other = tmp_path / "target", tmp_path / "other"
+    reference = tiny_llama(0, dtype=torch.float32)
+    reference.save_pretrained(target)
+    student = tiny_llama(1, layers=1, dtype=torch.float32)
+    with torch.no_grad():
+        for tensor in student.parameters():  # nothing left equal to the target's (norms start at ones in both)
+            tensor.add_(torch.rand_like(tensor))
+    student.save_pretrained(other)
+    itself = footprint(str(target), str(target))  # a self-speculative drafter adds nothing
+    assert itself["parameters"] == reference.num_parameters()
+    assert itself["extra_parameters"] == 0 and itself["extra_bytes"] == 0
+    separate = footprint(str(other), str(target))
+    assert separate["extra_parameters"] == separate["parameters"] == student.num_parameters()
+    assert separate["extra_bytes"] == 4 * student.num_parameters() and "hf" in separate["formats"]
+    with torch.no_grad():  # a drafter sharing the target's embedding: the engine serves it once
+        student.model.embed_tokens.weight.copy_(reference.model.embed_tokens.weight)
+    student.save_pretrained(other)
+    shared = footprint(str(other), str(target))
+    assert shared["extra_parameters"] == student.num_parameters() - student.model.embed_tokens.weight.numel()
+    assert footprint("prompt-lookup", str(target))["extra_bytes"] == 0
+
+
+def _eval_report(taus: dict[int, float], speedups: dict[int, float]) -> dict:
+    entry = {
+        "tau_in_loops": 2.0, "tau_outside_loops": 1.0, "draft_cost": 0.1, "projected_speedup": 1.5,
+        "measured_speedup_quartiles": [0.9, 1.1],
+    }  # fmt: skip
+    greedy = [
+        {**entry, "k": k, "tau": tau, "measured_speedup": speedups[k], "acceptance_per_position": [0.5] * k}
+        for k, tau in taus.items()
+    ]
+    sampling = [{"k": k, "tau": tau / 2, "acceptance_per_position": [0.2] * k} for k, tau in taus.items()]
+    return {"greedy": greedy, "sampling": sampling, "loops": {"share": 0.5}}
+
+
+def test_report_rows_tables_plots_and_failures(tmp_path):
+    config = read_config(write_recipe(tmp_path, BASE + f"out: {tmp_path / 'out'}\n"))
+    out = tmp_path / "out"
+    lookup, kd = out / "methods" / "lookup", out / "methods" / "kd"
+    (lookup / "eval").mkdir(parents=True)
+    (lookup / "eval" / "report.json").write_text(json.dumps(_eval_report({2: 1.5, 4: 1.8}, {2: 1.05, 4: 1.0})))
+    (lookup / "footprint.json").write_text(json.dumps(footprint("prompt-lookup", "unused")))
+    kd.mkdir(parents=True)
+    (kd / "failed.json").write_text(json.dumps({"stage": "fit", "error": "exited with status 1", "tail": "boom"}))
+    paths = write_report(config, out)
+    assert {p.name for p in paths} == {"report.json", "report.md", "tau_vs_cost.png", "acceptance.png",
+                                       "tau_vs_tokens.png", "speedup.png"}  # fmt: skip
+    report = json.loads((out / "report.json").read_text())
+    row, failed = report["rows"]
+    assert row["status"] == "done" and row["largest_k"]["k"] == 4 and row["best_k"]["k"] == 2
+    assert row["stage_seconds"] == {} and "training" not in row
+    assert row["per_k"][1]["tau_sampling"] == 0.9 and row["extra_mib"] == 0
+    assert failed["status"] == "failed" and failed["failure"]["stage"] == "fit"
+    markdown = (out / "report.md").read_text()
+    assert "| lookup | 4 | 1.80 | 0.90 |" in markdown and "| kd | failed at fit: exited with status 1 |" in markdown
+    assert report["machine"]["summary"] in markdown and "100 optimizer steps" in markdown
+
+
+def test_ordering_flips_match_a_pairwise_count():
+    def rows(values):
+        return [
+            {"method": name, "status": "done", "largest_k": {"tau_greedy": v, "tau_sampling": v},
+             "best_k": {"measured_speedup": v}}
+            for name, v in values.items()
+        ]  # fmt: skip
+
+    a = {"x": 1.0, "y": 2.0, "z": 3.0, "w": 2.5}
+    b = {"x": 2.1, "y": 2.0, "z": 3.0, "w": 1.0}
+    flips = ordering_flips(rows(a), rows(b))
+    expected = [
+        sorted(p) for p in itertools.combinations(a, 2) if (a[p[0]] - a[p[1]]) * (b[p[0]] - b[p[1]]) < 0
+    ]  # fmt: skip
+    for name in METRICS:
+        assert flips[name]["pairs"] == 6
+        assert sorted(sorted(p) for p in flips[name]["flipped"]) == sorted(expected)
+        assert flips[name]["flips"] == len(expected) == 3  # x-y, x-w, y-w
+    # a method measured in one run only, or failed, is in no pair
+    failed = rows(b)[:3] + [{"method": "w", "status": "failed"}]
+    assert ordering_flips(rows(a), failed)["tau_greedy"]["pairs"] == 3
+    assert metric({"status": "failed"}, "tau_greedy") is None and not math.isnan(metric(rows(a)[0], "tau_greedy"))
+
+
+def test_placeholders_fill_named_braces_only():
+    from trainer.compare.config import fill_placeholders
+    from trainer.compare.run import _exit_layer
+
+    values = {"run": "out/methods/kd/run", "target": "t"}
+    text = '--model.init_args.student_config={"hidden_size": 32} --x={run}/student --y={target}'
+    assert fill_placeholders(text, values) == (
+        '--model.init_args.student_config={"hidden_size": 32} --x=out/methods/kd/run/student --y=t'
+    )
+    assert _exit_layer(["--tree", "--exit-layer", "2,3"]) == 2 and _exit_layer(["--exit-layer=1"]) == 1
+    assert _exit_layer(["--tree"]) is None

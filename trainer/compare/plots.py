@@ -1,0 +1,85 @@
+"""The four plots of a comparison, from its report (trainer/compare/report.py); each names budget and machine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _caption(report: dict) -> str:
+    setup = report["setup"]
+    return f"{setup['target']}, budget {setup['budget']}, seed {setup['seed']}; {report['machine']['summary']}"
+
+
+def write_plots(report: dict, out: Path) -> list[Path]:
+    """tau_vs_cost.png, acceptance.png, tau_vs_tokens.png and speedup.png in ``out``; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [row for row in report["rows"] if row["status"] == "done"]
+    colors = {row["method"]: plt.cm.tab10(i % 10) for i, row in enumerate(report["rows"])}
+    paths = []
+
+    def save(fig, name: str, title: str) -> None:
+        fig.suptitle(f"{title}\n{_caption(report)}", fontsize=9)
+        fig.tight_layout()
+        path = out / f"{name}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for row in done:
+        costs = [e["draft_cost"] for e in row["per_k"]]
+        ax.plot(costs, [e["tau_greedy"] for e in row["per_k"]], "o-", color=colors[row["method"]], label=row["method"])
+        sampled = [(e["draft_cost"], e["tau_sampling"]) for e in row["per_k"] if e["tau_sampling"] is not None]
+        if sampled:
+            ax.plot(*zip(*sampled), "o--", mfc="none", color=colors[row["method"]])
+        for e in row["per_k"]:
+            ax.annotate(f"K={e['k']}", (e["draft_cost"], e["tau_greedy"]), fontsize=7, xytext=(3, 3),
+                        textcoords="offset points")  # fmt: skip
+    ax.set_xlabel("drafting cost per round / one target forward (measured)")
+    ax.set_ylabel("tau (filled: greedy, hollow: sampling T=1)")
+    if ax.lines:
+        ax.legend(fontsize=7, ncol=2)
+    save(fig, "tau_vs_cost", "tau against drafting cost, one point per method and K")
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for row in done:
+        entry = row["largest_k"]
+        positions = range(1, len(entry["acceptance_per_position"]) + 1)
+        values = [float("nan") if a is None else a for a in entry["acceptance_per_position"]]
+        ax.plot(positions, values, "o-", color=colors[row["method"]], label=f"{row['method']} (K={entry['k']})")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("share of rounds accepting it (greedy)")
+    ax.set_ylim(0, 1)
+    if ax.lines:
+        ax.legend(fontsize=7, ncol=2)
+    save(fig, "acceptance", "acceptance per draft position at each method's largest K")
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for row in report["rows"]:
+        curve = [p for p in (row.get("training") or {}).get("tau", []) if p[0] is not None]
+        if curve:
+            ax.plot([p[0] for p in curve], [p[1] for p in curve], "o-", color=colors[row["method"]],
+                    label=row["method"])  # fmt: skip
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("tau greedy (training callback, few prompts)")
+    if ax.lines:
+        ax.legend(fontsize=7, ncol=2)
+    save(fig, "tau_vs_tokens", "tau during training")
+
+    fig, ax = plt.subplots(figsize=(7, 1.8 + 0.4 * max(1, len(done))))
+    for i, row in enumerate(done):
+        entry = row["best_k"]
+        low, high = entry["measured_speedup_quartiles"]
+        median = entry["measured_speedup"]
+        whiskers = [[max(0.0, median - low)], [max(0.0, high - median)]]
+        ax.barh(i, median, color=colors[row["method"]], xerr=whiskers, capsize=3)
+        ax.plot(entry["projected_speedup"], i, "k|", markersize=14)
+    ax.set_yticks(range(len(done)), [f"{row['method']} (K={row['best_k']['k']})" for row in done], fontsize=8)
+    ax.axvline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("speedup over the target alone: bar measured (median, quartiles), | projected")
+    save(fig, "speedup", "measured and projected speedup at each method's best K")
+    return paths

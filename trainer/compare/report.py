@@ -1,0 +1,222 @@
+"""The report of ``draftsmith compare``: ``report.json``, ``report.md`` and four plots, from the method folders.
+
+Rows come from what each method's stages left (trainer/compare/run.py): ``fit.json``, ``footprint.json`` and
+``eval/report.json`` (``draftsmith eval``'s own report), or ``failed.json``. Every figure names the budget and the
+machine it was measured under.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from itertools import combinations
+from pathlib import Path
+
+from trainer.compare.config import CompareConfig, Method
+from trainer.compare.fit_logs import tokens_at
+
+METRICS = {
+    "tau_greedy": "tau greedy at the largest K",
+    "tau_sampling": "tau sampling at the largest K",
+    "measured_speedup": "measured speedup at the best K",
+}
+
+
+def describe_machine(words: str) -> dict:
+    """The machine a comparison ran on: the recipe's words, the CPU, its cores, the GPUs and torch."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if "model name" in line]
+        cpu = names[0] if names else cpu
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    summary = f"{len(gpus)} x {gpus[0]}" if gpus else f"{cores}-core CPU ({cpu}), no GPU"
+    return {"words": words, "summary": summary, "cpu": cpu, "cores": cores, "gpus": gpus, "torch": torch.__version__}
+
+
+def _read(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def method_row(config: CompareConfig, method: Method, root: Path) -> dict:
+    """One method's row: what it is, what training it got, and its measurements at every K."""
+    fit, footprint = _read(root / "fit.json"), _read(root / "footprint.json")
+    seconds = _read(root / "stage_seconds.json") or {}
+    report, failed = _read(root / "eval" / "report.json"), _read(root / "failed.json")
+    row: dict = {
+        "method": method.name,
+        "status": "failed" if failed else "done" if report else "not run",
+        "failure": failed,
+        "target_changed": method.eval_target != "{target}",
+        "budget": config.budget_of(method).describe() if method.trains else "no training",
+        "stage_seconds": seconds,
+    }
+    if footprint:
+        row.update(
+            kind=footprint["kind"],
+            parameters=footprint["parameters"],
+            extra_parameters=footprint["extra_parameters"],
+            extra_mib=footprint["extra_bytes"] / 2**20,
+            formats=footprint["formats"],
+            export_format=method.export_format or (footprint["formats"][0] if footprint["formats"] else None),
+        )
+    if fit:
+        scalars = {tag: dict((int(s), v) for s, v in values) for tag, values in fit["scalars"].items()}
+        tokens = scalars.get("train/tokens", {})
+        curve = [
+            [tokens_at(tokens, step), tau, scalars.get("spec_eval/tau_sampling", {}).get(step)]
+            for step, tau in sorted(scalars.get("spec_eval/tau", {}).items())
+        ]
+        row["training"] = {"steps": fit["steps"], "tokens": fit["tokens"], "seconds": seconds.get("fit"), "tau": curve}
+    if report:
+        sampling = {entry["k"]: entry for entry in report["sampling"]}
+        row["loop_share"] = report["loops"]["share"]
+        row["per_k"] = [
+            {
+                "k": g["k"],
+                "tau_greedy": g["tau"],
+                "tau_sampling": sampling[g["k"]]["tau"] if g["k"] in sampling else None,
+                "tau_in_loops": g["tau_in_loops"],
+                "tau_outside_loops": g["tau_outside_loops"],
+                "acceptance_per_position": g["acceptance_per_position"],
+                "acceptance_per_position_sampling": sampling[g["k"]]["acceptance_per_position"]
+                if g["k"] in sampling
+                else None,
+                "draft_cost": g["draft_cost"],
+                "measured_speedup": g["measured_speedup"],
+                "measured_speedup_quartiles": g["measured_speedup_quartiles"],
+                "projected_speedup": g["projected_speedup"],
+            }
+            for g in report["greedy"]
+        ]
+        row["largest_k"] = max(row["per_k"], key=lambda e: e["k"])
+        row["best_k"] = max(row["per_k"], key=lambda e: e["measured_speedup"])
+    return row
+
+
+def metric(row: dict, name: str) -> float | None:
+    """The value a method is ranked by for :data:`METRICS` ``name`` (None when it was not measured)."""
+    if row.get("status") != "done":
+        return None
+    entry = row["best_k"] if name == "measured_speedup" else row["largest_k"]
+    return entry[name]
+
+
+def ordering_flips(rows: list[dict], other: list[dict]) -> dict:
+    """For every metric, the pairs of methods measured in both runs whose order differs between them (a tie in
+    either run is no flip)."""
+    theirs = {row["method"]: row for row in other}
+    out = {}
+    for name in METRICS:
+        values = {}
+        for row in rows:
+            a, b = metric(row, name), metric(theirs.get(row["method"], {}), name)
+            if a is not None and b is not None:
+                values[row["method"]] = (a, b)
+        flipped = [
+            [x, y]
+            for x, y in combinations(values, 2)
+            if (values[x][0] - values[y][0]) * (values[x][1] - values[y][1]) < 0
+        ]
+        pairs = len(values) * (len(values) - 1) // 2
+        out[name] = {"pairs": pairs, "flips": len(flipped), "flipped": flipped}
+    return out
+
+
+def _fmt(value, spec: str = ".2f", missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def render_markdown(report: dict) -> str:
+    """The report's tables, with the budget and the machine named above them."""
+    setup, machine = report["setup"], report["machine"]
+    words = f"; {machine['words']}" if machine["words"] else ""
+    lines = [
+        f"# draftsmith compare: {setup['target']}",
+        "",
+        f"Machine: {machine['summary']}{words}. Budget: {setup['budget']} per method unless its row says "
+        f"otherwise; seed {setup['seed']}. Evaluation: "
+        f"{setup['prompts']} held-out prompts, {setup['max_new_tokens']} new tokens each, greedy and sampling at "
+        f"T = {setup['temperature']}, speedups side by side ({setup['repeats']} pass(es)). Compare wall time "
+        f"{report['seconds']:.0f} s.",
+        "",
+        "| method | kind | parameters | extra serving MiB | training | tokens | time (s) | loop share | target "
+        "changed | export formats |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in report["rows"]:
+        training = row.get("training") or {}
+        formats = ", ".join(f"**{f}**" if f == row.get("export_format") else f for f in row.get("formats", []))
+        lines.append(
+            f"| {row['method']} | {row.get('kind', '-')} | {_fmt(row.get('parameters'), ',')} | "
+            f"{_fmt(row.get('extra_mib'), '.2f')} | {row['budget']} | {_fmt(training.get('tokens'), ',.0f')} | "
+            f"{_fmt(training.get('seconds'), '.0f')} | {_fmt(row.get('loop_share'), '.0%')} | "
+            f"{'yes' if row['target_changed'] else 'no'} | {formats or '-'} |"
+        )
+    lines += [
+        "",
+        "| method | K | tau greedy | tau sampling | tau in loops | tau outside loops | acceptance per position "
+        "(greedy) | draft cost c | measured speedup (quartiles) | projected speedup |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in report["rows"]:
+        if row["status"] != "done":
+            failure = row.get("failure") or {}
+            reason = f"failed at {failure.get('stage')}: {failure.get('error')}" if failure else row["status"]
+            lines.append(f"| {row['method']} | {reason} | | | | | | | | |")
+            continue
+        for e in row["per_k"]:
+            acceptance = ", ".join(_fmt(a) for a in e["acceptance_per_position"])
+            low, high = e["measured_speedup_quartiles"]
+            lines.append(
+                f"| {row['method']} | {e['k']} | {e['tau_greedy']:.2f} | {_fmt(e['tau_sampling'])} | "
+                f"{_fmt(e['tau_in_loops'])} | {_fmt(e['tau_outside_loops'])} | {acceptance} | {e['draft_cost']:.3f} | "
+                f"{e['measured_speedup']:.2f}x ({low:.2f}-{high:.2f}) | {e['projected_speedup']:.2f}x |"
+            )
+    if report.get("stability"):
+        lines += ["", f"Seed stability against {report['stability']['other']}:", ""]
+        for name, flips in report["stability"]["flips"].items():
+            pairs = "; ".join(" vs ".join(p) for p in flips["flipped"]) or "none"
+            lines.append(f"- {METRICS[name]}: {flips['flips']} of {flips['pairs']} pairwise orderings flip ({pairs})")
+    lines += ["", *[f"![{name}]({name}.png)" for name in PLOTS]]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(config: CompareConfig, out: Path, stability: Path | None = None) -> list[Path]:
+    """``report.json``, ``report.md`` and the plots of the comparison in ``out``; returns the paths written."""
+    rows = [method_row(config, m, out / "methods" / m.name) for m in config.methods]
+    seconds = _read(out / "compare_seconds.json") if (out / "compare_seconds.json").is_file() else []
+    evaluation = config.evaluation
+    report = {
+        "setup": {
+            "target": config.target,
+            "budget": config.budget.describe(),
+            "seed": config.seed,
+            "prompts": evaluation.max_prompts,
+            "max_new_tokens": evaluation.max_new_tokens,
+            "temperature": evaluation.temperature,
+            "repeats": evaluation.repeats,
+        },
+        "machine": describe_machine(config.machine),
+        "seconds": sum(seconds or []),
+        "rows": rows,
+    }
+    if stability is not None:
+        other = _read(stability / "report.json")
+        if other is None:
+            raise FileNotFoundError(f"--stability {stability}: no report.json there (run that comparison first)")
+        report["stability"] = {"other": str(stability), "flips": ordering_flips(rows, other["rows"])}
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "report.json", out / "report.md"]
+    paths[0].write_text(json.dumps(report, indent=2) + "\n")
+    paths[1].write_text(render_markdown(report))
+    from trainer.compare.plots import write_plots
+
+    return paths + write_plots(report, out)
+
+
+PLOTS = ("tau_vs_cost", "acceptance", "tau_vs_tokens", "speedup")

@@ -1,0 +1,390 @@
+"""``draftsmith compare --config RECIPE``: every method on one target, trained under one budget, measured by one engine,
+in one report.
+
+For every method of the recipe (trainer/compare/config.py), each stage skipped when its output exists, so a rerun
+only does what is missing (an interrupted fit resumes from its ``last.ckpt``):
+
+1. the shared training data, once: the target's greedy completions of prompts cut from documents
+   (``draftsmith generate``), unless the recipe gives the files;
+2. ``draftsmith fit`` of the method's recipe under its budget, with SpeculativeEvalCallback measuring tau a few times
+   on held-out prompts (tau against training tokens);
+3. ``draftsmith export`` in the method's format;
+4. the drafter's footprint: its parameters, and the bytes of those the target does not already hold (what serving it
+   adds to the target's weights);
+5. ``draftsmith eval`` on the same held-out prompts for every method: tau greedy and sampling, inside and outside the
+   target's loops, acceptance per position, drafting cost, side-by-side measured and projected speedup.
+
+Every stage runs in its own process with its output in a log beside its results. A method whose stage fails is
+reported with the log's last lines and the others go on; the next run retries it. Then ``OUT/report.json``,
+``OUT/report.md`` and the plots (trainer/compare/report.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.compare.config import CompareConfig, CompareConfigError, Method, fill_placeholders, read_config
+
+FIT_TAGS = ("train/tokens", "spec_eval/tau", "spec_eval/tau_sampling")
+
+
+class StageFailed(RuntimeError):
+    """A stage of one method failed; the comparison goes on with the other methods."""
+
+    def __init__(self, stage: str, message: str, log: Path | None = None) -> None:
+        super().__init__(f"{stage}: {message}")
+        self.stage, self.message, self.log = stage, message, log
+
+
+@dataclass(frozen=True)
+class MethodFolder:
+    """Where one method's stages write (``OUT/methods/NAME``)."""
+
+    root: Path
+
+    @property
+    def run(self) -> Path:
+        return self.root / "run"
+
+    @property
+    def ckpt(self) -> Path:
+        return self.run / "checkpoints" / "last.ckpt"
+
+    @property
+    def export(self) -> Path:
+        return self.root / "export"
+
+    @property
+    def eval(self) -> Path:
+        return self.root / "eval"
+
+    def file(self, name: str) -> Path:
+        return self.root / name
+
+
+def training_prompts(documents: Path, out: Path, chars: int, per_document: int, seed: int) -> int:
+    """Prompts of ``chars`` characters cut from every ``text`` document of a jsonl file: its start and
+    ``per_document - 1`` random line starts; writes them to ``out`` (one ``prompt`` per line), returns how many."""
+    rng = random.Random(seed)
+    prompts = []
+    for number, line in enumerate(documents.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            text = json.loads(line)["text"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise ValueError(f"{documents}:{number}: expected a JSON object with a 'text' string ({err})") from err
+        starts = [i + 1 for i, c in enumerate(text[:-chars]) if c == "\n"]
+        for start in [0] + rng.sample(starts, min(per_document - 1, len(starts))):
+            prompt = text[start : start + chars]
+            if prompt.strip():
+                prompts.append({"prompt": prompt})
+    if not prompts:
+        raise ValueError(f"{documents}: no document to cut a prompt from")
+    rng.shuffle(prompts)
+    out.write_text("".join(json.dumps(p) + "\n" for p in prompts), encoding="utf-8")
+    return len(prompts)
+
+
+class Comparison:
+    """Runs the stages of every method of one compare recipe into ``config.out``."""
+
+    def __init__(self, config: CompareConfig, recipe: str) -> None:
+        self.config, self.recipe = config, recipe
+        self.out = Path(config.out)
+        self.env = dict(os.environ)
+        if config.threads > 0:
+            self.env["OMP_NUM_THREADS"] = str(config.threads)
+        self.train_files: list[str] | None = None  # None: every recipe keeps its own
+        if config.data.train_files is not None:
+            self.train_files = list(config.data.train_files)
+        elif config.data.regenerate is not None:
+            self.train_files = [str(self.out / "data" / "train_completions.jsonl")]
+
+    def check_methods(self) -> None:
+        """Every training method's recipe and fit arguments, read by fit's own parser (nothing built, no file read):
+        a misspelled key stops the comparison before anything runs, naming the method."""
+        from trainer.cli import RecipeError, parse_recipe
+
+        for i, method in enumerate(self.config.methods):
+            if method.trains:
+                try:
+                    parse_recipe([method.recipe], self.fit_args(method))
+                except RecipeError as err:
+                    raise CompareConfigError(f"{self.recipe}: methods[{i}] ({method.name!r}): {err}") from err
+
+    # ---- stages shared by every method -----------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Checks the target, the prompts and every method's fit arguments (with fit's own parser: a misspelled key
+        stops the comparison before anything runs), then makes the shared training data."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        if not (Path(self.config.target) / "config.json").is_file():
+            raise CompareConfigError(f"{self.recipe}: target {self.config.target!r} is not a model folder")
+        if not Path(self.config.evaluation.prompts).is_file():
+            raise CompareConfigError(f"{self.recipe}: evaluation.prompts {self.config.evaluation.prompts!r} not found")
+        self.check_methods()
+        data = self.config.data
+        if data.regenerate is not None:
+            self._regenerate(Path(self.train_files[0]))
+
+    def _regenerate(self, done: Path) -> None:
+        """The target's greedy completions of prompts cut from the documents, once, into ``done``."""
+        if done.is_file():
+            return
+        regen = self.config.data.regenerate
+        done.parent.mkdir(parents=True, exist_ok=True)
+        prompts = done.parent / "train_prompts.jsonl"
+        if not prompts.is_file():  # kept: an interrupted generation resumes on the same input
+            training_prompts(Path(regen.documents), prompts, regen.prompt_chars, regen.prompts_per_document, regen.seed)
+        count = len(prompts.read_text(encoding="utf-8").splitlines())
+        partial = done.parent / "train_completions.partial.jsonl"
+        self.say(f"data: the target completes {count} prompts ({regen.max_new_tokens} tokens each, greedy)")
+        options = {
+            "--target": self.config.target, "--input": str(prompts), "--output": str(partial),
+            "--prompt_field": "prompt", "--max_new_tokens": str(regen.max_new_tokens),
+            "--batch_size": str(regen.batch_size), "--device": self.config.evaluation.device,
+        }  # fmt: skip
+        self._run_stage(
+            "data", ["generate", *[x for pair in options.items() for x in pair]], done.parent / "generate.log"
+        )
+        partial.rename(done)
+
+    # ---- one method ------------------------------------------------------------------------------------------
+    def folder(self, method: Method) -> MethodFolder:
+        return MethodFolder(self.out / "methods" / method.name)
+
+    def expand(self, method: Method, text: str) -> str:
+        """A method string with its placeholders filled in."""
+        folder = self.folder(method)
+        return fill_placeholders(
+            text,
+            {
+                "target": self.config.target,
+                "data": json.dumps(self.train_files) if self.train_files is not None else "null",
+                "run": str(folder.run),
+                "ckpt": str(folder.ckpt),
+                "export": str(folder.export),
+            },
+        )
+
+    def fit_args(self, method: Method) -> list[str]:
+        """The method's fit arguments, placeholders filled in, and the shared training files."""
+        args = [self.expand(method, a) for a in method.fit_args]
+        if self.train_files is not None:
+            args += ["--data.init_args.train_files", json.dumps(self.train_files)]
+        return args
+
+    def run_method(self, method: Method) -> None:
+        """Every stage of ``method`` not done yet; raises :class:`StageFailed`. The seconds of each stage run go to
+        ``stage_seconds.json`` (fit: all its attempts)."""
+        folder = self.folder(method)
+        folder.root.mkdir(parents=True, exist_ok=True)
+        folder.file("failed.json").unlink(missing_ok=True)
+        stages = []
+        if method.trains:
+            stages += [("fit", folder.file("fit.json"), self.fit), ("export", folder.file("export.json"), self.export)]
+        stages += [
+            ("footprint", folder.file("footprint.json"), self.measure_footprint),
+            ("eval", folder.eval / "report.json", self.evaluate),
+        ]
+        seconds_file = folder.file("stage_seconds.json")
+        for stage, done, run in stages:
+            if done.is_file():
+                continue
+            started = time.perf_counter()
+            try:
+                run(method, folder)
+            finally:
+                seconds = json.loads(seconds_file.read_text()) if seconds_file.is_file() else {}
+                seconds[stage] = seconds.get(stage, 0.0) + time.perf_counter() - started
+                seconds_file.write_text(json.dumps(seconds, indent=2) + "\n")
+
+    def measure_footprint(self, method: Method, folder: MethodFolder) -> None:
+        from trainer.compare.footprint import footprint
+
+        try:
+            record = footprint(self.expand(method, method.drafter), self.expand(method, method.eval_target))
+        except (OSError, ValueError) as err:
+            raise StageFailed("footprint", str(err)) from err
+        folder.file("footprint.json").write_text(json.dumps(record, indent=2) + "\n")
+
+    def fit(self, method: Method, folder: MethodFolder) -> None:
+        from trainer.compare.fit_logs import read_scalars, steps_for_budget
+
+        budget = self.config.budget_of(method)
+        fit_args = self.fit_args(method)
+        try:
+            steps = steps_for_budget(budget, method.recipe, fit_args)
+        except ValueError as err:
+            raise StageFailed("fit", str(err)) from err
+        evaluation = self.config.evaluation
+        ks = method.k or evaluation.k
+        interval = max(1, steps // 4) if steps else 50
+        callbacks = [
+            {
+                "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                "init_args": {
+                    "dirpath": str(folder.run / "checkpoints"), "every_n_train_steps": interval, "save_top_k": 0,
+                    "save_last": True,
+                },
+            }
+        ]  # fmt: skip
+        if evaluation.training_evals > 0:
+            callbacks.append(
+                {
+                    "class_path": "trainer.decoding.callback.SpeculativeEvalCallback",
+                    "init_args": {
+                        "prompts": evaluation.prompts, "prompt_tokens": evaluation.prompt_tokens, "k": max(ks),
+                        "max_new_tokens": evaluation.max_new_tokens, "max_prompts": evaluation.callback_prompts,
+                        "every_n_steps": max(1, steps // evaluation.training_evals) if steps else 100,
+                        "temperature": evaluation.temperature, "seed": self.config.seed,
+                        "tree": "--tree" in method.eval_args, "exit_layer": _exit_layer(method.eval_args),
+                    },
+                }
+            )  # fmt: skip
+        logger = {
+            "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+            "init_args": {"save_dir": str(folder.run), "name": "tensorboard"},
+        }
+        length = ["--trainer.max_steps", str(steps), "--trainer.val_check_interval", str(steps)]
+        if steps is None:  # a wall-clock budget: a constant learning rate (there is no step count to decay over)
+            hms = time.strftime("%H:%M:%S", time.gmtime(budget.seconds))
+            length = ["--trainer.max_steps", "-1", "--trainer.max_time", f"00:{hms}"]
+            length += ["--model.init_args.optim.decay", "constant"]
+        args = [
+            "fit", "--config", method.recipe, *fit_args, "--seed_everything", str(self.config.seed), *length,
+            "--trainer.default_root_dir", str(folder.run), "--trainer.logger", json.dumps(logger),
+            "--trainer.callbacks", json.dumps(callbacks), "--trainer.enable_progress_bar", "false",
+        ]  # fmt: skip
+        if folder.ckpt.is_file():
+            args += ["--ckpt_path", "last"]
+        self.say(f"{method.name}: fit, {budget.describe()}{f' ({steps} steps)' if steps else ''}")
+        self._run_stage("fit", args, folder.root / "fit.log")
+        scalars = read_scalars(folder.run / "tensorboard", FIT_TAGS)
+        tokens = scalars.get("train/tokens", {})
+        record = {
+            "budget": budget.describe(),
+            "steps": max(tokens) if tokens else steps,
+            "tokens": tokens[max(tokens)] if tokens else None,
+            "scalars": {tag: sorted(values.items()) for tag, values in scalars.items()},
+        }
+        folder.file("fit.json").write_text(json.dumps(record, indent=2) + "\n")
+
+    def export(self, method: Method, folder: MethodFolder) -> None:
+        args = ["export", "--ckpt", str(folder.ckpt), "--out", str(folder.export)]
+        if method.export_format:
+            args += ["--format", method.export_format]
+        self.say(f"{method.name}: export{f' ({method.export_format})' if method.export_format else ''}")
+        self._run_stage("export", args, folder.root / "export.log")
+        folder.file("export.json").write_text(json.dumps({"format": method.export_format}) + "\n")
+
+    def evaluate(self, method: Method, folder: MethodFolder) -> None:
+        evaluation = self.config.evaluation
+        ks = method.k or evaluation.k
+        args = [
+            "eval", "--target", self.expand(method, method.eval_target),
+            "--drafter", self.expand(method, method.drafter), "--prompts", evaluation.prompts,
+            "--max-prompts", str(evaluation.max_prompts), "--prompt-tokens", str(evaluation.prompt_tokens),
+            "--k", ",".join(map(str, ks)), "--max-new-tokens", str(evaluation.max_new_tokens),
+            "--temperature", str(evaluation.temperature), "--repeats", str(evaluation.repeats),
+            "--seed", str(self.config.seed), "--device", evaluation.device, "--dtype", evaluation.dtype,
+            "--out", str(folder.eval),
+            *[self.expand(method, a) for a in method.eval_args],
+        ]  # fmt: skip
+        self.say(f"{method.name}: eval, K = {', '.join(map(str, ks))}")
+        self._run_stage("eval", args, folder.root / "eval.log")
+
+    # ---- helpers ---------------------------------------------------------------------------------------------
+    def _run_stage(self, stage: str, args: list[str], log: Path) -> None:
+        """``draftsmith ARGS`` in a process of its own (this Python's), its output in ``log``."""
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("w") as handle:
+            handle.write("$ draftsmith " + " ".join(args) + "\n")
+            handle.flush()
+            status = subprocess.run(
+                [sys.executable, "-m", "trainer.cli", *args], stdout=handle, stderr=subprocess.STDOUT, env=self.env
+            ).returncode
+        if status != 0:
+            raise StageFailed(stage, f"draftsmith {args[0]} exited with status {status}", log)
+
+    def say(self, text: str) -> None:
+        print(f"[compare {time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+def _exit_layer(eval_args: list[str]) -> int | None:
+    """The first ``--exit-layer`` of a method's eval arguments, for the training callback."""
+    for i, arg in enumerate(eval_args):
+        value = arg.split("=", 1)[1] if arg.startswith("--exit-layer=") else None
+        if arg == "--exit-layer" and i + 1 < len(eval_args):
+            value = eval_args[i + 1]
+        if value is not None:
+            return int(value.split(",")[0])
+    return None
+
+
+def log_tail(log: Path | None, lines: int = 15) -> str:
+    if log is None or not log.is_file():
+        return ""
+    return "".join(log.read_text(errors="replace").splitlines(True)[-lines:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    from trainer.compare.report import write_report
+
+    parser = argparse.ArgumentParser(prog="draftsmith compare", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="a compare recipe (recipes/compare/*.yaml)")
+    parser.add_argument("--out", help="output folder (default: the recipe's out)")
+    parser.add_argument("--seed", type=int, help="seed of every fit and evaluation (default: the recipe's seed)")
+    parser.add_argument("--only", help="run only these methods (names separated by commas); the report lists all done")
+    parser.add_argument(
+        "--stability",
+        help="the output folder of the same comparison run with another seed: the report counts the pairwise "
+        "orderings of methods that flip between the two runs",
+    )
+    args = parser.parse_args(argv)
+    overrides = {key: value for key, value in (("out", args.out), ("seed", args.seed)) if value is not None}
+    try:
+        config = read_config(args.config, overrides)
+        comparison = Comparison(config, args.config)
+        comparison.prepare()
+    except (CompareConfigError, ValueError, StageFailed) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    names = [m.name for m in config.methods]
+    only = set(args.only.split(",")) if args.only else set(names)
+    unknown = sorted(only - set(names))
+    if unknown:
+        print(f"error: --only names {unknown}; the recipe's methods are {', '.join(names)}", file=sys.stderr)
+        return 1
+    started = time.perf_counter()
+    failures = 0
+    for number, method in enumerate(config.methods, 1):
+        if method.name not in only:
+            continue
+        comparison.say(f"[{number}/{len(names)}] {method.name}")
+        try:
+            comparison.run_method(method)
+        except StageFailed as err:
+            failures += 1
+            record = {"stage": err.stage, "error": err.message, "log": str(err.log or ""), "tail": log_tail(err.log)}
+            comparison.folder(method).file("failed.json").write_text(json.dumps(record, indent=2) + "\n")
+            comparison.say(f"{method.name}: FAILED at {err.stage} ({err.message}); see {err.log or 'above'}")
+    seconds_file = comparison.out / "compare_seconds.json"
+    history = json.loads(seconds_file.read_text()) if seconds_file.is_file() else []
+    history.append(time.perf_counter() - started)
+    seconds_file.write_text(json.dumps(history) + "\n")
+    paths = write_report(config, comparison.out, Path(args.stability) if args.stability else None)
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
