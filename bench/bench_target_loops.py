@@ -1,0 +1,126 @@
+"""How much of the tiny target's greedy output sits in loops, for variants of its training at the demo's budget.
+
+    python bench/bench_target_loops.py [--steps 400] [--variants base,lr4e-3,tied] [--parallel 2]
+
+Needs the demo's corpus (``make demo`` or ``draftsmith prepare``). Every variant trains
+recipes/quickstart/tiny_target.yaml for ``--steps`` optimizer steps (the demo's 400) with its own changes,
+``--parallel`` at a time on one thread each (so all see the same machine load), then the script measures on the
+demo's held-out prompts (the first 160 characters of the first 10 held-out files): the held-out loss (the demo's
+8 x 256-token batches), and the share of greedy output positions inside loops (trainer/decoding/metrics.loop_mask,
+window 16, period <= 8, as ``draftsmith eval`` counts them) at 48 and 128 new tokens. Writes OUT/loops.md and prints
+it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.compare_drafters import heldout_data  # noqa: E402
+from trainer.decoding.metrics import loop_mask  # noqa: E402
+from trainer.heldout import heldout_loss  # noqa: E402
+
+VARIANTS = {
+    "base": [],  # the demo's recipe as it is
+    "lr4e-3": ["--model.init_args.optim.lr", "0.004"],
+    "lr1e-3": ["--model.init_args.optim.lr", "0.001"],
+    "wd0.1": ["--model.init_args.optim.weight_decay", "0.1"],
+    "tied": ["--model.init_args.tie_word_embeddings", "true", "--model.init_args.optim.lr", "0.004"],
+    "wide-short": ["--data.init_args.seq_len", "128", "--data.init_args.batch_size", "16"],
+}
+
+
+def train(name: str, extra: list[str], out: Path, steps: int) -> subprocess.Popen:
+    run = out / name
+    args = [
+        sys.executable, "-m", "trainer.cli", "fit", "--config", str(ROOT / "recipes/quickstart/tiny_target.yaml"),
+        "--trainer.max_steps", str(steps), "--trainer.default_root_dir", str(run), "--trainer.logger", "false",
+        "--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false", "--trainer.limit_val_batches", "0",
+        "--trainer.enable_progress_bar", "false", "--model.init_args.save_dir", str(run / "model"), *extra,
+    ]  # fmt: skip
+    run.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=(run / "fit.log").open("w"), stderr=subprocess.STDOUT)
+
+
+def loop_share(model, tokenizer, prompts: list[str], new_tokens: int) -> float:
+    inside = total = 0
+    for prompt in prompts:
+        ids = torch.tensor([tokenizer(prompt).input_ids])
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        mask = loop_mask(out[0, ids.shape[1] :].tolist(), 16, 8)
+        inside, total = inside + sum(mask), total + len(mask)
+    return inside / total
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--artifacts", default="artifacts", help="where the demo's corpus is")
+    parser.add_argument("--out", default="artifacts/target_loops", help="output folder")
+    parser.add_argument("--steps", type=int, default=400, help="optimizer steps of every variant (the demo's 400)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"among {', '.join(VARIANTS)}")
+    parser.add_argument("--parallel", type=int, default=2, help="variants trained at once, one thread each")
+    args = parser.parse_args()
+    out, corpus = Path(args.out), Path(args.artifacts) / "corpus"
+    names = args.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        sys.exit(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+    seconds = {}
+    todo = [n for n in names if not (out / n / "model" / "config.json").is_file()]
+    while todo:
+        batch, todo = todo[: args.parallel], todo[args.parallel :]
+        started = time.perf_counter()
+        procs = {n: train(n, VARIANTS[n], out, args.steps) for n in batch}
+        for name, proc in procs.items():
+            if proc.wait() != 0:
+                sys.exit(f"{name} failed, see {out / name / 'fit.log'}")
+            seconds[name] = time.perf_counter() - started
+        (out / "seconds.json").write_text(json.dumps({**_read(out / "seconds.json"), **seconds}))
+    seconds = _read(out / "seconds.json")
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(2)
+    data = heldout_data(corpus)
+    lines = (corpus / "heldout.jsonl").read_text().splitlines()[:10]
+    prompts = [json.loads(line)["text"][:160] for line in lines]
+    rows = [
+        f"{args.steps} optimizer steps each (the demo's budget), trained {args.parallel} at a time on one thread each; "
+        "loop share of the greedy output of the demo's 10 held-out prompts.",
+        "",
+        "| variant | changes | held-out loss | loop share, 48 tokens | loop share, 128 tokens | training time (s) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in names:
+        folder = out / name / "model"
+        model = AutoModelForCausalLM.from_pretrained(folder).eval()
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        loss = heldout_loss(model, data.val_dataloader())
+        short, long = loop_share(model, tokenizer, prompts, 48), loop_share(model, tokenizer, prompts, 128)
+        changes = " ".join(VARIANTS[name]).replace("--model.init_args.", "").replace("--data.init_args.", "") or "-"
+        rows.append(
+            f"| {name} | {changes} | {loss:.3f} | {short:.0%} | {long:.0%} | {seconds.get(name, float('nan')):.0f} |"
+        )
+    (out / "loops.md").write_text("\n".join(rows) + "\n")
+    print("\n".join(rows))
+    return 0
+
+
+def _read(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
