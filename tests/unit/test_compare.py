@@ -45,6 +45,8 @@ def test_the_compare_recipes_read_with_every_fit_argument_known(name, methods):
     config = read_config(path)
     assert len(config.methods) == methods and config.methods[0].drafter == "prompt-lookup"
     Comparison(config, path).check_methods()  # fit's own parser: every key of every method exists
+    overridden = read_config(path, {"out": "elsewhere", "seed": 3, "threads": 1})  # --out, --seed, --threads
+    assert (overridden.out, overridden.seed, overridden.threads) == ("elsewhere", 3, 1)
 
 
 def test_a_misspelled_fit_argument_names_the_method(tmp_path):

@@ -343,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="a compare recipe (recipes/compare/*.yaml)")
     parser.add_argument("--out", help="output folder (default: the recipe's out)")
     parser.add_argument("--seed", type=int, help="seed of every fit and evaluation (default: the recipe's seed)")
+    parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS of every stage (default: the recipe's threads)")
     parser.add_argument("--only", help="run only these methods (names separated by commas); the report lists all done")
     parser.add_argument(
         "--stability",
@@ -350,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         "orderings of methods that flip between the two runs",
     )
     args = parser.parse_args(argv)
-    overrides = {key: value for key, value in (("out", args.out), ("seed", args.seed)) if value is not None}
+    given = (("out", args.out), ("seed", args.seed), ("threads", args.threads))
+    overrides = {key: value for key, value in given if value is not None}
     try:
         config = read_config(args.config, overrides)
         comparison = Comparison(config, args.config)
