@@ -383,7 +383,11 @@ def main(argv: list[str] | None = None) -> int:
     history = json.loads(seconds_file.read_text()) if seconds_file.is_file() else []
     history.append(time.perf_counter() - started)
     seconds_file.write_text(json.dumps(history) + "\n")
-    paths = write_report(config, comparison.out, Path(args.stability) if args.stability else None)
+    try:
+        paths = write_report(config, comparison.out, Path(args.stability) if args.stability else None)
+    except FileNotFoundError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     print("wrote " + ", ".join(str(p) for p in paths))
     return 1 if failures else 0
 
