@@ -176,6 +176,13 @@ def test_report_rows_tables_plots_and_failures(tmp_path):
     markdown = (out / "report.md").read_text()
     assert "| lookup | 4 | 1.80 | 0.90 |" in markdown and "| kd | failed at fit: exited with status 1 |" in markdown
     assert report["machine"]["summary"] in markdown and "100 optimizer steps" in markdown
+    # against another run (here: itself) the report counts flipped orderings; a folder without a report is an error
+    write_report(config, out, stability=out)
+    stability = json.loads((out / "report.json").read_text())["stability"]
+    assert stability["flips"]["tau_greedy"] == {"pairs": 0, "flips": 0, "flipped": []}
+    assert "pairwise orderings flip" in (out / "report.md").read_text()
+    with pytest.raises(FileNotFoundError, match="no report.json"):
+        write_report(config, out, stability=tmp_path / "elsewhere")
 
 
 def test_ordering_flips_match_a_pairwise_count():
