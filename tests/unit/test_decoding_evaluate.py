@@ -143,6 +143,36 @@ def test_callback_logs_tau_every_n_steps(tmp_path) -> None:
     assert module.training  # restored after the evaluation
 
 
+class TrainedTargetModule(DraftModule):
+    """A module whose target trains too (as Medusa-2 and LayerSkip fine-tunes do), at a rate that changes its greedy
+    output from step to step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.target_model.requires_grad_(True)
+
+    def training_step(self, batch, batch_idx):
+        return self.target_model(input_ids=batch[0], labels=batch[0]).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.target_model.parameters(), lr=5.0)
+
+
+def test_callback_decodes_a_training_target_anew_at_every_evaluation(tmp_path) -> None:
+    data = torch.utils.data.TensorDataset(torch.randint(0, 64, (8, 12)))
+    callback = SpeculativeEvalCallback(prompts=[[1, 2, 3], [4, 5, 6, 7]], k=3, max_new_tokens=10, every_n_steps=1)
+    trainer = pl.Trainer(
+        max_steps=3, callbacks=[callback], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, accelerator="cpu", default_root_dir=tmp_path,
+    )  # fmt: skip
+    module = TrainedTargetModule()
+    before = module.target_model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=10, do_sample=False)
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))  # a stale reference would fail identity
+    after = module.target_model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=10, do_sample=False)
+    assert not torch.equal(before, after)  # the target's greedy output did change while it trained
+    assert callback._reference[0].tokens == after[0, 3:].tolist()
+
+
 def test_measured_speedup_is_the_median_of_side_by_side_ratios(monkeypatch) -> None:
     """Each prompt runs alone and with the drafter back to back, the order alternating by prompt and pass; the speedup
     is the median of the per-prompt ratios, quartiles beside it (durations here are given, not timed)."""

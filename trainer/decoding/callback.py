@@ -125,7 +125,9 @@ class SpeculativeEvalCallback(pl.Callback):
         try:
             with torch.no_grad():
                 proposer = kind.proposer(pl_module.trainable_module(), record, target, self.options)
-                if self._reference is None:
+                # a target that trains (Medusa-2, LayerSkip, MTP heads fine-tunes: the model drafts for itself)
+                # changes its own greedy output between evaluations: its reference is decoded anew each time
+                if self._reference is None or any(p.requires_grad for p in target.parameters()):
                     self._reference = run_prompts(
                         target, NoProposer(), self.prompts, 1, self.max_new_tokens, 0.0, self.eos_token_id
                     )
