@@ -144,7 +144,8 @@ def test_footprint_counts_what_the_target_does_not_hold(tmp_path):
 
 def _eval_report(taus: dict[int, float], speedups: dict[int, float]) -> dict:
     entry = {
-        "tau_in_loops": 2.0, "tau_outside_loops": 1.0, "draft_cost": 0.1, "projected_speedup": 1.5,
+        "tau_in_loops": 2.0, "tau_outside_loops": 1.0, "draft_cost": 0.1, "draft_cost_per_round": 0.4,
+        "projected_speedup": 1.5,
         "measured_speedup_quartiles": [0.9, 1.1],
     }  # fmt: skip
     greedy = [
@@ -174,7 +175,11 @@ def test_report_rows_tables_plots_and_failures(tmp_path):
     assert row["per_k"][1]["tau_sampling"] == 0.9 and row["extra_mib"] == 0
     assert failed["status"] == "failed" and failed["failure"]["stage"] == "fit"
     markdown = (out / "report.md").read_text()
-    assert "| lookup | 4 | 1.80 | 0.90 |" in markdown and "| kd | failed at fit: exited with status 1 |" in markdown
+    assert (
+        "| lookup | 4 | 1.80 | 0.90 |" in markdown
+        and "| 0.100 / 0.40 |" in markdown
+        and "| kd | failed at fit: exited with status 1 |" in markdown
+    )
     assert report["machine"]["summary"] in markdown and "100 optimizer steps" in markdown
     # against another run (here: itself) the report counts flipped orderings; a folder without a report is an error
     write_report(config, out, stability=out)

@@ -50,6 +50,8 @@ def test_eval_writes_report(saved, drafter: str, capsys) -> None:
         assert 1.0 <= entry["tau"] <= entry["k"] + 1
         assert len(entry["acceptance_per_position"]) == entry["k"]
         assert entry["target_forwards"] <= entry["baseline_target_forwards"] == 3 * 12
+    for entry in report["greedy"][1:] if drafter == "draft" else []:  # K = 3 drafts (nearly) every round
+        assert entry["draft_cost_per_round"] >= entry["draft_cost"] > 0
     assert all(e["identical"] for e in report["greedy"])
     assert 0.0 <= report["loops"]["share"] <= 1.0
     assert report["best_k"] in (1, 3)

@@ -31,15 +31,17 @@ def write_plots(report: dict, out: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for row in done:
-        costs = [e["draft_cost"] for e in row["per_k"]]
+        costs = [e["draft_cost_per_round"] for e in row["per_k"]]
         ax.plot(costs, [e["tau_greedy"] for e in row["per_k"]], "o-", color=colors[row["method"]], label=row["method"])
-        sampled = [(e["draft_cost"], e["tau_sampling"]) for e in row["per_k"] if e["tau_sampling"] is not None]
+        sampled = [
+            (e["draft_cost_per_round"], e["tau_sampling"]) for e in row["per_k"] if e["tau_sampling"] is not None
+        ]
         if sampled:
             ax.plot(*zip(*sampled), "o--", mfc="none", color=colors[row["method"]])
         for e in row["per_k"]:
-            ax.annotate(f"K={e['k']}", (e["draft_cost"], e["tau_greedy"]), fontsize=7, xytext=(3, 3),
+            ax.annotate(f"K={e['k']}", (e["draft_cost_per_round"], e["tau_greedy"]), fontsize=7, xytext=(3, 3),
                         textcoords="offset points")  # fmt: skip
-    ax.set_xlabel("drafting cost per round / one target forward (measured)")
+    ax.set_xlabel("drafting time of a round / one target forward (measured)")
     ax.set_ylabel("tau (filled: greedy, hollow: sampling T=1)")
     if ax.lines:
         ax.legend(fontsize=7, ncol=2)

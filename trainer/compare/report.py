@@ -87,6 +87,7 @@ def method_row(config: CompareConfig, method: Method, root: Path) -> dict:
                 if g["k"] in sampling
                 else None,
                 "draft_cost": g["draft_cost"],
+                "draft_cost_per_round": g["draft_cost_per_round"],
                 "measured_speedup": g["measured_speedup"],
                 "measured_speedup_quartiles": g["measured_speedup_quartiles"],
                 "projected_speedup": g["projected_speedup"],
@@ -160,7 +161,7 @@ def render_markdown(report: dict) -> str:
     lines += [
         "",
         "| method | K | tau greedy | tau sampling | tau in loops | tau outside loops | acceptance per position "
-        "(greedy) | draft cost c | measured speedup (quartiles) | projected speedup |",
+        "(greedy) | draft cost c per token / per round | measured speedup (quartiles) | projected speedup |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["rows"]:
@@ -171,10 +172,11 @@ def render_markdown(report: dict) -> str:
             continue
         for e in row["per_k"]:
             acceptance = ", ".join(_fmt(a) for a in e["acceptance_per_position"])
+            cost = f"{e['draft_cost']:.3f} / {e['draft_cost_per_round']:.2f}"
             low, high = e["measured_speedup_quartiles"]
             lines.append(
                 f"| {row['method']} | {e['k']} | {e['tau_greedy']:.2f} | {_fmt(e['tau_sampling'])} | "
-                f"{_fmt(e['tau_in_loops'])} | {_fmt(e['tau_outside_loops'])} | {acceptance} | {e['draft_cost']:.3f} | "
+                f"{_fmt(e['tau_in_loops'])} | {_fmt(e['tau_outside_loops'])} | {acceptance} | {cost} | "
                 f"{e['measured_speedup']:.2f}x ({low:.2f}-{high:.2f}) | {e['projected_speedup']:.2f}x |"
             )
     if report.get("stability"):

@@ -209,7 +209,9 @@ def summarize(
     alpha = metrics.acceptance_rate(rounds)
     drafted = sum(r.drafted for r in rounds)
     propose = sum(res.propose_seconds for res in results)
-    cost = propose / drafted / _forward_seconds(baseline) if drafted else 0.0
+    forward = _forward_seconds(baseline)
+    cost = propose / drafted / forward if drafted else 0.0  # Leviathan's c: per drafted token
+    per_round = propose / len(rounds) / forward if rounds else 0.0  # a round's drafting, chain or tree
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0], ratios[0], ratios[0]]
     return {
         "k": k,
@@ -220,6 +222,7 @@ def summarize(
         "baseline_target_forwards": sum(res.target_forwards for res in baseline),
         "tokens": sum(len(res.tokens) for res in results),
         "draft_cost": cost,
+        "draft_cost_per_round": per_round,
         "projected_speedup": metrics.leviathan_speedup(alpha, k, cost) if not math.isnan(alpha) else 1.0,
         "measured_speedup": statistics.median(ratios),
         "measured_speedup_quartiles": [quartiles[0], quartiles[2]],
