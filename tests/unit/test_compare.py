@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import tiny_llama
+from trainer.cli import parse_recipe
 from trainer.compare.config import Budget, CompareConfigError, read_config
 from trainer.compare.fit_logs import steps_for_budget, tokens_at
 from trainer.compare.footprint import footprint
@@ -47,6 +48,9 @@ def test_the_compare_recipes_read_with_every_fit_argument_known(name, methods):
     Comparison(config, path).check_methods()  # fit's own parser: every key of every method exists
     overridden = read_config(path, {"out": "elsewhere", "seed": 3, "threads": 1})  # --out, --seed, --threads
     assert (overridden.out, overridden.seed, overridden.threads) == ("elsewhere", 3, 1)
+    # the seed reaches every fit: Lightning's, the objective's initialisation and the data order
+    fit = parse_recipe([overridden.methods[1].recipe], Comparison(overridden, path).fit_args(overridden.methods[1]))
+    assert fit.seed_everything == fit.model.init_args.seed == fit.data.init_args.seed == 3
 
 
 def test_a_misspelled_fit_argument_names_the_method(tmp_path):

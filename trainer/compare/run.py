@@ -176,8 +176,12 @@ class Comparison:
         )
 
     def fit_args(self, method: Method) -> list[str]:
-        """The method's fit arguments, placeholders filled in, and the shared training files."""
-        args = [self.expand(method, a) for a in method.fit_args]
+        """The comparison's seed (``seed_everything``, the objective's initialisation and the data order: every
+        objective and datamodule takes a ``seed``), the method's fit arguments with their placeholders filled in
+        (they may set their own seeds), and the shared training files."""
+        seed = str(self.config.seed)
+        args = ["--seed_everything", seed, "--model.init_args.seed", seed, "--data.init_args.seed", seed]
+        args += [self.expand(method, a) for a in method.fit_args]
         if self.train_files is not None:
             args += ["--data.init_args.train_files", json.dumps(self.train_files)]
         return args
@@ -260,7 +264,7 @@ class Comparison:
             length = ["--trainer.max_steps", "-1", "--trainer.max_time", f"00:{hms}"]
             length += ["--model.init_args.optim.decay", "constant"]
         args = [
-            "fit", "--config", method.recipe, *fit_args, "--seed_everything", str(self.config.seed), *length,
+            "fit", "--config", method.recipe, *fit_args, *length,
             "--trainer.default_root_dir", str(folder.run), "--trainer.logger", json.dumps(logger),
             "--trainer.callbacks", json.dumps(callbacks), "--trainer.enable_progress_bar", "false",
         ]  # fmt: skip
