@@ -30,6 +30,12 @@ def parse_tool_recipe(tool: str, recipe: Path, tmp_path: Path) -> None:
 
         cfg = build_parser().parse_args(["--config", str(recipe), "--out", str(tmp_path)])
         assert cfg.k > 0 and cfg.data is not None
+    elif tool == "compare":
+        from trainer.compare.config import read_config
+        from trainer.compare.run import Comparison
+
+        config = read_config(str(recipe))
+        Comparison(config, str(recipe)).check_methods()  # every method's fit arguments, with fit's own parser
     else:
         raise AssertionError(f"{recipe}: no parser known for the tool {tool!r}; add one to this test")
 
