@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shlex
 import shutil
 import subprocess
@@ -46,6 +45,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from trainer.compare.run import training_prompts as cut_prompts  # noqa: E402
 from trainer.decoding.evaluate import load_prompts  # noqa: E402
 from trainer.decoding.metrics import loop_mask  # noqa: E402
 from trainer.drafters.spec import load_drafter  # noqa: E402
@@ -83,17 +83,8 @@ def heldout_data(corpus: Path):
 
 
 def training_prompts(train_file: Path, out: Path, per_file: int, seed: int) -> None:
-    rng = random.Random(seed)
-    prompts = []
-    for line in train_file.read_text().splitlines():
-        text = json.loads(line)["text"]
-        starts = [0] + [i + 1 for i, c in enumerate(text[:-PROMPT_CHARS]) if c == "\n"]
-        for start in [0] + rng.sample(starts[1:], min(per_file - 1, len(starts) - 1)):
-            prompt = text[start : start + PROMPT_CHARS]
-            if prompt.strip():
-                prompts.append({"prompt": prompt})
-    rng.shuffle(prompts)
-    out.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    """The benchmarks' training prompts: ``draftsmith compare``'s own cut (trainer/compare/run.py), 160 characters."""
+    cut_prompts(train_file, out, PROMPT_CHARS, per_file, seed)
 
 
 def fit_cmd(
