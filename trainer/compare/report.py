@@ -191,7 +191,7 @@ def render_markdown(report: dict) -> str:
 def write_report(config: CompareConfig, out: Path, stability: Path | None = None) -> list[Path]:
     """``report.json``, ``report.md`` and the plots of the comparison in ``out``; returns the paths written."""
     rows = [method_row(config, m, out / "methods" / m.name) for m in config.methods]
-    seconds = _read(out / "compare_seconds.json") if (out / "compare_seconds.json").is_file() else []
+    seconds = _read(out / "compare_seconds.json") or []
     evaluation = config.evaluation
     report = {
         "setup": {
@@ -204,7 +204,7 @@ def write_report(config: CompareConfig, out: Path, stability: Path | None = None
             "repeats": evaluation.repeats,
         },
         "machine": describe_machine(config.machine),
-        "seconds": sum(seconds or []),
+        "seconds": sum(seconds),
         "rows": rows,
     }
     if stability is not None:
