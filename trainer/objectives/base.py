@@ -296,12 +296,16 @@ class DraftObjective(L.LightningModule):
             self._step_started, self._tokens_in_step = None, 0
             self._save_last_if_final()
 
+    def _is_final_step(self) -> bool:
+        """True at the run's last optimizer step: max_steps reached, or a callback (max_time, a stop) asked to stop."""
+        trainer = self.trainer
+        return trainer.should_stop or (trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps)
+
     def _log_final_tokens(self) -> None:
         """At the run's final step, write the tokens seen to the loggers whatever ``log_every_n_steps`` (what a run
         cost in tokens, read back by ``draftsmith compare``)."""
         trainer = self.trainer
-        final = trainer.should_stop or (trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps)
-        if final and trainer.is_global_zero:
+        if self._is_final_step() and trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics({"train/tokens": float(self._tokens_seen)}, step=trainer.global_step)
 
@@ -317,8 +321,7 @@ class DraftObjective(L.LightningModule):
         """
         trainer = self.trainer
         step = trainer.global_step
-        final = trainer.should_stop or (trainer.max_steps > 0 and step >= trainer.max_steps)
-        if not final or step == 0:
+        if not self._is_final_step() or step == 0:
             return
         if any(isinstance(cb, PreemptionCheckpoint) and cb.saved_path for cb in trainer.callbacks):
             return  # the preemption handler has just written last.ckpt at this step
