@@ -20,7 +20,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from trainer.cli import DraftsmithCLI  # noqa: E402
+from trainer.recipe import DraftsmithCLI  # noqa: E402
 
 
 def main() -> int:

@@ -46,7 +46,7 @@ from compare_drafters import PROMPT_CHARS, fit_cmd, run, training_prompts, wait 
 
 from trainer.decoding.evaluate import evaluate_drafter, load_prompts, resolve_drafter, run_prompts  # noqa: E402
 from trainer.decoding.proposers import NoProposer  # noqa: E402
-from trainer.drafters.spec import ProposerOptions  # noqa: E402
+from trainer.registry import ProposerOptions  # noqa: E402
 
 
 def prepare(art: Path, out: Path, per_file: int, new_tokens: int) -> Path:
@@ -142,8 +142,8 @@ def drafting_cost(target, tokenizer, exports: dict[str, Path], prompts, args) ->
 def training_step(art: Path, completions: Path, layers: list[int], repeats: int) -> dict[str, tuple[float, int]]:
     """Step 5: objective -> (tokens/s, peak bytes) of one training step on the same 4 x 256 batch."""
     from trainer.data.text import TextDataModule
-    from trainer.objectives.dflash import DFlash
-    from trainer.objectives.eagle3 import Eagle3
+    from trainer.methods.dflash.objective import DFlash
+    from trainer.methods.eagle3.objective import Eagle3
 
     data = TextDataModule(
         tokenizer=str(art / "corpus" / "tokenizer"), train_files=[str(completions)], seq_len=256, batch_size=4

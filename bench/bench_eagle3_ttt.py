@@ -24,7 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trainer.objectives.eagle3 import Eagle3
+from trainer.methods.eagle3.objective import Eagle3
 
 
 def memory(step_forward, device: torch.device) -> tuple[int, int]:

@@ -17,8 +17,8 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trainer.objectives.base import causal_lm_flops_per_token
-from trainer.objectives.kd import KnowledgeDistillation
+from trainer.methods.draft_model.kd import KnowledgeDistillation
+from trainer.objective import causal_lm_flops_per_token
 from trainer.throughput import measure_matmul_peak
 
 

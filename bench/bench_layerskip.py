@@ -90,9 +90,9 @@ def speed(model_dir: Path, prompts: list[list[int]], exit_layer: int, k: int, ne
     """Tokens/s of the model alone, our early-exit drafting and HF's assistant_early_exit (alternated)."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.decoding.early_exit import EarlyExitProposer
     from trainer.decoding.generate import speculative_generate
     from trainer.decoding.proposers import NoProposer
+    from trainer.methods.layerskip.proposer import EarlyExitProposer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     model.generation_config.num_assistant_tokens = k

@@ -139,9 +139,9 @@ def cost_child(depth: int, steps: int) -> None:
     """One variant in this process: ``steps`` timed optimizer steps after a warm-up one; prints a JSON line."""
     import torch
 
-    from trainer.objectives.base import Optim
-    from trainer.objectives.mtp import SequentialMTP
-    from trainer.objectives.pretrain import CausalLMPretraining
+    from trainer.methods.draft_model.pretrain import CausalLMPretraining
+    from trainer.methods.mtp.objective import SequentialMTP
+    from trainer.objective import Optim
 
     torch.set_num_threads(1)
     tokenizer = str(ARTIFACTS / "corpus" / "tokenizer")
@@ -187,8 +187,8 @@ def cost_child(depth: int, steps: int) -> None:
 
 def trained_params(depth: int) -> int:
     """Trainable parameters of the tiny target's shape with ``depth`` modules (built, not trained)."""
-    from trainer.objectives.mtp import SequentialMTP
-    from trainer.objectives.pretrain import CausalLMPretraining
+    from trainer.methods.draft_model.pretrain import CausalLMPretraining
+    from trainer.methods.mtp.objective import SequentialMTP
 
     tokenizer = str(ARTIFACTS / "corpus" / "tokenizer")
     if depth == 0:

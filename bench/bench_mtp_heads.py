@@ -47,7 +47,7 @@ def child(args: argparse.Namespace) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from trainer.drafters.mtp_heads import MTPHeads
+    from trainer.methods.mtp_heads.module import MTPHeads
 
     def build(vocab: int, hidden: int, layers: int) -> MTPHeads:
         config = LlamaConfig(
@@ -112,9 +112,9 @@ def tau(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
     from trainer.decoding.evaluate import evaluate_drafter, load_prompts
-    from trainer.drafters.kinds import mtp_heads as kind
-    from trainer.drafters.spec import ProposerOptions
-    from trainer.export.mtp_heads import load
+    from trainer.methods.mtp_heads import kind as kind
+    from trainer.methods.mtp_heads.export import load
+    from trainer.registry import ProposerOptions
 
     torch.set_num_threads(args.threads)
     for model_dir in args.model:

@@ -25,7 +25,7 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trainer.objectives.on_policy import OnPolicyDistillation
+from trainer.methods.draft_model.on_policy import OnPolicyDistillation
 
 TARGETS = {  # name: (layers, hidden, intermediate, heads)
     "test": (2, 64, 128, 4),

@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 from trainer.compare.run import training_prompts as cut_prompts  # noqa: E402
 from trainer.decoding.evaluate import load_prompts  # noqa: E402
 from trainer.decoding.metrics import loop_mask  # noqa: E402
-from trainer.drafters.spec import load_drafter  # noqa: E402
+from trainer.registry import load_drafter  # noqa: E402
 
 PROMPT_CHARS = 160
 

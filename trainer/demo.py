@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from trainer.cli import DraftsmithCLI
 from trainer.data.corpus import prepare_corpus
 from trainer.data.text import TextDataModule
 from trainer.heldout import heldout_loss, unigram_baseline, unigram_counts
+from trainer.recipe import DraftsmithCLI
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "quickstart"
 ARTIFACTS = Path("artifacts")

@@ -468,7 +468,7 @@ def cross_entropy_with_grads(
     :func:`chunked_cross_entropy` computes in float32), turned in place into ``softmax - onehot`` and folded into the
     two gradients, so only one chunk's logits exist at a time. The gradient of the mean is
     ``scale * (softmax(logits) - onehot(label)) / n`` per labelled position, zero elsewhere. Used inside the sequential
-    backward of parallel MTP heads (trainer/drafters/mtp_heads.py), which runs one head's backward at a time.
+    backward of parallel MTP heads (trainer/methods/mtp_heads/module.py), which runs one head's backward at a time.
 
     hidden: [B, S, H]; lm_head_weight: [V, H]; labels: [B, S], aligned with hidden (label i is the target of position
     i). Returns ``(loss [] in the compute dtype, grad of hidden [B, S, H] or None, grad of the weight [V, H] or

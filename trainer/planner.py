@@ -2,7 +2,7 @@
 
     draftsmith plan --config recipes/quickstart/kd.yaml --gpus 8 --gpu-memory 80GB [--target llama-3-8b] [-- FIT ARGS]
 
-The recipe is parsed as ``draftsmith fit`` parses it (:func:`trainer.cli.parse_recipe`: the same ``--config``
+The recipe is parsed as ``draftsmith fit`` parses it (:func:`trainer.recipe.parse_recipe`: the same ``--config``
 composition, the same errors for unknown keys, the signatures' defaults filled in; fit arguments go after ``--``), and
 nothing is instantiated: the target's config comes from ``AutoConfig.from_pretrained(model.init_args.teacher)`` (or
 ``--target-config DIR|config.json``, or a built-in ``--target`` preset for the Llama 3 shapes, no hub needed), the
@@ -290,10 +290,10 @@ def plan_from_recipe(
         overrides: more ``draftsmith fit`` arguments, applied after the configs as fit applies them.
 
     Raises:
-        trainer.cli.RecipeError: a recipe or override ``draftsmith fit`` would refuse (fit's message).
+        trainer.recipe.RecipeError: a recipe or override ``draftsmith fit`` would refuse (fit's message).
         ValueError: a recipe the planner cannot size, or a target config it cannot read.
     """
-    from trainer.cli import parse_recipe
+    from trainer.recipe import parse_recipe
 
     recipe = parse_recipe(configs, overrides)
     if recipe.get("model") is None:

@@ -12,7 +12,7 @@ main process), USR1 to the tasks ``--signal-lead`` seconds before the time limit
 ``--gpus-per-node 0`` renders a CPU job (``accelerator cpu``, ``--tasks-per-node`` processes per node).
 ``--dry-run`` prints the script; otherwise it is written to the log folder and submitted, and the job id is printed.
 
-The recipe is read by the parser of ``draftsmith fit`` (:func:`trainer.cli.parse_recipe`, nothing instantiated), with
+The recipe is read by the parser of ``draftsmith fit`` (:func:`trainer.recipe.parse_recipe`, nothing instantiated), with
 the fit arguments after ``--``: a key fit would refuse is refused before the job is queued, with fit's message. Every
 value that goes into the script is checked first (:func:`check_job`): a control character anywhere (a newline would
 add a line of its own, run on the cluster), and what SLURM does not accept (partition, account and job names, the
@@ -64,7 +64,7 @@ def read_recipe(job: SlurmJob) -> Any:
     A key fit would refuse (misspelled, unknown, of the wrong type) is refused here with fit's message, before a job
     is queued.
     """
-    from trainer.cli import parse_recipe
+    from trainer.recipe import parse_recipe
 
     return parse_recipe(job.configs, job.fit_args)
 

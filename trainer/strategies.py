@@ -130,7 +130,7 @@ class CPUDeepSpeedStrategy(DeepSpeedStrategy):
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options: Any = None) -> None:
         """Save without frozen parameters (also on CUDA): frozen targets are rebuilt from their paths on resume and
-        checked by fingerprint (trainer/objectives/base.py), so a checkpoint holds what training changes."""
+        checked by fingerprint (trainer/objective.py), so a checkpoint holds what training changes."""
         self.exclude_frozen_parameters = True
         super().save_checkpoint(checkpoint, filepath, storage_options)
 

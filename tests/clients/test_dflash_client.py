@@ -27,10 +27,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.clients.venvs import client_python as venv_python
 from tests.clients.venvs import opt_in
-from trainer.decoding.dflash_proposer import DFlashProposer
 from trainer.decoding.generate import speculative_generate
-from trainer.drafters.dflash import DFlashConfig, DFlashDrafter
-from trainer.export import dflash as formats
+from trainer.methods.dflash import export as formats
+from trainer.methods.dflash.module import DFlashConfig, DFlashDrafter
+from trainer.methods.dflash.proposer import DFlashProposer
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("dflash_forward.py")

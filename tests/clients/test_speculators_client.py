@@ -26,9 +26,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.clients.venvs import client_python as venv_python
 from tests.clients.venvs import opt_in
-from trainer.drafters.eagle3 import Eagle3Config, Eagle3Drafter
-from trainer.drafters.vocab_map import build_vocab_map
-from trainer.export import eagle3 as formats
+from trainer.methods.eagle3 import export as formats
+from trainer.methods.eagle3.module import Eagle3Config, Eagle3Drafter
+from trainer.methods.eagle3.vocab_map import build_vocab_map
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("speculators_forward.py")

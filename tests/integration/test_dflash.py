@@ -16,10 +16,10 @@ from tests.recipe_runs import data_overrides, fit, merge, trainer_overrides
 from trainer.decoding.evaluate import resolve_drafter
 from trainer.decoding.generate import speculative_generate
 from trainer.decoding.proposers import NoProposer
-from trainer.drafters.spec import ProposerOptions
 from trainer.export.checkpoint import load_training_checkpoint
 from trainer.export.cli import main as export_main
-from trainer.export.dflash import load_speculators, load_zlab
+from trainer.methods.dflash.export import load_speculators, load_zlab
+from trainer.registry import ProposerOptions
 
 pytestmark = pytest.mark.slow
 

@@ -13,15 +13,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.recipe_runs import data_overrides, fit, merge, trainer_overrides
-from trainer.decoding.eagle3_proposer import Eagle3Proposer, Eagle3TreeProposer
 from trainer.decoding.generate import speculative_generate
 from trainer.decoding.proposers import NoProposer
 from trainer.decoding.tree import DraftTree
-from trainer.drafters.spec import load_drafter
-from trainer.drafters.vocab_map import vocab_map_from_rows
 from trainer.export.checkpoint import load_training_checkpoint
 from trainer.export.cli import main as export_main
-from trainer.export.eagle3 import load_native, load_speculators
+from trainer.methods.eagle3.export import load_native, load_speculators
+from trainer.methods.eagle3.proposer import Eagle3Proposer, Eagle3TreeProposer
+from trainer.methods.eagle3.vocab_map import vocab_map_from_rows
+from trainer.registry import load_drafter
 
 pytestmark = pytest.mark.slow
 

@@ -22,10 +22,10 @@ from tests.recipe_runs import fit, merge, trainer_overrides
 from trainer.data.precompute import main as precompute_main
 from trainer.data.shard_datamodule import ShardDataModule
 from trainer.data.text import TextDataModule
-from trainer.drafters.vocab_map import count_label_tokens, vocab_map_from_rows
 from trainer.export.checkpoint import load_training_checkpoint
-from trainer.objectives.base import count_params
-from trainer.objectives.eagle3 import Eagle3
+from trainer.methods.eagle3.objective import Eagle3
+from trainer.methods.eagle3.vocab_map import count_label_tokens, vocab_map_from_rows
+from trainer.objective import count_params
 from trainer.target import FrozenTarget, TargetEmbeddings
 
 AUX = [0, 1, 2]  # the tiny target has 2 layers: hidden_states 0..2

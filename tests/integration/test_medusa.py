@@ -15,8 +15,8 @@ from tests.integration.test_eagle3_offline import run_precompute
 from tests.integration.test_shards import losses, record, text_data
 from tests.recipe_runs import fit, merge, trainer_overrides
 from trainer.decoding.evaluate import main as eval_main
-from trainer.drafters.spec import load_drafter
 from trainer.export.cli import main as export_main
+from trainer.registry import load_drafter
 
 pytestmark = pytest.mark.slow
 MODEL = {"num_heads": 3, "chunk_size": 64}

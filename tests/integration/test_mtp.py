@@ -13,10 +13,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tests.recipe_runs import TINY_MODEL, data_overrides, fit, merge, trainer_overrides
 from trainer.decoding.evaluate import evaluate_drafter, load_prompts, resolve_drafter
 from trainer.decoding.evaluate import main as eval_main
-from trainer.drafters.spec import ProposerOptions, recognise
 from trainer.export.checkpoint import load_training_checkpoint
 from trainer.export.cli import main as export_main
-from trainer.objectives.mtp import SequentialMTP
+from trainer.methods.mtp.objective import SequentialMTP
+from trainer.registry import ProposerOptions, recognise
 
 pytestmark = pytest.mark.slow
 

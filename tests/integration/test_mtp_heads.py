@@ -15,9 +15,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tests.recipe_runs import TINY_MODEL, data_overrides, fit, merge, trainer_overrides
 from trainer.decoding.evaluate import main as eval_main
 from trainer.export.cli import main as export_main
-from trainer.export.mtp_heads import load as load_export
-from trainer.objectives.mtp_heads import ParallelMTPHeads
-from trainer.objectives.pretrain import CausalLMPretraining
+from trainer.methods.draft_model.pretrain import CausalLMPretraining
+from trainer.methods.mtp_heads.export import load as load_export
+from trainer.methods.mtp_heads.objective import ParallelMTPHeads
 
 STEPS = 6
 

@@ -51,7 +51,7 @@ def _worker(model_dir: str, out_dir: str) -> None:
 def _fits(model_dir: str, out_dir: Path, strategy_name: str) -> None:
     import lightning as L
 
-    from trainer.objectives.mtp_heads import ParallelMTPHeads
+    from trainer.methods.mtp_heads.objective import ParallelMTPHeads
     from trainer.strategies import CPUDeepSpeedStrategy, FSDP2Strategy, full_state_dict
 
     class SGDHeads(ParallelMTPHeads):

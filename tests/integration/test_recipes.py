@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from tests.recipe_runs import RECIPES
-from trainer.cli import DraftsmithCLI, main, parse_recipe
+from trainer.cli import main
+from trainer.recipe import DraftsmithCLI, parse_recipe
 
 RECIPE_FILES = sorted(p for p in RECIPES.rglob("*.yaml") if "_base" not in p.parts)
 BASE_PIECES = sorted((RECIPES / "_base").glob("*.yaml"))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.cli import DraftsmithCLI, RecipeError, parse_recipe
+from trainer.recipe import DraftsmithCLI, RecipeError, parse_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "recipes" / "quickstart"
@@ -32,7 +32,7 @@ def _signature_default(cls: type, name: str):
 @pytest.mark.parametrize("recipe", FIT_RECIPES, ids=lambda p: p.name)
 def test_quickstart_recipes_parse_without_their_artifacts(recipe):
     config = parse_recipe([str(recipe)])
-    assert config.model.class_path.startswith("trainer.objectives.")
+    assert config.model.class_path.startswith("trainer.methods.")
     assert config.data.class_path.startswith("trainer.data.")
     assert config.trainer.callbacks[0].class_path == "lightning.pytorch.callbacks.ModelCheckpoint"
     assert config.ckpt_path is None
@@ -43,7 +43,7 @@ def test_nothing_is_built_or_downloaded(monkeypatch):
     import transformers
     from lightning.pytorch import Trainer
 
-    from trainer.objectives.eagle3 import Eagle3
+    from trainer.methods.eagle3.objective import Eagle3
 
     def refusing(function):
         @functools.wraps(function)  # the same signature: the parser reads it
@@ -62,7 +62,7 @@ def test_nothing_is_built_or_downloaded(monkeypatch):
 
 def test_defaults_the_recipe_omits_come_from_the_signatures():
     from trainer.data.text import TextDataModule
-    from trainer.objectives.kd import KnowledgeDistillation
+    from trainer.methods.draft_model.kd import KnowledgeDistillation
 
     text = Path(KD).read_text()
     assert "beta:" not in text and "num_workers:" not in text and "accumulate_grad_batches" not in text

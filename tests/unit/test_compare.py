@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import tiny_llama
-from trainer.cli import parse_recipe
 from trainer.compare.config import Budget, CompareConfigError, read_config
 from trainer.compare.fit_logs import steps_for_budget, tokens_at
 from trainer.compare.footprint import footprint
 from trainer.compare.report import METRICS, metric, ordering_flips, write_report
 from trainer.compare.run import Comparison, training_prompts
+from trainer.recipe import parse_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 KD = str(ROOT / "recipes" / "quickstart" / "kd.yaml")

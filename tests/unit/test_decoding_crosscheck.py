@@ -11,7 +11,8 @@ from transformers import LlamaForCausalLM, MistralConfig, MistralForCausalLM
 from tests.helpers import tiny_llama
 from trainer.decoding import metrics
 from trainer.decoding.generate import RoundStats, speculative_generate
-from trainer.decoding.proposers import DraftModelProposer, NoProposer, PromptLookupProposer, ProposalContext
+from trainer.decoding.proposers import NoProposer, PromptLookupProposer, ProposalContext
+from trainer.methods.draft_model.proposer import DraftModelProposer
 
 from .test_decoding_greedy import train_student
 

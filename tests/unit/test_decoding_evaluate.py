@@ -14,7 +14,7 @@ from tests.helpers import tiny_llama
 from trainer.decoding.callback import SpeculativeEvalCallback
 from trainer.decoding.evaluate import SpeculativeMismatchError, check_identity, main
 from trainer.decoding.generate import GenerationResult
-from trainer.drafters.kinds import hf_causal_lm
+from trainer.methods.draft_model import kind as hf_causal_lm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -16,13 +16,13 @@ from tests.helpers import tiny_llama
 from trainer.decoding.generate import speculative_generate
 from trainer.decoding.metrics import tau
 from trainer.decoding.proposers import (
-    DraftModelProposer,
     NoProposer,
     OracleProposer,
     PromptLookupProposer,
     ProposalContext,
 )
 from trainer.decoding.tree import DraftTree
+from trainer.methods.draft_model.proposer import DraftModelProposer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -8,7 +8,6 @@ import torch
 from tests.helpers import tiny_llama
 from trainer.decoding.generate import speculative_generate
 from trainer.decoding.proposers import (
-    DraftModelProposer,
     NoProposer,
     OracleProposer,
     ProposalContext,
@@ -17,7 +16,8 @@ from trainer.decoding.proposers import (
     registered_proposers,
 )
 from trainer.decoding.tree import DraftTree
-from trainer.drafters.spec import ProposerOptions
+from trainer.methods.draft_model.proposer import DraftModelProposer
+from trainer.registry import ProposerOptions
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -11,9 +11,10 @@ from scipy import stats
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainer.decoding.generate import speculative_generate
-from trainer.decoding.proposers import DraftModelProposer, ProposalContext
+from trainer.decoding.proposers import ProposalContext
 from trainer.decoding.tree import DraftTree
 from trainer.decoding.verify import probs_from_logits, sampling_verify_chain, sampling_verify_tree
+from trainer.methods.draft_model.proposer import DraftModelProposer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

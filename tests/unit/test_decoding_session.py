@@ -7,11 +7,11 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from tests.helpers import tiny_llama, tiny_model
-from trainer.decoding.early_exit import EarlyExitProposer
 from trainer.decoding.generate import speculative_generate
 from trainer.decoding.proposers import NoProposer, PromptLookupProposer
 from trainer.decoding.session import FINAL_PRENORM, TargetSession
 from trainer.decoding.tree import DraftTree
+from trainer.methods.layerskip.proposer import EarlyExitProposer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

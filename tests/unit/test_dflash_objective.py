@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trainer.objectives.dflash import DFlash
+from trainer.methods.dflash.objective import DFlash
 
 V, LAYERS = 64, 4
 

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from tests.helpers import tiny_llama
-from trainer.decoding.dflash_proposer import DFlashProposer, DFlashTreeProposer
 from trainer.decoding.generate import speculative_generate
 from trainer.decoding.proposers import NoProposer, ProposalContext
-from trainer.drafters.dflash import DFlashConfig, DFlashDrafter
+from trainer.methods.dflash.module import DFlashConfig, DFlashDrafter
+from trainer.methods.dflash.proposer import DFlashProposer, DFlashTreeProposer
 
 VOCAB = 128
 

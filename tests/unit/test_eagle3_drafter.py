@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.drafters.eagle3 import (
+from trainer.methods.eagle3.module import (
     Eagle3Config,
     Eagle3Drafter,
     default_aux_layers,
@@ -16,7 +16,7 @@ from trainer.drafters.eagle3 import (
     ttt_attention,
     ttt_mask,
 )
-from trainer.drafters.vocab_map import build_vocab_map, count_label_tokens
+from trainer.methods.eagle3.vocab_map import build_vocab_map, count_label_tokens
 
 
 def small_config(vocab: int = 50, draft_vocab: int = 20, aux=(1, 2, 3), target_hidden: int = 12) -> Eagle3Config:

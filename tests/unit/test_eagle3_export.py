@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.unit.test_eagle3_drafter import small_drafter
-from trainer.drafters.spec import load_drafter, recognise
-from trainer.export.eagle3 import load_native, load_speculators, save_native, save_speculators
 from trainer.export.files import WEIGHTS
+from trainer.methods.eagle3.export import load_native, load_speculators, save_native, save_speculators
+from trainer.registry import load_drafter, recognise
 
 
 def logits_of(drafter, embedding, seed=0):

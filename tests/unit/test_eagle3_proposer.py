@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from tests.helpers import tiny_llama
-from trainer.decoding.eagle3_proposer import Eagle3Proposer, Eagle3TreeProposer
 from trainer.decoding.generate import speculative_generate
 from trainer.decoding.proposers import NoProposer, ProposalContext
-from trainer.drafters.eagle3 import Eagle3Config, Eagle3Drafter
-from trainer.drafters.vocab_map import build_vocab_map
+from trainer.methods.eagle3.module import Eagle3Config, Eagle3Drafter
+from trainer.methods.eagle3.proposer import Eagle3Proposer, Eagle3TreeProposer
+from trainer.methods.eagle3.vocab_map import build_vocab_map
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from tests.helpers import tiny_llama
 from trainer.decoding.evaluate import resolve_drafter
-from trainer.drafters.spec import ProposerOptions, load_drafter, recognise
-from trainer.objectives.layerskip import LayerSkip, dropout_rates, exit_scales
+from trainer.methods.layerskip.objective import LayerSkip, dropout_rates, exit_scales
+from trainer.registry import ProposerOptions, load_drafter, recognise
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 V = 40
@@ -110,7 +110,7 @@ def test_a_model_whose_layers_cannot_be_sliced_is_refused(tmp_path) -> None:
 
 
 def test_the_export_is_a_layerskip_model_that_transformers_runs_with_assistant_early_exit(model_dir, tmp_path) -> None:
-    from trainer.drafters.kinds.layerskip import HF
+    from trainer.methods.layerskip.kind import HF
 
     model = LayerSkip(str(model_dir), early_exit_layers=[1], p_max=0.2)
     out = HF.write(model.model, model.drafter_record(), tmp_path / "out")

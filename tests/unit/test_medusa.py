@@ -13,13 +13,20 @@ from torch import nn
 
 from tests.helpers import tiny_llama
 from trainer.decoding.generate import speculative_generate
-from trainer.decoding.head_tree import MEDUSA_SPARSE_TREE
-from trainer.decoding.heads_proposer import MedusaProposer
 from trainer.decoding.proposers import NoProposer
-from trainer.drafters.medusa import MedusaConfig, MedusaDrafter
-from trainer.drafters.spec import load_drafter, recognise
-from trainer.export.medusa import TGI_WEIGHTS, VLLM_WEIGHTS, load_tgi, load_vllm, save_tgi, save_vllm, vllm_config_keys
-from trainer.objectives.medusa import Medusa, shifted, warmup_factor
+from trainer.methods.medusa.export import (
+    TGI_WEIGHTS,
+    VLLM_WEIGHTS,
+    load_tgi,
+    load_vllm,
+    save_tgi,
+    save_vllm,
+    vllm_config_keys,
+)
+from trainer.methods.medusa.module import MedusaConfig, MedusaDrafter
+from trainer.methods.medusa.objective import Medusa, shifted, warmup_factor
+from trainer.methods.medusa.proposer import MEDUSA_SPARSE_TREE, MedusaProposer
+from trainer.registry import load_drafter, recognise
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 V, H = 48, 16
@@ -89,7 +96,7 @@ def test_labels_shift_and_heads_start_from_the_target_head(target_dir, caplog) -
         torch.testing.assert_close(heads(hidden)[:, 1], target.lm_head(hidden + shift), rtol=1e-6, atol=1e-6)
     tied = tiny_llama(1, vocab=V, hidden=H, dtype=torch.float32, tie_word_embeddings=True)
     tied.save_pretrained(target_dir.parent / "tied")
-    with caplog.at_level("INFO", logger="trainer.objectives.medusa"):
+    with caplog.at_level("INFO", logger="trainer.methods.medusa.objective"):
         heads = Medusa(str(target_dir.parent / "tied"), num_heads=2).drafter.heads  # a tied target: the embedding
     torch.testing.assert_close(heads.lm_heads[0].weight, tied.get_input_embeddings().weight, rtol=0, atol=0)
     assert "ties its input embedding and lm_head" in caplog.text  # the user is told how the heads start

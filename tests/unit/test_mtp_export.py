@@ -16,10 +16,10 @@ from transformers import AutoModelForCausalLM
 from transformers.masking_utils import create_causal_mask
 
 from tests.helpers import tiny_llama, tiny_model
-from trainer.drafters.kinds import mtp as kind
-from trainer.drafters.mtp import MTPConfig, MTPDrafter
-from trainer.drafters.spec import kinds
-from trainer.export import mtp as exports
+from trainer.methods.mtp import export as exports
+from trainer.methods.mtp import kind as kind
+from trainer.methods.mtp.module import MTPConfig, MTPDrafter
+from trainer.registry import kinds
 
 IDS = torch.tensor([[5, 3, 9, 1, 7, 2, 8, 4, 6, 0, 11, 12]])
 

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import tiny_llama, tiny_model
-from trainer.drafters.mtp_heads import MTPHeads, head_labels
 from trainer.losses import cross_entropy_with_grads
+from trainer.methods.mtp_heads.module import MTPHeads, head_labels
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 VOCAB = 48
@@ -172,8 +172,8 @@ def test_evaluation_measures_each_heads_agreement_with_head_0_a_few_positions_la
 
 
 def test_the_objective_picks_its_backward_for_the_strategy_and_can_train_the_heads_alone(tmp_path, monkeypatch):
-    from trainer.objectives.mtp_heads import ParallelMTPHeads, mtp_flops_per_token
-    from trainer.objectives.pretrain import causal_lm_flops_per_token
+    from trainer.methods.draft_model.pretrain import causal_lm_flops_per_token
+    from trainer.methods.mtp_heads.objective import ParallelMTPHeads, mtp_flops_per_token
 
     tiny_llama(7, vocab=VOCAB, hidden=32, layers=3).save_pretrained(tmp_path / "model")
     objective = ParallelMTPHeads(model=str(tmp_path / "model"), n_heads=3, train="heads", dtype="float64")

@@ -17,13 +17,13 @@ from tests.helpers import tiny_llama
 from trainer.decoding.evaluate import resolve_drafter
 from trainer.decoding.generate import speculative_generate
 from trainer.decoding.head_tree import tree_for_budget
-from trainer.decoding.mtp_heads_proposer import MTPHeadsProposer
 from trainer.decoding.proposers import NoProposer
-from trainer.drafters.kinds import mtp_heads as mtp_kind
-from trainer.drafters.mtp_heads import MTPHeads, default_accuracy
-from trainer.drafters.spec import ProposerOptions, load_drafter
-from trainer.export import mtp_heads as mtp_export
 from trainer.export.cli import export
+from trainer.methods.mtp_heads import export as mtp_export
+from trainer.methods.mtp_heads import kind as mtp_kind
+from trainer.methods.mtp_heads.module import MTPHeads, default_accuracy
+from trainer.methods.mtp_heads.proposer import MTPHeadsProposer
+from trainer.registry import ProposerOptions, load_drafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 VOCAB = 16  # a small vocabulary: random heads' guesses are often right, so paths get accepted
@@ -118,7 +118,7 @@ def test_an_exported_folder_is_recognised_as_mtp_heads(tmp_path) -> None:
     heads = heads_of(3, dtype=torch.float32)
     mtp_export.save(heads, tmp_path / "out", None)
     code = (
-        "import sys; from pathlib import Path; from trainer.drafters.spec import recognise as r; "
+        "import sys; from pathlib import Path; from trainer.registry import recognise as r; "
         "k, f = r(Path(sys.argv[1])); print(k.name, f.name)"
     )
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out")], capture_output=True, text=True)

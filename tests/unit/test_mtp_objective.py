@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import tiny_llama, tiny_model
-from trainer.drafters.mtp import MTPConfig, MTPDrafter, MTPModules
-from trainer.objectives.mtp import SequentialMTP, mtp_weight
+from trainer.methods.mtp.module import MTPConfig, MTPDrafter, MTPModules
+from trainer.methods.mtp.objective import SequentialMTP, mtp_weight
 
 
 def saved_trunk(path, family: str = "llama"):
@@ -102,7 +102,7 @@ def test_pretrain_loss_schedule_and_shared_gradients(tiny_corpus, one_thread):
 def test_pretraining_starts_from_the_tiny_targets_initial_weights(tiny_corpus):
     """With the same seed and shape, the trunk starts as recipes/quickstart/tiny_target.yaml's model: the held-out
     losses of the two runs compare (README, MTP)."""
-    from trainer.objectives.pretrain import CausalLMPretraining
+    from trainer.methods.draft_model.pretrain import CausalLMPretraining
 
     shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 4}  # fmt: skip

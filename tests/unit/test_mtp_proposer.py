@@ -11,10 +11,10 @@ import torch
 
 from tests.helpers import tiny_llama, tiny_model
 from trainer.decoding.generate import speculative_generate
-from trainer.decoding.mtp_proposer import MTPProposer
 from trainer.decoding.proposers import NoProposer
 from trainer.decoding.session import FINAL_PRENORM
-from trainer.drafters.mtp import MTPConfig, MTPDrafter
+from trainer.methods.mtp.module import MTPConfig, MTPDrafter
+from trainer.methods.mtp.proposer import MTPProposer
 
 VOCAB = 16  # small, so that random modules get drafts accepted and rounds commit several tokens
 

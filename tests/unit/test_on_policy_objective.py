@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trainer.objectives.kd import KnowledgeDistillation
-from trainer.objectives.on_policy import OnPolicyDistillation, assemble, left_pad, prompt_lengths
+from trainer.methods.draft_model.kd import KnowledgeDistillation
+from trainer.methods.draft_model.on_policy import OnPolicyDistillation, assemble, left_pad, prompt_lengths
 
 EOS, PAD, VOCAB = 1, 0, 64
 STUDENT = {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 48}

@@ -143,7 +143,7 @@ def test_what_a_recipe_omits_comes_from_the_signatures(tmp_path):
     """A recipe without chunk_size, batch_size, seq_len and precision: the KD objective's, the datamodule's and
     the Trainer's defaults, as fit would use them."""
     from trainer.data.text import TextDataModule
-    from trainer.objectives.kd import KnowledgeDistillation
+    from trainer.methods.draft_model.kd import KnowledgeDistillation
 
     lines = Path(KD).read_text().splitlines()
     dropped = ("chunk_size:", "batch_size:", "seq_len:", "precision:")

@@ -18,7 +18,7 @@ def steps_for_budget(budget: Budget, recipe: str, fit_args: list[str]) -> int | 
         return budget.steps
     if budget.tokens is None:
         return None
-    from trainer.cli import RecipeError, parse_recipe
+    from trainer.recipe import RecipeError, parse_recipe
 
     try:
         fit = parse_recipe([recipe], fit_args)

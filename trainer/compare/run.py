@@ -112,7 +112,7 @@ class Comparison:
     def check_methods(self) -> None:
         """Every training method's recipe and fit arguments, read by fit's own parser (nothing built, no file read):
         a misspelled key stops the comparison before anything runs, naming the method."""
-        from trainer.cli import RecipeError, parse_recipe
+        from trainer.recipe import RecipeError, parse_recipe
 
         for i, method in enumerate(self.config.methods):
             if method.trains:

@@ -309,7 +309,7 @@ class ShardDataModule(L.LightningDataModule):
 
         The convention of TextDataModule's rows (trainer/data/packing.py): ``trained[j]`` flags token ``j`` as a
         trained label, so ``trained[1:]`` is a shard's ``loss_mask`` and ``trained[0]`` (never a label) is False.
-        Counting these with trainer/drafters/vocab_map.py gives the counts of the same rows read through
+        Counting these with trainer/methods/eagle3/vocab_map.py gives the counts of the same rows read through
         TextDataModule. Only tokens and loss masks are decoded (no top-k, no hidden states); every rank reads every
         training shard. Broken shards raise, or with ``on_error="skip"`` the rest of the shard is skipped and logged.
         """

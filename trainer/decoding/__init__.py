@@ -12,7 +12,6 @@
 
 from trainer.decoding.generate import GenerationResult, RoundStats, speculative_generate, verify_round
 from trainer.decoding.proposers import (
-    DraftModelProposer,
     NoProposer,
     PromptLookupProposer,
     ProposalContext,
@@ -23,7 +22,6 @@ from trainer.decoding.proposers import (
 from trainer.decoding.tree import DraftTree
 
 __all__ = [
-    "DraftModelProposer",
     "DraftTree",
     "GenerationResult",
     "NoProposer",

@@ -1,9 +1,9 @@
 """A Lightning callback that measures tau with real speculative decoding every N training steps.
 
 Every objective that trains a drafter implements the protocol :class:`SpeculativeEvalModule` through the base class
-(trainer/objectives/base.py): ``speculative_eval_target()`` (the frozen HF target, on the module's device),
+(trainer/objective.py): ``speculative_eval_target()`` (the frozen HF target, on the module's device),
 ``trainable_module()`` (the drafter as it is being trained) and ``drafter_record()`` (what it is). The callback asks
-the record's drafter kind for a proposer (trainer/drafters/spec.py), the same factory ``draftsmith eval`` uses, so
+the record's drafter kind for a proposer (trainer/registry.py), the same factory ``draftsmith eval`` uses, so
 what is logged during training is what ``eval`` measures afterwards.
 
 Every ``every_n_steps`` optimizer steps, and at the last step, the callback decodes the held-out prompts greedily
@@ -27,7 +27,7 @@ from transformers import PreTrainedModel
 from trainer.decoding import metrics
 from trainer.decoding.evaluate import check_identity, load_prompts, loop_statistics, run_prompts
 from trainer.decoding.proposers import NoProposer
-from trainer.drafters.spec import DrafterRecord, ProposerOptions, get_kind
+from trainer.registry import DrafterRecord, ProposerOptions, get_kind
 
 
 @runtime_checkable

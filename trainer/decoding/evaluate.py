@@ -30,7 +30,7 @@ from trainer.decoding.head_tree import tree_for_budget
 from trainer.decoding.heads_proposer import ParallelHeadsProposer, measure_head_accuracy
 from trainer.decoding.proposers import NoProposer, Proposer, build_proposer, registered_proposers
 from trainer.decoding.report import write_report
-from trainer.drafters.spec import ProposerOptions, check_target, get_kind, load_drafter
+from trainer.registry import ProposerOptions, check_target, get_kind, load_drafter
 from trainer.vocab import load_tokenizer_if_present
 
 log = logging.getLogger(__name__)

@@ -87,23 +87,3 @@ def measure_head_accuracy(
     if not ranks:
         raise ValueError("no drafting round to measure the heads on: longer outputs or more prompts are needed")
     return head_accuracy(torch.stack(ranks), top_k)
-
-
-class MedusaProposer(ParallelHeadsProposer):
-    """Medusa heads on the target's final normed hidden state (HF ``hidden_states[L]``)."""
-
-    def __init__(self, heads, num_layers: int, choices: Sequence[Sequence[int]] | None = None) -> None:
-        """
-        Args:
-            heads: trainer.drafters.medusa.MedusaHeads (eval mode is set here).
-            num_layers: L, the target's layer count (its final normed hidden state is ``hidden_states[L]``).
-            choices: tree paths, or None for the argmax chain.
-        """
-        super().__init__(num_layers, heads.config.num_heads, choices)
-        self.heads = heads.eval()
-
-    def head_logits(self, ctx: ProposalContext) -> torch.Tensor:
-        (layer,) = self.needs_hidden_states
-        if layer not in ctx.hidden_states:
-            raise ValueError(f"the Medusa proposer needs the target's hidden states of layer {layer}")
-        return self.heads(ctx.hidden_states[layer][-1])  # [K, V]

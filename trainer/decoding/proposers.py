@@ -3,10 +3,10 @@ that need no training.
 
 A proposer is called once per round with a :class:`ProposalContext` and returns a :class:`DraftTree` (a chain for
 most). The engine never looks inside a proposer. Trained drafters get theirs from their drafter kind
-(trainer/drafters/spec.py: ``draftsmith eval --drafter PATH`` loads the drafter and asks its kind); drafters that
+(trainer/registry.py: ``draftsmith eval --drafter PATH`` loads the drafter and asks its kind); drafters that
 need no weights register a name here with ``@register_proposer("name")`` and a classmethod
 ``from_options(target, options)`` (``draftsmith eval --drafter NAME``): ``none``, ``prompt-lookup`` and
-``early-exit`` (the target's own first layers, trainer/decoding/early_exit.py).
+``early-exit`` (the target's own first layers, trainer/methods/layerskip/proposer.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from typing import Protocol, TypeVar, runtime_checkable
 import torch
 from transformers import PreTrainedModel
 
-from trainer.decoding.cache import new_cache, truncate_cache
 from trainer.decoding.session import TargetSession
 from trainer.decoding.tree import DraftTree
 from trainer.decoding.verify import probs_from_logits
@@ -102,8 +101,9 @@ def register_proposer(name: str) -> Callable[[P], P]:
 
 def registered_proposers() -> list[str]:
     """Names of the registered proposers."""
-    import trainer.decoding.early_exit  # noqa: F401  (registers early-exit)
+    from trainer.registry import kinds
 
+    kinds()  # the methods' proposers that need no weights (early-exit) register when their kind is imported
     return sorted(_REGISTRY)
 
 
@@ -113,7 +113,7 @@ def build_proposer(name: str, target: PreTrainedModel | None, options=None) -> P
     Args:
         name: a registered name (see :func:`registered_proposers`).
         target: the HF target model.
-        options: a trainer.drafters.spec.ProposerOptions, for the proposers that read one (None: defaults).
+        options: a trainer.registry.ProposerOptions, for the proposers that read one (None: defaults).
     """
     if name not in registered_proposers():
         raise ValueError(f"unknown proposer {name!r}; registered: {', '.join(registered_proposers())}")
@@ -180,65 +180,6 @@ class PromptLookupProposer:
                 if drafts.numel():
                     return DraftTree.chain(drafts.clone())
         return DraftTree.empty(tokens.device)
-
-
-class DraftModelProposer:
-    """A separate HF causal LM drafting autoregressively, with its own KV cache reused across rounds.
-
-    The proposer remembers which tokens its cache holds; at each round it keeps the longest prefix that agrees with
-    the committed tokens, so accepted drafts are not recomputed. Its logits are cut (or padded with -inf) to the
-    target's vocabulary.
-    """
-
-    needs_hidden_states: tuple[int, ...] = ()
-
-    def __init__(self, model: PreTrainedModel) -> None:
-        """
-        Args:
-            model: the draft model (eval mode is set here; it shares the target's tokenizer).
-        """
-        self.model = model.eval()
-        self.cache = new_cache(model.config)
-        self.cached: list[int] = []
-
-    def reset(self) -> None:
-        """Drop the cache."""
-        self.cache = new_cache(self.model.config)
-        self.cached = []
-
-    def _logits(self, new_tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        """Feed ``[n]`` tokens after the cache; the last position's logits in the target vocabulary: ``[V]``."""
-        out = self.model(input_ids=new_tokens[None], cache=self.cache, use_cache=True, logits_to_keep=1)
-        self.cache = out.cache if getattr(out, "cache", None) is not None else self.cache
-        self.cached.extend(new_tokens.tolist())
-        logits = out.logits[0, -1]  # [V_draft]
-        if logits.shape[-1] >= vocab_size:
-            return logits[:vocab_size]
-        pad = logits.new_full((vocab_size - logits.shape[-1],), float("-inf"))
-        return torch.cat([logits, pad])  # [V]
-
-    @torch.no_grad()
-    def propose(self, ctx: ProposalContext) -> DraftTree:
-        """``ctx.k`` drafts, greedy or sampled at ``ctx.temperature``."""
-        tokens = ctx.tokens  # [T]
-        if ctx.k <= 0:
-            return DraftTree.empty(tokens.device)
-        committed = tokens.tolist()
-        common = 0
-        for a, b in zip(self.cached, committed):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(committed) - 1)  # at least one token to feed, for fresh logits
-        truncate_cache(self.cache, common)
-        del self.cached[common:]
-        drafts, probs = [], []
-        feed = tokens[common:]  # [T - common]
-        for _ in range(ctx.k):
-            feed, p = draw(self._logits(feed, ctx.vocab_size), ctx)
-            drafts.append(feed)
-            probs.append(p)
-        return DraftTree.chain(torch.cat(drafts), torch.stack(probs) if ctx.temperature > 0 else None)
 
 
 class OracleProposer:

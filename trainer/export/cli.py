@@ -1,7 +1,7 @@
 """``draftsmith export --ckpt CKPT --out DIR [--format FORMAT]``: a trained drafter in a serving engine's format.
 
 The checkpoint's drafter record says what the drafter is; its kind says which formats it can be written in
-(trainer/drafters/spec.py). Without ``--format`` the kind's first format is written.
+(trainer/registry.py). Without ``--format`` the kind's first format is written.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from trainer.drafters.spec import DrafterRecord, get_kind, is_training_checkpoint, kinds
+from trainer.registry import DrafterRecord, get_kind, is_training_checkpoint, kinds
 
 
 def _formats_help() -> str:

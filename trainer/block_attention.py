@@ -1,0 +1,174 @@
+"""Block-sparse attention for drafters trained on many draft positions of a sequence in one pass: DFlash's anchored
+blocks and EAGLE-3's training-time test (TTT). One mask per pattern, two implementations of it:
+
+- ``flex``: torch's flex attention over a ``BlockMask`` built from the pattern's ``mask_mod``. Fused and compiled, it
+  skips tiles the mask leaves empty and saves only the log-sum-exp for backward, never the probabilities. It runs on
+  CUDA; on CPU torch 2.13 has no flex backward (``NotImplementedError: FlexAttention does not support backward on
+  CPU``), and its uncompiled forward materialises every score, so on CPU it serves the tests only.
+- ``dense``: a mask-aware dense computation for each pattern, exact for any device, that never builds the full
+  ``[queries, keys]`` mask (see each function). ``impl="auto"`` picks flex on CUDA and dense elsewhere.
+
+DFlash layout (trainer/methods/dflash/module.py). A sequence of ``S`` context positions carries ``N`` blocks of ``b``
+slots each; block ``j`` starts at anchor position ``a_j`` and its slots sit at positions ``a_j .. a_j + b - 1``.
+Queries: the ``N * b`` slots, block after block. Keys: the ``S`` context entries, then the ``N * b`` slots. Slot
+``(j, s)`` sees context entry ``c`` iff ``c < a_j`` (the anchor's own target features are not known when its block
+is drafted) and every slot of its own block (non-causal), nothing of other blocks.
+
+EAGLE-3 TTT layout (trainer/methods/eagle3/module.py). At unrolled step ``i`` the keys are those of steps ``0..i`` over
+the same ``S`` positions, concatenated in step order; query ``t`` sees the step-0 keys ``0..t`` (causal) and, for
+every later step, only the key at its own position ``t``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+
+Impl = Literal["auto", "flex", "dense"]
+IMPLS = ("auto", "flex", "dense")
+
+_compiled_flex: Callable | None = None
+
+
+def resolve_impl(impl: str, device: torch.device, needs_grad: bool) -> str:
+    """``flex`` or ``dense`` for ``impl`` on ``device``; an error naming the value when flex cannot run there."""
+    if impl not in IMPLS:
+        raise ValueError(f"attention implementation {impl!r} is not one of {IMPLS}")
+    if impl == "auto":
+        return "flex" if device.type == "cuda" else "dense"
+    if impl == "flex" and device.type != "cuda" and needs_grad:
+        raise ValueError(
+            f"attention='flex' cannot train on {device.type}: torch has no flex-attention backward there; use "
+            "'dense' (or 'auto', which picks flex on CUDA only)"
+        )
+    return impl
+
+
+def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_mod, batch: int) -> torch.Tensor:
+    """Flex attention of q [B, nh, Q, D] over k, v [B, nkv, K, D] under ``mask_mod(b, h, q_idx, kv_idx)``.
+
+    Compiled on CUDA (fused kernels); elsewhere the uncompiled reference (forward only, every score materialised).
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    global _compiled_flex
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:  # repeat rather than enable_gqa: the uncompiled reference path refuses some GQA layouts
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    block_mask = create_block_mask(mask_mod, batch, None, q.shape[2], k.shape[2], device=q.device)
+    if q.device.type == "cuda":
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex, dynamic=False)
+        return _compiled_flex(q, k, v, block_mask=block_mask)
+    with warnings.catch_warnings():  # "flex_attention called without torch.compile()": intended off CUDA
+        warnings.simplefilter("ignore", UserWarning)
+        return flex(q, k, v, block_mask=block_mask)
+
+
+# ---- DFlash: anchored blocks ---------------------------------------------------------------------------------------
+
+
+def anchored_block_mask(anchors: torch.Tensor, context_len: int, block: int) -> torch.Tensor:
+    """The DFlash mask written out: bool [B, N * b, S + N * b] (True: may attend), for tests and for reading.
+
+    anchors: [B, N] anchor positions; context_len: S; block: b.
+    """
+    B, N = anchors.shape
+    q = torch.arange(N * block, device=anchors.device)  # [Q]
+    kv = torch.arange(context_len + N * block, device=anchors.device)  # [K]
+    q_block = q // block  # [Q]
+    anchor = anchors[:, q_block]  # [B, Q]
+    context = (kv[None, None, :] < context_len) & (kv[None, None, :] < anchor[:, :, None])  # [B, Q, K]
+    same = (kv[None, :] >= context_len) & ((kv[None, :] - context_len) // block == q_block[:, None])  # [Q, K]
+    return context | same[None]
+
+
+def anchored_block_mask_mod(anchors: torch.Tensor, context_len: int, block: int):
+    """The flex ``mask_mod`` of :func:`anchored_block_mask`."""
+
+    last = anchors.shape[1] - 1
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        q_block = q_idx // block
+        anchor = anchors[b, torch.clamp(q_block, max=last)]  # flex may evaluate padded query indices
+        context = (kv_idx < context_len) & (kv_idx < anchor)
+        same = (kv_idx >= context_len) & ((kv_idx - context_len) // block == q_block)
+        return context | same
+
+    return mask_mod
+
+
+def anchored_block_attention(
+    q: torch.Tensor,
+    k_ctx: torch.Tensor,
+    v_ctx: torch.Tensor,
+    k_blk: torch.Tensor,
+    v_blk: torch.Tensor,
+    anchors: torch.Tensor,
+    block: int,
+    impl: Impl = "auto",
+) -> torch.Tensor:
+    """DFlash attention of every block of a batch in one call (the layout in the module docstring).
+
+    Args:
+        q: [B, nh, N * b, D] the slots' queries, block after block.
+        k_ctx, v_ctx: [B, nkv, S, D] keys and values of the context entries (positions 0..S-1).
+        k_blk, v_blk: [B, nkv, N * b, D] keys and values of the slots.
+        anchors: [B, N] the anchor position of every block.
+        block: b, slots per block.
+        impl: ``flex``, ``dense`` or ``auto``.
+
+    The dense path computes the context scores [B, nh, N * b, S] (masked to each block's prefix) and the
+    within-block scores [B, nh, N, b, b] separately and normalises them together: ``N * b * (S + b)`` scores where
+    a dense mask over all keys would take ``N * b * (S + N * b)``.
+
+    Returns [B, nh, N * b, D].
+    """
+    B, nh, Q, D = q.shape
+    nkv, S = k_ctx.shape[1], k_ctx.shape[2]
+    if Q % block or anchors.shape != (B, Q // block):
+        raise ValueError(f"{Q} queries are not {anchors.shape[-1]} blocks of {block} (anchors {tuple(anchors.shape)})")
+    if resolve_impl(impl, q.device, torch.is_grad_enabled() and q.requires_grad) == "flex":
+        k = torch.cat([k_ctx, k_blk], dim=2)  # [B, nkv, S + Q, D]
+        v = torch.cat([v_ctx, v_blk], dim=2)
+        return flex_attention(q, k, v, anchored_block_mask_mod(anchors, S, block), B)
+    N, g = Q // block, nh // nkv
+    scale = 1.0 / math.sqrt(D)
+    qg = q.reshape(B, nkv, g * Q, D)  # heads h = kv * g + i share kv head kv
+    scores_ctx = (qg @ k_ctx.transpose(-1, -2) * scale).view(B, nkv, g, N, block, S)  # [B, nkv, g, N, b, S]
+    visible = torch.arange(S, device=q.device)[None, None, :] < anchors[:, :, None]  # [B, N, S]
+    scores_ctx = scores_ctx.masked_fill(~visible[:, None, None, :, None, :], float("-inf"))
+    q_blocks = q.view(B, nkv, g, N, block, D)
+    k_blocks = k_blk.view(B, nkv, 1, N, block, D)
+    scores_blk = q_blocks @ k_blocks.transpose(-1, -2) * scale  # [B, nkv, g, N, b, b]
+    scores = torch.cat([scores_ctx, scores_blk], dim=-1)  # [B, nkv, g, N, b, S + b]
+    probs = torch.softmax(scores.to(torch.promote_types(q.dtype, torch.float32)), dim=-1).to(q.dtype)
+    out = probs[..., :S].reshape(B, nkv, g * Q, S) @ v_ctx  # [B, nkv, g * Q, D]
+    out = out.view(B, nkv, g, N, block, D) + probs[..., S:] @ v_blk.view(B, nkv, 1, N, block, D)
+    return out.reshape(B, nh, Q, D)
+
+
+# ---- EAGLE-3: training-time test -----------------------------------------------------------------------------------
+
+
+def ttt_mask_mod(seq_len: int):
+    """The flex ``mask_mod`` of EAGLE-3's TTT step over the keys of steps 0..i concatenated (``seq_len`` each)."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        step, pos = kv_idx // seq_len, kv_idx % seq_len
+        return ((step == 0) & (pos <= q_idx)) | ((step > 0) & (pos == q_idx))
+
+    return mask_mod
+
+
+def ttt_flex_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """EAGLE-3's TTT attention at step ``len(keys) - 1`` by flex attention. q: [B, nh, S, D]; keys[j], values[j]:
+    [B, nkv, S, D] -> [B, nh, S, D]."""
+    S = q.shape[2]
+    k, v = torch.cat(list(keys), dim=2), torch.cat(list(values), dim=2)  # [B, nkv, (i + 1) S, D]
+    return flex_attention(q, k, v, ttt_mask_mod(S), q.shape[0])

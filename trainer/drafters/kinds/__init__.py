@@ -1,1 +1,0 @@
-"""The built-in drafter kinds, one module each, registered with trainer.drafters.spec on import."""

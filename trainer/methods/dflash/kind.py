@@ -1,0 +1,88 @@
+"""Drafter kind ``dflash``: a block-diffusion drafter over the target's hidden states (module.py).
+
+Exported in the z-lab format (``dflash``: SGLang, vLLM and the z-lab ``dflash`` package, ``DFlashDraftModel``) or the
+speculators format (``dflash-speculators``: ``DFlashSpeculator``); drafted one block per round as a chain, or as a
+DDTree with ``--tree`` (proposer.py), through the target's own embedding and lm_head.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import PreTrainedModel
+
+from trainer.export.files import folder_config
+from trainer.methods.dflash import export as formats
+from trainer.methods.dflash.module import DFlashConfig, DFlashDrafter
+from trainer.methods.dflash.proposer import DFlashProposer, DFlashTreeProposer
+from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, ProposerOptions, register_kind
+
+KIND = "dflash"
+
+
+def make_record(config: DFlashConfig, target: str | None, target_architectures: list[str]) -> DrafterRecord:
+    """The record of a drafter trained against ``target`` (or read back from an export, ``target`` None)."""
+    return DrafterRecord(
+        kind=KIND,
+        config=config.to_dict(),
+        components={"drafter": "drafter."},
+        target=target,
+        target_architectures=list(target_architectures or []),
+        target_layers=list(config.target_layers),
+        target_vocab_size=config.vocab_size,
+        target_hidden_size=config.hidden_size,
+        tokenizer=target,
+        draft_tokens=config.block_size - 1,
+    )
+
+
+def build(record: DrafterRecord) -> DFlashDrafter:
+    """An initialised drafter of the record's shape."""
+    return DFlashDrafter(DFlashConfig(**record.config))
+
+
+def load_zlab(folder: Path) -> tuple[DFlashDrafter, DrafterRecord]:
+    drafter = formats.load_zlab(str(folder))
+    return drafter, make_record(drafter.config, None, [])
+
+
+def load_speculators(folder: Path) -> tuple[DFlashDrafter, DrafterRecord]:
+    drafter = formats.load_speculators(str(folder))
+    verifier = ((folder_config(folder).get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    return drafter, make_record(drafter.config, verifier or None, [])
+
+
+def write_speculators(drafter: DFlashDrafter, record: DrafterRecord, out_dir: Path) -> Path:
+    if not record.target:
+        raise ValueError("the speculators format names the verifier: the drafter record lacks its target")
+    return formats.save_speculators(drafter, str(out_dir), record.target, record.target_architectures)
+
+
+def proposer(drafter: DFlashDrafter, record: DrafterRecord, target: PreTrainedModel, options: ProposerOptions):
+    """Chain drafting, or a DDTree with ``options.tree``."""
+    embedding = target.get_input_embeddings().weight
+    lm_head = target.get_output_embeddings().weight
+    if options.tree:
+        return DFlashTreeProposer(
+            drafter, embedding, lm_head, top_k=options.tree_top_k, budget=options.tree_nodes,
+            rank_temperature=options.rank_temperature,
+        )  # fmt: skip
+    return DFlashProposer(drafter, embedding, lm_head)
+
+
+ZLAB = ExportFormat(
+    name="dflash",
+    description="z-lab DFlash (DFlashDraftModel): SGLang, vLLM and the dflash package",
+    write=lambda drafter, record, out: formats.save_zlab(drafter, str(out)),
+    load=load_zlab,
+    recognise=lambda folder: folder_config(folder).get("architectures") == formats.ZLAB_ARCHITECTURES,
+)
+SPECULATORS = ExportFormat(
+    name="dflash-speculators",
+    description="DFlash in the speculators format (DFlashSpeculator)",
+    write=write_speculators,
+    load=load_speculators,
+    recognise=lambda folder: folder_config(folder).get("speculators_model_type") == "dflash",
+)
+
+register_kind(DrafterKind(name=KIND, build=build, formats=(ZLAB, SPECULATORS), proposer=proposer))

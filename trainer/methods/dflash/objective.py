@@ -1,0 +1,362 @@
+"""DFlash: train a block-diffusion drafter (module.py) against a frozen target.
+
+A training row of ``S`` tokens gives up to ``max_anchors`` blocks. Anchors are drawn uniformly without replacement
+(deterministically in the seed, the step and the batch) among the positions ``a`` whose token and next token are
+both trained (the loss mask allows at the anchor and the next token: at inference an anchor is always a committed
+output token), then sorted. Block ``j`` is ``[token a_j, mask x (b - 1)]`` at positions ``a_j .. a_j + b - 1`` and
+sees the context (the target's hidden states of the chosen layers, ``hidden_norm(fc(.))``) of positions ``< a_j``
+and its own block; all blocks of a batch run in one drafter pass under the anchored block-sparse mask
+(trainer/block_attention.py: flex attention on CUDA, a mask-aware dense computation elsewhere).
+
+Slot ``k >= 1`` of block ``j`` predicts the token at ``a_j + k`` (slot 0, the anchor, is not trained), where that
+token is inside the row and trained. Its weight is ``exp(-(k - 1) / gamma)`` (gamma 7 at b = 16), normalised over
+the block: the loss is the weighted mean of the slots' losses, so early slots, whose mistakes end the accepted prefix,
+count most. Labels: ``hard``, the data's token (cross entropy; with regenerated data, ``draftsmith generate``, the
+target's own output, which the recipes use), or ``soft``, the target's distribution at the position before the
+slot's token, ``KL(p || q)`` (online: the target's full distribution; from shards: its stored top-k, renormalised
+over the k ids, which at k = V is the online loss). Logits go through the target's frozen lm_head, one chunk of
+``loss_chunk_size`` slots at a time, recomputed in backward, so the float32 logits of all slots never exist at once.
+
+Online mode runs the target's decoder (no logits over the whole batch) in every step for its hidden states. Offline
+mode (``teacher_signals: shards``) reads them from ``draftsmith precompute`` shards holding exactly the drafter's
+target layers (``data.hidden_layers`` equal to ``model.target_layers``, in order), with the top-k next tokens for soft
+labels; the target model is never built, only its config, embedding and lm_head are read from its safetensors.
+
+The drafter uses the target's embedding and lm_head and trains only its own layers, ``fc`` and the norms. The mask
+token is an id the tokenizer does not use (module.py ``check_mask_token``), recorded in the drafter's
+config and every export; a special token accepted there is also refused when the training data contains it.
+
+Logged per step: the loss, ``acc_k`` (slot k's argmax equals its label token, or the target's argmax with soft
+labels) and ``block_tau`` (1 + the leading slots of a block that are right, over the blocks: the teacher-forced
+accepted length of one block).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import PreTrainedModel
+
+from trainer.block_attention import Impl
+from trainer.data.shard_datamodule import ShardDataModule, checked_shard_data
+from trainer.data.shards import load_manifest
+from trainer.losses import kl_from_log_probs
+from trainer.methods.dflash import kind as dflash_kind
+from trainer.methods.dflash.module import (
+    DFlashConfig,
+    DFlashDrafter,
+    check_mask_token,
+    default_gamma,
+    default_target_layers,
+)
+from trainer.objective import DraftObjective, Optim, causal_lm_flops_per_token, count_params, derived_seed
+from trainer.registry import check_target, load_drafter
+from trainer.target import FrozenTarget, TargetEmbeddings, resolve_dtype
+from trainer.vocab import check_data_tokenizer, load_tokenizer_if_present
+
+log = logging.getLogger(__name__)
+
+
+class DFlash(DraftObjective):
+    """Trains a DFlash drafter against an online frozen target, or from precomputed target shards."""
+
+    def __init__(
+        self,
+        target: str,
+        num_draft_layers: int = 5,
+        target_layers: list[int] | None = None,
+        context_layers: int = 5,
+        block_size: int = 16,
+        mask_token_id: int | None = None,
+        max_anchors: int = 512,
+        gamma: float | None = None,
+        labels: Literal["hard", "soft"] = "hard",
+        attention: Impl = "auto",
+        loss_chunk_size: int = 1024,
+        init_from: str | None = None,
+        target_dtype: str = "float32",
+        drafter_dtype: str = "float32",
+        trust_remote_code: bool = False,
+        seed: int = 0,
+        teacher_signals: Literal["online", "shards"] = "online",
+        optim: Optim = Optim(),
+    ) -> None:
+        """
+        Args:
+            target: the target, an HF causal LM directory or hub id.
+            num_draft_layers: n, the drafter's transformer layers.
+            target_layers: the target hidden states the context is made of, HF hidden_states indices (the input of
+                layer i; z-lab's target_layer_ids + 1); None: z-lab's rule for ``context_layers`` layers.
+            context_layers: m, the number of target layers read when ``target_layers`` is None.
+            block_size: b, slots per block: the anchor and b - 1 drafts.
+            mask_token_id: the id whose embedding fills the mask slots, one the tokenizer does not use; None: the
+                tokenizer's mask token, else ``len(tokenizer)`` when the target's embedding has that row.
+            max_anchors: the most blocks drawn per sequence.
+            gamma: slot k's loss weight is exp(-(k - 1) / gamma); None: 7 at b = 16, 4 at b = 8.
+            labels: "hard" trains on the data's tokens (cross entropy), "soft" on the target's distribution (KL).
+            attention: the block-sparse attention: "flex" (CUDA), "dense", or "auto" (flex on CUDA).
+            loss_chunk_size: slots projected to the vocabulary at a time (their logits are recomputed in backward).
+            init_from: a training checkpoint of a DFlash run to start from (its weights and shape).
+            target_dtype: the target's weights dtype (float32, bfloat16, float16).
+            drafter_dtype: the drafter's weights dtype.
+            trust_remote_code: allow custom modelling code in the target directory (off by default).
+            seed: seed of the drafter's initialisation and of the anchors.
+            teacher_signals: "online" runs the target in every step; "shards" reads its hidden states of
+                ``target_layers`` (and top-k next tokens, for soft labels) from a ShardDataModule, never building it.
+            optim: optimizer and learning-rate schedule.
+        """
+        super().__init__(optim)
+        self.save_hyperparameters(ignore=["optim"])
+        if max_anchors < 1 or loss_chunk_size < 1:
+            raise ValueError(
+                f"model.max_anchors and loss_chunk_size must be >= 1, got {max_anchors}, {loss_chunk_size}"
+            )
+        if block_size < 2:
+            raise ValueError(f"model.block_size={block_size}: a block needs the anchor and at least one mask slot")
+        self.target_path, self.labels, self.attention = target, labels, attention
+        self.max_anchors, self.loss_chunk_size, self.seed = max_anchors, loss_chunk_size, seed
+        self.teacher_signals = teacher_signals
+        frozen: FrozenTarget | TargetEmbeddings
+        if teacher_signals == "online":
+            frozen = FrozenTarget.from_pretrained(target, target_dtype, trust_remote_code)
+        elif teacher_signals == "shards":
+            frozen = TargetEmbeddings.from_pretrained(target, target_dtype, trust_remote_code)
+        else:
+            raise ValueError(f"model.teacher_signals={teacher_signals!r} is not 'online' or 'shards'")
+        self._target = [frozen]  # a list: kept out of the module tree, so out of checkpoints and optimizers
+        self.track_frozen("target", target, frozen.config)
+        self.tokenizer = load_tokenizer_if_present(target)
+        torch.manual_seed(seed)
+        if init_from is not None:
+            drafter, record = load_drafter(init_from)
+            where = f"model.init_from {init_from!r}"
+            if record.kind != dflash_kind.KIND:
+                raise ValueError(f"{where}: holds a drafter of kind {record.kind!r}, not {dflash_kind.KIND!r}")
+            check_target(record, frozen.config, where)
+            self.drafter = drafter
+        else:
+            L = frozen.num_layers
+            layers = list(target_layers) if target_layers else list(default_target_layers(L, context_layers))
+            outside = [i for i in layers if not 1 <= i <= L - 1]
+            if outside:
+                raise ValueError(
+                    f"model.target_layers={layers}: {outside} outside the layer outputs every engine reads of the "
+                    f"{L}-layer target, hidden_states 1..{L - 1} (z-lab ids 0..{L - 2})"
+                )
+            rows = int(self.embedding_weight().shape[0])
+            mask = check_mask_token(mask_token_id, self.tokenizer, rows)
+            config = DFlashConfig.from_target(frozen.config, num_draft_layers, layers, block_size, mask)
+            config.vocab_size = rows
+            self.drafter = DFlashDrafter(config)
+        self.drafter.to(resolve_dtype(drafter_dtype))
+        b = self.drafter.config.block_size
+        self.gamma = default_gamma(b) if gamma is None else gamma
+        if self.gamma <= 0:
+            raise ValueError(f"model.gamma={gamma} must be > 0")
+        decay = torch.exp(-torch.arange(b - 1, dtype=torch.float32) / self.gamma)  # slot k = 1..b-1
+        self.register_buffer("decay", decay / decay.sum(), persistent=False)  # normalised over the block
+
+    @property
+    def target(self) -> FrozenTarget | TargetEmbeddings:
+        """The frozen target (online), or its config, embedding and lm_head (shards)."""
+        return self._target[0]
+
+    def trainable_module(self) -> nn.Module:
+        return self.drafter
+
+    def embedding_weight(self) -> torch.Tensor:
+        """The target's input embedding [V, H]."""
+        t = self.target
+        return t.model.get_input_embeddings().weight if isinstance(t, FrozenTarget) else t.embedding
+
+    # ---- data checks ---------------------------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        self.check_data(getattr(self.trainer, "datamodule", None) if self._trainer is not None else None)
+
+    def check_data(self, datamodule) -> None:
+        """Refuses data of another tokenizer, shards that do not fit (see :meth:`_check_shards`) and training data
+        holding the mask token."""
+        if self.teacher_signals == "shards":
+            self._check_shards(datamodule)
+            rows = datamodule.training_rows()
+        else:
+            width = self.target.vocab_size
+            check_data_tokenizer(datamodule, self.target_path, self.tokenizer, width, width)
+            dataset = getattr(datamodule, "train_dataset", None)
+            rows = [] if dataset is None or not hasattr(dataset, "ids") else [(dataset.ids, None)]
+        mask = self.drafter.config.mask_token_id
+        if self.tokenizer is not None and mask < len(self.tokenizer):  # a special token: the data must not hold it
+            count = sum(int(np.count_nonzero(np.asarray(ids) == mask)) for ids, _ in rows)
+            if count:
+                token = self.tokenizer.convert_ids_to_tokens(mask)
+                raise ValueError(
+                    f"model.mask_token_id={mask} ({token!r}) occurs {count} times in the training data: the tokenizer "
+                    "uses it there; pick an id the data never contains"
+                )
+
+    def _check_shards(self, datamodule) -> None:
+        """Shards of this target and tokenizer, holding the drafter's target layers in its order (at temperature 1
+        for soft labels, the target's own distribution)."""
+        layers = list(self.drafter.config.target_layers)
+        if isinstance(datamodule, ShardDataModule):
+            meta, _ = load_manifest(datamodule.shards_dir)
+            if not meta.hidden_layers:
+                raise ValueError(
+                    f"{datamodule.shards_dir}: the shards hold no hidden states; DFlash reads target layers {layers}: "
+                    f"rerun draftsmith precompute with --hidden_layers '{layers}'"
+                )
+        vocab_size = len(self.tokenizer) if self.tokenizer is not None else self.target.vocab_size
+        data = checked_shard_data(
+            datamodule, vocab_size=vocab_size, tokenizer=self.tokenizer, teacher=self.target_path,
+            temperature=1.0 if self.labels == "soft" else None,
+        )  # fmt: skip
+        if list(data.hidden_layers) != layers:
+            raise ValueError(
+                f"data.hidden_layers={list(data.hidden_layers)} must equal the drafter's target_layers {layers} (the "
+                f"shards hold {data.meta.hidden_layers}), in that order: teacher_hidden[:, j] is target layer j"
+            )
+        if data.meta.hidden_size != self.drafter.config.hidden_size:
+            raise ValueError(
+                f"{data.shards_dir}: hidden states of width {data.meta.hidden_size}, the target {self.target_path!r} "
+                f"has {self.drafter.config.hidden_size}"
+            )
+
+    # ---- training ------------------------------------------------------------------------------------------------
+    def anchors(self, trained: torch.Tensor, stage: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block anchors of a batch: ([B, N] positions sorted per row, [B, N] bool real (not padding)).
+
+        trained: [B, S] bool, token t is a trained label. Anchor a needs trained[a] and trained[a + 1].
+        """
+        B, S = trained.shape
+        valid = torch.zeros_like(trained)
+        valid[:, :-1] = trained[:, :-1] & trained[:, 1:]  # [B, S]
+        counts = valid.sum(1)  # [B]
+        N = max(1, min(self.max_anchors, int(counts.max())))
+        rank = 0 if self._trainer is None else int(self.trainer.global_rank)
+        step = 0 if self._trainer is None else int(self.global_step)
+        generator = torch.Generator().manual_seed(derived_seed(self.seed, stage, step, rank, S, int(counts.sum())))
+        keys = torch.rand(B, S, generator=generator).to(trained.device)  # [B, S]
+        keys = keys.masked_fill(~valid, 2.0)  # invalid positions sort last
+        anchors = keys.argsort(dim=1)[:, :N].sort(dim=1).values  # [B, N]
+        keep = torch.arange(N, device=trained.device)[None] < counts[:, None].clamp(max=N)  # [B, N]
+        # rows with fewer anchors: their padding sorted last, already in place after the sort; zeroed to stay in range
+        return torch.where(keep, anchors, 0), keep
+
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()  # [B, S] each
+        target = self.target
+        if self.embedding_weight().device != ids.device:
+            target.to(ids.device)
+        stage = "train" if self.training else "val"
+        drafter, b = self.drafter, self.drafter.config.block_size
+        B, S = ids.shape
+        trained = F.pad(loss_mask[:, :-1], (1, 0), value=False)  # [B, S]: token t is a trained label
+        anchors, keep = self.anchors(trained, stage)  # [B, N]
+        N = anchors.shape[1]
+        if self.teacher_signals == "shards":
+            stored = batch["teacher_hidden"]  # [B, m, S, H], in target_layers order
+            hidden = [stored[:, j] for j in range(stored.shape[1])]
+            final = None
+        else:
+            with torch.no_grad():
+                out = target.model.get_decoder()(input_ids=ids, output_hidden_states=True, use_cache=False)
+            hidden = [out.hidden_states[i] for i in drafter.config.target_layers]  # each [B, S, H]
+            final = out.last_hidden_state  # [B, S, H] normed: the target's logits are lm_head(final)
+        embeds = F.embedding(drafter.block_ids(ids.gather(1, anchors)), self.embedding_weight())  # [B, N * b, H]
+        slots = drafter(hidden, embeds, anchors, self.attention).view(B, N, b, -1)[:, :, 1:]  # [B, N, b - 1, H]
+
+        positions = anchors[:, :, None] + torch.arange(1, b, device=ids.device)  # [B, N, b - 1]: token of slot k
+        inside = positions < S
+        safe = positions.clamp(max=S - 1)
+        rows = torch.arange(B, device=ids.device)[:, None, None].expand_as(positions)
+        selected = keep[:, :, None] & inside & trained[rows, safe]  # [B, N, b - 1]
+        weights = self.decay.to(ids.device)[None, None, :].expand_as(positions)  # [B, N, b - 1]
+        idx = selected.flatten().nonzero()[:, 0]  # [n]
+        flat_rows, flat_pos = rows.flatten()[idx], safe.flatten()[idx]  # [n] each
+        per_slot, hits = self._slot_losses(slots.flatten(0, 2)[idx], ids, batch, final, flat_rows, flat_pos)
+        w = weights.flatten()[idx]  # [n]
+        loss = (per_slot * w).sum() / w.sum() if idx.numel() else slots.sum() * 0.0
+        with torch.no_grad():
+            right = torch.zeros(B * N * (b - 1), dtype=torch.bool, device=ids.device)
+            right[idx] = hits
+            right = right.view(B, N, b - 1)
+            counts = selected.sum((0, 1)).clamp(min=1)  # [b - 1]
+            metrics = {f"acc_{k + 1}": right[:, :, k].sum() / counts[k] for k in range(b - 1)}
+            leading = right.long().cumprod(-1).sum(-1).float() + 1.0  # [B, N]
+            metrics["block_tau"] = (leading * keep).sum() / keep.sum().clamp(min=1)
+        return loss, metrics
+
+    def _slot_losses(
+        self,
+        hidden: torch.Tensor,
+        ids: torch.Tensor,
+        batch: dict[str, torch.Tensor],
+        final: torch.Tensor | None,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-slot losses [n] float32 and right-argmax flags [n] of the selected slots.
+
+        hidden: [n, H] the slots' outputs; rows, positions: [n] the batch row and position of each slot's token.
+        Soft labels come from the target's distribution at ``position - 1`` (online: from ``final`` [B, S, H]; shards:
+        the batch's top-k), hard ones are the token itself. Chunks of ``loss_chunk_size`` slots, each checkpointed.
+        """
+        head = self.target.lm_head_weight.detach()  # [V, H]
+        labels = ids[rows, positions]  # [n]
+        losses, hits = [], []
+        for start in range(0, hidden.shape[0], self.loss_chunk_size):
+            part = slice(start, start + self.loss_chunk_size)
+            extra: tuple[torch.Tensor, ...] = ()
+            if self.labels == "soft" and final is not None:
+                extra = (final[rows[part], positions[part] - 1],)  # [C, H] the target's normed hidden states
+            elif self.labels == "soft":
+                topk = batch["teacher_topk_ids"][rows[part], positions[part] - 1].long()  # [C, k]
+                extra = (topk, batch["teacher_topk_logprobs"][rows[part], positions[part] - 1].float())
+            loss, hit = checkpoint(self._chunk, hidden[part], head, labels[part], *extra, use_reentrant=False)
+            losses.append(loss)
+            hits.append(hit)
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return (torch.cat(losses) if losses else empty), (torch.cat(hits) if hits else empty.bool())
+
+    def _chunk(self, hidden, head, labels, *teacher) -> tuple[torch.Tensor, torch.Tensor]:
+        """Losses [C] and right-argmax flags [C] of one chunk of slots."""
+        logits = (hidden @ head.t().to(hidden.dtype)).float()  # [C, V]
+        log_q = torch.log_softmax(logits, dim=-1)  # [C, V]
+        guess = logits.detach().argmax(-1)  # [C]
+        if self.labels == "hard":
+            return -log_q.gather(-1, labels[:, None])[:, 0], guess == labels
+        if len(teacher) == 1:  # online: the target's full distribution
+            with torch.no_grad():
+                log_p = torch.log_softmax((teacher[0] @ head.t().to(teacher[0].dtype)).float(), dim=-1)  # [C, V]
+            return kl_from_log_probs(log_p, log_q), guess == log_p.argmax(-1)
+        topk, logprobs = teacher  # [C, k] each: the target's top-k ids and log-probabilities, descending
+        log_p = torch.log_softmax(logprobs, dim=-1)  # [C, k] renormalised over the k ids
+        return kl_from_log_probs(log_p, log_q.gather(-1, topk)), guess == topk[:, 0]
+
+    def flops_per_token(self) -> float:
+        S = self.data_seq_len()
+        c = self.drafter.config
+        slots_per_token = min(self.max_anchors, max(1, S - 1)) * c.block_size / max(1, S)
+        head = 2.0 * c.hidden_size * c.vocab_size * (c.block_size - 1) / c.block_size
+        drafter = 3.0 * (2.0 * count_params(self.drafter) + head) * slots_per_token
+        if self.teacher_signals == "shards":
+            return drafter
+        return drafter + causal_lm_flops_per_token(self.target.model, S)
+
+    def speculative_eval_target(self) -> PreTrainedModel:
+        if not isinstance(self.target, FrozenTarget):
+            raise ValueError(
+                "teacher_signals: shards never builds the target, so SpeculativeEvalCallback cannot decode with it: "
+                "measure the exported drafter with draftsmith eval, or train online"
+            )
+        return self.target.model
+
+    def drafter_record(self):
+        architectures = getattr(self.target.config, "architectures", None) or []
+        return dflash_kind.make_record(self.drafter.config, self.target_path, architectures)

@@ -1,0 +1,330 @@
+"""On-policy distillation (GKD, Agarwal et al. 2024): the student learns on sequences it generated itself.
+
+At every training step a coin with probability ``lmbda`` decides where the step's sequences come from:
+
+- heads: the student samples continuations of the batch's prompts (eval mode, no gradient, KV cache) and the loss is
+  taken on ``[prompt + generated]`` with the mask covering exactly the generated tokens, up to and including the first
+  EOS (the step trains on what the student actually says, which removes the train/generation mismatch);
+- tails: the data set's own sequences and loss mask (the KD objective's step), or, with ``seq_kd``, continuations the
+  teacher sampled from the same prompts (sequence-level KD).
+
+The loss is the generalized JSD with weight ``beta`` between the teacher's and the student's temperature-softened
+next-token distributions at every trained position (``beta = 0`` is the forward KL, ``beta = 1`` the reverse KL,
+TRL's GKD convention, see trainer/losses.py), computed in chunks by ``fused_kd_loss``.
+
+Prompts. ``prompt="prefix"``: the first ``prompt_len`` tokens of every row (text data). ``prompt="chat"``: the tokens
+before the first assistant token of the row (the untrained region that ends where the loss mask first turns on after
+an untrained token); a row with no such region falls back to its first ``prompt_len`` tokens. Prompts of different
+lengths are left-padded for batched generation; the training sequences are then laid out right-padded, so that every
+real token keeps its position and causal attention never sees a pad before a real token.
+
+Determinism. The coin and the sampling seed are functions of (seed, global step, micro-batch index): a resumed run
+makes the same choices and, on the same hardware, samples the same tokens. Validation always uses the data set.
+
+Limits: generation calls HF ``generate`` on the student as it is held by the strategy; under DeepSpeed ZeRO-3 or FSDP
+(sharded parameters) it is not supported yet. Throughput logging counts the tokens each step trained on (prompts and
+generated tokens on generated steps, the data batch otherwise); the generation itself is not counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+from transformers import GenerationConfig, PreTrainedModel
+
+from trainer.export.hf import export_student
+from trainer.losses import LossParts, fused_kd_loss
+from trainer.methods.draft_model import kind as hf_causal_lm
+from trainer.methods.draft_model.kd import build_student
+from trainer.objective import DraftObjective, Optim, causal_lm_flops_per_token, derived_seed
+from trainer.registry import DrafterRecord
+from trainer.target import FrozenTarget
+from trainer.vocab import check_data_tokenizer, load_tokenizer_if_present, shared_vocab_size
+
+log = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class GeneratedBatch:
+    """Sequences built from prompts and a model's continuations, right-padded.
+
+    input_ids: [B, T] long, ``[prompt + generated]`` without its last token, then pads.
+    labels: [B, T] long, the next token where loss_mask is True, -100 elsewhere.
+    loss_mask: [B, T] bool, True exactly where labels is a generated token (up to and including the first EOS).
+    prompt_lengths: [B] long, tokens of each row's prompt.
+    generated_lengths: [B] long, generated tokens kept per row.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    prompt_lengths: torch.Tensor
+    generated_lengths: torch.Tensor
+
+
+def prompt_lengths(loss_mask: torch.Tensor, prompt: str, prompt_len: int) -> torch.Tensor:
+    """Tokens of each row's prompt. loss_mask: [B, S] bool (aligned with labels: True at i trains token i + 1).
+
+    ``prefix``: ``min(prompt_len, S)`` for every row. ``chat``: ``j + 1`` for the first ``j >= 1`` where the mask turns
+    on after an untrained position (token ``j + 1`` is the first assistant token), else ``min(prompt_len, S)``.
+    """
+    B, S = loss_mask.shape
+    fallback = torch.full((B,), min(prompt_len, S), dtype=torch.long, device=loss_mask.device)  # [B]
+    if prompt == "prefix":
+        return fallback
+    if prompt != "chat":
+        raise ValueError(f"model.prompt must be 'prefix' or 'chat', got {prompt!r}")
+    mask = loss_mask.bool()
+    rising = torch.zeros_like(mask)  # [B, S]
+    rising[:, 1:] = mask[:, 1:] & ~mask[:, :-1]
+    has = rising.any(dim=1)  # [B]
+    first = rising.float().argmax(dim=1)  # [B] first True (0 when none)
+    return torch.where(has, first + 1, fallback)
+
+
+def left_pad(input_ids: torch.Tensor, lengths: torch.Tensor, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``lengths[b]`` tokens of each row, right-aligned: ids [B, P] and attention mask [B, P] (P = max)."""
+    B = input_ids.shape[0]
+    P = int(lengths.max())
+    ids = input_ids.new_full((B, P), pad_id)  # [B, P]
+    attention = torch.zeros((B, P), dtype=torch.long, device=input_ids.device)  # [B, P]
+    for b in range(B):
+        n = int(lengths[b])
+        ids[b, P - n :] = input_ids[b, :n]
+        attention[b, P - n :] = 1
+    return ids, attention
+
+
+def assemble(
+    prompts: torch.Tensor, lengths: torch.Tensor, generated: torch.Tensor, eos_id: int | None, pad_id: int
+) -> GeneratedBatch:
+    """Right-padded training sequences from left-padded prompts and their continuations.
+
+    prompts: [B, P] left-padded; lengths: [B]; generated: [B, N] (what follows the prompts in ``generate``'s output,
+    pads after a row's EOS). A row keeps its generated tokens up to and including the first EOS (all N without one).
+    """
+    B, P = prompts.shape
+    N = generated.shape[1]
+    if eos_id is not None and N > 0:
+        is_eos = generated == eos_id  # [B, N]
+        first_eos = torch.where(is_eos.any(1), is_eos.float().argmax(1), torch.full_like(lengths, N))  # [B]
+        gen_len = torch.clamp(first_eos + 1, max=N)  # [B]
+    else:
+        gen_len = torch.full_like(lengths, N)  # [B]
+    total = lengths + gen_len  # [B]
+    T = max(int(total.max()) - 1, 1)
+    seq = prompts.new_full((B, T + 1), pad_id)  # [B, T + 1]
+    for b in range(B):
+        p, g = int(lengths[b]), int(gen_len[b])
+        seq[b, :p] = prompts[b, P - p :]
+        seq[b, p : p + g] = generated[b, :g]
+    pos = torch.arange(T, device=prompts.device)[None, :]  # [1, T]; position i predicts token i + 1
+    loss_mask = (pos >= (lengths - 1)[:, None]) & (pos < (total - 1)[:, None])  # [B, T]
+    labels = torch.where(loss_mask, seq[:, 1:], torch.full_like(seq[:, 1:], IGNORE_INDEX))  # [B, T]
+    return GeneratedBatch(seq[:, :-1], labels, loss_mask, lengths, gen_len)
+
+
+class OnPolicyDistillation(DraftObjective):
+    """Generalized-JSD distillation on a mix of student-generated, teacher-generated and data set sequences."""
+
+    def __init__(
+        self,
+        teacher: str,
+        student: str | None = None,
+        student_config: dict[str, int | float | str | bool] | None = None,
+        lmbda: float = 0.5,
+        beta: float = 0.5,
+        seq_kd: bool = False,
+        temperature: float = 1.0,
+        generation_temperature: float = 1.0,
+        do_sample: bool = True,
+        max_new_tokens: int = 64,
+        prompt: Literal["prefix", "chat"] = "prefix",
+        prompt_len: int = 32,
+        chunk_size: int = 256,
+        teacher_dtype: str = "float32",
+        student_dtype: str = "float32",
+        export_dir: str | None = None,
+        trust_remote_code: bool = False,
+        seed: int = 0,
+        optim: Optim = Optim(),
+    ) -> None:
+        """
+        Args:
+            teacher: the target, an HF causal LM directory or hub id (its tokenizer is expected beside it).
+            student: a pretrained student to start from (directory or hub id); None builds one from student_config.
+            student_config: overrides of the teacher's config for a fresh student, e.g. {num_hidden_layers: 2}.
+            lmbda: probability that a training step trains on the student's own continuations (GKD's lambda).
+            beta: generalized JSD weight (TRL's GKD convention): 0 is the forward KL, 1 the reverse KL.
+            seq_kd: on steps that are not on-policy, train on the teacher's continuations instead of the data set.
+            temperature: softens both distributions in the loss; the divergence is multiplied by temperature squared.
+            generation_temperature: sampling temperature of the student's (and, with seq_kd, the teacher's) generation.
+            do_sample: sample the continuations (True) or decode them greedily (False).
+            max_new_tokens: tokens generated per prompt at most (generation stops earlier at EOS).
+            prompt: where prompts come from: "prefix" (the first prompt_len tokens of each row, text data) or "chat"
+                (the untrained tokens before the first assistant token of each row).
+            prompt_len: prompt length with prompt="prefix", and the fallback for chat rows without an assistant turn.
+            chunk_size: positions per chunk of the loss; each chunk's float32 logits are freed before the next.
+            teacher_dtype: the teacher's weights dtype (float32, bfloat16, float16).
+            student_dtype: the student's weights dtype (Lightning's precision plugin may still autocast).
+            export_dir: where the student is saved as an HF checkpoint (safetensors and tokenizer) at the end of fit.
+            trust_remote_code: allow custom modelling code in the teacher or student directory (off by default).
+            seed: seeds the fresh student's initialisation, the per-step coin and the sampling.
+            optim: optimizer and learning-rate schedule.
+        """
+        super().__init__(optim)
+        self.save_hyperparameters(ignore=["optim"])
+        checks = {
+            "lmbda": 0.0 <= lmbda <= 1.0,
+            "beta": 0.0 <= beta <= 1.0,
+            "temperature": temperature > 0,
+            "generation_temperature": generation_temperature > 0,
+            "max_new_tokens": max_new_tokens >= 1,
+            "prompt_len": prompt_len >= 1,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"model.{name} is out of range: {locals()[name]!r}")
+        if prompt not in ("prefix", "chat"):
+            raise ValueError(f"model.prompt must be 'prefix' or 'chat', got {prompt!r}")
+        self.teacher_path = teacher
+        self.lmbda, self.beta, self.seq_kd = lmbda, beta, seq_kd
+        self.temperature, self.generation_temperature, self.do_sample = temperature, generation_temperature, do_sample
+        self.max_new_tokens, self.prompt, self.prompt_len = max_new_tokens, prompt, prompt_len
+        self.chunk_size, self.export_dir, self.seed = chunk_size, export_dir, seed
+        self.teacher = FrozenTarget.from_pretrained(teacher, teacher_dtype, trust_remote_code)
+        self.track_frozen("teacher", teacher, self.teacher.config)
+        torch.manual_seed(seed)
+        self.student = build_student(self.teacher.config, student, student_config, student_dtype)
+        self.tokenizer = load_tokenizer_if_present(teacher)
+        self.vocab_size = shared_vocab_size(
+            teacher_name=teacher,
+            teacher_tokenizer=self.tokenizer,
+            teacher_width=self.teacher.vocab_size,
+            student_name=student or "a student built from the teacher's config",
+            student_tokenizer=load_tokenizer_if_present(student) if student else self.tokenizer,
+            student_width=self.student.get_output_embeddings().weight.shape[0],
+        )
+        self.eos_id, self.pad_id = self._special_ids()
+        self._micro = 0
+
+    def _special_ids(self) -> tuple[int | None, int]:
+        """(EOS id or None, pad id) from the tokenizer, else the teacher's config; pad falls back to EOS, then 0."""
+        tok, cfg = self.tokenizer, self.teacher.config
+        eos = tok.eos_token_id if tok is not None else getattr(cfg, "eos_token_id", None)
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        pad = tok.pad_token_id if tok is not None else getattr(cfg, "pad_token_id", None)
+        return eos, pad if pad is not None else (eos if eos is not None else 0)
+
+    def trainable_module(self) -> nn.Module:
+        return self.student
+
+    def setup(self, stage: str) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None)
+        check_data_tokenizer(datamodule, self.teacher_path, self.tokenizer, self.teacher.vocab_size, self.vocab_size)
+
+    # ---- the pieces of a step (public for tests and the benchmark) -----------------------------------------------
+    def coin(self, step: int, micro: int = 0) -> bool:
+        """True when the step trains on the student's own continuations; a function of (seed, step, micro) only."""
+        return random.Random(derived_seed(self.seed, "coin", step, micro)).random() < self.lmbda
+
+    @torch.no_grad()
+    def generate(self, model: PreTrainedModel, batch: dict[str, torch.Tensor], sample_seed: int) -> GeneratedBatch:
+        """Continuations of the batch's prompts by ``model`` (put in eval mode for the call), as training sequences."""
+        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, S] each
+        lengths = prompt_lengths(loss_mask, self.prompt, self.prompt_len)  # [B]
+        prompts, attention = left_pad(input_ids, lengths, self.pad_id)  # [B, P] each
+        width = model.get_output_embeddings().weight.shape[0]
+        config = GenerationConfig(
+            max_new_tokens=self.max_new_tokens,
+            do_sample=self.do_sample,
+            temperature=self.generation_temperature if self.do_sample else None,
+            top_k=None,
+            top_p=None,
+            pad_token_id=self.pad_id,
+            eos_token_id=self.eos_id,
+            suppress_tokens=list(range(self.vocab_size, width)) or None,  # ids no tokenizer produces
+            use_cache=True,
+        )
+        was_training = model.training
+        model.eval()
+        devices = [input_ids.device] if input_ids.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(sample_seed)
+                out = model.generate(input_ids=prompts, attention_mask=attention, generation_config=config)  # [B, P+N]
+        finally:
+            model.train(was_training)
+        return assemble(prompts, lengths, out[:, prompts.shape[1] :], self.eos_id, self.pad_id)
+
+    def distill(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> LossParts:
+        """T^2 * generalized JSD(beta) between teacher and student at the positions of loss_mask ([B, S] each)."""
+        V = self.vocab_size
+        teacher_hidden = self.teacher.final_hidden(input_ids)  # [B, S, Ht]
+        student_hidden = self.student.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state  # [B, S, H]
+        return fused_kd_loss(
+            student_hidden,
+            self.student.get_output_embeddings().weight[:V],  # [V, H]
+            teacher_hidden,
+            self.teacher.lm_head_weight[:V],  # [V, Ht]
+            loss_mask,
+            divergence="jsd",
+            beta=self.beta,
+            temperature=self.temperature,
+            chunk_size=self.chunk_size,
+        )
+
+    # ---- Lightning -----------------------------------------------------------------------------------------------
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        accumulate = max(1, int(getattr(self.trainer, "accumulate_grad_batches", 1) or 1))
+        self._micro = batch_idx % accumulate
+        return super().training_step(batch, batch_idx)
+
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        device = batch["input_ids"].device
+        source = "data"
+        if self.training:
+            step, micro = self.global_step, self._micro
+            sample_seed = derived_seed(self.seed, "sample", step, micro, self.global_rank)
+            if self.coin(step, micro):
+                source = "student"
+            elif self.seq_kd:
+                source = "teacher"
+        metrics: dict[str, torch.Tensor] = {}
+        if source == "data":
+            input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, S] each
+        else:
+            model = self.student if source == "student" else self.teacher.model
+            gen = self.generate(model, batch, sample_seed)
+            input_ids, loss_mask = gen.input_ids, gen.loss_mask  # [B, T] each
+            metrics["generated_tokens"] = gen.generated_lengths.float().mean()
+            self.count_tokens(int((gen.prompt_lengths + gen.generated_lengths).sum()))  # what the step ran on
+        out = self.distill(input_ids, loss_mask)
+        metrics["on_policy"] = torch.tensor(float(source == "student"), device=device)
+        metrics["kd"] = out.kd.detach()
+        return out.loss, metrics
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token (student forward and backward, teacher forward); generation is not counted."""
+        seq_len = self.data_seq_len()
+        return 3.0 * causal_lm_flops_per_token(self.student, seq_len) + causal_lm_flops_per_token(
+            self.teacher.model, seq_len
+        )
+
+    def speculative_eval_target(self) -> PreTrainedModel:
+        return self.teacher.model
+
+    def drafter_record(self) -> DrafterRecord:
+        return hf_causal_lm.make_record(self.student, "student", self.teacher_path, self.teacher.config)
+
+    def on_train_end(self) -> None:
+        if self.export_dir:
+            export_student(self, self.student, self.export_dir, self.teacher_path)

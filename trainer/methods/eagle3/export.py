@@ -1,0 +1,231 @@
+"""EAGLE-3 exports: the native format (SGLang, vLLM) and the speculators format (vLLM), with loaders.
+
+Native: ``config.json`` with ``architectures: ["LlamaForCausalLMEagle3"]`` and Llama keys, weights without prefix
+(``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``). Target layers are written twice: vLLM reads the
+top-level ``eagle_aux_hidden_state_layer_ids`` as inputs of layers (HF ``hidden_states[i]``, our convention); SGLang
+reads ``eagle_config.eagle_aux_hidden_state_layer_ids`` as outputs of layers and captures ``id + 1``, so it gets
+``i - 1``.
+
+Speculators: ``architectures: ["Eagle3Speculator"]``, ``speculators_model_type: "eagle3"``, the layer config under
+``transformer_layer_config``, ``norm_before_residual: false`` written explicitly (vLLM assumes true when missing),
+weights under ``layers.0.*`` instead of ``midlayer.*``; vLLM reads ``eagle_aux_hidden_state_layer_ids`` as inputs.
+
+The speculators format also carries the target's input embedding as ``embed_tokens.weight`` (speculators 0.9 reads
+it from the file and keeps uninitialised memory when it is missing: drafts at tau 1.23 instead of 4.04 were measured
+that way), the TTT steps as ``speculative_tokens``, and the norm flags written explicitly; the native format carries
+no embedding (SGLang and vLLM use the target's). tests/clients/ runs the speculators library itself on the export.
+
+The loaders follow each engine's naming rules: they map every tensor of the file to a drafter parameter, and fail
+when a tensor is not consumed, a parameter is missing, a shape differs, or the layer ids disagree between the two
+conventions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from trainer.export.files import cpu_tensors, read_folder, write_folder
+from trainer.methods.eagle3.module import Eagle3Config, Eagle3Drafter
+
+
+def _layer_keys(config: Eagle3Config) -> dict:
+    """Llama keys of the drafter layer (both formats)."""
+    llama = config.llama_config().to_dict()
+    keep = (
+        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+        "max_position_embeddings", "hidden_act", "vocab_size", "rope_parameters", "attention_bias", "mlp_bias",
+    )  # fmt: skip
+    out = {k: llama[k] for k in keep}
+    out["model_type"] = "llama"
+    out["num_hidden_layers"] = 1
+    out["tie_word_embeddings"] = False
+    rope = dict(config.rope_parameters)
+    out["rope_theta"] = rope.get("rope_theta", 10000.0)  # older engine versions read these two keys
+    if rope.get("rope_type", "default") != "default":
+        out["rope_scaling"] = rope
+    return out
+
+
+def save_native(drafter: Eagle3Drafter, out_dir: str, dtype: torch.dtype | None = None) -> Path:
+    """Write the native EAGLE-3 checkpoint (SGLang and vLLM ``LlamaForCausalLMEagle3``)."""
+    c = drafter.config
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        **_layer_keys(c),
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(c.aux_layers),
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in c.aux_layers]},
+        "torch_dtype": str(dtype or drafter.fc.weight.dtype).removeprefix("torch."),
+    }
+    tensors = cpu_tensors(drafter)
+    if dtype is not None:
+        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    return write_folder(out_dir, config, tensors)
+
+
+def save_speculators(
+    drafter: Eagle3Drafter,
+    out_dir: str,
+    verifier: str,
+    embedding: torch.Tensor,
+    speculative_tokens: int,
+    verifier_architectures: list[str] | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write the speculators-format checkpoint (vLLM ``Eagle3Speculator``, and the speculators library).
+
+    Args:
+        drafter: the drafter.
+        out_dir: the folder to write.
+        verifier: the target's directory or hub id (speculators reads its config and weights on every load).
+        embedding: the target's input embedding [V, H], written as ``embed_tokens.weight``: speculators 0.9 reads
+            the drafter's embedding from the file and, when it is missing, keeps uninitialised memory (no warning).
+        speculative_tokens: drafts per round the drafter was trained for (its TTT steps); vLLM's default
+            ``num_speculative_tokens``.
+        verifier_architectures: the target config's ``architectures``.
+        dtype: the weights' dtype in the file (default: the drafter's).
+    """
+    c = drafter.config
+    if not verifier:
+        raise ValueError("the speculators format names its verifier (the target): none given")
+    if c.hidden_size != c.target_hidden_size:
+        raise ValueError(
+            f"the speculators format needs the drafter's width ({c.hidden_size}) to be the target's "
+            f"({c.target_hidden_size}); use the native eagle3 format"
+        )
+    if len(set(c.aux_layers)) != len(c.aux_layers):
+        raise ValueError(f"the speculators format refuses repeated target layer ids: {list(c.aux_layers)}")
+    if tuple(embedding.shape) != (c.vocab_size, c.hidden_size):
+        raise ValueError(f"the target embedding is {tuple(embedding.shape)}, expected {(c.vocab_size, c.hidden_size)}")
+    if speculative_tokens < 1:
+        raise ValueError(f"speculative_tokens must be >= 1, got {speculative_tokens}")
+    dtype_name = str(dtype or drafter.fc.weight.dtype).removeprefix("torch.")
+    config = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures or [])},
+        },
+        "transformer_layer_config": _layer_keys(c),
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(c.aux_layers),
+        # explicit: vLLM assumes norm_before_residual true when it is missing; the others are speculators' defaults
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "dtype": dtype_name,
+        "torch_dtype": dtype_name,
+    }
+    tensors = {k.replace("midlayer.", "layers.0.", 1): v for k, v in cpu_tensors(drafter).items()}
+    tensors["embed_tokens.weight"] = embedding.detach().cpu().to(drafter.fc.weight.dtype).contiguous()
+    if dtype is not None:
+        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    return write_folder(out_dir, config, tensors)
+
+
+# ---- loaders -----------------------------------------------------------------------------------------------------
+
+
+def _config(layer: dict, top: dict, aux_layers: list[int], where: str) -> Eagle3Config:
+    try:
+        rope = layer.get("rope_parameters") or {"rope_type": "default", "rope_theta": layer["rope_theta"]}
+        return Eagle3Config(
+            hidden_size=layer["hidden_size"],
+            intermediate_size=layer["intermediate_size"],
+            num_attention_heads=layer["num_attention_heads"],
+            num_key_value_heads=layer["num_key_value_heads"],
+            head_dim=layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
+            vocab_size=layer["vocab_size"],
+            draft_vocab_size=top["draft_vocab_size"],
+            target_hidden_size=top.get("target_hidden_size") or layer["hidden_size"],
+            aux_layers=tuple(aux_layers),
+            rms_norm_eps=layer["rms_norm_eps"],
+            rope_parameters=rope,
+            max_position_embeddings=layer["max_position_embeddings"],
+        )
+    except KeyError as err:
+        raise ValueError(f"{where}: config.json lacks the key {err.args[0]!r}") from err
+
+
+def _consume(drafter: Eagle3Drafter, tensors: dict[str, torch.Tensor], rename, where: str) -> Eagle3Drafter:
+    """Load every file tensor through ``rename`` (file name -> module name, or None for a checked extra)."""
+    floats = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    if len(floats) == 1:
+        drafter.to(floats.pop())  # the file's precision
+    expected = drafter.state_dict()
+    loaded: dict[str, torch.Tensor] = {}
+    unconsumed = []
+    for name, tensor in tensors.items():
+        target = rename(name)
+        if target not in expected:
+            unconsumed.append(name)
+            continue
+        if tuple(tensor.shape) != tuple(expected[target].shape):
+            raise ValueError(
+                f"{where}: {name} has shape {tuple(tensor.shape)}, expected {tuple(expected[target].shape)}"
+            )
+        loaded[target] = tensor
+    missing = sorted(set(expected) - set(loaded))
+    if unconsumed or missing:
+        raise ValueError(f"{where}: tensors not consumed {sorted(unconsumed)}, weights missing {missing}")
+    drafter.load_state_dict(loaded, strict=True)
+    t2d = torch.zeros_like(drafter.t2d)
+    t2d[drafter.draft_ids()] = True
+    if not torch.equal(t2d, drafter.t2d):
+        raise ValueError(f"{where}: t2d does not match d2t (the engines rebuild the map from d2t alone)")
+    return drafter
+
+
+def load_native(path: str) -> Eagle3Drafter:
+    """Read a native export by the engines' rules: names without prefix, ``midlayer.*`` the one layer; layer ids from
+    vLLM's top-level key (inputs of layers), checked against SGLang's ``eagle_config`` (outputs of layers)."""
+    config, tensors = read_folder(path, "an EAGLE-3 export")
+    if config.get("architectures") != ["LlamaForCausalLMEagle3"]:
+        raise ValueError(f"{path}: architectures {config.get('architectures')}, expected ['LlamaForCausalLMEagle3']")
+    vllm_ids = config.get("eagle_aux_hidden_state_layer_ids")
+    sglang_ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if vllm_ids is None or sglang_ids is None:
+        raise ValueError(f"{path}: the layer ids must be written for both vLLM and SGLang")
+    if [i + 1 for i in sglang_ids] != list(vllm_ids):
+        raise ValueError(f"{path}: SGLang layer ids {sglang_ids} (outputs) disagree with vLLM's {vllm_ids} (inputs)")
+    if config.get("num_hidden_layers") != 1:
+        raise ValueError(f"{path}: num_hidden_layers must be 1, got {config.get('num_hidden_layers')}")
+    drafter = Eagle3Drafter(_config(config, config, vllm_ids, path))
+    return _consume(drafter, tensors, lambda name: name, path)
+
+
+def load_speculators(path: str) -> Eagle3Drafter:
+    """Read a speculators export by vLLM's rules: ``layers.0.*`` is the layer, the rest without prefix."""
+    config, tensors = read_folder(path, "an EAGLE-3 export")
+    if config.get("speculators_model_type") != "eagle3":
+        raise ValueError(f"{path}: speculators_model_type {config.get('speculators_model_type')!r}, expected 'eagle3'")
+    if config.get("norm_before_residual") is not False:
+        raise ValueError(f"{path}: norm_before_residual must be written as false for this drafter")
+    layer = config.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise ValueError(f"{path}: transformer_layer_config must be a dict")
+    drafter = Eagle3Drafter(_config(layer, config, config["eagle_aux_hidden_state_layer_ids"], path))
+
+    embedding = tensors.pop("embed_tokens.weight", None)
+    c = drafter.config
+    if embedding is None or tuple(embedding.shape) != (c.vocab_size, c.hidden_size):
+        shape = None if embedding is None else tuple(embedding.shape)
+        raise ValueError(
+            f"{path}: embed_tokens.weight is {shape}, expected the target's embedding {(c.vocab_size, c.hidden_size)} "
+            "(speculators keeps uninitialised memory for a missing one)"
+        )
+
+    def rename(name: str) -> str:
+        if name.startswith("layers.0."):
+            return "midlayer." + name.removeprefix("layers.0.")
+        return "" if name.startswith("midlayer.") else name  # vLLM would not load midlayer.* from this format
+
+    return _consume(drafter, tensors, rename, path)

@@ -1,0 +1,116 @@
+"""Drafter kind ``eagle3``: one decoder layer over fused target hidden states (module.py).
+
+Exported natively (``eagle3``: SGLang and vLLM ``LlamaForCausalLMEagle3``) or in the speculators format
+(``eagle3-speculators``: vLLM ``Eagle3Speculator``); drafted as a chain, or as an EAGLE-2 dynamic tree with
+``--tree``, by proposer.py on the target's input embedding.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import PreTrainedModel
+
+from trainer.export.files import folder_config
+from trainer.methods.eagle3 import export as formats
+from trainer.methods.eagle3.module import Eagle3Config, Eagle3Drafter
+from trainer.methods.eagle3.proposer import Eagle3Proposer, Eagle3TreeProposer
+from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, ProposerOptions, register_kind
+from trainer.target import EMBEDDING_NAMES, load_target_tensors
+
+KIND = "eagle3"
+
+
+def make_record(config: Eagle3Config, target: str, target_architectures: list[str], ttt_steps: int) -> DrafterRecord:
+    """The record of a drafter trained against ``target`` with ``ttt_steps`` unrolled steps."""
+    return DrafterRecord(
+        kind=KIND,
+        config=config.to_dict(),
+        components={"drafter": "drafter."},
+        target=target,
+        target_architectures=list(target_architectures or []),
+        target_layers=list(config.aux_layers),
+        target_vocab_size=config.vocab_size,
+        target_hidden_size=config.target_hidden_size,
+        tokenizer=target,
+        draft_tokens=ttt_steps,
+    )
+
+
+def record_of(drafter: Eagle3Drafter, target: str | None = None, draft_tokens: int | None = None) -> DrafterRecord:
+    """The record of a drafter read back from an export (the target known only to the speculators format)."""
+    c = drafter.config
+    return DrafterRecord(
+        kind=KIND,
+        config=c.to_dict(),
+        target=target,
+        target_layers=list(c.aux_layers),
+        target_vocab_size=c.vocab_size,
+        target_hidden_size=c.target_hidden_size,
+        draft_tokens=draft_tokens,
+    )
+
+
+def build(record: DrafterRecord) -> Eagle3Drafter:
+    """An initialised drafter of the record's shape."""
+    return Eagle3Drafter(Eagle3Config(**record.config))
+
+
+def load_native(folder: Path) -> tuple[Eagle3Drafter, DrafterRecord]:
+    drafter = formats.load_native(str(folder))
+    return drafter, record_of(drafter)
+
+
+def load_speculators(folder: Path) -> tuple[Eagle3Drafter, DrafterRecord]:
+    drafter = formats.load_speculators(str(folder))
+    spec = folder_config(folder).get("speculators_config") or {}
+    verifier = (spec.get("verifier") or {}).get("name_or_path")
+    methods = spec.get("proposal_methods") or [{}]
+    return drafter, record_of(drafter, verifier or None, methods[0].get("speculative_tokens"))
+
+
+def write_speculators(drafter: Eagle3Drafter, record: DrafterRecord, out_dir: Path) -> Path:
+    """The speculators format, with the target's embedding read from its safetensors (the record's target)."""
+    if not record.target or record.draft_tokens is None:
+        raise ValueError(
+            "the speculators format names the verifier and the drafts per round: the drafter record lacks "
+            f"{'its target' if not record.target else 'its TTT steps (draft_tokens)'}"
+        )
+    embedding = load_target_tensors(record.target, {"embedding": EMBEDDING_NAMES})["embedding"]
+    return formats.save_speculators(
+        drafter,
+        str(out_dir),
+        verifier=record.target,
+        embedding=embedding,
+        speculative_tokens=record.draft_tokens,
+        verifier_architectures=record.target_architectures,
+    )
+
+
+def proposer(drafter: Eagle3Drafter, record: DrafterRecord, target: PreTrainedModel, options: ProposerOptions):
+    """Chain drafting, or the EAGLE-2 dynamic tree with ``options.tree``."""
+    embedding = target.get_input_embeddings()
+    if options.tree:
+        return Eagle3TreeProposer(
+            drafter, embedding, top_k=options.tree_top_k, budget=options.tree_nodes,
+            rank_temperature=options.rank_temperature,
+        )  # fmt: skip
+    return Eagle3Proposer(drafter, embedding)
+
+
+NATIVE = ExportFormat(
+    name="eagle3",
+    description="native EAGLE-3 (LlamaForCausalLMEagle3): SGLang and vLLM",
+    write=lambda drafter, record, out: formats.save_native(drafter, str(out)),
+    load=load_native,
+    recognise=lambda folder: folder_config(folder).get("architectures") == ["LlamaForCausalLMEagle3"],
+)
+SPECULATORS = ExportFormat(
+    name="eagle3-speculators",
+    description="EAGLE-3 in the speculators format (Eagle3Speculator): vLLM and the speculators library",
+    write=write_speculators,
+    load=load_speculators,
+    recognise=lambda folder: folder_config(folder).get("speculators_model_type") == "eagle3",
+)
+
+register_kind(DrafterKind(name=KIND, build=build, formats=(NATIVE, SPECULATORS), proposer=proposer))

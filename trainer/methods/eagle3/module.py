@@ -1,0 +1,422 @@
+"""The EAGLE-3 drafter: one Llama decoder layer over the next token's embedding and fused target features.
+
+Inputs of element ``t`` of a sequence: the fused features ``h_t`` (at step 0, ``fc`` of the concatenated hidden states
+of three target layers at token ``t``; at later drafting steps, the drafter's own output at ``t`` of the step before)
+and the embedding of token ``t + 1`` (the target's frozen embedding, passed in by the caller). The layer input is
+``cat([input_layernorm(embedding), hidden_norm(h)])`` (embeddings first), so q/k/v projections take width ``2H``;
+the residual is the un-normalised ``h``. The output ``o`` (before the final norm) is the feature fed to the next step;
+``lm_head(norm(o))`` gives logits over the reduced draft vocabulary, mapped to target ids by ``d2t``.
+
+Parameter names follow the native EAGLE-3 checkpoint (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``,
+``t2d``), so the native export is the state dict itself. Attention is computed outside the layer's projections so
+that training-time test (:func:`ttt_attention`) and cached drafting (:func:`masked_attention`) share the weights.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from trainer.block_attention import Impl, resolve_impl, ttt_flex_attention
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's default target layers in HF ``hidden_states`` indices: 2, L // 2 and L - 3, clamped to 1..L-1,
+    distinct and sorted (a shallow target gets the smallest unused ids instead of repeats: engines refuse repeats)."""
+    top = max(1, num_layers - 1)
+    ids = sorted({min(max(1, i), top) for i in (2, num_layers // 2, num_layers - 3)})
+    spare = [i for i in range(1, top + 1) if i not in ids]
+    return tuple(sorted(ids + spare[: 3 - len(ids)]))
+
+
+@dataclass
+class Eagle3Config:
+    """The drafter's shape. Stored in checkpoints (``asdict``) and translated by the exporters.
+
+    Attributes:
+        hidden_size: H, the drafter's width (the target's hidden size in all released drafters).
+        intermediate_size: the MLP's inner width.
+        num_attention_heads: query heads.
+        num_key_value_heads: key/value heads (grouped-query attention).
+        head_dim: width of one head.
+        vocab_size: the target's vocabulary size.
+        draft_vocab_size: the reduced vocabulary of the draft lm_head.
+        target_hidden_size: the target's hidden size (the fc input is ``len(aux_layers) * target_hidden_size``).
+        aux_layers: target layers fused by fc, in HF ``hidden_states`` indices (input of layer i; 0 the embeddings).
+        rms_norm_eps: epsilon of every RMSNorm.
+        rope_parameters: the target's rotary settings (HF ``rope_parameters``: rope_theta, rope_type, scaling).
+        max_position_embeddings: the longest position the rotary embedding is built for.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layers: tuple[int, ...]
+    rms_norm_eps: float = 1e-6
+    rope_parameters: dict = field(default_factory=lambda: {"rope_theta": 10000.0, "rope_type": "default"})
+    max_position_embeddings: int = 4096
+
+    def __post_init__(self) -> None:
+        self.aux_layers = tuple(int(i) for i in self.aux_layers)
+        if not self.aux_layers:
+            raise ValueError("Eagle3Config.aux_layers: at least one target layer is needed")
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in 1..vocab_size={self.vocab_size}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @classmethod
+    def from_target(cls, target_config, draft_vocab_size: int, aux_layers: Sequence[int] | None = None) -> Eagle3Config:
+        """The usual drafter of a target: its widths, heads and rotary settings, one layer."""
+        get = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        heads = get.num_attention_heads
+        head_dim = getattr(get, "head_dim", None) or get.hidden_size // heads
+        rope = getattr(get, "rope_parameters", None) or {"rope_theta": getattr(get, "rope_theta", 10000.0)}
+        rope = {"rope_type": "default", **dict(rope)}
+        return cls(
+            hidden_size=get.hidden_size,
+            intermediate_size=get.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(get, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            vocab_size=get.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            target_hidden_size=get.hidden_size,
+            aux_layers=tuple(aux_layers) if aux_layers else default_aux_layers(get.num_hidden_layers),
+            rms_norm_eps=getattr(get, "rms_norm_eps", 1e-6),
+            rope_parameters=rope,
+            max_position_embeddings=getattr(get, "max_position_embeddings", 4096),
+        )
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["aux_layers"] = list(self.aux_layers)
+        return out
+
+    def llama_config(self) -> LlamaConfig:
+        """The equivalent one-layer Llama config (rotary embedding, and the exports' layer config)."""
+        return LlamaConfig(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=1,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            vocab_size=self.vocab_size,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_parameters=dict(self.rope_parameters),
+            max_position_embeddings=self.max_position_embeddings,
+            hidden_act="silu",
+            tie_word_embeddings=False,
+        )
+
+
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm (computed in float32)."""
+
+    def __init__(self, width: int, eps: float = 1e-6) -> None:
+        """
+        Args:
+            width: the normalised dimension.
+            eps: added to the mean square.
+        """
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    """Projections of the EAGLE-3 attention: q/k/v from width 2H, o back to H."""
+
+    def __init__(self, config: Eagle3Config) -> None:
+        """
+        Args:
+            config: the drafter's shape.
+        """
+        super().__init__()
+        c = config
+        self.q_proj = nn.Linear(2 * c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP."""
+
+    def __init__(self, config: Eagle3Config) -> None:
+        """
+        Args:
+            config: the drafter's shape.
+        """
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    """The EAGLE-3 decoder layer (``midlayer`` in the native format)."""
+
+    def __init__(self, config: Eagle3Config) -> None:
+        """
+        Args:
+            config: the drafter's shape.
+        """
+        super().__init__()
+        self.config = config
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def qkv(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """embeds, hidden: [B, S, H]; cos, sin: [B, S, D] -> q [B, nh, S, D], k and v [B, nkv, S, D] (rotated)."""
+        c = self.config
+        B, S, _ = hidden.shape
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [B, S, 2H]
+        q = self.self_attn.q_proj(x).view(B, S, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = self.self_attn.k_proj(x).view(B, S, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = self.self_attn.v_proj(x).view(B, S, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def finish(self, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """hidden: [B, S, H] the residual; attn: [B, nh, S, D] attention output -> the layer output [B, S, H]."""
+        B, _, S, _ = attn.shape
+        h = hidden + self.self_attn.o_proj(attn.transpose(1, 2).reshape(B, S, -1))  # [B, S, H]
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, nkv, S, D] -> [B, nkv * groups, S, D]."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """q: [B, nh, N, D]; k, v: [B, nkv, M, D]; allowed: [N, M] or [B, 1, N, M] bool -> [B, nh, N, D]."""
+    groups = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, _repeat_kv(k, groups), _repeat_kv(v, groups), attn_mask=allowed)
+
+
+def ttt_attention(
+    q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], impl: Impl = "dense"
+) -> torch.Tensor:
+    """Attention of training-time-test step ``i = len(keys) - 1`` without building the ``[S, (i + 1) S]`` mask.
+
+    Query ``t`` sees the step-0 keys ``0..t`` (causal) and, for every later step ``j = 1..i``, only the key at its
+    own position ``t``. q: [B, nh, S, D]; keys[j], values[j]: [B, nkv, S, D] -> [B, nh, S, D].
+
+    ``impl``: ``dense`` computes the causal scores [S, S] and the i diagonal ones [S, i] and normalises them together;
+    ``flex`` runs the same mask through flex attention (trainer/block_attention.py: fused, no probabilities
+    stored; CUDA only for training); ``auto`` picks flex on CUDA.
+    """
+    if _resolved(impl, q) == "flex":
+        return ttt_flex_attention(q, list(keys), list(values))
+    groups = q.shape[1] // keys[0].shape[1]
+    S = q.shape[2]
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    k0, v0 = _repeat_kv(keys[0], groups), _repeat_kv(values[0], groups)  # [B, nh, S, D]
+    causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()  # [S, S]
+    scores = [(q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]  # [B, nh, S, S]
+    for k in keys[1:]:
+        scores.append((q * _repeat_kv(k, groups)).sum(-1, keepdim=True) * scale)  # [B, nh, S, 1]
+    probs = torch.softmax(torch.cat(scores, dim=-1).float(), dim=-1).to(q.dtype)  # [B, nh, S, S + i]
+    out = probs[..., :S] @ v0  # [B, nh, S, D]
+    for j, v in enumerate(values[1:]):
+        out = out + probs[..., S + j : S + j + 1] * _repeat_kv(v, groups)
+    return out
+
+
+def _resolved(impl: Impl, q: torch.Tensor) -> str:
+    """The implementation ``impl`` resolves to for queries ``q`` (trainer/block_attention.py)."""
+    return resolve_impl(impl, q.device, torch.is_grad_enabled() and q.requires_grad)
+
+
+def ttt_mask(seq_len: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The mask :func:`ttt_attention` applies, built explicitly: ``[S, (step + 1) S]`` bool over the keys of steps
+    0..step concatenated in step order (for tests and for reading)."""
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()  # [S, S]
+    eye = torch.eye(seq_len, dtype=torch.bool, device=device)  # [S, S]
+    return torch.cat([causal] + [eye] * step, dim=1)
+
+
+class Eagle3Drafter(nn.Module):
+    """The drafter: ``fc`` fuses target features, ``midlayer`` drafts, ``lm_head`` predicts the reduced vocabulary.
+
+    Buffers ``d2t`` (int64 [draft_vocab]: target id minus draft id) and ``t2d`` (bool [vocab]: target id is in the
+    draft vocabulary) are part of the state dict, so the mapping travels with every checkpoint.
+    """
+
+    def __init__(self, config: Eagle3Config) -> None:
+        """
+        Args:
+            config: the drafter's shape.
+        """
+        super().__init__()
+        self.config = config
+        c = config
+        self.fc = nn.Linear(len(c.aux_layers) * c.target_hidden_size, c.hidden_size, bias=False)
+        self.midlayer = MidLayer(c)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.rotary = LlamaRotaryEmbedding(c.llama_config())
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
+
+    def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install the reduced vocabulary (see vocab_map.py)."""
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError(
+                f"vocab map shapes d2t {tuple(d2t.shape)}, t2d {tuple(t2d.shape)} do not match the drafter's "
+                f"{tuple(self.d2t.shape)}, {tuple(self.t2d.shape)}"
+            )
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def draft_ids(self) -> torch.Tensor:
+        """[Vd] the target ids of the draft vocabulary, in draft order."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def to_target_ids(self, draft_tokens: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids (any shape) -> target ids."""
+        return draft_tokens + self.d2t[draft_tokens]
+
+    def fuse(self, aux_hidden: Sequence[torch.Tensor]) -> torch.Tensor:
+        """aux_hidden: one [..., Ht] per aux layer, in ``config.aux_layers`` order -> fused features [..., H]."""
+        if len(aux_hidden) != len(self.config.aux_layers):
+            raise ValueError(f"expected {len(self.config.aux_layers)} target hidden states, got {len(aux_hidden)}")
+        return self.fc(torch.cat(list(aux_hidden), dim=-1).to(self.fc.weight.dtype))
+
+    def rope(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [B, S] -> cos, sin [B, S, D]."""
+        return self.rotary(hidden, positions)
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """out: [..., H] layer output -> [..., Vd] draft-vocabulary logits."""
+        return self.lm_head(self.norm(out))
+
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        past: tuple[torch.Tensor, torch.Tensor] | None = None,
+        allowed: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """One drafter pass over new elements, attending to ``past`` keys/values and to each other.
+
+        Args:
+            embeds: [B, N, H] embeddings of the tokens one ahead of ``hidden``.
+            hidden: [B, N, H] fused target features or the drafter's own earlier outputs.
+            positions: [B, N] rotary positions.
+            past: cached (k, v), each [B, nkv, M, D], or None.
+            allowed: [N, M + N] (or [B, 1, N, M + N]) bool over past then new keys; None is causal over the new
+                elements after all of ``past``.
+
+        Returns:
+            out [B, N, H] (the feature for the next step), logits [B, N, Vd], and the new elements' (k, v).
+        """
+        cos, sin = self.rope(hidden, positions)
+        q, k, v = self.midlayer.qkv(embeds, hidden, cos, sin)  # [B, nh, N, D], [B, nkv, N, D] x2
+        N = hidden.shape[1]
+        M = 0 if past is None else past[0].shape[2]
+        if allowed is None:
+            allowed = torch.ones(N, M + N, dtype=torch.bool, device=hidden.device).tril(M)  # [N, M + N]
+        keys = k if past is None else torch.cat([past[0], k], dim=2)  # [B, nkv, M + N, D]
+        values = v if past is None else torch.cat([past[1], v], dim=2)
+        out = self.midlayer.finish(hidden, masked_attention(q, keys, values, allowed))  # [B, N, H]
+        return out, self.logits(out), (k, v)
+
+    def ttt_step(
+        self,
+        embedding: nn.Module,
+        hidden: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        keys: Sequence[torch.Tensor],
+        values: Sequence[torch.Tensor],
+        impl: Impl = "dense",
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One training-time-test step ``i = len(keys)`` over every element of a row.
+
+        Args:
+            embedding: the target's (frozen) input embedding.
+            hidden: [B, S, H] the step's input features (fused target features at step 0, else the step before's
+                outputs).
+            tokens: [B, S] the tokens embedded at this step.
+            positions: [B, S] rotary positions (the step-0 positions plus i).
+            keys, values: the keys and values of steps 0..i-1, each [B, nkv, S, D].
+            impl: the TTT attention's implementation (see :func:`ttt_attention`).
+
+        Returns:
+            out [B, S, H] (the next step's features), logits [B, S, Vd], and this step's (k, v).
+        """
+        embeds = embedding(tokens).to(hidden.dtype)  # [B, S, H]
+        cos, sin = self.rope(hidden, positions)
+        q, k, v = self.midlayer.qkv(embeds, hidden, cos, sin)
+        out = self.midlayer.finish(hidden, ttt_attention(q, [*keys, k], [*values, v], impl))  # [B, S, H]
+        return out, self.logits(out), k, v
+
+    def unroll(
+        self,
+        embedding: nn.Module,
+        fused: torch.Tensor,
+        next_tokens: torch.Tensor,
+        steps: int,
+        data_tokens: torch.Tensor | None = None,
+        impl: Impl = "dense",
+    ):
+        """Training-time test: yields the draft logits [B, S, Vd] of steps 0..steps-1.
+
+        Args:
+            embedding: the target's (frozen) input embedding.
+            fused: [B, S, H] fused target features of tokens 0..S-1.
+            next_tokens: [B, S] tokens 1..S (token t + 1 for element t).
+            steps: unrolled steps K.
+            data_tokens: None feeds, at step i > 0, the drafter's own argmax of step i - 1 (mapped to target ids);
+                otherwise [B, S + steps] a token stream whose entry ``t + 1 + i`` is fed at step i (the data's
+                tokens, as in the reference implementations).
+            impl: the TTT attention's implementation (see :func:`ttt_attention`).
+        """
+        B, S, _ = fused.shape
+        base = torch.arange(S, device=fused.device).expand(B, S)  # [B, S]
+        hidden, tokens = fused, next_tokens
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        for i in range(steps):
+            hidden, logits, k, v = self.ttt_step(embedding, hidden, tokens, base + i, keys, values, impl)
+            keys.append(k)
+            values.append(v)
+            yield logits
+            if data_tokens is None:
+                tokens = self.to_target_ids(logits.detach().argmax(-1))  # [B, S]
+            else:
+                tokens = data_tokens[:, i + 2 : i + 2 + S]  # [B, S]

@@ -1,0 +1,378 @@
+"""EAGLE-3: train a one-layer drafter on fused target features with training-time test (TTT).
+
+Online mode: the frozen target runs inside the training step and gives its logits and the hidden states of the
+drafter's aux layers. Element ``t`` of a row pairs the fused features of token ``t`` with the embedding of token
+``t + 1``; at unrolled step ``i`` it predicts token ``t + 2 + i``, labelled by the target's prediction at position
+``t + 1 + i`` (its distribution over the draft vocabulary, renormalised, or its argmax), under the loss mask of that
+token, with weight ``step_decay ** i``. Step ``i > 0`` feeds the drafter's own output features of step ``i - 1`` at
+positions shifted by ``i``, with the row's own token ``t + 1 + i`` (``ttt_inputs: data``, the default, as the
+reference implementations do) or the drafter's own argmax of step ``i - 1`` (``predicted``); see
+module.py for the attention.
+
+Why data tokens by default: the label of step ``i`` is the target's prediction after the row's tokens. Where the
+drafter's step ``i - 1`` guess is wrong, a ``predicted`` input contradicts that label, and the drafter learns to
+predict the row's continuation whatever token it is fed; at inference a chain only continues past a right guess, where
+the two inputs are the same token. Measured on the tiny target (README, EAGLE-3; 6 TTT steps, trained side by side):
+acceptance at the second draft given the first 0.72 with predicted inputs against 0.79 with data inputs,
+teacher-forced tau 3.62 against 4.05.
+
+Offline mode (``teacher_signals: shards``): the batches of a ShardDataModule carry the aux layers' hidden states and
+the target's top-k next tokens at temperature 1, written by ``draftsmith precompute`` (recipes/quickstart/
+precompute_eagle3.yaml). The target model is never built: only its config and the two tensors the drafter needs, the
+input embedding (the drafter's input) and the lm_head (which initialises the draft lm_head rows), are read from its
+safetensors (trainer.target.TargetEmbeddings). Soft labels are the top-k probabilities restricted to the draft
+vocabulary and renormalised over it (positions where none of the k ids is in it are not trained); hard labels and the
+accuracies use the top-1 id. With k equal to the vocabulary and float32 shards it is the online objective.
+
+Memory: a step's activations would grow linearly in K (5.9x at K = 7 against K = 1). With ``recompute``
+(the default) the steps 0..K-2 keep only their inputs and outputs (features, keys and values: what later steps read)
+and are rerun in backward, their logits and loss included; the last step, the first one backward needs, is stored as
+before. bench/bench_eagle3_ttt.py measures K = 7 at 1.4x the memory held for backward of K = 1 (1.5x at the peak),
+for about a third more step time (1.3x at K = 3 and 7, on CPU); the loss and gradients are unchanged (tested).
+``attention: flex`` (or ``auto``) runs the TTT mask through flex attention on CUDA
+(trainer/block_attention.py), which stores no attention probabilities; it is checked against the dense
+path on CPU (forward) but has not been run on a GPU in this repository, so the default stays ``dense``.
+
+The reduced vocabulary (vocab_map.py) is counted once from the datamodule's training rows in
+``setup`` (the text rows, or the shards' tokens and loss masks); it is a buffer of the drafter, so a resumed run gets
+the checkpoint's map back when Lightning restores the state dict after ``setup``, and ``init_from`` (fine-tuning from
+a checkpoint) takes the checkpoint's map and never counts. The target (or its two tensors) is kept outside the module
+tree, so checkpoints hold the drafter only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from functools import partial
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import PreTrainedModel
+
+from trainer.block_attention import Impl
+from trainer.data.shard_datamodule import checked_shard_data
+from trainer.methods.eagle3 import kind as eagle3_kind
+from trainer.methods.eagle3 import vocab_map
+from trainer.methods.eagle3.module import Eagle3Config, Eagle3Drafter
+from trainer.objective import DraftObjective, Optim, causal_lm_flops_per_token, count_params
+from trainer.registry import DrafterRecord, check_target, load_drafter
+from trainer.target import FrozenTarget, TargetEmbeddings, resolve_dtype
+from trainer.vocab import check_data_tokenizer, load_tokenizer_if_present
+
+log = logging.getLogger(__name__)
+
+
+class Eagle3(DraftObjective):
+    """Trains an EAGLE-3 drafter against an online frozen target, or from precomputed target shards."""
+
+    def __init__(
+        self,
+        target: str,
+        draft_vocab_size: int = 32000,
+        aux_layers: list[int] | None = None,
+        ttt_steps: int = 7,
+        step_decay: float = 0.8,
+        labels: Literal["soft", "hard"] = "soft",
+        ttt_inputs: Literal["data", "predicted"] = "data",
+        init_from: str | None = None,
+        target_dtype: str = "float32",
+        drafter_dtype: str = "float32",
+        trust_remote_code: bool = False,
+        seed: int = 0,
+        teacher_signals: Literal["online", "shards"] = "online",
+        recompute: bool = True,
+        attention: Impl = "dense",
+        optim: Optim = Optim(),
+    ) -> None:
+        """
+        Args:
+            target: the target, an HF causal LM directory or hub id.
+            draft_vocab_size: size of the reduced draft vocabulary (the most frequent trained tokens).
+            aux_layers: target layers fused by the drafter, in HF hidden_states indices (input of layer i; 0 is the
+                embeddings); None uses 2, L // 2, L - 3.
+            ttt_steps: K, the unrolled drafting steps of training-time test.
+            step_decay: weight of step i is step_decay ** i.
+            labels: "soft" matches the target's distribution over the draft vocabulary (renormalised; cross entropy
+                with soft labels, i.e. forward KL up to a constant), "hard" its argmax (positions whose argmax is
+                outside the draft vocabulary are skipped).
+            ttt_inputs: tokens fed at steps i > 0: "data" (the row's own next tokens, which the labels are
+                conditioned on, as the reference implementations do) or "predicted" (the drafter's own argmax of step
+                i - 1, which contradicts the label wherever that guess was wrong; see the module docstring).
+            init_from: a training checkpoint (.ckpt or DeepSpeed directory) of an EAGLE-3 run to start from: its
+                weights, shape and vocabulary map are used, and the map is not recounted on this run's data.
+            target_dtype: the target's weights dtype (float32, bfloat16, float16).
+            drafter_dtype: the drafter's weights dtype.
+            trust_remote_code: allow custom modelling code in the target directory (off by default).
+            seed: seed for the drafter's initialisation.
+            teacher_signals: "online" runs the target in every step; "shards" reads its aux-layer hidden states and
+                top-k next tokens (temperature 1) from the batches of a ShardDataModule whose hidden_layers are the
+                aux_layers (written by ``draftsmith precompute``), loading only the target's config, embedding and
+                lm_head, never the model.
+            recompute: recompute TTT steps 0..K-2 in backward instead of storing their activations (each keeps its
+                inputs and outputs only; the last step is stored, as it is the first one backward needs): at K = 7
+                the step holds 1.4x the memory K = 1 holds for backward instead of 5.9x (bench/bench_eagle3_ttt.py).
+            attention: the TTT attention: "dense" (mask-aware, the default), "flex" (flex attention, CUDA) or "auto"
+                (flex on CUDA, dense elsewhere).
+            optim: optimizer and learning-rate schedule.
+        """
+        super().__init__(optim)
+        self.save_hyperparameters(ignore=["optim"])
+        if ttt_steps < 1:
+            raise ValueError(f"model.ttt_steps must be >= 1, got {ttt_steps}")
+        if not 0.0 < step_decay <= 1.0:
+            raise ValueError(f"model.step_decay must be in (0, 1], got {step_decay}")
+        self.target_path = target
+        self.ttt_steps, self.step_decay, self.labels, self.ttt_inputs = ttt_steps, step_decay, labels, ttt_inputs
+        self.teacher_signals, self.recompute, self.attention = teacher_signals, recompute, attention
+        frozen: FrozenTarget | TargetEmbeddings
+        if teacher_signals == "online":
+            frozen = FrozenTarget.from_pretrained(target, target_dtype, trust_remote_code)
+        elif teacher_signals == "shards":
+            frozen = TargetEmbeddings.from_pretrained(target, target_dtype, trust_remote_code)
+        else:
+            raise ValueError(f"model.teacher_signals={teacher_signals!r} is not 'online' or 'shards'")
+        self._target = [frozen]  # a list: kept out of the module tree, so out of checkpoints and optimizers
+        self.track_frozen("target", target, frozen.config)
+        torch.manual_seed(seed)
+        self.vocab_fixed = init_from is not None
+        if init_from is not None:
+            drafter, record = load_drafter(init_from)
+            where = f"model.init_from {init_from!r}"
+            if record.kind != eagle3_kind.KIND:
+                raise ValueError(f"{where}: holds a drafter of kind {record.kind!r}, not {eagle3_kind.KIND!r}")
+            check_target(record, frozen.config, where)
+            self.drafter = drafter
+            log.info("EAGLE-3 drafter, its shape and its vocabulary map loaded from %s", init_from)
+        else:
+            config = Eagle3Config.from_target(frozen.config, draft_vocab_size, aux_layers)
+            config.vocab_size = frozen.vocab_size
+            L_ = frozen.num_layers
+            for i in config.aux_layers:
+                if not 0 <= i <= L_:
+                    raise ValueError(f"model.aux_layers: {i} is outside the target's hidden_states 0..{L_}")
+            self.drafter = Eagle3Drafter(config)
+        self.drafter.to(resolve_dtype(drafter_dtype))
+
+    @property
+    def target(self) -> FrozenTarget | TargetEmbeddings:
+        """The frozen target (online), or its config, embedding and lm_head (shards)."""
+        return self._target[0]
+
+    def trainable_module(self) -> nn.Module:
+        return self.drafter
+
+    # ---- the reduced vocabulary ----------------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if self.teacher_signals == "shards":
+            self._check_shards(datamodule)
+        else:  # the data's token ids must mean what the target's do (the shards' check covers the other mode)
+            width = self.target.vocab_size
+            tokenizer = load_tokenizer_if_present(self.target_path)
+            check_data_tokenizer(datamodule, self.target_path, tokenizer, width, width)
+        if self.vocab_fixed:
+            return
+        if self.teacher_signals == "shards":
+            self.install_vocab_map(datamodule.training_rows())
+            return
+        dataset = getattr(datamodule, "train_dataset", None)
+        if dataset is None or not hasattr(dataset, "ids"):
+            raise ValueError(
+                "EAGLE-3 needs the training rows to count its draft vocabulary: the datamodule has no train_dataset "
+                "with ids and trained arrays (or pass model.init_from)"
+            )
+        self.build_vocab_map(dataset.ids, dataset.trained)
+
+    def _check_shards(self, datamodule) -> None:
+        """Refuses data other than shards of this target, tokenizer and vocabulary at temperature 1 (the labels are
+        the target's own distribution) holding the drafter's aux layers in its order."""
+        tokenizer = load_tokenizer_if_present(self.target_path)
+        vocab_size = len(tokenizer) if tokenizer is not None else self.target.vocab_size
+        data = checked_shard_data(
+            datamodule, vocab_size=vocab_size, tokenizer=tokenizer, teacher=self.target_path, temperature=1.0
+        )
+        aux = list(self.drafter.config.aux_layers)
+        if list(data.hidden_layers) != aux:
+            raise ValueError(
+                f"data.hidden_layers={list(data.hidden_layers)} must equal the drafter's aux_layers {aux}, in "
+                "that order: teacher_hidden[:, j] is fused as aux layer j"
+            )
+        if data.meta.hidden_size != self.drafter.config.target_hidden_size:
+            raise ValueError(
+                f"{data.shards_dir}: hidden states of width {data.meta.hidden_size}, the target {self.target_path!r} "
+                f"has {self.drafter.config.target_hidden_size}"
+            )
+
+    def build_vocab_map(self, ids, trained, chunk_rows: int = 4096) -> None:
+        """:meth:`install_vocab_map` of [R, S + 1] ``ids`` and ``trained`` arrays, read ``chunk_rows`` at a time."""
+        self.install_vocab_map(
+            (ids[i : i + chunk_rows], trained[i : i + chunk_rows]) for i in range(0, len(ids), chunk_rows)
+        )
+
+    def install_vocab_map(self, rows: Iterable[tuple[np.ndarray, np.ndarray]]) -> None:
+        """Count the trained labels of ``(ids, trained)`` chunks ([r, S + 1] each, trainer/data/packing.py's
+        convention), install the map and copy the target's lm_head rows.
+
+        Every rank computes the same map from the same rows (deterministic; no communication needed).
+        """
+        cfg = self.drafter.config
+        counts = vocab_map.count_label_tokens(rows, cfg.vocab_size)  # [V]
+        d2t, t2d = vocab_map.build_vocab_map(counts, cfg.draft_vocab_size)
+        self.drafter.set_vocab_map(d2t.to(self.drafter.d2t.device), t2d.to(self.drafter.t2d.device))
+        with torch.no_grad():
+            head = self.target.lm_head_weight.detach()  # [V, Ht]
+            rows_ = head.index_select(0, self.drafter.draft_ids().to(head.device))  # [Vd, Ht]
+            if rows_.shape == self.drafter.lm_head.weight.shape:
+                self.drafter.lm_head.weight.copy_(rows_)
+        share = float(counts[t2d].sum()) / max(1, int(counts.sum()))
+        log.info("EAGLE-3 draft vocabulary: %d of %d tokens, %.3f of the trained labels", cfg.draft_vocab_size,
+                 cfg.vocab_size, share)  # fmt: skip
+
+    # ---- training ------------------------------------------------------------------------------------------------
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        ids = batch["input_ids"]  # [B, S]
+        target = self.target
+        if target.lm_head_weight.device != ids.device:
+            target.to(ids.device)
+        signals = self._shard_signals(batch) if self.teacher_signals == "shards" else self._online_signals(ids)
+        return self._ttt_loss(ids, batch["loss_mask"], *signals)
+
+    def _draft_index(self) -> torch.Tensor:
+        """[V] the draft index of every target id (meaningful where ``t2d``)."""
+        return torch.cumsum(self.drafter.t2d.long(), 0) - 1
+
+    def _online_signals(self, ids: torch.Tensor):
+        """Runs the target: (fused [B, S - 1, H], embedding, argmax [B, S], soft labels [B, S, Vd] or None, None)."""
+        drafter = self.drafter
+        out = self.target(ids, hidden_layers=drafter.config.aux_layers)  # logits [B, S, V]
+        fused = drafter.fuse([h[:, :-1] for h in out.hidden_states])  # [B, S - 1, H]
+        probs = None
+        if self.labels == "soft":
+            probs = torch.softmax(out.logits.index_select(-1, drafter.draft_ids()).float(), dim=-1)  # [B, S, Vd]
+        return fused, self.target.model.get_input_embeddings(), out.logits.argmax(-1), probs, None
+
+    def _shard_signals(self, batch: dict[str, torch.Tensor]):
+        """The same from a shard batch; the last item, [B, S] bool, is False where no top-k id is in the draft
+        vocabulary (a soft label without mass)."""
+        drafter = self.drafter
+        hidden = batch["teacher_hidden"]  # [B, n, S, Ht], n aux layers in config order
+        dtype = drafter.fc.weight.dtype
+        fused = drafter.fuse([hidden[:, j, :-1].to(dtype) for j in range(hidden.shape[1])])  # [B, S - 1, H]
+        topk_ids = batch["teacher_topk_ids"].long()  # [B, S, k], descending
+        weight = self.target.embedding
+
+        def embedding(tokens: torch.Tensor) -> torch.Tensor:
+            return F.embedding(tokens, weight)  # [..., Ht]
+
+        probs, valid = None, None
+        if self.labels == "soft":
+            in_draft = drafter.t2d[topk_ids]  # [B, S, k]
+            p = batch["teacher_topk_logprobs"].float().exp() * in_draft  # [B, S, k]
+            B, S, _ = topk_ids.shape
+            probs = p.new_zeros(B, S, drafter.config.draft_vocab_size)  # [B, S, Vd]
+            probs.scatter_add_(-1, self._draft_index()[topk_ids].clamp(min=0), p)
+            mass = probs.sum(-1, keepdim=True)  # [B, S, 1]
+            valid = mass[..., 0] > 0  # [B, S]
+            probs = probs / mass.clamp(min=torch.finfo(torch.float32).tiny)
+        return fused, embedding, topk_ids[..., 0], probs, valid
+
+    def _ttt_loss(
+        self,
+        ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        fused: torch.Tensor,
+        embedding: Callable[[torch.Tensor], torch.Tensor],
+        target_argmax: torch.Tensor,
+        target_probs: torch.Tensor | None,
+        label_ok: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The training-time-test loss, whatever the source of the target's signals.
+
+        Args:
+            ids, loss_mask: [B, S] the batch's tokens and trained flags.
+            fused: [B, S - 1, H] fused target features of tokens 0..S-2.
+            embedding: token ids -> the target's input embeddings.
+            target_argmax: [B, S] the target's most likely next token at every position (hard labels, accuracies).
+            target_probs: [B, S, Vd] soft labels over the draft vocabulary (labels "soft"), else None.
+            label_ok: [B, S] bool, False where a soft label is missing (not trained), or None (all present).
+        """
+        drafter = self.drafter
+        B, S = ids.shape
+        if self.labels == "hard":
+            t2d_index = self._draft_index()  # [V] draft index of every target id
+            hard = torch.where(drafter.t2d[target_argmax], t2d_index[target_argmax], -100)  # [B, S]
+        data_tokens = None
+        if self.ttt_inputs == "data":
+            data_tokens = F.pad(ids, (0, self.ttt_steps), value=0)  # [B, S + K]
+        total = fused.new_zeros((), dtype=torch.float32)
+        metrics: dict[str, torch.Tensor] = {}
+        positions = torch.arange(S - 1, device=ids.device).expand(B, S - 1)  # [B, S - 1] rotary positions of step 0
+        steps = min(self.ttt_steps, S - 1)  # step i trains elements whose label position t + 1 + i is in the row
+
+        def step(i: int, hidden: torch.Tensor, tokens: torch.Tensor, *kv: torch.Tensor):
+            """TTT step i: (out, k, v, loss_i, acc_i, guess [B, S - 1]) from the step's inputs alone, so that it can be
+            recomputed in backward."""
+            out, logits, k, v = drafter.ttt_step(
+                embedding, hidden, tokens, positions + i, kv[:i], kv[i:], self.attention
+            )
+            n = S - 1 - i  # elements whose label position t + 1 + i is inside the row
+            mask = loss_mask[:, 1 + i :].float()  # [B, n]
+            if label_ok is not None:
+                mask = mask * label_ok[:, 1 + i :]
+            log_q = torch.log_softmax(logits[:, :n].float(), dim=-1)  # [B, n, Vd]
+            if self.labels == "soft":
+                per_pos = -(target_probs[:, 1 + i :] * log_q).sum(-1)  # [B, n]
+            else:
+                labels = hard[:, 1 + i :]  # [B, n]
+                mask = mask * (labels >= 0)
+                per_pos = -log_q.gather(-1, labels.clamp(min=0)[..., None])[..., 0]  # [B, n]
+            loss_i = (per_pos * mask).sum() / mask.sum().clamp(min=1.0)
+            with torch.no_grad():
+                guess = drafter.to_target_ids(logits.argmax(-1))  # [B, S - 1]
+                trained = loss_mask[:, 1 + i :]
+                hits = (guess[:, :n] == target_argmax[:, 1 + i :]) & trained
+                accuracy = hits.sum().float() / trained.sum().clamp(min=1).float()
+            return out, k, v, loss_i, accuracy, guess
+
+        hidden, tokens = fused, ids[:, 1:]
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        for i in range(steps):
+            inputs = (hidden, tokens, *keys, *values)
+            if self.recompute and i < steps - 1 and torch.is_grad_enabled():
+                # earlier steps keep only their inputs and outputs; the last step's activations are needed first in
+                # backward, so recomputing it would save nothing at the peak
+                hidden, k, v, loss_i, accuracy, guess = checkpoint(partial(step, i), *inputs, use_reentrant=False)
+            else:
+                hidden, k, v, loss_i, accuracy, guess = step(i, *inputs)
+            keys.append(k)
+            values.append(v)
+            total = total + self.step_decay**i * loss_i
+            metrics[f"acc_{i}"] = accuracy
+            metrics[f"loss_{i}"] = loss_i.detach()
+            tokens = guess if data_tokens is None else data_tokens[:, i + 2 : i + 1 + S]  # [B, S - 1]
+        return total, metrics
+
+    def flops_per_token(self) -> float:
+        drafter = 2.0 * count_params(self.drafter)
+        if self.teacher_signals == "shards":
+            return 3.0 * drafter * self.ttt_steps  # the target ran in precompute
+        target = causal_lm_flops_per_token(self.target.model, 1024)
+        return 3.0 * drafter * self.ttt_steps + target
+
+    def speculative_eval_target(self) -> PreTrainedModel:
+        if not isinstance(self.target, FrozenTarget):
+            raise ValueError(
+                "teacher_signals: shards never builds the target, so SpeculativeEvalCallback cannot decode with it: "
+                "measure the exported drafter with draftsmith eval, or train online"
+            )
+        return self.target.model
+
+    def drafter_record(self) -> DrafterRecord:
+        architectures = getattr(self.target.config, "architectures", None) or []
+        return eagle3_kind.make_record(self.drafter.config, self.target_path, architectures, self.ttt_steps)

@@ -1,0 +1,307 @@
+"""LayerSkip: layer dropout rising with depth and an early-exit loss, so that the model's first E layers draft for it.
+
+Training (Elhoushi et al. 2024; torchtune's names):
+
+- layer dropout: layer ``l`` (0-based, of L) is skipped for a sample with probability ``p_l = p_max * S(l)``, with
+  ``S(l) = exp(l ln 2 / (L - 1)) - 1`` (``dropout_scale: exp``) or ``l / (L - 1)`` (``linear``); the last layer is
+  never dropped, and nothing is dropped in eval. Drawn per sample from a generator seeded with (seed, step,
+  micro-batch, rank), so a resumed run drops the same layers. A skipped layer passes its input through; it runs on
+  the samples that keep it, and on one discarded sample when none does, so every rank runs every layer's forward
+  and backward (collectives of sharded strategies never wait on a rank that skipped) and a skipped layer's gradient
+  is zero, never missing.
+- early-exit loss: at the exit layers (``early_exit_layers``, default all), the hidden state after layer ``l`` goes
+  through the model's own final norm and lm_head; the losses of the enabled exits and of the last layer are combined
+  with scales normalised to sum 1 (``exit_scale``: ``uniform``, ``linear_l`` (l + 1), ``sum_l`` ((l + 1)(l + 2)/2),
+  ``sqrt_l``, ``inv_l``). Curricula (deterministic in the step): ``none`` (every exit), ``rotational`` (exit index
+  ``i`` is enabled when ``i % period == step % period``) and ``gradual`` (exits enabled from the last layer down,
+  all of them after ``curriculum_steps``). Every exit's logits are computed in chunks of positions and freed.
+
+Pre-training a fresh Llama from a tokenizer (``tokenizer`` with ``model_config`` overrides), or fine-tuning any HF
+Llama-like model in full (``model``). The model is saved as a plain HF checkpoint (drafter kind ``layerskip``: a
+``layerskip.json`` beside it says how it was trained); ``draftsmith eval --drafter DIR --exit-layer E`` drafts with
+its first E layers through the target session (proposer.py), and transformers runs it with
+``generate(assistant_early_exit=E)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedModel
+from transformers.masking_utils import create_causal_mask
+
+from trainer.decoding.session import slice_refusal
+from trainer.export.hf import export_student
+from trainer.llama import new_llama_config
+from trainer.losses import chunked_cross_entropy
+from trainer.methods.layerskip import kind as layerskip_kind
+from trainer.objective import DraftObjective, Optim, causal_lm_flops_per_token, derived_seed
+from trainer.registry import DrafterRecord
+from trainer.target import resolve_dtype
+from trainer.vocab import check_data_tokenizer, load_tokenizer_if_present
+
+SCALES = ("uniform", "linear_l", "sum_l", "sqrt_l", "inv_l")
+
+
+def dropout_rates(num_layers: int, p_max: float, scale: str) -> list[float]:
+    """``p_l`` for l = 0..L-1; the last layer's is 0."""
+    L = num_layers
+    if L < 2:
+        return [0.0] * L
+    if scale == "exp":
+        rates = [p_max * (math.exp(i * math.log(2) / (L - 1)) - 1) for i in range(L)]
+    elif scale == "linear":
+        rates = [p_max * i / (L - 1) for i in range(L)]
+    else:
+        raise ValueError(f"model.dropout_scale must be 'exp' or 'linear', got {scale!r}")
+    rates[-1] = 0.0
+    return rates
+
+
+def exit_scales(layers: list[int], scale: str) -> list[float]:
+    """The loss scales of the exits at ``layers`` (0-based, the last layer included), normalised to sum 1."""
+    raw = {
+        "uniform": lambda n: 1.0,
+        "linear_l": lambda n: n + 1.0,
+        "sum_l": lambda n: (n + 1.0) * (n + 2.0) / 2.0,
+        "sqrt_l": lambda n: math.sqrt(n + 1.0),
+        "inv_l": lambda n: 1.0 / (n + 1.0),
+    }[scale]
+    values = [raw(n) for n in layers]
+    total = sum(values)
+    return [v / total for v in values]
+
+
+class LayerSkipLM(nn.Module):
+    """The model and the forward of a LayerSkip step as one module: the layers with dropout, then every enabled exit's
+    loss. Under FSDP2 it is the root unit, so the model's embedding, final norm and lm_head (not in a layer's unit) are
+    unsharded for this forward and its backward."""
+
+    def __init__(self, model: PreTrainedModel, chunk_size: int) -> None:
+        """
+        Args:
+            model: the HF causal LM being trained.
+            chunk_size: positions per chunk of every exit's logits.
+        """
+        super().__init__()
+        self.model = model
+        self.chunk_size = chunk_size
+
+    def run_layers(self, ids: torch.Tensor, keep: torch.Tensor | None, exits: list[int]) -> dict[int, torch.Tensor]:
+        """The hidden state after every layer in ``exits`` and after the last one, before the final norm.
+
+        ids: [B, S]; keep: [B, L] bool (None: every layer for every sample)."""
+        decoder = self.model.get_decoder()
+        h = decoder.embed_tokens(ids)  # [B, S, H]
+        positions = torch.arange(ids.shape[1], device=ids.device)[None]  # [1, S]
+        mask = create_causal_mask(
+            config=decoder.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=positions
+        )
+        rotary = decoder.rotary_emb(h, position_ids=positions)
+        L = len(decoder.layers)
+        out: dict[int, torch.Tensor] = {}
+        for n, layer in enumerate(decoder.layers):
+            kwargs = dict(attention_mask=mask, position_ids=positions, position_embeddings=rotary)
+            rows = None if keep is None or bool(keep[:, n].all()) else keep[:, n].nonzero().squeeze(1)  # [b]
+            if rows is None:
+                h = layer(h, **kwargs)
+            elif rows.numel():
+                h = h.index_copy(0, rows, layer(h.index_select(0, rows), **kwargs))
+            else:  # skipped by every sample: run on one, discarded, so its forward, backward and gradient (0) exist
+                h = h + 0.0 * layer(h[:1], **kwargs).sum()
+            if n in exits or n == L - 1:
+                out[n] = h
+        return out
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        labels: torch.Tensor,
+        keep: torch.Tensor | None,
+        layers: list[int],
+        scales: list[float],
+        whole_logits: bool = False,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The scaled sum of the exits' cross entropies and each of them; ``layers`` ends with the last layer.
+
+        ids, labels: [B, S]; keep: [B, L] bool or None; whole_logits: project through the lm_head module at once
+        (under ZeRO-3 its weight is a partition outside the module's forward) instead of in chunks of positions."""
+        states = self.run_layers(ids, keep, layers[:-1])
+        norm, head = self.model.get_decoder().norm, self.model.get_output_embeddings()
+        total, losses = 0.0, []
+        for layer, scale in zip(layers, scales):
+            normed = norm(states[layer])  # [B, S, H]
+            if whole_logits:
+                logits = head(normed).float()  # [B, S, V]
+                loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+            else:
+                loss = chunked_cross_entropy(normed, head.weight, labels, self.chunk_size)
+            total = total + scale * loss
+            losses.append(loss)
+        return total, losses
+
+
+class LayerSkip(DraftObjective):
+    """Trains a causal LM with layer dropout and early-exit losses (pre-training or full fine-tuning)."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        tokenizer: str | None = None,
+        model_config: dict[str, int | float | str | bool] | None = None,
+        p_max: float = 0.1,
+        dropout_scale: Literal["exp", "linear"] = "exp",
+        early_exit_layers: list[int] | None = None,
+        exit_scale: Literal["uniform", "linear_l", "sum_l", "sqrt_l", "inv_l"] = "sum_l",
+        curriculum: Literal["none", "rotational", "gradual"] = "none",
+        curriculum_period: int = 2,
+        curriculum_steps: int = 0,
+        chunk_size: int = 256,
+        model_dtype: str = "float32",
+        save_dir: str | None = None,
+        trust_remote_code: bool = False,
+        seed: int = 0,
+        optim: Optim = Optim(),
+    ) -> None:
+        """
+        Args:
+            model: an HF Llama-like causal LM directory or hub id to fine-tune; None pre-trains a fresh Llama.
+            tokenizer: the tokenizer of a fresh model (its length is the vocabulary); ignored with ``model``.
+            model_config: a fresh model's Llama config overrides, e.g. {hidden_size: 256, num_hidden_layers: 4}.
+            p_max: the largest layer-dropout rate (reached at the last layer but one), in [0, 1).
+            dropout_scale: how the rate rises with depth: "exp" or "linear".
+            early_exit_layers: layers (0-based) whose output also gets the loss; None: every layer but the last.
+            exit_scale: the exits' loss scales before normalisation (uniform, linear_l, sum_l, sqrt_l, inv_l).
+            curriculum: which exits are enabled at a step: "none" (all), "rotational", "gradual".
+            curriculum_period: rotational: one exit in this many is enabled per step, rotating.
+            curriculum_steps: gradual: optimizer steps until every exit is enabled.
+            chunk_size: positions per chunk of every exit's logits.
+            model_dtype: the model's weights dtype (float32, bfloat16).
+            save_dir: where the model (HF checkpoint, tokenizer, layerskip.json) is saved at the end of fit.
+            trust_remote_code: allow custom modelling code in the model directory (off by default).
+            seed: seed of a fresh model's initialisation and of the layer dropout.
+            optim: optimizer and learning-rate schedule.
+        """
+        super().__init__(optim)
+        # the tokenizer argument only shapes a fresh model: kept out of the hyperparameters, where Lightning refuses
+        # a value other than the datamodule's tokenizer of the same name (a fine-tune leaves it None)
+        self.save_hyperparameters(ignore=["optim", "tokenizer"])
+        if not 0.0 <= p_max < 1.0:
+            raise ValueError(f"model.p_max must be in [0, 1), got {p_max}")
+        if curriculum_period < 1 or curriculum_steps < 0:
+            raise ValueError(
+                f"model.curriculum_period must be >= 1 and curriculum_steps >= 0, got {curriculum_period}, "
+                f"{curriculum_steps}"
+            )
+        torch.manual_seed(seed)
+        if model is not None:
+            hf = AutoModelForCausalLM.from_pretrained(
+                model, dtype=resolve_dtype(model_dtype), trust_remote_code=trust_remote_code
+            )
+            self.tokenizer_path: str | None = model
+        elif tokenizer is not None:
+            config = new_llama_config(AutoTokenizer.from_pretrained(tokenizer), model_config or {}, "model_config")
+            hf = LlamaForCausalLM(config).to(resolve_dtype(model_dtype))
+            self.tokenizer_path = tokenizer
+        else:
+            raise ValueError("set model.model (a model to fine-tune) or model.tokenizer (a fresh model)")
+        self.net = LayerSkipLM(hf, chunk_size)
+        refusal = slice_refusal(self.model)
+        if refusal is not None:
+            raise ValueError(f"LayerSkip runs the model's layers one at a time, which it cannot do here: {refusal}")
+        L = self.model.config.num_hidden_layers
+        exits = list(range(L - 1)) if early_exit_layers is None else sorted(set(early_exit_layers))
+        bad = [n for n in exits if not 0 <= n < L - 1]
+        if bad:
+            raise ValueError(
+                f"model.early_exit_layers: {bad} not layers of the model before its last (0..{L - 2}; the last layer's "
+                "output is always trained)"
+            )
+        self.exits = exits
+        self.rates = dropout_rates(L, p_max, dropout_scale)
+        self.exit_scale, self.curriculum = exit_scale, curriculum
+        self.curriculum_period, self.curriculum_steps = curriculum_period, curriculum_steps
+        self.save_dir, self.seed = save_dir, seed
+        self._micro = 0
+
+    @property
+    def model(self) -> PreTrainedModel:
+        """The HF model being trained."""
+        return self.net.model
+
+    def trainable_module(self) -> nn.Module:
+        return self.net
+
+    def setup(self, stage: str) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        width = self.model.get_output_embeddings().weight.shape[0]
+        tokenizer = load_tokenizer_if_present(self.tokenizer_path) if self.tokenizer_path else None
+        check_data_tokenizer(datamodule, self.tokenizer_path or "the model", tokenizer, width, width)
+
+    # ---- the schedule of a step ------------------------------------------------------------------------------------
+    def enabled_exits(self, step: int) -> list[int]:
+        """The early exits trained at an optimizer step (the last layer is always trained)."""
+        if self.curriculum == "rotational":
+            period = self.curriculum_period
+            return [n for i, n in enumerate(self.exits) if i % period == step % period]
+        if self.curriculum == "gradual":
+            L = len(self.rates)
+            progress = 1.0 if self.curriculum_steps == 0 else min(1.0, step / self.curriculum_steps)
+            lowest = L - 1 - math.floor(progress * (L - 1))
+            return [n for n in self.exits if n >= lowest]
+        return list(self.exits)
+
+    def keep_mask(self, batch_size: int, step: int, micro: int) -> torch.Tensor:
+        """``[B, L]`` bool: which layers each sample runs (deterministic in seed, step, micro-batch and rank)."""
+        g = torch.Generator().manual_seed(derived_seed(self.seed, "layer-dropout", step, micro, self.global_rank))
+        draws = torch.rand(batch_size, len(self.rates), generator=g)  # [B, L]
+        return draws >= torch.tensor(self.rates)
+
+    # ---- training ----------------------------------------------------------------------------------------------------
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        accumulate = max(1, int(getattr(self.trainer, "accumulate_grad_batches", 1) or 1))
+        self._micro = batch_idx % accumulate
+        return super().training_step(batch, batch_idx)
+
+    def run_layers(self, ids: torch.Tensor, keep: torch.Tensor | None, exits: list[int]) -> dict[int, torch.Tensor]:
+        """See :meth:`LayerSkipLM.run_layers`."""
+        return self.net.run_layers(ids, keep, exits)
+
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        ids, labels = batch["input_ids"], batch["labels"]  # [B, S] each
+        L = len(self.rates)
+        layers = [*self.enabled_exits(self.global_step), L - 1]
+        keep = None
+        if self.training:
+            keep = self.keep_mask(ids.shape[0], self.global_step, self._micro).to(ids.device)  # [B, L]
+        whole_logits = self.weights_are_sharded() and self.device_mesh is None  # ZeRO-3: the head through its module
+        total, losses = self.net(ids, labels, keep, layers, exit_scales(layers, self.exit_scale), whole_logits)
+        metrics = {f"exit_{layer}": loss.detach() for layer, loss in zip(layers, losses)}
+        if keep is not None:
+            metrics["kept_layers"] = keep.float().sum(1).mean()
+        return total, metrics
+
+    def flops_per_token(self) -> float:
+        dense = causal_lm_flops_per_token(self.model, self.data_seq_len())
+        head = 2.0 * self.model.get_output_embeddings().weight.numel()
+        return 3.0 * (dense + head * len(self.exits))  # every enabled exit adds a projection to the vocabulary
+
+    # ---- what the model is ---------------------------------------------------------------------------------------
+    def speculative_eval_target(self) -> PreTrainedModel:
+        return self.model  # it drafts for itself
+
+    def drafter_record(self) -> DrafterRecord:
+        hp = self.hparams
+        return layerskip_kind.make_record(
+            self.model, self.tokenizer_path, exits=self.exits, p_max=hp.p_max, dropout_scale=hp.dropout_scale
+        )
+
+    def on_train_end(self) -> None:
+        if self.save_dir:
+            export_student(self, self.model, self.save_dir, self.tokenizer_path)
+            if self.global_rank == 0:
+                layerskip_kind.write_marker(self.drafter_record(), self.save_dir)

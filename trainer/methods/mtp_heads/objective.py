@@ -1,0 +1,261 @@
+"""Parallel multi-token prediction (Gloeckle et al., 2024): a causal LM trained with n heads, head i predicting the
+token i positions after the next one, for pre-training from scratch or fine-tuning an existing HF model.
+
+The model and its heads are module.py: the trunk is the model's layers ``0 .. L - 2``, head 0 its
+last layer (so trunk + head 0 is the ordinary model), heads ``1 .. n - 1`` extra decoder layers of the same class
+on the trunk output, all sharing the final norm and lm_head. The loss is ``sum_i w_i CE_i`` (``head_weights``, default
+all 1); logged per head as ``loss_head{i}``.
+
+The memory-saving backward (``head_backward``): ``sequential`` runs the heads' forward and backward one after the
+other inside one autograd Function, each head's logits a chunk of ``chunk_size`` positions at a time, accumulating
+the gradient of the trunk output, then the trunk runs one backward; Lightning's automatic optimization, DDP and
+DeepSpeed ZeRO-1/2 see a single backward in which every parameter's gradient arrives once (the shared lm_head's
+summed over the heads), micro-batch after micro-batch under gradient accumulation. Under ZeRO-3 and FSDP2 a parameter
+is only a shard outside its module's forward, so ``auto`` switches to ``checkpoint``: every head's loss under
+activation checkpointing, one head's logits alive at a time in forward and in backward. ``naive`` keeps all heads'
+logits (the reference). All three give the same gradients (tested in float64, in one process and in two under DDP and
+ZeRO-2, with and without gradient accumulation).
+
+Pre-training (``tokenizer`` and ``model_config``): a fresh Llama of ``len(tokenizer)`` tokens, the tiny target's shape
+by default (CausalLMPretraining's), overridden key by key (recipes/quickstart/mtp_heads_pretrain.yaml). Fine-tuning
+(``model``): an existing HF model whose extra heads start as copies of its last layer (``head_init``); ``train:
+heads`` freezes the model and trains the extra heads only (the model's outputs then never change).
+
+Validation also measures every head's accuracy (``val/acc_head{i}``) and how often extra head i's top-k tokens hold
+head 0's argmax i positions later (``val/agree_head{i}``, top 1): the last measurement is kept in the module and
+exported, and the drafting tree for a node budget is built from it. At the end of fit the model is written to
+``save_dir`` as an HF checkpoint with the heads beside it (export.py); ``draftsmith eval --target
+DIR --drafter DIR`` measures self-speculative decoding with the heads (K = n - 1 drafts).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import torch
+from lightning.pytorch.utilities import rank_zero_only
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedModel
+
+from trainer.llama import new_llama_config
+from trainer.methods.mtp_heads import export as mtp_export
+from trainer.methods.mtp_heads import kind as mtp_kind
+from trainer.methods.mtp_heads.module import MTPHeads
+from trainer.objective import DraftObjective, Optim, causal_lm_flops_per_token, count_params
+from trainer.registry import DrafterRecord
+from trainer.target import resolve_dtype
+from trainer.vocab import check_data_tokenizer, load_tokenizer_if_present
+
+log = logging.getLogger(__name__)
+
+FRESH_MODEL: dict[str, int | float | str | bool] = {
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": False,
+}
+"""The fresh model's shape before ``model_config`` overrides: the tiny target's (methods/draft_model/pretrain.py)."""
+
+
+def fresh_llama(tokenizer, overrides: dict[str, int | float | str | bool] | None, seed: int) -> LlamaForCausalLM:
+    """A fresh Llama of ``len(tokenizer)`` tokens, :data:`FRESH_MODEL` with ``overrides``, initialised from ``seed``
+    exactly as CausalLMPretraining initialises the same shape."""
+    if "vocab_size" in (overrides or {}):
+        raise ValueError("model.model_config: vocab_size is the tokenizer's length, do not set it")
+    config = new_llama_config(tokenizer, {**FRESH_MODEL, **(overrides or {})}, "model.model_config")
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def mtp_flops_per_token(heads: MTPHeads, seq_len: int) -> float:
+    """Forward FLOPs per token of the trunk and all heads (2 per weight, attention scores and values; every head's
+    unembedding counted, the shared weight being applied n times)."""
+    cfg = heads.model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attention = 2 * 2 * cfg.num_attention_heads * head_dim * seq_len
+    unembedding = heads.model.lm_head.weight.numel()
+    extra = sum(2.0 * count_params(h) + attention + 2.0 * unembedding for h in heads.heads)
+    return causal_lm_flops_per_token(heads.model, seq_len) + extra
+
+
+class ParallelMTPHeads(DraftObjective):
+    """Trains a causal LM with parallel multi-token-prediction heads."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        tokenizer: str | None = None,
+        model_config: dict[str, int | float | str | bool] | None = None,
+        n_heads: int = 4,
+        head_weights: list[float] | None = None,
+        head_init: Literal["copy", "random"] = "copy",
+        train: Literal["all", "heads"] = "all",
+        head_backward: Literal["auto", "sequential", "checkpoint", "naive"] = "auto",
+        heads_lr_multiplier: float = 1.0,
+        chunk_size: int = 256,
+        dtype: str = "float32",
+        save_dir: str | None = None,
+        trust_remote_code: bool = False,
+        seed: int = 0,
+        optim: Optim = Optim(),
+    ) -> None:
+        """
+        Args:
+            model: an existing HF causal LM to fine-tune with new heads (directory or hub id; its tokenizer is
+                expected beside it); None pre-trains a fresh Llama from ``tokenizer`` and ``model_config``.
+            tokenizer: the tokenizer directory of a fresh model (its length is the vocabulary; saved beside the
+                model); with ``model``, a tokenizer to use instead of the one beside it.
+            model_config: overrides of the fresh model's config (the tiny target's shape), e.g.
+                {num_hidden_layers: 8}; only without ``model``.
+            n_heads: n, the heads including head 0 (the model's own last layer): n - 1 drafts per round.
+            head_weights: the loss weight of every head (n values; default all 1).
+            head_init: the extra heads start as copies of the last layer ("copy") or freshly initialised ("random").
+            train: "all" trains the model and the heads; "heads" freezes the model and trains the extra heads only.
+            head_backward: "sequential" (heads one after the other inside one backward, logits chunked), "checkpoint"
+                (per-head activation checkpointing, for ZeRO-3 and FSDP2), "naive" (every head's logits alive),
+                or "auto": checkpoint when the weights are sharded, else sequential.
+            heads_lr_multiplier: the extra heads' learning rate as a multiple of ``optim.lr``.
+            chunk_size: positions per chunk of a head's logits.
+            dtype: the weights' dtype (float32, bfloat16, float16, float64).
+            save_dir: where the model (HF checkpoint and tokenizer) and its heads are written at the end of fit.
+            trust_remote_code: allow custom modelling code in the model's directory (off by default).
+            seed: seed of the fresh model's and the heads' initialisation.
+            optim: optimizer and learning-rate schedule.
+        """
+        super().__init__(optim)
+        # not the tokenizer: Lightning refuses a module hparam of the datamodule's name with another value (None here
+        # when fine-tuning, the data's tokenizer there)
+        self.save_hyperparameters(ignore=["optim", "tokenizer"])
+        if n_heads < 1:
+            raise ValueError(f"model.n_heads must be >= 1 (head 0 is the model's last layer), got {n_heads}")
+        if head_weights is not None and (len(head_weights) != n_heads or min(head_weights) < 0):
+            raise ValueError(f"model.head_weights needs {n_heads} values >= 0 (one per head), got {head_weights}")
+        if chunk_size < 1:
+            raise ValueError(f"model.chunk_size must be >= 1, got {chunk_size}")
+        if train not in ("all", "heads") or head_backward not in ("auto", "sequential", "checkpoint", "naive"):
+            raise ValueError(f"model.train={train!r} or model.head_backward={head_backward!r} is not a known value")
+        torch_dtype = resolve_dtype(dtype) if dtype != "float64" else torch.float64
+        if model is not None:
+            if model_config:
+                raise ValueError("set either model.model (fine-tune an existing model) or model.model_config, not both")
+            hf_model = AutoModelForCausalLM.from_pretrained(
+                model, dtype=torch_dtype, trust_remote_code=trust_remote_code
+            )
+            self.tokenizer_path = tokenizer or model
+            self.tokenizer = load_tokenizer_if_present(self.tokenizer_path)
+        else:
+            if tokenizer is None:
+                raise ValueError("pre-training a fresh model needs model.tokenizer (or fine-tune model.model)")
+            self.tokenizer_path = tokenizer
+            self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+            hf_model = fresh_llama(self.tokenizer, model_config, seed).to(torch_dtype)
+        torch.manual_seed(seed)
+        self.mtp = MTPHeads(hf_model, n_heads, head_init=head_init)
+        if train == "heads":
+            if n_heads < 2:
+                raise ValueError("model.train: heads trains the extra heads, and n_heads=1 has none")
+            self.mtp.model.requires_grad_(False)
+        self.model_path = model
+        self.head_weights = head_weights
+        self.train_mode, self.head_backward, self.heads_lr_multiplier = train, head_backward, heads_lr_multiplier
+        self.chunk_size, self.save_dir = chunk_size, save_dir
+        self._agreement: list[torch.Tensor] = []
+
+    def trainable_module(self) -> nn.Module:
+        return self.mtp
+
+    def lr_groups(self) -> list[tuple[nn.Module, float]]:
+        """The model at ``optim.lr``, the extra heads at ``heads_lr_multiplier`` times it."""
+        return [(self.mtp.model, 1.0), (self.mtp.heads, self.heads_lr_multiplier)]
+
+    def setup(self, stage: str) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        width = int(self.mtp.model.get_output_embeddings().weight.shape[0])
+        name = self.model_path or f"the fresh model of {self.tokenizer_path}"
+        check_data_tokenizer(datamodule, name, self.tokenizer, width, width)
+
+    def backward_mode(self) -> str:
+        """The head backward this run uses: ``head_backward``, with ``auto`` resolved for the strategy."""
+        sharded = self.weights_are_sharded()
+        if self.head_backward == "auto":
+            return "checkpoint" if sharded else "sequential"
+        if self.head_backward == "sequential" and sharded:
+            raise ValueError(
+                "model.head_backward=sequential reads whole parameters, but this strategy shards them (ZeRO-3, "
+                "FSDP2): use auto or checkpoint"
+            )
+        return self.head_backward
+
+    # ---- training ----------------------------------------------------------------------------------------------------
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        measure = not torch.is_grad_enabled()  # validation: accuracies and agreement too
+        out = self.mtp(
+            batch["input_ids"],
+            batch["labels"],
+            backward=self.backward_mode(),
+            chunk_size=self.chunk_size,
+            weights=self.head_weights,
+            measure=measure,
+        )
+        metrics = {f"loss_head{i}": out.head_losses[i].float() for i in range(self.mtp.num_heads)}
+        if out.head_accuracy is not None:
+            metrics.update({f"acc_head{i}": out.head_accuracy[i] for i in range(self.mtp.num_heads)})
+        if out.agreement is not None and out.agreement.numel():
+            self._agreement.append(torch.cat([out.agreement, out.agreement_count[:, None]], dim=1).cpu())
+            rates = out.agreement[:, 0] / out.agreement_count.clamp(min=1)
+            metrics.update({f"agree_head{i + 1}": rates[i].float() for i in range(rates.numel())})
+        return out.loss.float(), metrics
+
+    def on_validation_epoch_start(self) -> None:
+        self._agreement = []
+
+    def on_validation_epoch_end(self) -> None:
+        """Keep this validation's agreement of the extra heads with head 0 (trees are built from it)."""
+        if self._agreement:
+            total = torch.stack(self._agreement).sum(0)  # [n - 1, R + 1]
+            self.mtp.record_agreement(total[:, :-1], total[:, -1])
+        self._agreement = []
+
+    def flops_per_token(self) -> float:
+        return 3.0 * mtp_flops_per_token(self.mtp, self.data_seq_len())
+
+    # ---- what was trained --------------------------------------------------------------------------------------------
+    def drafter_record(self) -> DrafterRecord:
+        """Kind ``mtp_heads``: the model with its heads, its own target (at ``save_dir`` once written)."""
+        return mtp_kind.make_record(self.mtp, "mtp", self.save_dir, self.tokenizer_path)
+
+    def speculative_eval_target(self) -> PreTrainedModel:
+        """The model being trained: with parallel heads the model drafts for itself.
+
+        When the model trains (``train: all``) its own greedy output changes from one evaluation to the next, but
+        SpeculativeEvalCallback keeps the target-alone output of its first evaluation (made for frozen targets): it is
+        cleared here, so that every evaluation checks against the model as it is now.
+        """
+        if self.weights_are_sharded():
+            raise ValueError(
+                "under ZeRO-3 and FSDP2 the model's weights are shards, which SpeculativeEvalCallback cannot decode "
+                "with: measure the export with draftsmith eval --target DIR --drafter DIR"
+            )
+        if self._trainer is not None and any(p.requires_grad for p in self.mtp.model.parameters()):
+            from trainer.decoding.callback import SpeculativeEvalCallback
+
+            for callback in self.trainer.callbacks:
+                if isinstance(callback, SpeculativeEvalCallback):
+                    callback._reference = None  # the callback's cache of the target alone: stale after a step
+        return self.mtp.model
+
+    def on_train_end(self) -> None:
+        if self.save_dir:
+            from trainer.strategies import full_state_dict
+
+            state = full_state_dict(self.mtp) if self.weights_are_sharded() else None
+            self._save(state)
+
+    @rank_zero_only
+    def _save(self, state: dict[str, torch.Tensor] | None) -> None:
+        path = mtp_export.save(self.mtp, self.save_dir, self.tokenizer_path, state)
+        log.info("model and %d heads saved to %s", self.mtp.num_heads, path)

@@ -1,0 +1,347 @@
+"""The base of every objective: optimizer and schedule, token counting, throughput and MFU, training checks, and
+what a checkpoint holds.
+
+Subclasses implement ``trainable_module()`` (what the optimizer trains), ``compute_loss(batch)`` (returns the loss
+and a dict of extra metrics), ``flops_per_token()`` and ``drafter_record()`` (what the trained drafter is, for
+``draftsmith export`` and ``eval``). Frozen models (targets, teachers) are declared with :meth:`track_frozen`:
+checkpoints hold their fingerprints, not their weights (a FrozenTarget never enters a state dict), and a resumed run
+with a different frozen model is refused with both fingerprints in the message.
+
+Training checks: a non-finite loss stops the run (naming the step); so do a gradient norm of exactly zero for
+:data:`DEAD_GRADIENT_STEPS` optimizer steps in a row and trainable weights whose root mean square exceeds
+:data:`MAX_WEIGHT_RMS` (a learning rate far too high leaves a dead model, which must not be exported). The last saved
+checkpoint stays intact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DeepSpeedStrategy
+from torch import nn
+from transformers import PreTrainedModel
+
+from trainer.fingerprint import describe, fingerprint
+from trainer.preemption import PreemptionCheckpoint
+from trainer.registry import DrafterRecord
+from trainer.strategies import deepspeed_offload_enabled, shard_for_fsdp2
+from trainer.throughput import measure_matmul_peak
+
+DEAD_GRADIENT_STEPS = 3
+MAX_WEIGHT_RMS = 1e3
+
+
+@dataclass(frozen=True)
+class Optim:
+    """AdamW with linear warm-up and a decay to ``min_lr_ratio * lr``.
+
+    Args:
+        lr: peak learning rate.
+        weight_decay: decoupled weight decay, applied to matrices only (not to norms or biases).
+        betas: Adam's (beta1, beta2).
+        eps: Adam's epsilon.
+        warmup_steps: optimizer steps of linear warm-up from 0.
+        decay: shape of the schedule after warm-up, over ``trainer.max_steps``.
+        min_lr_ratio: the final learning rate as a fraction of ``lr``.
+    """
+
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = 0.1
+
+
+def derived_seed(*parts: object) -> int:
+    """A 63-bit seed that depends on every part (stable across processes and Python versions)."""
+    digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def lr_factor(step: int, optim: Optim, total_steps: int) -> float:
+    """The multiplier of the peak learning rate at an optimizer step."""
+    if optim.warmup_steps > 0 and step < optim.warmup_steps:
+        return (step + 1) / optim.warmup_steps
+    if optim.decay == "constant" or total_steps <= optim.warmup_steps:
+        return 1.0
+    progress = min(1.0, (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps))
+    shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if optim.decay == "cosine" else 1.0 - progress
+    return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * shape
+
+
+class DraftObjective(L.LightningModule):
+    """Shared training logic. One level of inheritance: every objective subclasses this and nothing else."""
+
+    def __init__(self, optim: Optim = Optim()) -> None:
+        """
+        Args:
+            optim: optimizer and learning-rate schedule.
+        """
+        super().__init__()
+        self.optim = optim
+        self._peak_flops: float | None = None
+        self._step_started: float | None = None
+        self._tokens_in_step = 0
+        self._tokens_seen = 0  # over every rank and step of the run, resumes included (kept in checkpoints)
+        self._tokens_in_batch: int | None = None
+        self._zero_grad_steps = 0
+        self._frozen: dict[str, dict[str, str]] = {}
+
+    # ---- to implement --------------------------------------------------------------------------------------------
+    def trainable_module(self) -> nn.Module:
+        """The module whose parameters are trained."""
+        raise NotImplementedError
+
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Returns the scalar loss and extra metrics to log."""
+        raise NotImplementedError
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per trained token (forward and backward of trainable parts, forward of frozen ones)."""
+        raise NotImplementedError
+
+    def drafter_record(self) -> DrafterRecord:
+        """What the trained module is (trainer/registry.py), stored in every checkpoint."""
+        raise NotImplementedError
+
+    def speculative_eval_target(self) -> PreTrainedModel:
+        """The HF target the drafter is measured against by SpeculativeEvalCallback (trainer/decoding/callback.py)."""
+        raise ValueError(f"{type(self).__name__} trains no drafter against a target for SpeculativeEvalCallback")
+
+    # ---- frozen models and checkpoints ---------------------------------------------------------------------------
+    def track_frozen(self, name: str, name_or_path: str, config) -> None:
+        """Declare a frozen model (rebuilt from ``name_or_path`` on resume): checkpoints keep its fingerprint."""
+        self._frozen[name] = fingerprint(name_or_path, config)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["drafter"] = self.drafter_record().to_dict()
+        checkpoint["frozen_models"] = dict(self._frozen)
+        # a checkpoint written in a callback's on_train_batch_end (before this module's, where the step's tokens are
+        # added) holds the step's tokens too: it resumes after that step
+        world = self.trainer.world_size if self._trainer is not None else 1
+        checkpoint["tokens_seen"] = self._tokens_seen + self._tokens_in_step * world
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self._tokens_seen = int(checkpoint.get("tokens_seen", 0))
+        saved = checkpoint.get("frozen_models") or {}
+        for name, current in self._frozen.items():
+            old = saved.get(name)
+            if old is not None and old != current:
+                raise ValueError(
+                    f"the checkpoint was trained with another {name}: it recorded ({describe(old)}), this run loads "
+                    f"({describe(current)}); resume with the model it was trained with, or start a new run"
+                )
+
+    def count_tokens(self, n: int) -> None:
+        """Called from ``compute_loss`` when a training step ran on other tokens than the batch's (e.g. sequences
+        generated in the step): the throughput counts ``n`` for this batch."""
+        self._tokens_in_batch = n
+
+    # ---- shared --------------------------------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        """Under FSDP2 (recipes/_base/fsdp.yaml), shards the trainable module's layers; frozen parts stay whole."""
+        if self.device_mesh is not None:
+            shard_for_fsdp2(self.trainable_module(), self.device_mesh)
+
+    def data_seq_len(self, default: int = 1024) -> int:
+        """The datamodule's sequence length (for FLOP counts), or ``default`` before a trainer is attached."""
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        return int(getattr(datamodule, "seq_len", default))
+
+    def weights_are_sharded(self) -> bool:
+        """True under FSDP2 or ZeRO-3, where a parameter read outside its module's forward is only a shard.
+
+        Objectives then compute logits through the module's own forward instead of reading its output weight.
+        """
+        if self._trainer is None:
+            return False
+        strategy = self.trainer.strategy
+        return self.device_mesh is not None or (isinstance(strategy, DeepSpeedStrategy) and strategy.zero_stage_3)
+
+    def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
+        loss, metrics = self.compute_loss(batch)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(
+                f"non-finite {stage} loss ({loss.item()}) at global step {self.global_step}, batch of "
+                f"{tuple(batch['input_ids'].shape)}: lower the learning rate or check the data; the last saved "
+                f"checkpoint is intact"
+            )
+        batch_size = batch["input_ids"].shape[0]
+        self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=batch_size, sync_dist=stage != "train")
+        for name, value in metrics.items():
+            self.log(f"{stage}/{name}", value, batch_size=batch_size, sync_dist=stage != "train")
+        return loss
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self._tokens_in_batch = None
+        loss = self._step(batch, "train")
+        counted = self._tokens_in_batch
+        self._tokens_in_step += int(batch["input_ids"].numel()) if counted is None else counted
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self._step(batch, "val")
+
+    def lr_groups(self) -> list[tuple[nn.Module, float]]:
+        """The trained modules and the multiplier of the learning rate of each (default: the trainable module at 1;
+        Medusa-2 trains its heads 4 times faster than the target)."""
+        return [(self.trainable_module(), 1.0)]
+
+    def configure_optimizers(self):
+        groups = []
+        for module, multiplier in self.lr_groups():
+            decay = [p for p in module.parameters() if p.requires_grad and p.ndim >= 2]
+            no_decay = [p for p in module.parameters() if p.requires_grad and p.ndim < 2]
+            lr = self.optim.lr * multiplier
+            groups += [
+                {"params": decay, "weight_decay": self.optim.weight_decay, "lr": lr},
+                {"params": no_decay, "weight_decay": 0.0, "lr": lr},
+            ]
+        groups = [g for g in groups if g["params"]]
+        if self._trainer is not None and deepspeed_offload_enabled(self.trainer.strategy):
+            from deepspeed.ops.adam import DeepSpeedCPUAdam  # offload refuses a torch optimizer
+
+            optimizer = DeepSpeedCPUAdam(groups, lr=self.optim.lr, betas=self.optim.betas, eps=self.optim.eps)
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=self.optim.lr, betas=self.optim.betas, eps=self.optim.eps)
+        total = self.trainer.max_steps if self.trainer.max_steps and self.trainer.max_steps > 0 else 0
+        if total <= 0:
+            estimated = self.trainer.estimated_stepping_batches  # inf when only trainer.max_time bounds the run
+            if math.isinf(estimated) and self.optim.decay != "constant":
+                raise ValueError(
+                    f"model.init_args.optim.decay={self.optim.decay!r} decays the learning rate over the run's "
+                    "length, but the run has no trainer.max_steps or max_epochs (trainer.max_time alone): set "
+                    "trainer.max_steps, or optim.decay: constant"
+                )
+            total = 0 if math.isinf(estimated) else int(estimated)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, self.optim, total))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_fit_start(self) -> None:
+        dtype = next(self.trainable_module().parameters()).dtype
+        self._peak_flops = measure_matmul_peak(self.device, dtype)
+
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        if self._step_started is None:
+            self._step_started = time.perf_counter()
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        total = self._grad_norm()
+        if total is not None:  # None under ZeRO, where gradients are partitioned inside DeepSpeed
+            self.log("train/grad_norm", total)
+            self._zero_grad_steps = self._zero_grad_steps + 1 if total == 0.0 else 0
+            if self._zero_grad_steps >= DEAD_GRADIENT_STEPS:
+                raise FloatingPointError(
+                    f"the gradient norm has been exactly 0 for {self._zero_grad_steps} optimizer steps (global step "
+                    f"{self.global_step}): the model no longer learns (a learning rate far too high, "
+                    f"model.init_args.optim.lr={self.optim.lr}, kills it); the last saved checkpoint is intact"
+                )
+        self.log("train/lr", optimizer.param_groups[0]["lr"])
+        self._check_weights()
+
+    def _grad_norm(self) -> float | None:
+        """The 2-norm of the trainable gradients (under FSDP2 the local shards' squares summed over ranks), or None
+        when the parameters hold no gradient (ZeRO keeps them in its own partitioned buffers)."""
+        grads = [p.grad for p in self.trainable_module().parameters() if p.grad is not None]
+        if not grads:
+            return None
+        if self.device_mesh is not None:
+            from torch.distributed.tensor import DTensor
+
+            local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+            squares = torch.stack([g.float().pow(2).sum() for g in local]).sum()
+            torch.distributed.all_reduce(squares)
+        else:
+            squares = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+        return math.sqrt(float(squares))
+
+    def _check_weights(self) -> None:
+        """Every ``log_every_n_steps``: the trainable weights' root mean square, logged and bounded."""
+        if self.global_step % max(1, self.trainer.log_every_n_steps) or self.weights_are_sharded():
+            return
+        params = [p.detach() for p in self.trainable_module().parameters() if p.requires_grad and p.numel()]
+        if not params:
+            return
+        squares = sum(float(p.float().pow(2).sum()) for p in params)
+        rms = math.sqrt(squares / sum(p.numel() for p in params))
+        self.log("train/weight_rms", rms)
+        if not math.isfinite(rms) or rms > MAX_WEIGHT_RMS:
+            raise FloatingPointError(
+                f"the trainable weights' root mean square is {rms:.3g} at global step {self.global_step} (more than "
+                f"{MAX_WEIGHT_RMS:g}): training diverged (model.init_args.optim.lr={self.optim.lr}); the last saved "
+                "checkpoint is intact"
+            )
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        if not self.trainer.fit_loop._should_accumulate():
+            self._tokens_seen += self._tokens_in_step * self.trainer.world_size
+            self.log("train/tokens", float(self._tokens_seen))
+            self._log_final_tokens()
+            elapsed = time.perf_counter() - (self._step_started or time.perf_counter())
+            if elapsed > 0:
+                tokens_per_s = self._tokens_in_step * self.trainer.world_size / elapsed
+                self.log("train/tokens_per_s", tokens_per_s, prog_bar=True)
+                if self._peak_flops:
+                    mfu = tokens_per_s * self.flops_per_token() / (self._peak_flops * self.trainer.world_size)
+                    self.log("train/mfu", mfu)
+            self._step_started, self._tokens_in_step = None, 0
+            self._save_last_if_final()
+
+    def _is_final_step(self) -> bool:
+        """True at the run's last optimizer step: max_steps reached, or a callback (max_time, a stop) asked to stop."""
+        trainer = self.trainer
+        return trainer.should_stop or (trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps)
+
+    def _log_final_tokens(self) -> None:
+        """At the run's final step, write the tokens seen to the loggers whatever ``log_every_n_steps`` (what a run
+        cost in tokens, read back by ``draftsmith compare``)."""
+        trainer = self.trainer
+        if self._is_final_step() and trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics({"train/tokens": float(self._tokens_seen)}, step=trainer.global_step)
+
+    def _save_last_if_final(self) -> None:
+        """At the run's final optimizer step, write ``last.ckpt`` where Lightning would not.
+
+        Lightning's ModelCheckpoint writes ``last`` at the end of training only when it never wrote one before, so a
+        run stopped by ``trainer.max_time`` (or by a ``max_steps`` off the checkpoint interval) would keep the
+        ``last.ckpt`` of its last interval, and an export of it would silently miss the final steps. Written here, at
+        the end of the final batch (callbacks such as the max_time timer have already asked to stop), the checkpoint
+        resumes mid-epoch at the next batch; written in ``on_train_end`` it would resume at the next epoch. Every
+        rank runs this (saving is collective under DeepSpeed and FSDP).
+        """
+        trainer = self.trainer
+        step = trainer.global_step
+        if not self._is_final_step() or step == 0:
+            return
+        if any(isinstance(cb, PreemptionCheckpoint) and cb.saved_path for cb in trainer.callbacks):
+            return  # the preemption handler has just written last.ckpt at this step
+        for callback in trainer.checkpoint_callbacks:
+            # _last_global_step_saved / _save_last_checkpoint: Lightning's own record and writer of `last` (private
+            # in the pinned 2.6 release; the writer also keeps save_last="link" and the last-name template right)
+            saved_here = getattr(callback, "_last_global_step_saved", -1) == step
+            if isinstance(callback, ModelCheckpoint) and callback.save_last and not saved_here:
+                callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
+
+
+def count_params(module: nn.Module) -> int:
+    """Parameters of a module, counted once even when shared (tied embeddings)."""
+    return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
+
+
+def causal_lm_flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """Forward FLOPs per token of an HF causal LM: 2 per weight plus attention scores and values (PaLM's estimate)."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attention = 2 * 2 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * seq_len
+    embeddings = model.get_input_embeddings().weight.numel()
+    return 2.0 * (count_params(model) - embeddings) + attention
