@@ -38,6 +38,7 @@ bench: venv
 lint: venv
 	$(BIN)/ruff check trainer tests bench
 	$(BIN)/ruff format --check trainer tests bench
+	$(BIN)/lint-imports --no-cache  # the import contracts of pyproject.toml: layers, independent methods, no cycles
 
 clean:
 	rm -rf artifacts runs lightning_logs .pytest_cache

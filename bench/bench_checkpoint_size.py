@@ -40,7 +40,7 @@ def main() -> int:
                     "init_args": {"dirpath": str(run / "checkpoints"), "save_last": True},
                 }],
             },
-            "model": {"init_args": {"teacher": str(artifacts / "tiny_target"), "export_dir": str(run / "student")}},
+            "model": {"init_args": {"target": str(artifacts / "tiny_target"), "export_dir": str(run / "student")}},
             "data": {"init_args": {
                 "tokenizer": str(artifacts / "corpus" / "tokenizer"),
                 "train_files": [str(artifacts / "corpus" / "train.jsonl")],
@@ -53,7 +53,7 @@ def main() -> int:
         ckpt = run / "checkpoints" / "last.ckpt"
         now = ckpt.stat().st_size
         data = torch.load(ckpt, map_location="cpu", weights_only=True)
-        teacher = cli.model.teacher.model
+        teacher = cli.model.target.model
         teacher_state = {f"teacher.model.{k}": v for k, v in torch.nn.Module.state_dict(teacher).items()}
         data["state_dict"] = {**data["state_dict"], **teacher_state}
         torch.save(data, run / "with_teacher.ckpt")

@@ -45,8 +45,8 @@ from bench_eagle3_ttt import memory  # noqa: E402
 from compare_drafters import PROMPT_CHARS, fit_cmd, run, training_prompts, wait  # noqa: E402
 
 from trainer.decoding.evaluate import evaluate_drafter, load_prompts, resolve_drafter, run_prompts  # noqa: E402
+from trainer.decoding.options import ProposerOptions  # noqa: E402
 from trainer.decoding.proposers import NoProposer  # noqa: E402
-from trainer.registry import ProposerOptions  # noqa: E402
 
 
 def prepare(art: Path, out: Path, per_file: int, new_tokens: int) -> Path:
@@ -158,7 +158,7 @@ def training_step(art: Path, completions: Path, layers: list[int], repeats: int)
         for n in layers
     }
     for steps in (3, 7):
-        eagle = Eagle3(target, draft_vocab_size=1024, aux_layers=[1, 2, 3], ttt_steps=steps)
+        eagle = Eagle3(target, draft_vocab_size=1024, target_layers=[1, 2, 3], ttt_steps=steps)
         eagle.build_vocab_map(data.train_dataset.ids, data.train_dataset.trained)
         objectives[f"EAGLE-3, {steps} TTT steps"] = eagle
     results = {}

@@ -41,9 +41,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         LlamaForCausalLM(config).save_pretrained(tmp)
         module = KnowledgeDistillation(
-            teacher=tmp,
-            student_config={"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 344},
-            chunk_size=args.chunk_size,
+            target=tmp,
+            drafter_config={"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 344},
+            loss_chunk_size=args.chunk_size,
         )
     optimizer = torch.optim.AdamW(module.student.parameters(), lr=1e-3)
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq + 1))
@@ -64,7 +64,7 @@ def main() -> None:
     seconds = time.perf_counter() - start
     tokens_per_s = args.steps * args.batch * args.seq / seconds
     flops_per_token = 3.0 * causal_lm_flops_per_token(module.student, args.seq) + causal_lm_flops_per_token(
-        module.teacher.model, args.seq
+        module.target.model, args.seq
     )
     achieved = tokens_per_s * flops_per_token
     print(f"threads {torch.get_num_threads()}, batch {args.batch} x {args.seq}, {args.steps} steps")

@@ -7,9 +7,9 @@ Needs the demo's artifacts (``make demo``: the corpus, the tiny target trained f
 Trains recipes/quickstart/layerskip_pretrain.yaml for ``--steps`` steps (skipped when its model exists under
 ``--out``) and compares it with ``--baseline``, the same shape trained without LayerSkip for as many steps (default
 the demo's target, 400 steps; for other step counts, ``draftsmith fit --config recipes/quickstart/tiny_target.yaml
---trainer.max_steps N`` with its own ``save_dir``), then:
+--trainer.max_steps N`` with its own ``export_dir``), then:
 
-1. ``draftsmith eval --exit-layer 1,2,3`` of both models (K = ``--k``, greedy and sampling at T = 1; the ordinary
+1. ``draftsmith eval --exit_layer 1,2,3`` of both models (K = ``--k``, greedy and sampling at T = 1; the ordinary
    target through ``--drafter early-exit``);
 2. the held-out next-token loss of both full models, and of every exit of both (the model's own norm and head);
 3. decoding speed on the held-out prompts, runs alternated prompt by prompt: the model alone, our early-exit drafting
@@ -49,7 +49,7 @@ def train(out: Path, artifacts: Path, steps: int) -> Path:
     cmd = ["draftsmith", "fit", "--config", str(ROOT / "recipes" / "quickstart" / "layerskip_pretrain.yaml"),
            "--trainer.max_steps", str(steps), "--trainer.default_root_dir", str(runs),
            "--trainer.logger.init_args.save_dir", str(runs), "--trainer.callbacks", json.dumps([checkpoint]),
-           "--model.init_args.save_dir", str(model),
+           "--model.init_args.export_dir", str(model),
            "--model.init_args.tokenizer", str(artifacts / "corpus" / "tokenizer")]  # fmt: skip
     wait(run(cmd, out / "fit.log"), out / "fit.log")
     return model
@@ -58,7 +58,7 @@ def train(out: Path, artifacts: Path, steps: int) -> Path:
 def sweep(name: str, target: Path, drafter: str, prompts: Path, out: Path, k: int, layers: str) -> dict[int, dict]:
     folder = out / "eval" / name
     if not (folder / f"exit_{layers.split(',')[-1]}" / "report.json").is_file():
-        cmd = ["draftsmith", "eval", "--target", str(target), "--drafter", drafter, "--exit-layer", layers,
+        cmd = ["draftsmith", "eval", "--target", str(target), "--drafter", drafter, "--exit_layer", layers,
                "--prompts", str(prompts), "--k", str(k), "--temperature", "1.0", "--out", str(folder)]  # fmt: skip
         wait(run(cmd, out / f"eval_{name}.log"), out / f"eval_{name}.log")
     return {int(e): json.loads((folder / f"exit_{e}" / "report.json").read_text()) for e in layers.split(",")}

@@ -54,7 +54,7 @@ def evaluate(
     report_dir = out / "eval" / (name + ("_tree" if tree else ""))
     if not (report_dir / "report.json").is_file():
         cmd = ["draftsmith", "eval", "--target", str(target), "--drafter", str(drafter), "--prompts", str(prompts),
-               "--k", "4", "--max-new-tokens", str(new_tokens), "--temperature", "1.0", "--out", str(report_dir),
+               "--k", "4", "--max_new_tokens", str(new_tokens), "--temperature", "1.0", "--out", str(report_dir),
                *(["--tree"] if tree else [])]  # fmt: skip
         wait(run(cmd, report_dir.with_suffix(".log")), report_dir.with_suffix(".log"))
     return json.loads((report_dir / "report.json").read_text())

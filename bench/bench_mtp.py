@@ -81,11 +81,11 @@ def stage_pretrain(out: Path, steps: int, d0_model: str | None) -> None:
     d0, d1 = out / "d0", out / "d1"
     if d0_model is None and not (d0 / "model" / "config.json").is_file():
         args = ["fit", "--config", "recipes/quickstart/tiny_target.yaml", "--trainer.max_steps", str(steps),
-                "--model.init_args.save_dir", str(d0 / "model"), *run_dirs(d0)]  # fmt: skip
+                "--model.init_args.export_dir", str(d0 / "model"), *run_dirs(d0)]  # fmt: skip
         runs.append((draftsmith(args, d0 / "fit.log", threads=1), d0 / "fit.log"))
     if not (d1 / "model" / "config.json").is_file():
         args = ["fit", "--config", "recipes/quickstart/mtp_pretrain.yaml", "--trainer.max_steps", str(steps),
-                "--model.init_args.save_dir", str(d1 / "model"), *run_dirs(d1)]  # fmt: skip
+                "--model.init_args.export_dir", str(d1 / "model"), *run_dirs(d1)]  # fmt: skip
         runs.append((draftsmith(args, d1 / "fit.log", threads=1 if runs else None), d1 / "fit.log"))
     start = time.perf_counter()
     wait(*runs)
@@ -113,7 +113,7 @@ def stage_finetune(out: Path, name: str, recipe: str, init_from: Path, steps: in
     ckpt = run / "checkpoints" / "last.ckpt"
     if not ckpt.is_file():
         args = ["fit", "--config", recipe, "--trainer.max_steps", str(steps),
-                "--trainer.val_check_interval", str(steps), "--model.init_args.model", str(out / "d1" / "model"),
+                "--trainer.val_check_interval", str(steps), "--model.init_args.target", str(out / "d1" / "model"),
                 "--model.init_args.init_from", str(init_from),
                 "--data.init_args.train_files", json.dumps([str(out / "regen.jsonl")]), *run_dirs(run)]  # fmt: skip
         wait((draftsmith(args, run / "fit.log"), run / "fit.log"))
@@ -125,7 +125,7 @@ def stage_eval(out: Path, name: str, drafter: Path, new_tokens: int, ks: str, pr
     if not report.is_file():
         args = ["eval", "--target", str(out / "d1" / "model"), "--drafter", str(drafter),
                 "--prompts", str(ARTIFACTS / "heldout_prompts.jsonl"), "--k", ks, "--temperature", "1.0",
-                "--max-new-tokens", str(new_tokens), "--max-prompts", str(prompts),
+                "--max_new_tokens", str(new_tokens), "--max_prompts", str(prompts),
                 "--out", str(report.parent)]  # fmt: skip
         log = out / "eval" / f"{name}.log"
         wait((draftsmith(args, log), log))
@@ -148,7 +148,7 @@ def cost_child(depth: int, steps: int) -> None:
     if depth == 0:
         objective = CausalLMPretraining(tokenizer=tokenizer, **SHAPE, optim=Optim(lr=1e-3))
     else:
-        objective = SequentialMTP(mode="pretrain", mtp_depth=depth, tokenizer=tokenizer, model_config=SHAPE)
+        objective = SequentialMTP(mode="pretrain", mtp_depth=depth, tokenizer=tokenizer, target_config=SHAPE)
     module = objective.trainable_module()
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)
@@ -194,7 +194,7 @@ def trained_params(depth: int) -> int:
     if depth == 0:
         module = CausalLMPretraining(tokenizer=tokenizer, **SHAPE).trainable_module()
     else:
-        module = SequentialMTP(mode="pretrain", mtp_depth=depth, tokenizer=tokenizer, model_config=SHAPE).drafter
+        module = SequentialMTP(mode="pretrain", mtp_depth=depth, tokenizer=tokenizer, target_config=SHAPE).drafter
     return sum(p.numel() for p in module.parameters() if p.requires_grad)
 
 

@@ -112,9 +112,9 @@ def tau(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
     from trainer.decoding.evaluate import evaluate_drafter, load_prompts
+    from trainer.decoding.options import ProposerOptions
     from trainer.methods.mtp_heads import kind as kind
     from trainer.methods.mtp_heads.export import load
-    from trainer.registry import ProposerOptions
 
     torch.set_num_threads(args.threads)
     for model_dir in args.model:

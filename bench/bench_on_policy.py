@@ -66,12 +66,12 @@ def bench(name: str, args: argparse.Namespace, folder: str) -> dict[str, float]:
     path = f"{folder}/{name}"
     LlamaForCausalLM(config).save_pretrained(path)
     model = OnPolicyDistillation(
-        teacher=path,
-        student_config=STUDENT,
+        target=path,
+        drafter_config=STUDENT,
         lmbda=1.0,
         max_new_tokens=args.max_new_tokens,
         prompt_len=args.prompt_len,
-        chunk_size=512,
+        loss_chunk_size=512,
     ).train()
     optimizer = torch.optim.AdamW(model.student.parameters(), lr=1e-4)
     B, S = args.batch_size, args.seq_len

@@ -47,7 +47,7 @@ def train(name: str, extra: list[str], out: Path, steps: int) -> subprocess.Pope
         sys.executable, "-m", "trainer.cli", "fit", "--config", str(ROOT / "recipes/quickstart/tiny_target.yaml"),
         "--trainer.max_steps", str(steps), "--trainer.default_root_dir", str(run), "--trainer.logger", "false",
         "--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false", "--trainer.limit_val_batches", "0",
-        "--trainer.enable_progress_bar", "false", "--model.init_args.save_dir", str(run / "model"), *extra,
+        "--trainer.enable_progress_bar", "false", "--model.init_args.export_dir", str(run / "model"), *extra,
     ]  # fmt: skip
     run.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -252,7 +252,7 @@ def main() -> int:
         report_dir = out / "eval" / label.lower().replace(" ", "_").replace("-", "")
         if not (report_dir / "report.json").is_file():
             cmd = ["draftsmith", "eval", "--target", str(target), "--drafter", *spec.split(), "--prompts", str(heldout),
-                   "--k", str(args.k), "--max-new-tokens", str(args.max_new_tokens), "--temperature", "0",
+                   "--k", str(args.k), "--max_new_tokens", str(args.max_new_tokens), "--temperature", "0",
                    "--out", str(report_dir)]  # fmt: skip
             wait(run(cmd, report_dir.with_suffix(".log")), report_dir.with_suffix(".log"))
         report = json.loads((report_dir / "report.json").read_text())

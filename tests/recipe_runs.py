@@ -85,10 +85,10 @@ def kd_override(
         {
             "model": {
                 "init_args": {
-                    "teacher": str(target),
+                    "target": str(target),
                     "export_dir": str(run / "student"),
-                    "student_config": TINY_STUDENT,
-                    "chunk_size": 64,
+                    "drafter_config": TINY_STUDENT,
+                    "loss_chunk_size": 64,
                     **model,
                 }
             }

@@ -20,7 +20,7 @@ from trainer.recipe import DraftsmithCLI
 TOOLS: dict[str, tuple[str, str]] = {
     "prepare": ("trainer.data.corpus:main", "build the bundled corpus and train its tokenizer"),
     "demo": ("trainer.demo:main", "prepare, train a tiny target, distil a student, evaluate both"),
-    "eval": ("trainer.decoding.evaluate:main", "measure a drafter with lossless speculative decoding"),
+    "eval": ("trainer.decoding.eval_cli:main", "measure a drafter with lossless speculative decoding"),
     "compare": ("trainer.compare.run:main", "train every method on one target, measure all with one engine, report"),
     "export": ("trainer.export.cli:main", "write a trained drafter in a serving engine's format"),
     "precompute": ("trainer.data.precompute:main", "write the target's top-k logits and hidden states to shards"),

@@ -11,7 +11,6 @@ Every stage reuses its output when it exists, so a rerun only repeats what is mi
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import shutil
@@ -24,6 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from trainer.data.corpus import prepare_corpus
 from trainer.data.text import TextDataModule
+from trainer.flags import ToolParser
 from trainer.heldout import heldout_loss, unigram_baseline, unigram_counts
 from trainer.recipe import DraftsmithCLI
 
@@ -103,12 +103,13 @@ def _heldout_prompts(heldout_file: str, out: Path, n: int, chars: int) -> Path:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="draftsmith demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target-steps", type=int, default=400, help="optimizer steps of the tiny target")
-    parser.add_argument("--kd-steps", type=int, default=150, help="optimizer steps of the KD student")
+def build_parser() -> ToolParser:
+    """The parser of ``draftsmith demo``."""
+    parser = ToolParser(prog="draftsmith demo", description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--target_steps", type=int, default=400, help="optimizer steps of the tiny target")
+    parser.add_argument("--kd_steps", type=int, default=150, help="optimizer steps of the KD student")
     parser.add_argument("--prompts", type=int, default=10, help="held-out prompts for the speculative evaluation")
-    parser.add_argument("--max-new-tokens", type=int, default=48, help="output tokens per prompt in the evaluation")
+    parser.add_argument("--max_new_tokens", type=int, default=48, help="output tokens per prompt in the evaluation")
     parser.add_argument("--fresh", action="store_true", help="delete the demo's outputs and start over")
     parser.add_argument(
         "--compare",
@@ -121,7 +122,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help=f"only rewrite this README's demo block from {SUMMARY_FILE} (what the last demo run measured)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``draftsmith demo``."""
+    args = build_parser().parse_args(argv)
     if args.readme:
         write_readme_block(Path(args.readme), SUMMARY_FILE)
         return 0
@@ -168,13 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     target_loss = heldout_loss(target, data.val_dataloader())
     student_loss = heldout_loss(student, data.val_dataloader())
 
-    from trainer.decoding.evaluate import main as eval_main
+    from trainer.decoding.eval_cli import main as eval_main
 
     prompts = _heldout_prompts(corpus.heldout_file, ARTIFACTS / "heldout_prompts.jsonl", args.prompts, 160)
     reports = {}
     for name, drafter in (("kd_student", str(student_dir)), ("prompt_lookup", "prompt-lookup")):
         out = ARTIFACTS / "eval" / name
-        common = ["--target", str(target_dir), "--prompts", str(prompts), "--max-new-tokens", str(args.max_new_tokens)]
+        common = ["--target", str(target_dir), "--prompts", str(prompts), "--max_new_tokens", str(args.max_new_tokens)]
         status = eval_main([*common, "--drafter", drafter, "--k", "4", "--temperature", "1.0", "--out", str(out)])
         if status != 0:
             raise SystemExit(f"draftsmith eval failed for {name} (exit {status})")

@@ -7,6 +7,9 @@ dtypes, and a hash of a sample of their values (the first values of every tensor
 same weights loaded in float32 or bfloat16 agree). The weights are read from the model's safetensors files (their
 headers and one small slice per tensor), so a model that was never built, as in training from shards, has the same
 fingerprint as one that was.
+
+``draftsmith eval`` reads a training checkpoint's recorded fingerprints (:func:`recorded_fingerprints`) and compares
+the target's with the ``--target`` folder's (:func:`differences`: the path aside).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 
@@ -88,3 +92,40 @@ def fingerprint(name_or_path: str, config, tensors: Mapping[str, torch.Tensor] |
 def describe(print_: Mapping[str, str]) -> str:
     """One line for error messages."""
     return ", ".join(f"{k} {v}" for k, v in print_.items())
+
+
+COMPARED = ("config", "weights", "sample")  # what identifies a model; its path does not (a copy is the same model)
+
+
+def differences(recorded: Mapping[str, str], current: Mapping[str, str]) -> list[str]:
+    """The parts of two fingerprints that differ, of those both hold (:data:`COMPARED`); [] for the same model."""
+    return [k for k in COMPARED if k in recorded and k in current and recorded[k] != current[k]]
+
+
+def recorded_fingerprints(checkpoint: str | Path) -> dict[str, dict[str, str]]:
+    """The fingerprints a training checkpoint recorded (``checkpoint["frozen_models"]``: name -> fingerprint, e.g.
+    ``target``, or ``teacher`` for KD), {} when it recorded none.
+
+    A ``.ckpt`` file, or the rank-0 client state of a DeepSpeed checkpoint folder, is opened memory-mapped: the
+    weights it holds are not read.
+    """
+    from trainer.checkpoints.reading import explain_load_error
+    from trainer.errors import CheckpointError
+
+    path = Path(checkpoint)
+    if path.is_dir():
+        names = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+        path = next((path / "checkpoint" / n for n in names if (path / "checkpoint" / n).is_file()), path)
+    if not path.is_file():
+        return {}
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:
+        explained = explain_load_error(path, err)
+        if explained is None:
+            raise
+        raise explained from err
+    frozen = data.get("frozen_models") if isinstance(data, dict) else None
+    if frozen is not None and not isinstance(frozen, dict):
+        raise CheckpointError(f"checkpoint {checkpoint}: frozen_models is a {type(frozen).__name__}, not a mapping")
+    return dict(frozen or {})

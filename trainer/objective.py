@@ -3,9 +3,14 @@ what a checkpoint holds.
 
 Subclasses implement ``trainable_module()`` (what the optimizer trains), ``compute_loss(batch)`` (returns the loss
 and a dict of extra metrics), ``flops_per_token()`` and ``drafter_record()`` (what the trained drafter is, for
-``draftsmith export`` and ``eval``). Frozen models (targets, teachers) are declared with :meth:`track_frozen`:
-checkpoints hold their fingerprints, not their weights (a FrozenTarget never enters a state dict), and a resumed run
-with a different frozen model is refused with both fingerprints in the message.
+``draftsmith export`` and ``eval``). Frozen models are declared with :meth:`track_frozen`: checkpoints hold their
+fingerprints, not their weights (a FrozenTarget never enters a state dict), and a resumed run with a different frozen
+model is refused with both fingerprints in the message.
+
+The setup every objective with a target shares is written here once: :meth:`load_target` (the target run online, or
+only what its shards do not hold, by ``target_signals``; tracked as a frozen model), :meth:`check_data` (the data's
+tokenizer, or the shards' target, tokenizer, vocabulary, temperature and hidden layers), :meth:`drafter_from_checkpoint`
+(``init_from``) and :meth:`speculative_eval_target`.
 
 Training checks: a non-finite loss stops the run (naming the step); so do a gradient norm of exactly zero for
 :data:`DEAD_GRADIENT_STEPS` optimizer steps in a row and trainable weights whose root mean square exceeds
@@ -18,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -26,16 +32,22 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import AutoConfig, PreTrainedModel
 
+from trainer.data.shard_datamodule import ShardDataModule, checked_shard_data
+from trainer.data.shards import load_manifest
+from trainer.data.vocab import check_data_tokenizer, load_tokenizer_if_present
 from trainer.fingerprint import describe, fingerprint
 from trainer.preemption import PreemptionCheckpoint
-from trainer.registry import DrafterRecord
+from trainer.registry import DrafterRecord, check_target, load_drafter
 from trainer.strategies import deepspeed_offload_enabled, shard_for_fsdp2
+from trainer.target import FrozenTarget, TargetEmbeddings
 from trainer.throughput import measure_matmul_peak
 
 DEAD_GRADIENT_STEPS = 3
 MAX_WEIGHT_RMS = 1e3
+
+TargetSignals = Literal["online", "shards"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +107,13 @@ class DraftObjective(L.LightningModule):
         self._tokens_in_batch: int | None = None
         self._zero_grad_steps = 0
         self._frozen: dict[str, dict[str, str]] = {}
+        # the target, set by load_target: a list keeps it out of the module tree (so out of checkpoints, optimizers
+        # and Lightning's moves); `in_module_tree` also registers it as the submodule `frozen_target`
+        self._target: list[FrozenTarget | TargetEmbeddings] = []
+        self.target_path: str | None = None
+        self.target_signals: TargetSignals = "online"
+        self.target_config = None  # the target's HF config
+        self.tokenizer = None  # the tokenizer the data's token ids must match (the target's), None when none is saved
 
     # ---- to implement --------------------------------------------------------------------------------------------
     def trainable_module(self) -> nn.Module:
@@ -114,8 +133,156 @@ class DraftObjective(L.LightningModule):
         raise NotImplementedError
 
     def speculative_eval_target(self) -> PreTrainedModel:
-        """The HF target the drafter is measured against by SpeculativeEvalCallback (trainer/decoding/callback.py)."""
-        raise ValueError(f"{type(self).__name__} trains no drafter against a target for SpeculativeEvalCallback")
+        """The HF target the drafter is measured against by SpeculativeEvalCallback (trainer/decoding/callback.py), on
+        the module's device: the target :meth:`load_target` loaded online. Objectives whose model drafts for itself
+        return that model."""
+        if self.target_signals == "shards":
+            raise ValueError(
+                "target_signals: shards never builds the target, so SpeculativeEvalCallback cannot decode with it: "
+                "measure the exported drafter with draftsmith eval, or train online"
+            )
+        if not isinstance(self.target, FrozenTarget):
+            raise ValueError(f"{type(self).__name__} trains no drafter against a target for SpeculativeEvalCallback")
+        return self.target_on(self.device).model
+
+    # ---- the target, its data and init_from ----------------------------------------------------------------------
+    def load_target(
+        self,
+        path: str,
+        signals: TargetSignals = "online",
+        dtype: str = "float32",
+        trust_remote_code: bool = False,
+        shard_tensors: bool = True,
+        in_module_tree: bool = False,
+        record_as: str = "target",
+    ) -> FrozenTarget | TargetEmbeddings | None:
+        """Loads the target as ``target_signals`` asks and declares it frozen (checkpoints keep its fingerprint).
+
+        Online it is a FrozenTarget; from shards (``draftsmith precompute``) the model is never built: a
+        TargetEmbeddings (its config, input embedding and lm_head read from its safetensors), or with
+        ``shard_tensors=False`` only its config. It is then :attr:`target`, with :attr:`target_path`,
+        :attr:`target_signals`, :attr:`target_config` and the tokenizer saved beside it, :attr:`tokenizer`.
+
+        Args:
+            path: the target, an HF causal LM directory or hub id (``model.target``).
+            signals: ``model.target_signals``: "online" (the target runs in every step) or "shards".
+            dtype: the target's weights dtype (float32, bfloat16, float16).
+            trust_remote_code: allow custom modelling code in the target directory.
+            shard_tensors: with shards, read the embedding and lm_head (False: the config only; :attr:`target` is
+                None).
+            in_module_tree: register the online target as the submodule ``frozen_target``, so that Lightning moves and
+                casts it with the objective and ZeRO-3 partitions it (a large distillation target); it is still in no
+                checkpoint. Otherwise it stays out of the module tree and :meth:`target_on` moves it.
+            record_as: the name of its fingerprint in checkpoints (``frozen_models``).
+
+        Returns:
+            :attr:`target`.
+        """
+        frozen: FrozenTarget | TargetEmbeddings | None
+        if signals == "online":
+            frozen = FrozenTarget.from_pretrained(path, dtype, trust_remote_code)
+            config = frozen.config
+        elif signals == "shards" and shard_tensors:
+            frozen = TargetEmbeddings.from_pretrained(path, dtype, trust_remote_code)
+            config = frozen.config
+        elif signals == "shards":
+            frozen, config = None, AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        else:
+            raise ValueError(f"model.target_signals={signals!r} is not 'online' or 'shards'")
+        self._target = [] if frozen is None else [frozen]
+        if in_module_tree and isinstance(frozen, FrozenTarget):
+            self.frozen_target = frozen
+        self.target_path, self.target_signals, self.target_config = path, signals, config
+        self.track_frozen(record_as, path, config)
+        self.tokenizer = load_tokenizer_if_present(path)
+        return frozen
+
+    @property
+    def target(self) -> FrozenTarget | TargetEmbeddings | None:
+        """The target :meth:`load_target` loaded: a FrozenTarget (online), TargetEmbeddings (shards), or None."""
+        return self._target[0] if self._target else None
+
+    def target_on(self, device: torch.device | str) -> FrozenTarget | TargetEmbeddings | None:
+        """:attr:`target`, first moved to ``device`` when it is kept out of the module tree and is elsewhere."""
+        target = self.target
+        if target is not None and "frozen_target" not in self._modules:
+            if target.lm_head_weight.device != torch.device(device):
+                target.to(device)
+        return target
+
+    def attached_datamodule(self):
+        """The trainer's datamodule, or None outside a trainer."""
+        return getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+
+    def check_data(
+        self,
+        datamodule,
+        width: int,
+        vocab_size: int | None = None,
+        temperature: float | None = 1.0,
+        target_layers: Sequence[int] | None = None,
+        hidden_size: int | None = None,
+        name: str | None = None,
+    ) -> ShardDataModule | None:
+        """Refuses data the objective cannot train on (called in ``setup``).
+
+        Online (or without a target): the data's tokenizer must be :attr:`tokenizer` (check_data_tokenizer; a no-op
+        for data without one). From shards: a ShardDataModule whose shards were made by this target (fingerprint),
+        tokenizer, vocabulary and temperature, holding ``target_layers`` in that order, of ``hidden_size``.
+
+        Args:
+            datamodule: the trainer's datamodule (:meth:`attached_datamodule`).
+            width: the output rows of the model whose token ids the data must match.
+            vocab_size: the ids shared with the data; default the tokenizer's length (online: ``width``).
+            temperature: shards: the temperature their top-k was taken at (None: any).
+            target_layers: shards: the HF hidden_states indices they must hold, in order (None: not checked).
+            hidden_size: shards: the width of those hidden states.
+            name: the model named in a tokenizer mismatch (default :attr:`target_path`).
+
+        Returns:
+            The set-up ShardDataModule (shards), else None.
+        """
+        if self.target_signals != "shards":
+            check_data_tokenizer(datamodule, name or self.target_path, self.tokenizer, width, vocab_size or width)
+            return None
+        if not isinstance(datamodule, ShardDataModule):
+            raise ValueError(
+                "model.target_signals=shards needs data: trainer.data.shard_datamodule.ShardDataModule, got "
+                f"{type(datamodule).__name__}"
+            )
+        layers = None if target_layers is None else list(target_layers)
+        if layers and not load_manifest(datamodule.shards_dir)[0].hidden_layers:
+            raise ValueError(
+                f"{datamodule.shards_dir}: the shards hold no hidden states; {type(self).__name__} reads target layers "
+                f"{layers}: rerun draftsmith precompute with --hidden_layers '{layers}'"
+            )
+        if vocab_size is None:
+            vocab_size = len(self.tokenizer) if self.tokenizer is not None else width
+        data = checked_shard_data(
+            datamodule, vocab_size=vocab_size, tokenizer=self.tokenizer, teacher=self.target_path,
+            temperature=temperature,
+        )  # fmt: skip
+        if layers is not None and list(data.hidden_layers) != layers:
+            raise ValueError(
+                f"data.hidden_layers={list(data.hidden_layers)} must equal the drafter's target_layers {layers} (the "
+                f"shards hold {data.meta.hidden_layers}), in that order: teacher_hidden[:, j] is target layer j"
+            )
+        if hidden_size is not None and data.meta.hidden_size != hidden_size:
+            raise ValueError(
+                f"{data.shards_dir}: hidden states of width {data.meta.hidden_size}, the target {self.target_path!r} "
+                f"has {hidden_size}"
+            )
+        return data
+
+    def drafter_from_checkpoint(self, init_from: str, kind: str) -> nn.Module:
+        """The drafter of ``model.init_from`` (a training checkpoint or an export), refused when it is not of ``kind``
+        or was made for another target than :attr:`target_config`."""
+        drafter, record = load_drafter(init_from)
+        where = f"model.init_from {init_from!r}"
+        if record.kind != kind:
+            raise ValueError(f"{where}: holds a drafter of kind {record.kind!r}, not {kind!r}")
+        check_target(record, self.target_config, where)
+        return drafter
 
     # ---- frozen models and checkpoints ---------------------------------------------------------------------------
     def track_frozen(self, name: str, name_or_path: str, config) -> None:
@@ -154,8 +321,7 @@ class DraftObjective(L.LightningModule):
 
     def data_seq_len(self, default: int = 1024) -> int:
         """The datamodule's sequence length (for FLOP counts), or ``default`` before a trainer is attached."""
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        return int(getattr(datamodule, "seq_len", default))
+        return int(getattr(self.attached_datamodule(), "seq_len", default))
 
     def weights_are_sharded(self) -> bool:
         """True under FSDP2 or ZeRO-3, where a parameter read outside its module's forward is only a shard.

@@ -1,14 +1,14 @@
 """``draftsmith plan``: bytes per GPU of a distillation recipe under DDP and DeepSpeed ZeRO 1, 2 and 3.
 
-    draftsmith plan --config recipes/quickstart/kd.yaml --gpus 8 --gpu-memory 80GB [--target llama-3-8b] [-- FIT ARGS]
+    draftsmith plan --config recipes/quickstart/kd.yaml --gpus 8 --gpu_memory 80GB [--target llama-3-8b] [-- FIT ARGS]
 
 The recipe is parsed as ``draftsmith fit`` parses it (:func:`trainer.recipe.parse_recipe`: the same ``--config``
 composition, the same errors for unknown keys, the signatures' defaults filled in; fit arguments go after ``--``), and
-nothing is instantiated: the target's config comes from ``AutoConfig.from_pretrained(model.init_args.teacher)`` (or
-``--target-config DIR|config.json``, or a built-in ``--target`` preset for the Llama 3 shapes, no hub needed), the
-drafter is the target's config with ``model.init_args.student_config`` applied (as the KD objective builds it) or
-``model.init_args.student``'s config, batch and sequence come from ``data.init_args`` (a ShardDataModule's sequence
-length from its shards' manifest), chunk size from ``model.init_args.chunk_size`` and precision from
+nothing is instantiated: the target's config comes from ``AutoConfig.from_pretrained(model.init_args.target)`` (or
+``--target_config DIR|config.json``, or a built-in ``--target`` preset for the Llama 3 shapes, no hub needed), the
+drafter is the target's config with ``model.init_args.drafter_config`` applied (as the KD objective builds it) or
+``model.init_args.drafter``'s config, batch and sequence come from ``data.init_args`` (a ShardDataModule's sequence
+length from its shards' manifest), chunk size from ``model.init_args.loss_chunk_size`` and precision from
 ``trainer.precision``.
 
 What is counted, per GPU, for N GPUs (the ZeRO paper's accounting, Adam/AdamW):
@@ -33,13 +33,14 @@ activation estimate against tensors measured on CPU for the tiny recipes.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from trainer.flags import ToolParser
 
 GIB = 1024**3
 STAGES = ("ddp", "zero1", "zero2", "zero3")
@@ -252,7 +253,7 @@ def _load_config(source: str) -> dict[str, Any]:
         return AutoConfig.from_pretrained(source).to_dict()
     except (OSError, ValueError) as err:
         raise ValueError(
-            f"draftsmith plan: cannot read the config of {source!r} ({err}); pass --target-config or a --target "
+            f"draftsmith plan: cannot read the config of {source!r} ({err}); pass --target_config or a --target "
             f"preset ({', '.join(PRESETS)})"
         ) from err
 
@@ -282,8 +283,8 @@ def plan_from_recipe(
 
     Args:
         configs: recipe YAMLs in --config order.
-        target: a preset name (see PRESETS) instead of the recipe's teacher.
-        target_config: an HF config.json or model folder instead of the recipe's teacher.
+        target: a preset name (see PRESETS) instead of the recipe's target.
+        target_config: an HF config.json or model folder instead of the recipe's target.
         batch: overrides data.init_args.batch_size.
         seq: overrides data.init_args.seq_len.
         precision: overrides trainer.precision.
@@ -308,36 +309,36 @@ def plan_from_recipe(
         source = f"preset {target}"
     elif target_config is not None:
         target_dict, source = _load_config(target_config), target_config
-    elif model.get("teacher"):
-        target_dict, source = _load_config(str(model.teacher)), str(model.teacher)
+    elif model.get("target"):
+        target_dict, source = _load_config(str(model.target)), str(model.target)
     else:
         raise ValueError(
-            f"draftsmith plan: the recipe's model ({model_name}) has no init_args.teacher; pass --target or "
-            "--target-config"
+            f"draftsmith plan: the recipe's model ({model_name}) has no init_args.target; pass --target or "
+            "--target_config"
         )
-    if model.get("student"):
-        drafter_dict = _load_config(str(model.student))
-    elif "student_config" in model:
-        student_config = dict(model.student_config or {})
+    if model.get("drafter"):
+        drafter_dict = _load_config(str(model.drafter))
+    elif "drafter_config" in model:
+        drafter_config = dict(model.drafter_config or {})
         drafter_dict = dict(target_dict)
-        for key, value in student_config.items():
+        for key, value in drafter_config.items():
             if key not in drafter_dict and key not in ("head_dim", "tie_word_embeddings", "num_key_value_heads"):
-                raise ValueError(f"draftsmith plan: model.init_args.student_config: {key!r} is not a key of {source}")
+                raise ValueError(f"draftsmith plan: model.init_args.drafter_config: {key!r} is not a key of {source}")
             drafter_dict[key] = value
-        if "hidden_size" in student_config and "head_dim" not in student_config:
+        if "hidden_size" in drafter_config and "head_dim" not in drafter_config:
             drafter_dict.pop("head_dim", None)  # follows the new width, as in the HF config
     else:
         raise ValueError(
-            f"draftsmith plan: the recipe's model ({model_name}) has neither init_args.student nor "
-            "init_args.student_config (the planner covers distilled draft models)"
+            f"draftsmith plan: the recipe's model ({model_name}) has neither init_args.drafter nor "
+            "init_args.drafter_config (the planner covers distilled draft models)"
         )
-    if "chunk_size" not in model:
-        raise ValueError(f"draftsmith plan: the recipe's model ({model_name}) has no init_args.chunk_size")
+    if "loss_chunk_size" not in model:
+        raise ValueError(f"draftsmith plan: the recipe's model ({model_name}) has no init_args.loss_chunk_size")
     if data is None:
         raise ValueError("draftsmith plan: the recipe has no data")
     if batch is None:
         if "batch_size" not in data:
-            raise ValueError("draftsmith plan: the recipe's data has no init_args.batch_size; pass --batch-size")
+            raise ValueError("draftsmith plan: the recipe's data has no init_args.batch_size; pass --batch_size")
         batch = data.batch_size
     if seq is None:
         seq = _seq_len(data)
@@ -350,7 +351,7 @@ def plan_from_recipe(
         batch=int(batch),
         seq=int(seq),
         precision=str(precision),
-        chunk_size=int(model.chunk_size),
+        chunk_size=int(model.loss_chunk_size),
     )
 
 
@@ -366,9 +367,9 @@ def _seq_len(data: Any) -> int:
         except (OSError, ValueError) as err:
             raise ValueError(
                 f"draftsmith plan: the recipe's data has no init_args.seq_len and its shards' manifest cannot be "
-                f"read ({err}); pass --seq-len"
+                f"read ({err}); pass --seq_len"
             ) from err
-    raise ValueError("draftsmith plan: the recipe's data has no init_args.seq_len; pass --seq-len")
+    raise ValueError("draftsmith plan: the recipe's data has no init_args.seq_len; pass --seq_len")
 
 
 def parse_bytes(text: str) -> int:
@@ -392,20 +393,28 @@ def markdown_table(estimates: list[Estimate], budget: int) -> str:
     return "\n".join(rows)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="draftsmith plan", description=__doc__.split("\n\n")[0])
+def build_parser() -> ToolParser:
+    """The parser of ``draftsmith plan``."""
+    p = ToolParser(prog="draftsmith plan", description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--config", action="append", required=True, help="recipe YAML (repeat to compose)")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in the data-parallel world (all nodes)")
-    p.add_argument("--gpu-memory", default="80GB", help="memory of one GPU, e.g. 80GB")
+    p.add_argument("--gpu_memory", default="80GB", help="memory of one GPU, e.g. 80GB")
     p.add_argument("--reserve", default="3GB", help="allowance for buffers, workspaces and fragmentation")
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--target", choices=sorted(PRESETS), help="a built-in target shape instead of the teacher")
-    group.add_argument("--target-config", help="an HF config.json or model folder instead of the teacher")
-    p.add_argument("--batch-size", type=int, help="override data.init_args.batch_size (per GPU)")
-    p.add_argument("--seq-len", type=int, help="override data.init_args.seq_len")
+    group.add_argument("--target", choices=sorted(PRESETS), help="a built-in target shape, not the recipe's target")
+    group.add_argument("--target_config", help="an HF config.json or model folder instead of the recipe's target")
+    p.add_argument("--batch_size", type=int, help="override data.init_args.batch_size (per GPU)")
+    p.add_argument("--seq_len", type=int, help="override data.init_args.seq_len")
     p.add_argument("--precision", help="override trainer.precision")
-    p.add_argument("fit_args", nargs="*", help="after --: more `draftsmith fit` arguments, e.g. --model.chunk_size 128")
-    args = p.parse_args(argv)
+    p.add_argument(
+        "fit_args", nargs="*", help="after --: more `draftsmith fit` arguments, e.g. --model.loss_chunk_size 128"
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``draftsmith plan``; returns the exit status (2 for a recipe or size it cannot read)."""
+    args = build_parser().parse_args(argv)
     try:
         budget = parse_bytes(args.gpu_memory) - parse_bytes(args.reserve)  # bad sizes fail before any file is read
         plan = plan_from_recipe(

@@ -2,8 +2,8 @@
 the same parser without building anything (``draftsmith plan``, ``slurm submit`` and ``compare`` use it).
 
 The objective is chosen by ``model.class_path``; every ``__init__`` signature is the config schema; unknown or
-misspelled keys are rejected with the key named; the resolved config is saved beside the logs and every checkpoint
-directory (trainer/run_folder.py).
+misspelled keys are rejected with the key named, and a renamed key with its new name (trainer/renamed_keys.py); the
+resolved config is saved beside the logs and every checkpoint directory (trainer/run_folder.py).
 """
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from jsonargparse import ArgumentError, Namespace
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from trainer.renamed_keys import renamed_key_message
 from trainer.run_folder import SaveConfigBesideCheckpoints
 
 # Expected by design: the resolved config is written into the checkpoint directory before the first checkpoint, and a
@@ -25,6 +26,14 @@ warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and i
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
 if "SLURM_JOB_ID" not in os.environ:  # outside a SLURM allocation Lightning's hint to prepend srun does not apply
     warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system but is not used")
+
+
+class _RecipeParser(LightningArgumentParser):
+    """The parser of ``draftsmith fit``: an unknown key that was renamed (trainer/renamed_keys.py) is refused with its
+    new name instead of the parser's "not accepted"."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        super().error(renamed_key_message(message) or message, ex)
 
 
 class DraftsmithCLI(LightningCLI):
@@ -37,7 +46,8 @@ class DraftsmithCLI(LightningCLI):
             args: the command line after ``draftsmith``, e.g. ``["fit", "--config", "recipe.yaml"]``.
             run: run the subcommand (False: only build, as LightningCLI).
             exit_on_error: a bad config prints usage and the error and exits with code 2 (False: raises
-                jsonargparse's ArgumentError instead).
+                jsonargparse's ArgumentError instead). A renamed key (trainer/renamed_keys.py) is refused with its new
+                name either way.
         """
         super().__init__(
             model_class=LightningModule,
@@ -50,6 +60,7 @@ class DraftsmithCLI(LightningCLI):
             args=args,
             run=run,
             parser_kwargs={"default_env": False, "allow_abbrev": False, "exit_on_error": exit_on_error},
+            parser_class=_RecipeParser,
         )
 
 
@@ -89,8 +100,8 @@ def parse_recipe(configs: Sequence[str], overrides: Sequence[str] = ()) -> Names
         The ``fit`` section: ``seed_everything``, ``trainer``, ``model``, ``data``, ``ckpt_path``...
 
     Raises:
-        RecipeError: an unknown or misspelled key, a value of the wrong type, a missing recipe file: the message
-            ``draftsmith fit`` prints for the same recipe.
+        RecipeError: an unknown or misspelled key (a renamed one names its new name), a value of the wrong type, a
+            missing recipe file: the message ``draftsmith fit`` prints for the same recipe.
     """
     if not configs:
         raise RecipeError("no recipe given (--config)")

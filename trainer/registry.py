@@ -5,7 +5,8 @@ A drafter kind registers once (:func:`register_kind`) with
 - how to rebuild its module from a :class:`DrafterRecord` (weights loaded after);
 - its export formats: name -> :class:`ExportFormat` (a writer, the loader the round-trip tests use, and a test that
   recognises a folder of that format from its files);
-- its proposer factory: (module, record, target model, :class:`ProposerOptions`) -> a proposer for the engine.
+- its proposer factory: (module, record, target model, ``ProposerOptions``) -> a proposer for the engine
+  (the options: trainer/decoding/options.py).
 
 ``draftsmith export``, ``draftsmith eval --drafter PATH`` and the training callback dispatch on the record's kind and
 nothing else, so a new method is one folder, ``trainer/methods/<method>/`` (its kind, module, objective, proposer
@@ -71,28 +72,6 @@ class DrafterRecord:
         if unknown:
             raise ValueError(f"{where}: drafter record has unknown keys {unknown}")
         return cls(**data)
-
-
-@dataclass(frozen=True)
-class ProposerOptions:
-    """How to draft with a drafter in ``draftsmith eval`` and the training callback (each kind reads what applies
-    to it and refuses what does not).
-
-    Attributes:
-        tree: draft a tree instead of a chain (greedy verification; a sampled chain at a temperature).
-        tree_nodes: the tree's node budget (draft tokens verified in one target forward).
-        tree_top_k: children per expanded node, and nodes expanded per depth.
-        rank_temperature: temperature of the log-probabilities that rank tree nodes.
-        tree_choices: for parallel heads, the tree's paths of per-head top-k ranks (None: the kind's default).
-        exit_layer: for self-speculative drafters, the layer the draft exits at.
-    """
-
-    tree: bool = False
-    tree_nodes: int = 24
-    tree_top_k: int = 4
-    rank_temperature: float = 0.1
-    tree_choices: tuple[tuple[int, ...], ...] | None = None
-    exit_layer: int | None = None
 
 
 @dataclass(frozen=True)
@@ -206,7 +185,7 @@ def is_training_checkpoint(path: Path) -> bool:
 
 def load_drafter(path: str) -> tuple[nn.Module, DrafterRecord]:
     """The drafter in a training checkpoint or an exported folder, with its record."""
-    from trainer.export.checkpoint import load_training_checkpoint
+    from trainer.checkpoints.reading import load_training_checkpoint
 
     where = Path(path)
     if not where.exists():
@@ -221,7 +200,7 @@ def load_drafter(path: str) -> tuple[nn.Module, DrafterRecord]:
 def load_components(module: nn.Module, record: DrafterRecord, state: dict, where: str) -> None:
     """Load a checkpoint's weights into a rebuilt drafter, strictly: each component's prefix is replaced by the
     component's attribute path in the module ("" for the module itself)."""
-    from trainer.export.checkpoint import sub_state_dict
+    from trainer.checkpoints.reading import sub_state_dict
 
     loaded = {}
     for component, prefix in record.components.items():

@@ -1,16 +1,16 @@
 """``draftsmith slurm submit``: render an sbatch script for a recipe from slurm/train.sbatch.in and submit it.
 
-    draftsmith slurm submit --config recipes/quickstart/kd.yaml --nodes 2 --gpus-per-node 8 \
-        --partition gpu --account myproject --time 24:00:00 [--dry-run] [-- --trainer.max_steps 1000]
+    draftsmith slurm submit --config recipes/quickstart/kd.yaml --nodes 2 --gpus_per_node 8 \
+        --partition gpu --account myproject --time 24:00:00 [--dry_run] [-- --trainer.max_steps 1000]
 
 The script runs one task per device (``--ntasks-per-node`` equal to ``trainer.devices``, as Lightning's SLURM
 environment requires), ``--cpus-per-task`` sized for the recipe's ``data.init_args.num_workers`` (workers plus the
-main process), USR1 to the tasks ``--signal-lead`` seconds before the time limit, ``--requeue`` and
+main process), USR1 to the tasks ``--signal_lead`` seconds before the time limit, ``--requeue`` and
 ``--open-mode=append``, and ``srun python -m trainer.cli fit`` with the recipe's configs, the overrides that make
 ``trainer.num_nodes``, ``trainer.devices`` and ``trainer.accelerator`` match the allocation, the
 :class:`trainer.preemption.PreemptionCheckpoint` callback and ``--ckpt_path last`` (so a requeued job resumes).
-``--gpus-per-node 0`` renders a CPU job (``accelerator cpu``, ``--tasks-per-node`` processes per node).
-``--dry-run`` prints the script; otherwise it is written to the log folder and submitted, and the job id is printed.
+``--gpus_per_node 0`` renders a CPU job (``accelerator cpu``, ``--tasks_per_node`` processes per node).
+``--dry_run`` prints the script; otherwise it is written to the log folder and submitted, and the job id is printed.
 
 The recipe is read by the parser of ``draftsmith fit`` (:func:`trainer.recipe.parse_recipe`, nothing instantiated), with
 the fit arguments after ``--``: a key fit would refuse is refused before the job is queued, with fit's message. Every
@@ -22,7 +22,6 @@ refused with the option and the value named.
 
 from __future__ import annotations
 
-import argparse
 import re
 import shlex
 import subprocess
@@ -32,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from string import Template
 from typing import Any
+
+from trainer.flags import ToolParser
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "slurm" / "train.sbatch.in"
 PREEMPTION_CALLBACK = "trainer.preemption.PreemptionCheckpoint"
@@ -49,7 +50,7 @@ class SlurmJob:
     partition: str | None = None  # --partition
     account: str | None = None  # --account
     time: str = "24:00:00"  # --time limit
-    job_name: str = "draftsmith"  # --job-name (Lightning's SLURM support refuses "bash" and "interactive")
+    job_name: str = "draftsmith"  # --job_name (Lightning's SLURM support refuses "bash" and "interactive")
     signal_lead: int = 120  # seconds between USR1 and the time limit
     log_dir: str = "slurm-logs"  # folder of the job's output (relative to workdir unless absolute)
     workdir: str = "."  # folder the job runs in (relative paths of the recipe resolve from it)
@@ -112,8 +113,8 @@ def check_job(job: SlurmJob) -> None:
         ("--partition", job.partition or ""),
         ("--account", job.account or ""),
         ("--time", job.time),
-        ("--job-name", job.job_name),
-        ("--log-dir", job.log_dir),
+        ("--job_name", job.job_name),
+        ("--log_dir", job.log_dir),
         ("--workdir", job.workdir),
         ("--python", job.python),
         *(("--sbatch", option) for option in job.extra_sbatch),
@@ -136,15 +137,15 @@ def check_job(job: SlurmJob) -> None:
         )
     if not _NAME.fullmatch(job.job_name) or job.job_name in (".", ".."):
         raise _refuse(
-            "--job-name", job.job_name, "is not a job name this script can use (letters, digits, _ - ., not . or ..)"
+            "--job_name", job.job_name, "is not a job name this script can use (letters, digits, _ - ., not . or ..)"
         )
     if job.job_name in ("bash", "interactive"):
-        raise _refuse("--job-name", job.job_name, "makes Lightning ignore the SLURM environment")
+        raise _refuse("--job_name", job.job_name, "makes Lightning ignore the SLURM environment")
     output = str(log_path(job))
     if any(c.isspace() or c in "%'\"\\" for c in output):
         where = f"(in --workdir {str(Path(job.workdir).resolve())!r}) " if not Path(job.log_dir).is_absolute() else ""
         raise _refuse(
-            "--log-dir",
+            "--log_dir",
             job.log_dir,
             f"{where}gives the output folder {output!r}, which #SBATCH --output cannot hold: no whitespace, quotes, "
             "backslashes, or %, which SLURM expands",
@@ -155,7 +156,7 @@ def check_job(job: SlurmJob) -> None:
     if not job.python:
         raise _refuse("--python", job.python, "is empty")
     if not 0 <= job.signal_lead <= _SIGNAL_LEAD_MAX:
-        raise _refuse("--signal-lead", str(job.signal_lead), f"must lie in 0..{_SIGNAL_LEAD_MAX} seconds")
+        raise _refuse("--signal_lead", str(job.signal_lead), f"must lie in 0..{_SIGNAL_LEAD_MAX} seconds")
 
 
 def log_path(job: SlurmJob) -> Path:
@@ -188,7 +189,7 @@ def resolved_tasks_per_node(job: SlurmJob) -> int:
     if job.gpus_per_node > 0:
         if job.tasks_per_node not in (None, job.gpus_per_node):
             raise ValueError(
-                f"draftsmith slurm: --tasks-per-node {job.tasks_per_node} must equal --gpus-per-node "
+                f"draftsmith slurm: --tasks_per_node {job.tasks_per_node} must equal --gpus_per_node "
                 f"{job.gpus_per_node} (one process per GPU)"
             )
         return job.gpus_per_node
@@ -200,9 +201,9 @@ def render(job: SlurmJob, template: Path = TEMPLATE) -> str:
     if job.nodes < 1:
         raise ValueError(f"draftsmith slurm: --nodes must be >= 1, got {job.nodes}")
     if job.gpus_per_node < 0:
-        raise ValueError(f"draftsmith slurm: --gpus-per-node must be >= 0, got {job.gpus_per_node}")
+        raise ValueError(f"draftsmith slurm: --gpus_per_node must be >= 0, got {job.gpus_per_node}")
     if job.tasks_per_node is not None and job.tasks_per_node < 1:
-        raise ValueError(f"draftsmith slurm: --tasks-per-node must be >= 1, got {job.tasks_per_node}")
+        raise ValueError(f"draftsmith slurm: --tasks_per_node must be >= 1, got {job.tasks_per_node}")
     check_job(job)
     if not template.is_file():
         raise FileNotFoundError(f"draftsmith slurm: template {template} does not exist (see --template)")
@@ -210,7 +211,7 @@ def render(job: SlurmJob, template: Path = TEMPLATE) -> str:
     tasks = resolved_tasks_per_node(job)
     cpus = job.cpus_per_task if job.cpus_per_task is not None else _num_workers(recipe) + 1
     if cpus < 1:
-        raise ValueError(f"draftsmith slurm: --cpus-per-task must be >= 1, got {cpus}")
+        raise ValueError(f"draftsmith slurm: --cpus_per_task must be >= 1, got {cpus}")
     sbatch_lines = []
     if job.partition:
         sbatch_lines.append(f"--partition={job.partition}")
@@ -264,32 +265,34 @@ def submit(script: str, job: SlurmJob) -> str:
     return proc.stdout.strip().split(";")[0]
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="draftsmith slurm", description=__doc__.split("\n\n")[0])
+def build_parser() -> ToolParser:
+    """The parser of ``draftsmith slurm`` and its ``submit`` subcommand."""
+    p = ToolParser(prog="draftsmith slurm", description=(__doc__ or "").split("\n\n")[0])
     sub = p.add_subparsers(dest="action", required=True)
     s = sub.add_parser("submit", help="render an sbatch script for a recipe and submit it (or print it)")
     s.add_argument("--config", action="append", required=True, help="recipe YAML (repeat to compose, as for fit)")
     s.add_argument("--nodes", type=int, default=1, help="nodes of the allocation")
-    s.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node; 0 renders a CPU job")
-    s.add_argument("--tasks-per-node", type=int, help="processes per node (CPU jobs; with GPUs it is gpus-per-node)")
-    s.add_argument("--cpus-per-task", type=int, help="CPUs per process (default: data.init_args.num_workers + 1)")
+    s.add_argument("--gpus_per_node", type=int, default=0, help="GPUs per node; 0 renders a CPU job")
+    s.add_argument("--tasks_per_node", type=int, help="processes per node (CPU jobs; with GPUs it is gpus_per_node)")
+    s.add_argument("--cpus_per_task", type=int, help="CPUs per process (default: data.init_args.num_workers + 1)")
     s.add_argument("--partition", help="SLURM partition")
     s.add_argument("--account", help="SLURM account")
     s.add_argument("--time", default="24:00:00", help="time limit (default 24:00:00)")
-    s.add_argument("--job-name", default="draftsmith", help="job name (default draftsmith)")
-    s.add_argument("--signal-lead", type=int, default=120, help="seconds between USR1 and the time limit")
-    s.add_argument("--log-dir", default="slurm-logs", help="folder of the job's output and script")
+    s.add_argument("--job_name", default="draftsmith", help="job name (default draftsmith)")
+    s.add_argument("--signal_lead", type=int, default=120, help="seconds between USR1 and the time limit")
+    s.add_argument("--log_dir", default="slurm-logs", help="folder of the job's output and script")
     s.add_argument("--workdir", default=".", help="folder the job runs in (default: the current one)")
     s.add_argument("--python", default=sys.executable, help="python with draftsmith on the compute nodes")
     s.add_argument("--sbatch", action="append", default=[], help="extra sbatch option, e.g. --sbatch=--qos=high")
     s.add_argument("--template", type=Path, default=TEMPLATE, help="sbatch template (string.Template fields)")
-    s.add_argument("--dry-run", action="store_true", help="print the script instead of submitting it")
+    s.add_argument("--dry_run", action="store_true", help="print the script instead of submitting it")
     s.add_argument("fit_args", nargs="*", help="after --: more `draftsmith fit` arguments, e.g. --trainer.max_steps 10")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    """Entry point of ``draftsmith slurm``; returns the exit status (2 for a job it refuses or cannot submit)."""
+    args = build_parser().parse_args(argv)
     job = SlurmJob(
         configs=args.config,
         nodes=args.nodes,

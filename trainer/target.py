@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from trainer.errors import ModelFolderError, PathError
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +75,7 @@ class FrozenTarget(nn.Module):
         path = Path(name_or_path).expanduser()
         if path.exists() and not (path / "config.json").is_file():
             raise FileNotFoundError(f"target {name_or_path!r}: no config.json in that directory")
+        check_safetensors_headers(path, f"target {name_or_path!r}")
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 name_or_path, dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code
@@ -174,6 +179,51 @@ LM_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
+@contextmanager
+def open_safetensors(path: str | Path, what: str) -> Iterator[Any]:
+    """``safe_open(path)`` (PyTorch tensors) whose header errors name the file: an empty or truncated file, or one
+    that is not safetensors, is a :class:`ModelFolderError` naming ``what`` and the file.
+
+    Args:
+        path: the safetensors file.
+        what: what holds it, for the message (e.g. ``target '/models/llama'``, ``drafter export /out``).
+    """
+    from safetensors import SafetensorError, safe_open
+
+    file = Path(path)
+    try:
+        handle = safe_open(str(file), framework="pt")
+    except SafetensorError as err:
+        raise safetensors_error(file, what, err) from err
+    with handle as f:
+        yield f
+
+
+def safetensors_error(file: Path, what: str, err: Exception) -> ModelFolderError:
+    """The error for a safetensors ``file`` of ``what`` that could not be read (``err``: safetensors' own)."""
+    size = file.stat().st_size if file.is_file() else 0
+    if size == 0:
+        state = "empty (0 bytes)"
+    else:
+        detail = str(err).removeprefix("Error while deserializing header: ")
+        state = f"truncated or not a safetensors file ({size:,} bytes; {detail})"
+    return ModelFolderError(
+        f"{what}: {file} is {state}",
+        hint="copy or save the model folder again (a download or save that did not finish leaves such files)",
+    )
+
+
+def check_safetensors_headers(folder: str | Path, what: str) -> None:
+    """Opens the header of every ``*.safetensors`` file in a local ``folder`` (cheap: no tensor is read), so that an
+    empty or truncated one is a :class:`ModelFolderError` naming it before a loader fails without the file's name."""
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        return
+    for file in sorted(path.glob("*.safetensors")):
+        with open_safetensors(file, what):
+            pass
+
+
 def target_file(name_or_path: str, filename: str) -> Path | None:
     """``filename`` of a local target directory (None when absent), or of a hub id (downloaded; None when absent)."""
     path = Path(name_or_path).expanduser()
@@ -187,7 +237,7 @@ def target_file(name_or_path: str, filename: str) -> Path | None:
     except EntryNotFoundError:
         return None
     except Exception as err:  # offline, unknown repository, no access
-        raise FileNotFoundError(
+        raise PathError(
             f"target {name_or_path!r} is not a local directory, and reading {filename} from the hub failed ({err})"
         ) from err
 
@@ -195,25 +245,29 @@ def target_file(name_or_path: str, filename: str) -> Path | None:
 def weight_map(name_or_path: str) -> dict[str, Path]:
     """Tensor name -> the safetensors file holding it, of a target directory (or hub id) with ``model.safetensors``
     or a sharded checkpoint with ``model.safetensors.index.json``; an error naming the target when it has neither."""
-    from safetensors import safe_open
-
     index = target_file(name_or_path, SAFETENSORS_INDEX)
     if index is not None:
-        names: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        try:
+            names: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as err:
+            raise ModelFolderError(
+                f"target {name_or_path!r}: {index} is not a safetensors index (no weight_map: {err})"
+            ) from err
         files = {}
         for file_name in sorted(set(names.values())):
             file = target_file(name_or_path, file_name)
             if file is None:
-                raise FileNotFoundError(f"target {name_or_path!r}: {file_name} (named by its index) is missing")
+                raise PathError(f"target {name_or_path!r}: {file_name} (named by its index) is missing")
             files[file_name] = file
         return {name: files[file_name] for name, file_name in names.items()}
     single = target_file(name_or_path, "model.safetensors")
     if single is None:
-        raise FileNotFoundError(
+        raise PathError(
             f"target {name_or_path!r}: no model.safetensors or {SAFETENSORS_INDEX}: the embedding and lm_head are "
-            "read from safetensors weights (resave the target with save_pretrained)"
+            "read from safetensors weights",
+            hint="resave the target with save_pretrained (safetensors is its default)",
         )
-    with safe_open(str(single), framework="pt") as f:
+    with open_safetensors(single, f"target {name_or_path!r}") as f:
         return dict.fromkeys(f.keys(), single)
 
 
@@ -226,21 +280,19 @@ def load_target_tensors(name_or_path: str, names: dict[str, Sequence[str]]) -> d
         names: role -> accepted tensor names, the first one present is read (e.g. {"embedding": EMBEDDING_NAMES}).
 
     Returns:
-        role -> the tensor, as stored. A role none of whose names is in the checkpoint is a ValueError naming the
-        directory and the names.
+        role -> the tensor, as stored. A role none of whose names is in the checkpoint is a ModelFolderError naming
+        the directory and the names; an empty or truncated safetensors file is one naming the file.
     """
-    from safetensors import safe_open
-
     files = weight_map(name_or_path)
     out: dict[str, torch.Tensor] = {}
     for role, candidates in names.items():
         name = next((n for n in candidates if n in files), None)
         if name is None:
-            raise ValueError(
+            raise ModelFolderError(
                 f"target {name_or_path!r}: its safetensors weights hold no tensor named "
                 f"{' or '.join(repr(n) for n in candidates)} (the {role})"
             )
-        with safe_open(str(files[name]), framework="pt") as f:
+        with open_safetensors(files[name], f"target {name_or_path!r}") as f:
             out[role] = f.get_tensor(name)
     return out
 
@@ -281,7 +333,7 @@ class TargetEmbeddings:
         embedding = tensors["embedding"].to(torch_dtype)
         lm_head = embedding if tied else tensors["lm_head"].to(torch_dtype)
         if embedding.ndim != 2 or lm_head.ndim != 2 or embedding.shape[1] != lm_head.shape[1]:
-            raise ValueError(
+            raise ModelFolderError(
                 f"target {name_or_path!r}: embedding {tuple(embedding.shape)} and lm_head {tuple(lm_head.shape)} are "
                 "not two [V, H] matrices of one width"
             )

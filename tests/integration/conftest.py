@@ -21,7 +21,7 @@ def tiny_target(tiny_corpus, tmp_path_factory):
             "model": {
                 "init_args": {
                     "tokenizer": tiny_corpus.tokenizer_dir,
-                    "save_dir": str(run / "model"),
+                    "export_dir": str(run / "model"),
                     **TINY_MODEL,
                     "optim": {"lr": 0.005, "warmup_steps": 20},
                 }

@@ -20,8 +20,8 @@ def test_compare_trains_measures_reports_and_resumes(tiny_corpus, tiny_target, t
     texts = [json.loads(line)["text"] for line in Path(tiny_corpus.heldout_file).read_text().splitlines()[:2]]
     prompts.write_text("".join(json.dumps({"prompt": t[:120]}) + "\n" for t in texts))
     small = [
-        "--model.init_args.teacher={target}", "--model.init_args.export_dir={run}/student",
-        f"--model.init_args.student_config={json.dumps(TINY_STUDENT)}", "--model.init_args.chunk_size=64",
+        "--model.init_args.target={target}", "--model.init_args.export_dir={run}/student",
+        f"--model.init_args.drafter_config={json.dumps(TINY_STUDENT)}", "--model.init_args.loss_chunk_size=64",
         f"--data.init_args.tokenizer={tiny_corpus.tokenizer_dir}",
         f"--data.init_args.val_files=[{tiny_corpus.heldout_file}]", "--data.init_args.seq_len=64",
         "--data.init_args.batch_size=4", "--trainer.limit_val_batches=1",
@@ -38,7 +38,7 @@ def test_compare_trains_measures_reports_and_resumes(tiny_corpus, tiny_target, t
             {"name": "lookup", "drafter": "prompt-lookup"},
             {"name": "kd", "recipe": str(RECIPES / "quickstart" / "kd.yaml"), "fit_args": small},
             {"name": "broken", "recipe": str(RECIPES / "quickstart" / "kd.yaml"),
-             "fit_args": [*small, "--model.init_args.teacher={run}/no_such_model"]},
+             "fit_args": [*small, "--model.init_args.target={run}/no_such_model"]},
         ],
     }  # fmt: skip
     path = tmp_path / "compare.yaml"

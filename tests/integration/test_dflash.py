@@ -13,13 +13,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.integration.test_eagle3_offline import run_precompute, shard_data
 from tests.recipe_runs import data_overrides, fit, merge, trainer_overrides
+from trainer.checkpoints.reading import load_training_checkpoint
 from trainer.decoding.evaluate import resolve_drafter
 from trainer.decoding.generate import speculative_generate
+from trainer.decoding.options import ProposerOptions
 from trainer.decoding.proposers import NoProposer
-from trainer.export.checkpoint import load_training_checkpoint
 from trainer.export.cli import main as export_main
 from trainer.methods.dflash.export import load_speculators, load_zlab
-from trainer.registry import ProposerOptions
 
 pytestmark = pytest.mark.slow
 

@@ -13,10 +13,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.recipe_runs import data_overrides, fit, merge, trainer_overrides
+from trainer.checkpoints.reading import load_training_checkpoint
 from trainer.decoding.generate import speculative_generate
 from trainer.decoding.proposers import NoProposer
 from trainer.decoding.tree import DraftTree
-from trainer.export.checkpoint import load_training_checkpoint
 from trainer.export.cli import main as export_main
 from trainer.methods.eagle3.export import load_native, load_speculators
 from trainer.methods.eagle3.proposer import Eagle3Proposer, Eagle3TreeProposer
@@ -37,7 +37,8 @@ def eagle3_override(run: Path, corpus, target: Path, max_steps: int, every_n: in
 @pytest.fixture(scope="module")
 def eagle3_run(tiny_corpus, tiny_target, tmp_path_factory):
     run = tmp_path_factory.mktemp("eagle3")
-    cli = fit("quickstart/eagle3.yaml", eagle3_override(run, tiny_corpus, tiny_target, 6, 3, aux_layers=[0, 1, 2]), run)
+    override = eagle3_override(run, tiny_corpus, tiny_target, 6, 3, target_layers=[0, 1, 2])
+    cli = fit("quickstart/eagle3.yaml", override, run)
     return run, cli
 
 
@@ -177,7 +178,7 @@ def test_resume_and_fine_tuning_keep_the_checkpoint_map(eagle3_run, tiny_corpus,
     assert not torch.equal(data["state_dict"]["drafter.d2t"], original[0])
     torch.save(data, tmp_path / "tampered.ckpt")
     resumed = tmp_path / "resumed"
-    override = eagle3_override(resumed, tiny_corpus, tiny_target, 8, 4, aux_layers=[0, 1, 2])
+    override = eagle3_override(resumed, tiny_corpus, tiny_target, 8, 4, target_layers=[0, 1, 2])
     cli = fit("quickstart/eagle3.yaml", override, resumed, ("--ckpt_path", str(tmp_path / "tampered.ckpt")))
     assert bool((cli.model.drafter.d2t == 256).all()) and int(cli.model.drafter.t2d.sum()) == 256
     assert bool((_map(resumed / "checkpoints" / "last.ckpt")[0] == 256).all())
@@ -189,6 +190,7 @@ def test_data_of_another_tokenizer_is_refused(tiny_corpus, tiny_target, tmp_path
 
     other = prepare_corpus(str(tmp_path / "other"), vocab_size=300, seed=1, max_files=20)
     run = tmp_path / "run"
-    override = merge(eagle3_override(run, tiny_corpus, tiny_target, 2, 2, aux_layers=[0, 1, 2]), data_overrides(other))
+    override = eagle3_override(run, tiny_corpus, tiny_target, 2, 2, target_layers=[0, 1, 2])
+    override = merge(override, data_overrides(other))
     with pytest.raises(ValueError, match="vocabulary mismatch"):
         fit("quickstart/eagle3.yaml", override, tmp_path / "run")

@@ -1,4 +1,4 @@
-"""EAGLE-3 from target shards (``teacher_signals: shards``): the same training as online at k = V, a vocabulary map
+"""EAGLE-3 from target shards (``target_signals: shards``): the same training as online at k = V, a vocabulary map
 counted from the shards equal to the online one, refusals of the wrong data, and a target model that is never built.
 
 Choice for the equality test: the shards hold all 512 log-probabilities in float32 and the aux layers' hidden states
@@ -19,17 +19,17 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from tests.integration.test_shards import losses, record, text_data
 from tests.recipe_runs import fit, merge, trainer_overrides
+from trainer.checkpoints.reading import load_training_checkpoint
 from trainer.data.precompute import main as precompute_main
 from trainer.data.shard_datamodule import ShardDataModule
 from trainer.data.text import TextDataModule
-from trainer.export.checkpoint import load_training_checkpoint
 from trainer.methods.eagle3.objective import Eagle3
 from trainer.methods.eagle3.vocab_map import count_label_tokens, vocab_map_from_rows
 from trainer.objective import count_params
 from trainer.target import FrozenTarget, TargetEmbeddings
 
 AUX = [0, 1, 2]  # the tiny target has 2 layers: hidden_states 0..2
-MODEL = {"draft_vocab_size": 256, "ttt_steps": 3, "aux_layers": AUX}
+MODEL = {"draft_vocab_size": 256, "ttt_steps": 3, "target_layers": AUX}
 
 
 def data(corpus) -> dict:
@@ -39,7 +39,7 @@ def data(corpus) -> dict:
 
 def run_precompute(corpus, target: Path, out: Path, *args: str) -> int:
     """``draftsmith precompute`` of the training split of :func:`data`."""
-    argv = ["--teacher", str(target), "--out", str(out), "--data", json.dumps(data(corpus)), "--progress", "false"]
+    argv = ["--target", str(target), "--out", str(out), "--data", json.dumps(data(corpus)), "--progress", "false"]
     return precompute_main([*argv, "--splits", '["train"]', *args])
 
 
@@ -109,7 +109,7 @@ def test_the_vocabulary_counted_from_shards_is_the_online_one(tiny_corpus, tiny_
         atol=0,
     )
     expected = vocab_map_from_rows([(rows.ids, rows.trained)], 512, 256)
-    objective = Eagle3(str(tiny_target), teacher_signals="shards", **MODEL)
+    objective = Eagle3(str(tiny_target), target_signals="shards", **MODEL)
     objective.install_vocab_map(shards.training_rows())
     assert torch.equal(objective.drafter.d2t, expected[0]) and torch.equal(objective.drafter.t2d, expected[1])
     # the draft lm_head starts from the target's lm_head rows of the draft vocabulary
@@ -122,7 +122,9 @@ def test_the_vocabulary_counted_from_shards_is_the_online_one(tiny_corpus, tiny_
 def test_wrong_data_is_refused(tiny_corpus, tiny_target, eagle3_shards, tmp_path):
     # data.hidden_layers in another order than the aux layers
     run = tmp_path / "order"
-    with pytest.raises(ValueError, match=r"hidden_layers=\[2, 1, 0\] must equal the drafter's aux_layers \[0, 1, 2\]"):
+    with pytest.raises(
+        ValueError, match=r"hidden_layers=\[2, 1, 0\] must equal the drafter's target_layers \[0, 1, 2\]"
+    ):
         fit("quickstart/eagle3_offline.yaml", offline_override(run, tiny_corpus, tiny_target, eagle3_shards, 1,
             hidden_layers=[2, 1, 0]), run)  # fmt: skip
 
@@ -134,14 +136,14 @@ def test_wrong_data_is_refused(tiny_corpus, tiny_target, eagle3_shards, tmp_path
     with pytest.raises(ValueError, match=r"hidden_layers \[2\] not stored \(the shards hold \[0, 1\]\)"):
         fit("quickstart/eagle3_offline.yaml", offline_override(run, tiny_corpus, tiny_target, partial, 1), run)
 
-    # text data with teacher_signals: shards
+    # text data with target_signals: shards
     run = tmp_path / "text"
     override = merge(
         trainer_overrides(run, max_steps=1, every_n=1),
         {"data": data(tiny_corpus)},
-        {"model": {"init_args": {"target": str(tiny_target), "teacher_signals": "shards", **MODEL}}},
+        {"model": {"init_args": {"target": str(tiny_target), "target_signals": "shards", **MODEL}}},
     )
-    with pytest.raises(ValueError, match="teacher_signals=shards needs data: .*ShardDataModule, got TextDataModule"):
+    with pytest.raises(ValueError, match="target_signals=shards needs data: .*ShardDataModule, got TextDataModule"):
         fit("quickstart/eagle3.yaml", override, run)
 
 
@@ -166,7 +168,7 @@ def test_shards_mode_reads_two_tensors_and_never_builds_the_target(tied, tmp_pat
         raise AssertionError("a transformers model was built")
 
     monkeypatch.setattr(PreTrainedModel, "__init__", no_models)
-    objective = Eagle3(str(tmp_path / "target"), teacher_signals="shards", draft_vocab_size=32, aux_layers=[1, 2])
+    objective = Eagle3(str(tmp_path / "target"), target_signals="shards", draft_vocab_size=32, target_layers=[1, 2])
     target = objective.target
     assert isinstance(target, TargetEmbeddings) and not isinstance(target, FrozenTarget)
     assert not any(isinstance(m, PreTrainedModel) for m in objective.modules())
@@ -203,9 +205,15 @@ def test_shards_mode_reads_two_tensors_and_never_builds_the_target(tied, tmp_pat
 def test_a_shard_step_equals_the_online_step_at_full_vocabulary(labels, ttt_inputs, tmp_path):
     """One compute_loss on a batch made of the target's own outputs (k = V): the same loss and metrics."""
     tiny_llama(tmp_path / "target", tied=False)
-    options = {"draft_vocab_size": 32, "aux_layers": [0, 2], "ttt_steps": 3, "labels": labels, "ttt_inputs": ttt_inputs}
+    options = {
+        "draft_vocab_size": 32,
+        "target_layers": [0, 2],
+        "ttt_steps": 3,
+        "labels": labels,
+        "ttt_inputs": ttt_inputs,
+    }
     online = Eagle3(str(tmp_path / "target"), **options)
-    offline = Eagle3(str(tmp_path / "target"), teacher_signals="shards", **options)
+    offline = Eagle3(str(tmp_path / "target"), target_signals="shards", **options)
     g = torch.Generator().manual_seed(0)
     rows = torch.randint(0, 64, (4, 13), generator=g).numpy()  # [R, S + 1]
     for objective in (online, offline):

@@ -13,7 +13,7 @@ import pytest
 
 from tests._multiproc import run_group
 from tests.recipe_runs import RECIPES, data_overrides, merge, trainer_overrides, write_override
-from trainer.decoding.evaluate import main as eval_main
+from trainer.decoding.eval_cli import main as eval_main
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -30,10 +30,10 @@ def layerskip_override(run: Path, corpus, steps: int) -> dict:
             "model": {
                 "init_args": {
                     "tokenizer": str(corpus.tokenizer_dir),
-                    "model_config": SHAPE,
+                    "target_config": SHAPE,
                     "p_max": 0.9,
-                    "save_dir": str(run / "model"),
-                    "chunk_size": 64,
+                    "export_dir": str(run / "model"),
+                    "loss_chunk_size": 64,
                 }
             }
         },
@@ -66,15 +66,15 @@ def test_eval_sweeps_the_exit_layer_of_an_exported_model(tiny_corpus, tmp_path) 
     lines = Path(tiny_corpus.heldout_file).read_text().splitlines()[:2]
     prompts.write_text("".join(json.dumps({"prompt": json.loads(x)["text"][:100]}) + "\n" for x in lines))
     model = str(run / "model")
-    argv = ["--target", model, "--drafter", model, "--prompts", str(prompts), "--max-new-tokens", "12"]
+    argv = ["--target", model, "--drafter", model, "--prompts", str(prompts), "--max_new_tokens", "12"]
     argv += ["--k", "3", "--dtype", "float64", "--temperature", "0", "--out", str(tmp_path / "eval")]
-    assert eval_main([*argv, "--exit-layer", "1,3"]) == 0
+    assert eval_main([*argv, "--exit_layer", "1,3"]) == 0
     for exit_layer in (1, 3):
         report = json.loads((tmp_path / "eval" / f"exit_{exit_layer}" / "report.json").read_text())
         assert report["exit_layer"] == exit_layer and report["greedy"][0]["identical"]
-    assert eval_main([*argv, "--exit-layer", "4"]) == 1  # the model has layers 0..3: E must be in 1..3
+    assert eval_main([*argv, "--exit_layer", "4"]) == 1  # the model has layers 0..3: E must be in 1..3
     with pytest.raises(SystemExit):
-        eval_main([*argv, "--exit-layer", "0"])
+        eval_main([*argv, "--exit_layer", "0"])
 
 
 def test_resume_drops_the_same_layers_and_ends_at_the_same_weights(tiny_corpus, tmp_path) -> None:
@@ -116,9 +116,9 @@ def test_the_fine_tune_recipe_runs_with_a_logger(tiny_corpus, tiny_target, tmp_p
         {
             "model": {
                 "init_args": {
-                    "model": str(tiny_target),
-                    "save_dir": str(tmp_path / "model"),
-                    "chunk_size": 64,
+                    "target": str(tiny_target),
+                    "export_dir": str(tmp_path / "model"),
+                    "loss_chunk_size": 64,
                     "early_exit_layers": [0],
                 }
             }

@@ -14,12 +14,12 @@ from transformers import AutoModelForCausalLM
 from tests.integration.test_eagle3_offline import run_precompute
 from tests.integration.test_shards import losses, record, text_data
 from tests.recipe_runs import fit, merge, trainer_overrides
-from trainer.decoding.evaluate import main as eval_main
+from trainer.decoding.eval_cli import main as eval_main
 from trainer.export.cli import main as export_main
 from trainer.registry import load_drafter
 
 pytestmark = pytest.mark.slow
-MODEL = {"num_heads": 3, "chunk_size": 64}
+MODEL = {"num_heads": 3, "loss_chunk_size": 64}
 
 
 def medusa_override(run: Path, corpus, target: Path, steps: int, callbacks=(), **model) -> dict:
@@ -48,12 +48,12 @@ def test_offline_heads_follow_the_online_loss(medusa1, tiny_corpus, tiny_target,
     offline = tmp_path / "offline"
     data = {"shards": str(shards), "tokenizer": str(tiny_corpus.tokenizer_dir), "batch_size": 4, "num_workers": 0}
     data.update({"shuffle_shards": False, "shuffle_buffer": 0, "hidden_layers": [2]})
-    override = medusa_override(offline, tiny_corpus, tiny_target, 6, [record(offline)], teacher_signals="shards")
+    override = medusa_override(offline, tiny_corpus, tiny_target, 6, [record(offline)], target_signals="shards")
     override["data"] = {"class_path": "trainer.data.shard_datamodule.ShardDataModule", "init_args": data}
     fit("quickstart/medusa1.yaml", override, offline)
     for a, b in zip(losses(medusa1), losses(offline), strict=True):
         assert a == pytest.approx(b, rel=1e-4)
-    bad = medusa_override(tmp_path / "bad", tiny_corpus, tiny_target, 2, teacher_signals="shards")
+    bad = medusa_override(tmp_path / "bad", tiny_corpus, tiny_target, 2, target_signals="shards")
     bad["data"] = {
         "class_path": "trainer.data.shard_datamodule.ShardDataModule",
         "init_args": {**data, "hidden_layers": [1]},
@@ -74,13 +74,13 @@ def test_exports_and_eval_with_the_papers_tree_and_a_built_one(medusa1, tiny_tar
     prompts = tmp_path / "prompts.jsonl"
     lines = Path(tiny_corpus.heldout_file).read_text().splitlines()[:2]
     prompts.write_text("".join(json.dumps({"prompt": json.loads(x)["text"][:120]}) + "\n" for x in lines))
-    common = ["--target", str(tiny_target), "--prompts", str(prompts), "--max-new-tokens", "16", "--dtype", "float64"]
+    common = ["--target", str(tiny_target), "--prompts", str(prompts), "--max_new_tokens", "16", "--dtype", "float64"]
     tree = tmp_path / "tree.json"
     argv = [*common, "--drafter", str(tmp_path / "medusa"), "--k", "3", "--temperature", "0"]
-    assert eval_main([*argv, "--write-tree", str(tree), "--tree-nodes", "10", "--out", str(tmp_path / "e1")]) == 0
+    assert eval_main([*argv, "--write_tree", str(tree), "--tree_nodes", "10", "--out", str(tmp_path / "e1")]) == 0
     written = json.loads(tree.read_text())
     assert written["nodes"] == 10 and len(written["accuracy"]) == 3
-    assert eval_main([*argv, "--tree", "--tree-choices", str(tree), "--out", str(tmp_path / "e2")]) == 0
+    assert eval_main([*argv, "--tree", "--tree_choices", str(tree), "--out", str(tmp_path / "e2")]) == 0
     report = json.loads((tmp_path / "e2" / "report.json").read_text())
     assert report["greedy"][0]["identical"] and 1.0 <= report["greedy"][0]["tau"] <= 4.0
     # three heads: the paper's 4-head tree does not apply, and more drafts than heads are refused

@@ -11,12 +11,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.recipe_runs import TINY_MODEL, data_overrides, fit, merge, trainer_overrides
+from trainer.checkpoints.reading import load_training_checkpoint
+from trainer.decoding.eval_cli import main as eval_main
 from trainer.decoding.evaluate import evaluate_drafter, load_prompts, resolve_drafter
-from trainer.decoding.evaluate import main as eval_main
-from trainer.export.checkpoint import load_training_checkpoint
+from trainer.decoding.options import ProposerOptions
 from trainer.export.cli import main as export_main
 from trainer.methods.mtp.objective import SequentialMTP
-from trainer.registry import ProposerOptions, recognise
+from trainer.registry import recognise
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +26,7 @@ def mtp_override(run: Path, corpus, max_steps: int, **model) -> dict:
     return merge(
         trainer_overrides(run, max_steps=max_steps, every_n=max_steps),
         data_overrides(corpus),
-        {"model": {"init_args": {"chunk_size": 64, "optim": {"lr": 0.005, "warmup_steps": 5}, **model}}},
+        {"model": {"init_args": {"loss_chunk_size": 64, "optim": {"lr": 0.005, "warmup_steps": 5}, **model}}},
     )
 
 
@@ -43,8 +44,8 @@ def pretrained(tiny_corpus, tmp_path_factory):
     """recipes/quickstart/mtp_pretrain.yaml with two modules, 6 steps, the SpeculativeEvalCallback at the end."""
     run = tmp_path_factory.mktemp("mtp_pretrain")
     override = mtp_override(
-        run, tiny_corpus, 6, tokenizer=tiny_corpus.tokenizer_dir, model_config=TINY_MODEL, mtp_depth=2,
-        save_dir=str(run / "model"),
+        run, tiny_corpus, 6, tokenizer=tiny_corpus.tokenizer_dir, target_config=TINY_MODEL, mtp_depth=2,
+        export_dir=str(run / "model"),
     )  # fmt: skip
     override["trainer"]["callbacks"].append(
         {
@@ -79,7 +80,7 @@ def test_pretraining_exports_and_evaluates_through_the_kind(pretrained, tiny_cor
     assert export_main(["--ckpt", str(ckpt), "--out", str(tmp_path / "nextn"), "--format", "nextn"]) == 2
     assert "model_type 'llama'" in capsys.readouterr().err
     assert export_main(["--ckpt", str(ckpt), "--out", str(tmp_path / "plain"), "--format", "hf"]) == 0
-    saved = AutoModelForCausalLM.from_pretrained(run / "model").eval()  # the save_dir of the run
+    saved = AutoModelForCausalLM.from_pretrained(run / "model").eval()  # the export_dir of the run
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "plain").eval()
     ids = torch.tensor([[1, 5, 9, 30, 7]])
     torch.testing.assert_close(plain(ids).logits, saved(ids).logits, rtol=0, atol=0)
@@ -103,7 +104,7 @@ def test_refresh_and_extend_on_a_frozen_model(tiny_corpus, tiny_target, tmp_path
     refresh_run = tmp_path / "refresh"
     fit(
         "quickstart/mtp_refresh.yaml",
-        mtp_override(refresh_run, tiny_corpus, 4, model=str(tiny_target), init_from=None),
+        mtp_override(refresh_run, tiny_corpus, 4, target=str(tiny_target), init_from=None),
         refresh_run,
     )
     ckpt = refresh_run / "checkpoints" / "last.ckpt"
@@ -112,11 +113,11 @@ def test_refresh_and_extend_on_a_frozen_model(tiny_corpus, tiny_target, tmp_path
     assert all(k.startswith("drafter.mtp.") or k == "mtp_tokens_seen" for k in state)  # the frozen model is not saved
     # the model with its refreshed module, then a refresh that reads the module from that model checkpoint itself
     assert export_main(["--ckpt", str(ckpt), "--out", str(tmp_path / "with_module")]) == 0
-    again = SequentialMTP(mode="refresh", model=str(tmp_path / "with_module"))
+    again = SequentialMTP(mode="refresh", target=str(tmp_path / "with_module"))
     for name, value in again.drafter.mtp.state_dict().items():
         assert torch.equal(value, state[f"drafter.mtp.{name}"]), name
     extend_run = tmp_path / "extend"
-    override = mtp_override(extend_run, tiny_corpus, 4, model=str(tiny_target), init_from=str(ckpt), mtp_depth=3)
+    override = mtp_override(extend_run, tiny_corpus, 4, target=str(tiny_target), init_from=str(ckpt), mtp_depth=3)
     cli = fit("quickstart/mtp_extend.yaml", override, extend_run)
     extended, record = load_training_checkpoint(str(extend_run / "checkpoints" / "last.ckpt"))
     assert record["config"]["depth"] == 3

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.recipe_runs import TINY_MODEL, data_overrides, fit, merge, trainer_overrides
-from trainer.decoding.evaluate import main as eval_main
+from trainer.decoding.eval_cli import main as eval_main
 from trainer.export.cli import main as export_main
 from trainer.methods.draft_model.pretrain import CausalLMPretraining
 from trainer.methods.mtp_heads.export import load as load_export
@@ -29,8 +29,8 @@ def finetuned(tiny_corpus, tiny_target, tmp_path_factory):
     override = merge(
         trainer_overrides(run, max_steps=STEPS, every_n=3),
         data_overrides(tiny_corpus),
-        {"model": {"init_args": {"model": str(tiny_target), "n_heads": 3, "save_dir": str(run / "model"),
-                                 "chunk_size": 64}}},
+        {"model": {"init_args": {"target": str(tiny_target), "num_heads": 3, "export_dir": str(run / "model"),
+                                 "loss_chunk_size": 64}}},
     )  # fmt: skip
     spec_eval = {
         "class_path": "trainer.decoding.callback.SpeculativeEvalCallback",
@@ -70,7 +70,7 @@ def test_finetuning_logs_tau_and_exports_a_plain_model_with_heads(finetuned, tin
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"input_ids": list(range(5 + i, 25 + i))}) + "\n" for i in range(2)))
     args = ["--target", str(model_dir), "--drafter", str(run / "checkpoints" / "last.ckpt"), "--prompts", str(prompts),
-            "--max-new-tokens", "16", "--out", str(tmp_path / "eval")]  # fmt: skip
+            "--max_new_tokens", "16", "--out", str(tmp_path / "eval")]  # fmt: skip
     assert eval_main([*args, "--k", "2"]) == 0, capsys.readouterr().err
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     assert report["greedy"][0]["identical"] and report["sampling"][0]["tau"] >= 1.0
@@ -83,17 +83,17 @@ def test_a_fresh_model_with_heads_starts_as_the_plain_pretraining_would(tiny_cor
     data; and the pre-training recipe runs with the sequential backward."""
     shape = {k: v for k, v in TINY_MODEL.items()}
     plain = CausalLMPretraining(tokenizer=tiny_corpus.tokenizer_dir, seed=3, **shape)
-    with_heads = ParallelMTPHeads(tokenizer=tiny_corpus.tokenizer_dir, model_config=shape, n_heads=4, seed=3)
+    with_heads = ParallelMTPHeads(tokenizer=tiny_corpus.tokenizer_dir, target_config=shape, num_heads=4, seed=3)
     a, b = plain.model.state_dict(), with_heads.mtp.model.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(ValueError, match=r"\['num_hiden_layers'\] are not keys of a Llama config"):
-        ParallelMTPHeads(tokenizer=tiny_corpus.tokenizer_dir, model_config={"num_hiden_layers": 2})
+        ParallelMTPHeads(tokenizer=tiny_corpus.tokenizer_dir, target_config={"num_hiden_layers": 2})
     run = tmp_path / "run"
     override = merge(
         trainer_overrides(run, max_steps=1, every_n=1),
         data_overrides(tiny_corpus),
-        {"model": {"init_args": {"tokenizer": tiny_corpus.tokenizer_dir, "model_config": shape,
-                                 "save_dir": str(run / "model"), "chunk_size": 64}}},
+        {"model": {"init_args": {"tokenizer": tiny_corpus.tokenizer_dir, "target_config": shape,
+                                 "export_dir": str(run / "model"), "loss_chunk_size": 64}}},
     )  # fmt: skip
     cli = fit("quickstart/mtp_heads_pretrain.yaml", override, run)
     assert cli.model.backward_mode() == "sequential" and cli.model.mtp.num_heads == 4

@@ -85,8 +85,8 @@ def _fits(model_dir: str, out_dir: Path, strategy_name: str) -> None:
     for backward in ("checkpoint" if sharded else "sequential", "naive"):
         for accumulate in (1, 2):
             objective = SGDHeads(
-                model=model_dir, n_heads=3, dtype="float64" if ddp else "float32", head_backward=backward,
-                chunk_size=4, head_weights=[1.0, 0.5, 0.25],
+                target=model_dir, num_heads=3, target_dtype="float64" if ddp else "float32", head_backward=backward,
+                loss_chunk_size=4, head_weights=[1.0, 0.5, 0.25],
             )  # fmt: skip
             trainer = L.Trainer(
                 accelerator="cpu", devices=2, strategy=strategies[strategy_name](), max_steps=1,

@@ -43,10 +43,10 @@ def override(run: Path, corpus, target: Path, max_steps: int, every_n: int, call
         {
             "model": {
                 "init_args": {
-                    "teacher": str(target),
+                    "target": str(target),
                     "export_dir": str(run / "student"),
-                    "student_config": TINY_STUDENT,
-                    "chunk_size": 64,
+                    "drafter_config": TINY_STUDENT,
+                    "loss_chunk_size": 64,
                     "max_new_tokens": 12,
                     "prompt_len": 12,
                     **model,

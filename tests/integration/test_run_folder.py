@@ -26,7 +26,7 @@ def override(run: Path, corpus, max_steps: int, every_n: int = 2, callbacks=()) 
     out = merge(
         trainer_overrides(run, max_steps=max_steps, every_n=every_n),
         data_overrides(corpus, batch_size=2),
-        {"model": {"init_args": {"tokenizer": str(corpus.tokenizer_dir), "save_dir": str(run / "model")}}},
+        {"model": {"init_args": {"tokenizer": str(corpus.tokenizer_dir), "export_dir": str(run / "model")}}},
         {"model": {"init_args": TINY_MODEL}},
     )
     out["trainer"]["callbacks"] += list(callbacks)

@@ -54,7 +54,7 @@ def text_data(corpus, **extra) -> dict:
 
 def run_precompute(corpus, target: Path, out: Path, *args: str) -> int:
     data = json.dumps(text_data(corpus))
-    argv = ["--teacher", str(target), "--out", str(out), "--data", data, "--progress", "false", *args]
+    argv = ["--target", str(target), "--out", str(out), "--data", data, "--progress", "false", *args]
     return precompute_main(argv)
 
 
@@ -76,10 +76,10 @@ def offline_override(run: Path, corpus, target: Path, shards: Path, steps: int, 
         {
             "model": {
                 "init_args": {
-                    "teacher": str(target),
+                    "target": str(target),
                     "export_dir": str(run / "student"),
-                    "student_config": TINY_STUDENT,
-                    "chunk_size": 64,
+                    "drafter_config": TINY_STUDENT,
+                    "loss_chunk_size": 64,
                 }
             },
             "data": {
@@ -112,10 +112,10 @@ def test_offline_kd_at_full_vocabulary_follows_the_online_loss(tiny_corpus, tiny
         {
             "model": {
                 "init_args": {
-                    "teacher": str(tiny_target),
+                    "target": str(tiny_target),
                     "export_dir": str(online / "student"),
-                    "student_config": TINY_STUDENT,
-                    "chunk_size": 64,
+                    "drafter_config": TINY_STUDENT,
+                    "loss_chunk_size": 64,
                 }
             }
         },
@@ -214,7 +214,7 @@ def test_shards_of_another_target_or_vocabulary_are_refused(tiny_corpus, tiny_ta
     # a student whose vocabulary is not the shards'
     run = tmp_path / "vocab"
     override = offline_override(run, tiny_corpus, tiny_target, full_vocab_shards, 2)
-    override["model"]["init_args"]["student_config"] = {**TINY_STUDENT, "vocab_size": 256}
+    override["model"]["init_args"]["drafter_config"] = {**TINY_STUDENT, "vocab_size": 256}
     with pytest.raises(ValueError, match="vocabulary"):
         fit("quickstart/kd_offline.yaml", override, run)
 

@@ -61,8 +61,8 @@ def _submit(run: Path, override: dict, name: str) -> str:
     run.mkdir(parents=True, exist_ok=True)
     override_file = write_override(run / "override.yaml", override)
     argv = ["submit", "--config", str(RECIPES / "quickstart/kd.yaml"), "--config", str(override_file)]
-    argv += ["--nodes", "1", "--gpus-per-node", "0", "--tasks-per-node", str(TASKS), "--time", "00:30:00"]
-    argv += ["--job-name", name, "--workdir", str(run), "--log-dir", "logs"]
+    argv += ["--nodes", "1", "--gpus_per_node", "0", "--tasks_per_node", str(TASKS), "--time", "00:30:00"]
+    argv += ["--job_name", name, "--workdir", str(run), "--log_dir", "logs"]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert slurm_main(argv) == 0

@@ -68,11 +68,11 @@ def test_defaults_the_recipe_omits_come_from_the_signatures():
     assert "beta:" not in text and "num_workers:" not in text and "accumulate_grad_batches" not in text
     config = parse_recipe([KD])
     assert config.model.init_args.beta == _signature_default(KnowledgeDistillation, "beta")
-    assert config.model.init_args.teacher_signals == _signature_default(KnowledgeDistillation, "teacher_signals")
+    assert config.model.init_args.target_signals == _signature_default(KnowledgeDistillation, "target_signals")
     assert config.data.init_args.num_workers == _signature_default(TextDataModule, "num_workers")
     assert config.trainer.accumulate_grad_batches == 1
     # and what the recipe sets is kept
-    assert config.model.init_args.chunk_size == 512 and config.data.init_args.batch_size == 8
+    assert config.model.init_args.loss_chunk_size == 512 and config.data.init_args.batch_size == 8
 
 
 def test_configs_compose_and_overrides_apply_as_for_fit():
@@ -115,7 +115,7 @@ def test_plan_and_slurm_refuse_a_misspelled_key_with_fits_message(tmp_path, caps
     assert "batch_sise" in message
     assert plan(["--config", str(bad), "--gpus", "8", "--target", "llama-3-8b"]) == 2
     assert capsys.readouterr().err == message
-    assert slurm(["submit", "--config", str(bad), "--dry-run"]) == 2
+    assert slurm(["submit", "--config", str(bad), "--dry_run"]) == 2
     out = capsys.readouterr()
     assert out.err == message and out.out == ""
 

@@ -15,6 +15,8 @@ from trainer.compare.fit_logs import steps_for_budget, tokens_at
 from trainer.compare.footprint import footprint
 from trainer.compare.report import METRICS, metric, ordering_flips, write_report
 from trainer.compare.run import Comparison, training_prompts
+from trainer.decoding.eval_cli import build_parser as eval_parser
+from trainer.decoding.options import ProposerOptions, options_from_arguments
 from trainer.recipe import parse_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,6 +70,9 @@ def test_a_misspelled_fit_argument_names_the_method(tmp_path):
         (("{run}/student", "{runs}/student"), "['runs']"),
         (("drafter: prompt-lookup", "drafter: some/folder"), "must name a drafter without weights"),
         (("kd.yaml", "kd_missing.yaml"), "not found"),
+        (("drafter: prompt-lookup", 'drafter: prompt-lookup\n    eval_args: ["--tree"]'), "eval_args"),  # options now
+        (("drafter: prompt-lookup", "drafter: prompt-lookup\n    options: {tree_node: 8}"), "tree_node"),
+        (("drafter: prompt-lookup", "drafter: prompt-lookup\n    options: {tree_nodes: 0}"), "tree_nodes >= 1"),
     ],
 )
 def test_a_bad_recipe_is_refused_naming_the_key(tmp_path, change, message):
@@ -220,12 +225,43 @@ def test_ordering_flips_match_a_pairwise_count():
 
 def test_placeholders_fill_named_braces_only():
     from trainer.compare.config import fill_placeholders
-    from trainer.compare.run import _exit_layer
 
     values = {"run": "out/methods/kd/run", "target": "t"}
-    text = '--model.init_args.student_config={"hidden_size": 32} --x={run}/student --y={target}'
+    text = '--model.init_args.drafter_config={"hidden_size": 32} --x={run}/student --y={target}'
     assert fill_placeholders(text, values) == (
-        '--model.init_args.student_config={"hidden_size": 32} --x=out/methods/kd/run/student --y=t'
+        '--model.init_args.drafter_config={"hidden_size": 32} --x=out/methods/kd/run/student --y=t'
     )
-    assert _exit_layer(["--tree", "--exit-layer", "2,3"]) == 2 and _exit_layer(["--exit-layer=1"]) == 1
-    assert _exit_layer(["--tree"]) is None
+
+
+def test_a_methods_drafting_options_reach_eval_and_the_training_callback_as_data(tmp_path, monkeypatch):
+    """``options`` of a method: eval's flags (read back by eval's own parser) and the callback's ``options`` argument
+    (read by fit's own parser) give the same ProposerOptions; a tree file is written for ``tree_choices``."""
+    text = BASE + "    options: {tree: true, tree_nodes: 16, tree_choices: [[0], [0, 0], [1]]}\n"
+    config = read_config(write_recipe(tmp_path, text))
+    method = config.methods[1]
+    expected = ProposerOptions(tree=True, tree_nodes=16, tree_choices=((0,), (0, 0), (1,)))
+    assert method.options == expected and config.methods[0].options == ProposerOptions()
+    comparison = Comparison(config, "compare.yaml")
+    comparison.out = tmp_path / "out"
+    stages: dict[str, list[str]] = {}
+
+    class Stop(Exception):
+        pass
+
+    def run_stage(stage: str, args: list[str], log: Path) -> None:
+        stages[stage] = args
+        if stage == "fit":
+            raise Stop  # before the fit's logs are read
+
+    monkeypatch.setattr(comparison, "_run_stage", run_stage)
+    comparison.evaluate(method, comparison.folder(method))
+    assert stages["eval"][0] == "eval"
+    assert options_from_arguments(eval_parser().parse_args(stages["eval"][1:])) == [expected]
+    assert (comparison.folder(method).root / "tree_choices.json").is_file()
+    with pytest.raises(Stop):
+        comparison.fit(method, comparison.folder(method))
+    args = stages["fit"]
+    callbacks = json.loads(args[args.index("--trainer.callbacks") + 1])
+    fit = parse_recipe([method.recipe], ["--trainer.callbacks", json.dumps(callbacks)])
+    (spec,) = [c for c in fit.trainer.callbacks if c.class_path.endswith("SpeculativeEvalCallback")]
+    assert ProposerOptions(**vars(spec.init_args.options)) == expected

@@ -14,6 +14,7 @@ import torch
 from tests.helpers import chat_stream, text_datamodule, write_jsonl
 from trainer.data.packing import IGNORE_INDEX, label_sources, pack_rows, pad_rows
 from trainer.data.sources import expand_data_files
+from trainer.errors import DataError
 from trainer.losses import chunked_cross_entropy
 
 
@@ -179,7 +180,7 @@ def test_an_invalid_json_line_names_file_and_line(tiny_corpus, tmp_path, monkeyp
     with pytest.raises(ValueError, match=r"array\.jsonl:2: expected a JSON object with key 'text', got a list"):
         text_datamodule(tiny_corpus, tmp_path, train_files=[str(array)]).setup("fit")
     keys = write_jsonl(tmp_path / "keys.jsonl", [{"text": "x = 1"}, {"body": "y"}])
-    with pytest.raises(KeyError, match=r"keys\.jsonl:2: record has no key 'text' \(keys: body\)"):
+    with pytest.raises(DataError, match=r"keys\.jsonl:2: record has no key 'text' \(keys: body\)"):
         text_datamodule(tiny_corpus, tmp_path, train_files=[keys]).setup("fit")
     binary = tmp_path / "binary.jsonl"
     binary.write_bytes(b'{"text": "ok"}\n{"text": "\xff\xfe"}\n')

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import lightning.pytorch as pl
@@ -12,8 +13,11 @@ from transformers import PreTrainedTokenizerFast
 
 from tests.helpers import tiny_llama
 from trainer.decoding.callback import SpeculativeEvalCallback
-from trainer.decoding.evaluate import SpeculativeMismatchError, check_identity, main
+from trainer.decoding.eval_cli import build_parser, main
+from trainer.decoding.evaluate import SpeculativeMismatchError, check_identity
 from trainer.decoding.generate import GenerationResult
+from trainer.decoding.options import ProposerOptions, field_help, options_from_arguments
+from trainer.decoding.proposers import BaseProposer, PromptLookupProposer
 from trainer.methods.draft_model import kind as hf_causal_lm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -42,7 +46,7 @@ def test_eval_writes_report(saved, drafter: str, capsys) -> None:
     out = saved / f"out-{drafter}"
     spec = str(saved / "draft") if drafter == "draft" else drafter
     argv = ["--target", str(saved / "target"), "--drafter", spec, "--prompts", str(saved / "prompts.jsonl")]
-    argv += ["--k", "1,3", "--max-new-tokens", "12", "--out", str(out), "--dtype", "float64", "--temperature", "0.8"]
+    argv += ["--k", "1,3", "--max_new_tokens", "12", "--out", str(out), "--dtype", "float64", "--temperature", "0.8"]
     assert main(argv) == 0
     report = json.loads((out / "report.json").read_text())
     assert [e["k"] for e in report["greedy"]] == [1, 3] and [e["k"] for e in report["sampling"]] == [1, 3]
@@ -77,7 +81,7 @@ def test_eval_rejects_bad_inputs(saved, tmp_path, capsys) -> None:
     err = capsys.readouterr().err
     assert "long.jsonl:1" in err and "context" in err
     # ... unless cut to its first tokens
-    assert main(base + ["--drafter", "prompt-lookup", "--prompts", str(long), "--prompt-tokens", "32"]) == 0
+    assert main(base + ["--drafter", "prompt-lookup", "--prompts", str(long), "--prompt_tokens", "32"]) == 0
     capsys.readouterr()
     # a target folder that is not a model, and a drafter of another vocabulary (its own tokenizer says so)
     prompts = str(saved / "prompts.jsonl")
@@ -90,6 +94,46 @@ def test_eval_rejects_bad_inputs(saved, tmp_path, capsys) -> None:
     assert main(base + ["--drafter", str(other), "--prompts", prompts]) == 1
     assert "other_vocab: a drafter of 77 output tokens for a target of" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()  # a refused run writes nothing
+
+
+def test_the_drafting_flags_are_the_fields_of_proposer_options(tmp_path) -> None:
+    """One flag per ProposerOptions field, its default and help read from the class; parsed back into the options,
+    a sweep of exit layers giving one options each and a tree file its paths."""
+    parser = build_parser()
+    actions = {a.dest: a for a in parser._actions}
+    described = field_help()
+    for field in dataclasses.fields(ProposerOptions):
+        action = actions[field.name]
+        assert action.option_strings == [f"--{field.name}"] and action.help.startswith(described[field.name])
+        assert action.default == field.default
+    base = ["--target", "t", "--drafter", "d", "--prompts", "p", "--out", "o"]
+    assert options_from_arguments(parser.parse_args(base)) == [ProposerOptions()]
+    tree = tmp_path / "tree.json"
+    tree.write_text(json.dumps({"paths": [[0], [1], [0, 0]], "nodes": 3}))
+    argv = base + ["--tree", "--tree_nodes", "16", "--tree_choices", str(tree), "--exit_layer", "1,3"]
+    first, second = options_from_arguments(parser.parse_args(argv))
+    assert first == ProposerOptions(tree=True, tree_nodes=16, tree_choices=((0,), (1,), (0, 0)), exit_layer=1)
+    assert second.exit_layer == 3 and second.tree_nodes == 16
+    with pytest.raises(ValueError, match="--tree_choices .*not a readable JSON file"):
+        options_from_arguments(parser.parse_args(base + ["--tree_choices", str(tmp_path / "missing.json")]))
+    with pytest.raises(ValueError, match="tree_nodes >= 1"):
+        options_from_arguments(parser.parse_args(base + ["--tree_nodes", "0"]))
+
+
+def test_what_eval_asks_a_proposer_has_its_defaults_in_one_place(saved, tmp_path, capsys) -> None:
+    lookup = PromptLookupProposer()
+    assert lookup.max_drafts is None and lookup.needs_hidden_states == ()
+    lookup.check_k(1000)  # unbounded
+    bounded = BaseProposer()
+    bounded.max_drafts = 2
+    with pytest.raises(ValueError, match="--k 3: this drafter drafts at most 2 tokens per round"):
+        bounded.check_k(3)
+    with pytest.raises(ValueError, match="--write_tree: a PromptLookupProposer does not draft with parallel heads"):
+        lookup.write_tree(tmp_path / "tree.json", None, [[1, 2]], 4, 8)
+    argv = ["--target", str(saved / "target"), "--drafter", "prompt-lookup", "--prompts", str(saved / "prompts.jsonl")]
+    assert main([*argv, "--write_tree", str(tmp_path / "t.json"), "--out", str(tmp_path / "o")]) == 1
+    assert "prompt-lookup: --write_tree: a PromptLookupProposer does not draft" in capsys.readouterr().err
+    assert not (tmp_path / "t.json").exists()
 
 
 def test_mismatch_is_an_error_not_a_statistic() -> None:

@@ -7,6 +7,7 @@ import torch
 
 from tests.helpers import tiny_llama
 from trainer.decoding.generate import speculative_generate
+from trainer.decoding.options import ProposerOptions
 from trainer.decoding.proposers import (
     NoProposer,
     OracleProposer,
@@ -17,7 +18,6 @@ from trainer.decoding.proposers import (
 )
 from trainer.decoding.tree import DraftTree
 from trainer.methods.draft_model.proposer import DraftModelProposer
-from trainer.registry import ProposerOptions
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -31,7 +31,7 @@ def test_registry_of_drafters_without_weights() -> None:
         register_proposer("none")(OracleProposer.__class__("Other", (NoProposer,), {}))
     with pytest.raises(TypeError, match="from_options"):
         register_proposer("no-factory")(OracleProposer)
-    with pytest.raises(ValueError, match="--exit-layer"):
+    with pytest.raises(ValueError, match="--exit_layer"):
         build_proposer("early-exit", None)
     target = tiny_llama(0, layers=3)
     assert build_proposer("early-exit", target, ProposerOptions(exit_layer=2)).exit_layer == 2

@@ -130,7 +130,7 @@ def test_a_shard_step_equals_the_online_step_at_full_vocabulary(labels, tmp_path
     model = save_target(tmp_path / "target")
     options = dict(num_draft_layers=1, target_layers=[1, 2], block_size=4, mask_token_id=V - 1, labels=labels)
     online = DFlash(str(tmp_path / "target"), **options)
-    offline = DFlash(str(tmp_path / "target"), teacher_signals="shards", **options)
+    offline = DFlash(str(tmp_path / "target"), target_signals="shards", **options)
     offline.drafter.load_state_dict(online.drafter.state_dict())
     ids = torch.randint(0, V - 1, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -170,7 +170,7 @@ def test_bad_input_is_refused_naming_the_value(tok, tmp_path):
     # a special token without a role is accepted, and then refused when the training data holds it
     objective = DFlash(str(tmp_path / "full"), num_draft_layers=1, mask_token_id=2)
     clean = SimpleNamespace(train_dataset=SimpleNamespace(ids=np.full((3, 9), 7)), tokenizer_path=None)
-    objective.check_data(clean)
+    objective.check_training_data(clean)
     clean.train_dataset.ids[1, 4] = 2
     with pytest.raises(ValueError, match=r"mask_token_id=2 \('<\|system\|>'\) occurs 1 times in the training data"):
-        objective.check_data(clean)
+        objective.check_training_data(clean)

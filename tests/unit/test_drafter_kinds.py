@@ -12,13 +12,14 @@ from safetensors.torch import load_file
 from tests.helpers import tiny_llama
 from tests.unit.test_eagle3_drafter import small_drafter
 from trainer.decoding.evaluate import resolve_drafter
+from trainer.decoding.options import ProposerOptions
 from trainer.export.cli import export
 from trainer.export.cli import main as export_main
 from trainer.methods.draft_model import kind as hf_causal_lm
 from trainer.methods.draft_model.proposer import DraftModelProposer
 from trainer.methods.eagle3 import kind as eagle3_kind
 from trainer.methods.eagle3.proposer import Eagle3Proposer, Eagle3TreeProposer
-from trainer.registry import DrafterRecord, ProposerOptions, kinds, load_drafter, recognise
+from trainer.registry import DrafterRecord, kinds, load_drafter, recognise
 
 
 def training_checkpoint(path, module, record: DrafterRecord):

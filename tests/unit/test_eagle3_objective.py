@@ -55,7 +55,7 @@ def naive_ttt_loss(objective: Eagle3, ids: torch.Tensor, loss_mask: torch.Tensor
 @pytest.mark.parametrize("ttt_inputs", ["data", "predicted"])
 def test_ttt_loss_equals_chain_drafting_scored_position_by_position(ttt_inputs, tmp_path):
     tiny_llama(tmp_path / "target", tied=False)
-    objective = Eagle3(str(tmp_path / "target"), draft_vocab_size=32, aux_layers=[0, 1, 2], ttt_steps=K,
+    objective = Eagle3(str(tmp_path / "target"), draft_vocab_size=32, target_layers=[0, 1, 2], ttt_steps=K,
                        ttt_inputs=ttt_inputs)  # fmt: skip
     g = torch.Generator().manual_seed(1)
     rows = torch.randint(0, 64, (2, 11), generator=g)  # [B, S + 1]
@@ -80,7 +80,7 @@ def test_recomputing_earlier_steps_changes_neither_loss_nor_gradients(tmp_path):
     results = []
     for recompute in (False, True):
         torch.manual_seed(0)
-        objective = Eagle3(str(tmp_path / "target"), draft_vocab_size=32, aux_layers=[0, 1, 2], ttt_steps=4,
+        objective = Eagle3(str(tmp_path / "target"), draft_vocab_size=32, target_layers=[0, 1, 2], ttt_steps=4,
                            ttt_inputs="predicted", recompute=recompute)  # fmt: skip
         objective.build_vocab_map(rows.numpy(), (rows > 4).numpy())
         torch.nn.init.normal_(objective.drafter.midlayer.self_attn.o_proj.weight, std=0.5)

@@ -14,8 +14,9 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from tests.helpers import tiny_llama
 from trainer.decoding.evaluate import resolve_drafter
+from trainer.decoding.options import ProposerOptions
 from trainer.methods.layerskip.objective import LayerSkip, dropout_rates, exit_scales
-from trainer.registry import ProposerOptions, load_drafter, recognise
+from trainer.registry import load_drafter, recognise
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 V = 40
@@ -54,7 +55,7 @@ def test_curricula_are_functions_of_the_step(model_dir) -> None:
 
 
 def test_loss_without_dropout_is_the_scaled_exit_cross_entropies(model_dir) -> None:
-    model = LayerSkip(str(model_dir), early_exit_layers=[0, 2], exit_scale="linear_l", chunk_size=7).eval()
+    model = LayerSkip(str(model_dir), early_exit_layers=[0, 2], exit_scale="linear_l", loss_chunk_size=7).eval()
     b = batch(1)
     loss, metrics = model.compute_loss(b)
     hf = model.model
@@ -120,7 +121,7 @@ def test_the_export_is_a_layerskip_model_that_transformers_runs_with_assistant_e
     module, record = load_drafter(str(out))
     assert record.config["p_max"] == 0.2
     target = AutoModelForCausalLM.from_pretrained(out).eval()
-    with pytest.raises(ValueError, match="give --exit-layer E in 1..3"):
+    with pytest.raises(ValueError, match="give --exit_layer E in 1..3"):
         resolve_drafter(str(out), target)
     assert resolve_drafter(str(out), target, ProposerOptions(exit_layer=2)).exit_layer == 2
     with pytest.raises(ValueError, match="exit layer 4 must be in 1..3"):

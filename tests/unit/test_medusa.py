@@ -68,7 +68,7 @@ def naive_head_loss(model: Medusa, hidden: torch.Tensor, labels: torch.Tensor, w
 
 @pytest.mark.parametrize("labels", ["data", "target"])
 def test_stage1_loss_is_the_decayed_sum_of_head_cross_entropies(target_dir, labels) -> None:
-    model = Medusa(str(target_dir), num_heads=3, num_layers=2, labels=labels, chunk_size=5)
+    model = Medusa(str(target_dir), num_heads=3, num_layers=2, labels=labels, loss_chunk_size=5)
     randomise(model.drafter.heads, 1)
     b = batch(1)
     loss, metrics = model.compute_loss(b)
@@ -131,7 +131,7 @@ def test_stage2_trains_the_target_with_self_distillation_and_faster_heads(target
         ({"stage": 1, "self_distillation": True}, "stage 2 only"),
         ({"stage": 2, "trained_target_layers": 5}, "must be in 1..2"),
         ({"num_heads": 0}, "num_heads"),
-        ({"stage": 2, "teacher_signals": "shards"}, "shards cannot"),
+        ({"stage": 2, "target_signals": "shards"}, "shards cannot"),
     ],
 )
 def test_bad_settings_are_named(target_dir, settings, message) -> None:

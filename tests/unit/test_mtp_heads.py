@@ -176,7 +176,7 @@ def test_the_objective_picks_its_backward_for_the_strategy_and_can_train_the_hea
     from trainer.methods.mtp_heads.objective import ParallelMTPHeads, mtp_flops_per_token
 
     tiny_llama(7, vocab=VOCAB, hidden=32, layers=3).save_pretrained(tmp_path / "model")
-    objective = ParallelMTPHeads(model=str(tmp_path / "model"), n_heads=3, train="heads", dtype="float64")
+    objective = ParallelMTPHeads(target=str(tmp_path / "model"), num_heads=3, train="heads", target_dtype="float64")
     trained = {n for n, p in objective.mtp.named_parameters() if p.requires_grad}
     assert trained and all(n.startswith("heads.") for n in trained)
     assert objective.backward_mode() == "sequential"
@@ -187,5 +187,5 @@ def test_the_objective_picks_its_backward_for_the_strategy_and_can_train_the_hea
         objective.backward_mode()
     plain = causal_lm_flops_per_token(objective.mtp.model, 64)
     assert mtp_flops_per_token(objective.mtp, 64) > 1.5 * plain  # two more layers and unembeddings
-    with pytest.raises(ValueError, match="either model.model .* or model.model_config"):
-        ParallelMTPHeads(model=str(tmp_path / "model"), model_config={"hidden_size": 8})
+    with pytest.raises(ValueError, match="either model.target .* or model.target_config"):
+        ParallelMTPHeads(target=str(tmp_path / "model"), target_config={"hidden_size": 8})

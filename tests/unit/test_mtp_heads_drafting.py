@@ -14,16 +14,18 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from tests.helpers import tiny_llama
+from trainer.decoding.callback import SpeculativeEvalCallback
 from trainer.decoding.evaluate import resolve_drafter
 from trainer.decoding.generate import speculative_generate
 from trainer.decoding.head_tree import tree_for_budget
+from trainer.decoding.options import ProposerOptions
 from trainer.decoding.proposers import NoProposer
 from trainer.export.cli import export
 from trainer.methods.mtp_heads import export as mtp_export
 from trainer.methods.mtp_heads import kind as mtp_kind
 from trainer.methods.mtp_heads.module import MTPHeads, default_accuracy
 from trainer.methods.mtp_heads.proposer import MTPHeadsProposer
-from trainer.registry import ProposerOptions, load_drafter
+from trainer.registry import load_drafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 VOCAB = 16  # a small vocabulary: random heads' guesses are often right, so paths get accepted
@@ -139,3 +141,43 @@ def test_a_broken_heads_file_is_refused_naming_it(tmp_path) -> None:
     (out / "mtp_heads.json").write_text(json.dumps({**config, "version": 7}))
     with pytest.raises(ValueError, match="mtp_heads.json: format 'draftsmith-mtp-heads' version 7"):
         mtp_export.load(out)
+
+
+class HeadsModule(torch.nn.Module):
+    """The training callback's protocol over a model with parallel heads (the model drafts for itself)."""
+
+    def __init__(self, heads: MTPHeads) -> None:
+        super().__init__()
+        self.mtp = heads
+
+    def speculative_eval_target(self):
+        return self.mtp.model
+
+    def trainable_module(self):
+        return self.mtp
+
+    def drafter_record(self):
+        return mtp_kind.make_record(self.mtp, "mtp", None, None)
+
+
+def test_the_training_callback_drafts_with_the_same_options_as_eval(monkeypatch) -> None:
+    """``options`` of SpeculativeEvalCallback reach the kind's proposer factory as eval's flags do: ``tree_nodes 16``
+    is the tree of 16 nodes the logged tau is measured with; a K the heads cannot draft is refused before decoding."""
+    built: list[MTPHeadsProposer] = []
+
+    class Built(MTPHeadsProposer):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(mtp_kind, "MTPHeadsProposer", Built)
+    module = HeadsModule(heads_of(2))
+    prompts = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0)).tolist()
+    for options in (ProposerOptions(), ProposerOptions(tree=True, tree_nodes=16), ProposerOptions(tree=True)):
+        callback = SpeculativeEvalCallback(prompts=prompts, k=3, max_new_tokens=12, every_n_steps=1, options=options)
+        assert callback.evaluate(module)["spec_eval/tau"] >= 1.0
+        assert built[-1].choices is None if not options.tree else len(built[-1].choices) == options.tree_nodes
+    assert [len(p.choices or ()) for p in built] == [0, 16, 24]
+    callback = SpeculativeEvalCallback(prompts=prompts, k=4, max_new_tokens=12, options=ProposerOptions(tree=True))
+    with pytest.raises(ValueError, match="--k 4: this drafter drafts at most 3 tokens per round"):
+        callback.evaluate(module)

@@ -46,7 +46,7 @@ def reference_mtp_losses(mtp: MTPModules, trunk, ids, labels) -> list[torch.Tens
 @pytest.mark.parametrize("depth", [1, 2])
 def test_refresh_loss_is_the_mean_of_the_depths(depth, tmp_path, one_thread):
     path, _ = saved_trunk(tmp_path / "trunk")
-    objective = SequentialMTP(mode="refresh", mtp_depth=depth, model=path, load_model_modules=False)
+    objective = SequentialMTP(mode="refresh", mtp_depth=depth, target=path, load_target_modules=False)
     data = batch()
     loss, metrics = objective.compute_loss(data)
     trunk = objective.target.model
@@ -66,7 +66,7 @@ def test_pretrain_loss_schedule_and_shared_gradients(tiny_corpus, one_thread):
     MTP loss trains the trunk, its embedding and its lm_head, which the modules share and never own."""
     objective = SequentialMTP(
         mode="pretrain", mtp_depth=2, tokenizer=tiny_corpus.tokenizer_dir, mtp_weights=[[0, 0.3], [48, 0.1]],
-        model_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        target_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
                       "num_key_value_heads": 2},
     )  # fmt: skip
     trunk = objective.drafter.trunk
@@ -107,17 +107,17 @@ def test_pretraining_starts_from_the_tiny_targets_initial_weights(tiny_corpus):
     shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 4}  # fmt: skip
     plain = CausalLMPretraining(tokenizer=tiny_corpus.tokenizer_dir, **shape).model.state_dict()
-    trunk = SequentialMTP(mode="pretrain", tokenizer=tiny_corpus.tokenizer_dir, model_config=shape).drafter.trunk
+    trunk = SequentialMTP(mode="pretrain", tokenizer=tiny_corpus.tokenizer_dir, target_config=shape).drafter.trunk
     assert plain.keys() == trunk.state_dict().keys()
     assert all(torch.equal(value, trunk.state_dict()[name]) for name, value in plain.items())
 
 
 def test_extend_copies_module_one_and_trains_only_the_new_modules(tmp_path, one_thread):
     path, _ = saved_trunk(tmp_path / "trunk")
-    refresh = SequentialMTP(mode="refresh", mtp_depth=1, model=path, load_model_modules=False)
+    refresh = SequentialMTP(mode="refresh", mtp_depth=1, target=path, load_target_modules=False)
     ckpt = tmp_path / "refresh.ckpt"
     torch.save({"state_dict": refresh.state_dict(), "drafter": refresh.drafter_record().to_dict()}, ckpt)
-    objective = SequentialMTP(mode="extend", mtp_depth=3, model=path, init_from=str(ckpt))
+    objective = SequentialMTP(mode="extend", mtp_depth=3, target=path, init_from=str(ckpt))
     layers = objective.drafter.mtp.layers
     source = refresh.drafter.mtp.layers[0].state_dict()
     for layer in layers:  # every module starts as module 1
@@ -140,8 +140,8 @@ def test_trunk_hidden_is_an_explicit_choice(tmp_path, one_thread):
     """Module 1 reads the trunk's hidden state after the final norm by default (what the engines feed) or, when asked,
     before it: the pre-norm hidden state the objective captures is the decoder's input to its final norm."""
     path, _ = saved_trunk(tmp_path / "trunk")
-    after = SequentialMTP(mode="refresh", model=path, load_model_modules=False)
-    before = SequentialMTP(mode="refresh", model=path, load_model_modules=False, trunk_hidden="before_norm")
+    after = SequentialMTP(mode="refresh", target=path, load_target_modules=False)
+    before = SequentialMTP(mode="refresh", target=path, load_target_modules=False, trunk_hidden="before_norm")
     assert after.drafter.config.trunk_hidden == "after_norm" and before.drafter.config.trunk_hidden == "before_norm"
     ids = batch()["input_ids"]
     post, pre = before._trunk_states(ids)
@@ -167,16 +167,16 @@ def test_defaults_follow_the_architecture(tmp_path):
 def test_bad_input_is_named(tmp_path, tiny_corpus):
     path, _ = saved_trunk(tmp_path / "trunk")
     with pytest.raises(ValueError, match="mtp_depth must be >= 1, got 0"):
-        SequentialMTP(mode="refresh", mtp_depth=0, model=path)
+        SequentialMTP(mode="refresh", mtp_depth=0, target=path)
     with pytest.raises(ValueError, match=r"MTP depth \(mtp_depth\) must be >= 1, got 0"):
         MTPConfig.for_trunk(tiny_llama(0).config, 0)
     with pytest.raises(ValueError, match="mtp_depth must be >= 2, got 1"):
-        SequentialMTP(mode="extend", mtp_depth=1, model=path)
+        SequentialMTP(mode="extend", mtp_depth=1, target=path)
     with pytest.raises(ValueError, match="holds no MTP modules"):
-        SequentialMTP(mode="extend", mtp_depth=2, model=path)
-    with pytest.raises(ValueError, match="needs model.model"):
+        SequentialMTP(mode="extend", mtp_depth=2, target=path)
+    with pytest.raises(ValueError, match="needs model.target"):
         SequentialMTP(mode="refresh")
     with pytest.raises(ValueError, match=r"\['hidden_sise'\] are not keys of a llama config"):
-        SequentialMTP(mode="pretrain", tokenizer=tiny_corpus.tokenizer_dir, model_config={"hidden_sise": 8})
+        SequentialMTP(mode="pretrain", tokenizer=tiny_corpus.tokenizer_dir, target_config={"hidden_sise": 8})
     with pytest.raises(ValueError, match="increasing tokens"):
-        SequentialMTP(mode="refresh", model=path, mtp_weights=[[10, 0.3], [5, 0.1]])
+        SequentialMTP(mode="refresh", target=path, mtp_weights=[[10, 0.3], [5, 0.1]])

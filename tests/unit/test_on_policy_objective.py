@@ -35,7 +35,7 @@ def teacher_dir(tmp_path_factory):
 
 
 def make(teacher_dir, **kw) -> OnPolicyDistillation:
-    args = dict(teacher=teacher_dir, student_config=STUDENT, max_new_tokens=6, prompt_len=5, chunk_size=7, seed=3)
+    args = dict(target=teacher_dir, drafter_config=STUDENT, max_new_tokens=6, prompt_len=5, loss_chunk_size=7, seed=3)
     model = OnPolicyDistillation(**{**args, **kw})
     return model.train()
 
@@ -60,7 +60,7 @@ def test_loss_is_forward_kl_at_beta_0_and_reverse_kl_at_beta_1(teacher_dir, beta
     loss, metrics = model.compute_loss(batch)
     assert float(metrics["on_policy"]) == 0.0
     with torch.no_grad():
-        lp = F.log_softmax(model.teacher.model(batch["input_ids"]).logits.double() / 2.0, -1)  # [B, S, V]
+        lp = F.log_softmax(model.target.model(batch["input_ids"]).logits.double() / 2.0, -1)  # [B, S, V]
         lq = F.log_softmax(model.student(batch["input_ids"]).logits.double() / 2.0, -1)  # [B, S, V]
     if beta == 0.0:
         per_pos = naive_kl(lp, lq)
@@ -78,14 +78,20 @@ def test_loss_has_gradients_for_the_student_only(teacher_dir):
     loss, _ = model.compute_loss(data_batch())
     loss.backward()
     assert all(p.grad is not None for p in model.student.parameters() if p.requires_grad)
-    assert all(p.grad is None for p in model.teacher.parameters())
+    assert all(p.grad is None for p in model.target.parameters())
 
 
 def test_lambda_0_equals_the_kd_objective(teacher_dir):
     batch = data_batch(seed=5)
     ours = make(teacher_dir, lmbda=0.0, beta=0.4, temperature=1.5)
     kd = KnowledgeDistillation(
-        teacher=teacher_dir, student_config=STUDENT, divergence="jsd", beta=0.4, temperature=1.5, chunk_size=7, seed=3
+        target=teacher_dir,
+        drafter_config=STUDENT,
+        divergence="jsd",
+        beta=0.4,
+        temperature=1.5,
+        loss_chunk_size=7,
+        seed=3,
     ).train()
     for a, b in zip(ours.student.parameters(), kd.student.parameters(), strict=True):
         assert torch.equal(a, b)  # same initialisation from the same seed
@@ -138,7 +144,7 @@ def test_seq_kd_trains_on_the_teachers_continuations(teacher_dir):
     model = make(teacher_dir, lmbda=0.0, seq_kd=True, do_sample=False)
     batch = data_batch(seed=4)
     loss, metrics = model.compute_loss(batch)
-    gen = model.generate(model.teacher.model, batch, sample_seed=0)
+    gen = model.generate(model.target.model, batch, sample_seed=0)
     assert float(metrics["on_policy"]) == 0.0
     assert float(metrics["generated_tokens"]) == gen.generated_lengths.float().mean()
     torch.testing.assert_close(loss, model.distill(gen.input_ids, gen.loss_mask).loss)

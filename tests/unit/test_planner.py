@@ -96,7 +96,7 @@ def test_activation_estimate_against_measured_saved_tensors(batch, seq, config):
     assert 0.8 * planned <= measured <= 1.25 * planned, (measured, planned)
 
 
-def test_recipe_reading_applies_student_config(tmp_path):
+def test_recipe_reading_applies_drafter_config(tmp_path):
     target_dir = tmp_path / "target"
     target_dir.mkdir()
     (target_dir / "config.json").write_text(json.dumps(dict(TINY, model_type="llama")))
@@ -106,7 +106,7 @@ def test_recipe_reading_applies_student_config(tmp_path):
     assert plan.drafter.vocab_size == 512 and plan.drafter.head_dim == 32
     assert (plan.batch, plan.seq, plan.precision) == (8, 256, "32-true")
     bad = tmp_path / "bad.yaml"
-    bad.write_text("model:\n  init_args:\n    student_config:\n      num_hiden_layers: 2\n")
+    bad.write_text("model:\n  init_args:\n    drafter_config:\n      num_hiden_layers: 2\n")
     with pytest.raises(ValueError, match="num_hiden_layers"):
         plan_from_recipe([KD, str(bad)], target="llama-3-8b")
     with pytest.raises(ValueError, match="llama-9b"):
@@ -118,7 +118,7 @@ def test_quickstart_recipes_plan_without_their_artifacts(recipe, tmp_path, monke
     """The recipes name artifacts/tiny_target, absent here: the recipe parses, the target shape is the preset's."""
     monkeypatch.chdir(tmp_path)
     path = str(ROOT / "recipes" / "quickstart" / recipe)
-    seq = ["--seq-len", "128"] if "offline" in recipe else []  # a ShardDataModule's length is in its shards
+    seq = ["--seq_len", "128"] if "offline" in recipe else []  # a ShardDataModule's length is in its shards
     assert main(["--config", path, "--gpus", "2", "--target", "llama-3.2-1b", *seq]) == 0
     out = capsys.readouterr().out
     assert "fits:" in out and "| zero3 |" in out
@@ -140,13 +140,13 @@ def test_composed_recipe_and_fit_arguments(tmp_path):
 
 
 def test_what_a_recipe_omits_comes_from_the_signatures(tmp_path):
-    """A recipe without chunk_size, batch_size, seq_len and precision: the KD objective's, the datamodule's and
+    """A recipe without loss_chunk_size, batch_size, seq_len and precision: the KD objective's, the datamodule's and
     the Trainer's defaults, as fit would use them."""
     from trainer.data.text import TextDataModule
     from trainer.methods.draft_model.kd import KnowledgeDistillation
 
     lines = Path(KD).read_text().splitlines()
-    dropped = ("chunk_size:", "batch_size:", "seq_len:", "precision:")
+    dropped = ("loss_chunk_size:", "batch_size:", "seq_len:", "precision:")
     bare = tmp_path / "bare.yaml"
     bare.write_text("\n".join(line for line in lines if not line.strip().startswith(dropped)) + "\n")
     plan = plan_from_recipe([str(bare)], target="llama-3-8b")
@@ -154,12 +154,12 @@ def test_what_a_recipe_omits_comes_from_the_signatures(tmp_path):
     def default(cls, name):
         return inspect.signature(cls.__init__).parameters[name].default
 
-    assert plan.chunk_size == default(KnowledgeDistillation, "chunk_size")
+    assert plan.chunk_size == default(KnowledgeDistillation, "loss_chunk_size")
     assert plan.batch == default(TextDataModule, "batch_size") and plan.seq == default(TextDataModule, "seq_len")
     assert plan.precision == "32-true"  # Lightning's default precision (None) resolves to 32-true
     # what a recipe sets wins over the default
     sets = tmp_path / "sets.yaml"
-    sets.write_text("model:\n  init_args:\n    chunk_size: 64\ndata:\n  init_args:\n    seq_len: 32\n")
+    sets.write_text("model:\n  init_args:\n    loss_chunk_size: 64\ndata:\n  init_args:\n    seq_len: 32\n")
     plan = plan_from_recipe([str(bare), str(sets)], target="llama-3-8b")
     assert (plan.chunk_size, plan.seq) == (64, 32)
 
@@ -172,15 +172,15 @@ def test_command_prints_the_table_and_what_fits(capsys):
                 KD,
                 "--gpus",
                 "8",
-                "--gpu-memory",
+                "--gpu_memory",
                 "80GB",
                 "--target",
                 "llama-3-70b",
                 "--precision",
                 "bf16-mixed",
-                "--batch-size",
+                "--batch_size",
                 "1",
-                "--seq-len",
+                "--seq_len",
                 "2048",
             ]
         )
@@ -192,6 +192,6 @@ def test_command_prints_the_table_and_what_fits(capsys):
     # a 70B bf16 target (131 GiB) fits 80 GB GPUs only when ZeRO-3 partitions it
     assert rows["ddp"].rstrip().endswith("| no |") and rows["zero3"].rstrip().endswith("| yes |")
     assert out.strip().splitlines()[-1] == "fits: zero3"
-    assert main(["--config", KD, "--gpus", "1", "--gpu-memory", "lots"]) == 2
+    assert main(["--config", KD, "--gpus", "1", "--gpu_memory", "lots"]) == 2
     assert "lots" in capsys.readouterr().err
     assert parse_bytes("80GB") == 80 * 1024**3 and parse_bytes("512MiB") == 512 * 1024**2

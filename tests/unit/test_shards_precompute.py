@@ -14,7 +14,7 @@ def test_precompute_recipe_parses_and_opens_with_its_command():
         "# draftsmith precompute --config recipes/quickstart/precompute.yaml --out artifacts/shards"
     )
     cfg = build_parser().parse_args(["--config", str(recipe), "--out", "x", "--k", "32"])
-    assert cfg.k == 32 and cfg.out == "x" and cfg.teacher == "artifacts/tiny_target"
+    assert cfg.k == 32 and cfg.out == "x" and cfg.target == "artifacts/tiny_target"
     assert cfg.data.class_path == "trainer.data.text.TextDataModule" and cfg.data.init_args.seq_len == 256
 
 

@@ -1,4 +1,4 @@
-"""`draftsmith slurm submit --dry-run`: the rendered sbatch script matches the allocation and the recipe."""
+"""`draftsmith slurm submit --dry_run`: the rendered sbatch script matches the allocation and the recipe."""
 
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ def _overrides(args: list[str]) -> dict[str, str]:
 
 
 def test_gpu_job_matches_allocation(tmp_path, capsys):
-    argv = ["submit", "--config", KD, "--config", ZERO2, "--nodes", "2", "--gpus-per-node", "8"]
-    argv += ["--partition", "gpu", "--account", "proj", "--time", "12:00:00", "--workdir", str(tmp_path), "--dry-run"]
+    argv = ["submit", "--config", KD, "--config", ZERO2, "--nodes", "2", "--gpus_per_node", "8"]
+    argv += ["--partition", "gpu", "--account", "proj", "--time", "12:00:00", "--workdir", str(tmp_path), "--dry_run"]
     argv += ["--", "--trainer.max_steps", "7"]
     assert main(argv) == 0
     script = capsys.readouterr().out
@@ -81,7 +81,7 @@ def test_callback_already_in_recipe_is_not_added_twice(tmp_path):
 @pytest.mark.parametrize(
     "job, message",
     [
-        (SlurmJob(configs=[KD], gpus_per_node=4, tasks_per_node=2), "must equal --gpus-per-node"),
+        (SlurmJob(configs=[KD], gpus_per_node=4, tasks_per_node=2), "must equal --gpus_per_node"),
         (SlurmJob(configs=[KD], nodes=0), "--nodes"),
         (SlurmJob(configs=[KD], job_name="bash"), "bash"),
         (SlurmJob(configs=["no/such/recipe.yaml"]), "no/such/recipe.yaml"),
@@ -95,7 +95,7 @@ def test_bad_input_is_named(job, message):
 def test_bad_recipe_value_is_named(tmp_path, capsys):
     recipe = tmp_path / "bad.yaml"
     recipe.write_text(yaml.safe_dump({"data": {"init_args": {"num_workers": -1}}}))
-    assert main(["submit", "--config", str(recipe), "--dry-run"]) == 2
+    assert main(["submit", "--config", str(recipe), "--dry_run"]) == 2
     assert "num_workers" in capsys.readouterr().err
 
 
@@ -115,7 +115,7 @@ def test_preemption_callback_given_after_dashes_by_its_short_name_is_not_added_t
 
 
 def test_a_misspelled_fit_argument_is_refused_before_submitting(capsys):
-    assert main(["submit", "--config", KD, "--dry-run", "--", "--trainer.max_step", "3"]) == 2
+    assert main(["submit", "--config", KD, "--dry_run", "--", "--trainer.max_step", "3"]) == 2
     out = capsys.readouterr()
     assert "max_step" in out.err and out.out == ""
 
@@ -124,8 +124,8 @@ OPTIONS = {
     "partition": "--partition",
     "account": "--account",
     "time": "--time",
-    "job_name": "--job-name",
-    "log_dir": "--log-dir",
+    "job_name": "--job_name",
+    "log_dir": "--log_dir",
     "workdir": "--workdir",
     "python": "--python",
     "extra_sbatch": "--sbatch",
@@ -160,7 +160,7 @@ def test_control_characters_are_refused_in_every_rendered_value(field, control, 
 
 def test_a_newline_in_the_partition_adds_no_line_to_the_script(tmp_path, capsys):
     """The report: `--partition $'gpu\\ntouch x'` rendered `touch x` as a line of the script."""
-    argv = ["submit", "--config", KD, "--partition", "gpu\ntouch x", "--workdir", str(tmp_path), "--dry-run"]
+    argv = ["submit", "--config", KD, "--partition", "gpu\ntouch x", "--workdir", str(tmp_path), "--dry_run"]
     assert main(argv) == 2
     out = capsys.readouterr()
     assert out.out == "" and "--partition 'gpu\\ntouch x'" in out.err
@@ -178,17 +178,17 @@ def test_a_newline_in_the_partition_adds_no_line_to_the_script(tmp_path, capsys)
         ("time", "24h", "--time '24h' is not a SLURM time limit"),
         ("time", "1:2:3:4", "--time '1:2:3:4' is not a SLURM time limit"),
         ("time", "1-", "--time '1-' is not a SLURM time limit"),
-        ("job_name", "a/b", "--job-name 'a/b' is not a job name"),
-        ("job_name", "..", "--job-name '..' is not a job name"),
-        ("job_name", "two words", "--job-name 'two words' is not a job name"),
-        ("job_name", "interactive", "--job-name 'interactive' makes Lightning ignore"),
-        ("log_dir", "/tmp/my logs", "--log-dir '/tmp/my logs' gives the output folder"),
-        ("log_dir", "/tmp/logs-%j", "--log-dir '/tmp/logs-%j' gives the output folder"),
-        ("log_dir", "/tmp/it's", '--log-dir "/tmp/it\'s" gives the output folder'),
+        ("job_name", "a/b", "--job_name 'a/b' is not a job name"),
+        ("job_name", "..", "--job_name '..' is not a job name"),
+        ("job_name", "two words", "--job_name 'two words' is not a job name"),
+        ("job_name", "interactive", "--job_name 'interactive' makes Lightning ignore"),
+        ("log_dir", "/tmp/my logs", "--log_dir '/tmp/my logs' gives the output folder"),
+        ("log_dir", "/tmp/logs-%j", "--log_dir '/tmp/logs-%j' gives the output folder"),
+        ("log_dir", "/tmp/it's", '--log_dir "/tmp/it\'s" gives the output folder'),
         ("extra_sbatch", ["qos=high"], "--sbatch 'qos=high' is not an sbatch option"),
         ("extra_sbatch", ["echo hi"], "--sbatch 'echo hi' is not an sbatch option"),
         ("python", "", "--python '' is empty"),
-        ("signal_lead", -1, "--signal-lead '-1' must lie in 0..65535"),
+        ("signal_lead", -1, "--signal_lead '-1' must lie in 0..65535"),
     ],
 )
 def test_what_slurm_does_not_accept_is_named(field, value, message):
@@ -198,7 +198,7 @@ def test_what_slurm_does_not_accept_is_named(field, value, message):
 
 def test_a_workdir_the_output_path_cannot_hold_is_named(tmp_path):
     workdir = tmp_path / "my runs"
-    with pytest.raises(ValueError, match=re.escape(f"--log-dir 'slurm-logs' (in --workdir {str(workdir)!r})")):
+    with pytest.raises(ValueError, match=re.escape(f"--log_dir 'slurm-logs' (in --workdir {str(workdir)!r})")):
         render(SlurmJob(configs=[KD], workdir=str(workdir)))
     # an absolute log folder elsewhere is fine: the workdir itself is quoted in the script
     script = render(SlurmJob(configs=[KD], workdir=str(workdir), log_dir=str(tmp_path / "logs")))

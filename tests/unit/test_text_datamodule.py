@@ -9,6 +9,7 @@ import torch
 from tests.helpers import chat_stream, text_datamodule, write_jsonl
 from trainer.data.packing import IGNORE_INDEX, pack_rows
 from trainer.data.text import TextDataModule
+from trainer.errors import DataError
 
 DOCS = [f"def f{i}(x):\n    return x * {i} + {i * i}\n" * (1 + i % 3) for i in range(12)]
 CHATS = [
@@ -154,16 +155,16 @@ def test_tokenized_rows_are_cached(tiny_corpus, tmp_path, monkeypatch):
 
 
 def test_missing_file_names_the_path(tiny_corpus, tmp_path):
-    dm = text_datamodule(tiny_corpus, tmp_path, train_files=[str(tmp_path / "nope.jsonl")])
-    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
-        dm.setup("fit")
+    # checked when the datamodule is built, before anything is read (a PathError is a FileNotFoundError)
+    with pytest.raises(FileNotFoundError, match="data.train_files: data file not found: .*nope.jsonl"):
+        text_datamodule(tiny_corpus, tmp_path, train_files=[str(tmp_path / "nope.jsonl")])
 
 
 def test_missing_field_names_key_and_file(tiny_corpus, tmp_path):
     data = write_jsonl(tmp_path / "keys.jsonl", [{"content": "hello"}])
-    with pytest.raises(KeyError, match=r"keys\.jsonl.*'text'"):
+    with pytest.raises(DataError, match=r"keys\.jsonl.*'text'"):
         text_datamodule(tiny_corpus, tmp_path, train_files=[data]).setup("fit")
-    with pytest.raises(KeyError, match=r"keys\.jsonl.*'messages'"):
+    with pytest.raises(DataError, match=r"keys\.jsonl.*'messages'"):
         text_datamodule(tiny_corpus, tmp_path, train_files=[data], format="chat").setup("fit")
 
 

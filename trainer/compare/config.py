@@ -3,9 +3,11 @@ is an error naming it), then checked as a whole (:meth:`CompareConfig.check`).
 
 A recipe names one target, the data every method trains on (or the prompts the target regenerates it from, once), a
 training budget, the evaluation, and the methods: each one ``draftsmith fit`` recipe plus its overrides, how to export
-it and what ``draftsmith eval`` verifies it against. Strings in a method may name these placeholders: ``{target}``
-(the recipe's target), ``{data}`` (the training files as a JSON list), ``{run}`` (the method's fit folder), ``{ckpt}``
-(its ``last.ckpt``) and ``{export}`` (its export folder).
+it, what ``draftsmith eval`` verifies it against and how it drafts (``options``: the
+:class:`~trainer.decoding.options.ProposerOptions` that reach both eval, as its flags, and the training callback, as
+data). Strings in a method may name these placeholders: ``{target}`` (the recipe's target), ``{data}`` (the training
+files as a JSON list), ``{run}`` (the method's fit folder), ``{ckpt}`` (its ``last.ckpt``) and ``{export}`` (its
+export folder).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser
+
+from trainer.decoding.options import ProposerOptions
 
 PLACEHOLDERS = ("target", "data", "run", "ckpt", "export")
 PLACEHOLDER = re.compile(r"\{([A-Za-z_]\w*)\}")  # {name}; other braces (JSON values) are left as they are
@@ -128,7 +132,8 @@ class Method:
         drafter: ``draftsmith eval --drafter`` (default the export; ``{ckpt}`` evaluates the checkpoint).
         eval_target: ``draftsmith eval --target``: the recipe's target, or the trained one for methods that change
             it (``{export}/target`` for Medusa-2, ``{export}`` for LayerSkip and parallel heads fine-tunes).
-        eval_args: more ``draftsmith eval`` arguments (``--tree``, ``--exit-layer 1``...).
+        options: how the drafter drafts, given to ``draftsmith eval`` (as its flags) and to the training callback
+            alike: ``{tree: true, tree_nodes: 16}``, ``{exit_layer: 2}``... (trainer/decoding/options.py).
         k: drafts per round for this method (None: the evaluation's).
     """
 
@@ -139,7 +144,7 @@ class Method:
     export_format: str | None = None
     drafter: str = "{export}"
     eval_target: str = "{target}"
-    eval_args: list[str] = field(default_factory=list)
+    options: ProposerOptions = field(default_factory=ProposerOptions)
     k: list[int] | None = None
 
     @property
@@ -205,7 +210,7 @@ class CompareConfig:
                     f"{key}: a method without a recipe must name a drafter without weights ({', '.join(TRAINING_FREE)})"
                     f", got drafter {method.drafter!r}"
                 )
-            for field_name in ("fit_args", "drafter", "eval_target", "eval_args"):
+            for field_name in ("fit_args", "drafter", "eval_target"):
                 value = getattr(method, field_name)
                 for text in value if isinstance(value, list) else [value]:
                     unknown = sorted(set(PLACEHOLDER.findall(text)) - set(PLACEHOLDERS))
@@ -240,7 +245,7 @@ def read_config(path: str, overrides: dict | None = None) -> CompareConfig:
     try:
         namespace = parser.parse_args(args)
         config = parser.instantiate(namespace)
-    except ArgumentError as err:
+    except (ArgumentError, ValueError) as err:  # ValueError: options out of range (ProposerOptions)
         raise CompareConfigError(f"{path}: {err}") from err
     compare = CompareConfig(**{k: v for k, v in vars(config).items() if k != "config"})
     compare.check(path)

@@ -21,17 +21,18 @@ reported with the log's last lines and the others go on; the next run retries it
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from trainer.compare.config import CompareConfig, CompareConfigError, Method, fill_placeholders, read_config
+from trainer.decoding.options import option_arguments
+from trainer.flags import ToolParser
 
 FIT_TAGS = ("train/tokens", "spec_eval/tau", "spec_eval/tau_sampling")
 
@@ -250,7 +251,7 @@ class Comparison:
                         "max_new_tokens": evaluation.max_new_tokens, "max_prompts": evaluation.callback_prompts,
                         "every_n_steps": max(1, steps // evaluation.training_evals) if steps else 100,
                         "temperature": evaluation.temperature, "seed": self.config.seed,
-                        "tree": "--tree" in method.eval_args, "exit_layer": _exit_layer(method.eval_args),
+                        "options": asdict(method.options),
                     },
                 }
             )  # fmt: skip
@@ -296,12 +297,11 @@ class Comparison:
         args = [
             "eval", "--target", self.expand(method, method.eval_target),
             "--drafter", self.expand(method, method.drafter), "--prompts", evaluation.prompts,
-            "--max-prompts", str(evaluation.max_prompts), "--prompt-tokens", str(evaluation.prompt_tokens),
-            "--k", ",".join(map(str, ks)), "--max-new-tokens", str(evaluation.max_new_tokens),
+            "--max_prompts", str(evaluation.max_prompts), "--prompt_tokens", str(evaluation.prompt_tokens),
+            "--k", ",".join(map(str, ks)), "--max_new_tokens", str(evaluation.max_new_tokens),
             "--temperature", str(evaluation.temperature), "--repeats", str(evaluation.repeats),
             "--seed", str(self.config.seed), "--device", evaluation.device, "--dtype", evaluation.dtype,
-            "--out", str(folder.eval),
-            *[self.expand(method, a) for a in method.eval_args],
+            "--out", str(folder.eval), *option_arguments(method.options, folder.root),
         ]  # fmt: skip
         self.say(f"{method.name}: eval, K = {', '.join(map(str, ks))}")
         self._run_stage("eval", args, folder.root / "eval.log")
@@ -323,27 +323,15 @@ class Comparison:
         print(f"[compare {time.strftime('%H:%M:%S')}] {text}", flush=True)
 
 
-def _exit_layer(eval_args: list[str]) -> int | None:
-    """The first ``--exit-layer`` of a method's eval arguments, for the training callback."""
-    for i, arg in enumerate(eval_args):
-        value = arg.split("=", 1)[1] if arg.startswith("--exit-layer=") else None
-        if arg == "--exit-layer" and i + 1 < len(eval_args):
-            value = eval_args[i + 1]
-        if value is not None:
-            return int(value.split(",")[0])
-    return None
-
-
 def log_tail(log: Path | None, lines: int = 15) -> str:
     if log is None or not log.is_file():
         return ""
     return "".join(log.read_text(errors="replace").splitlines(True)[-lines:])
 
 
-def main(argv: list[str] | None = None) -> int:
-    from trainer.compare.report import write_report
-
-    parser = argparse.ArgumentParser(prog="draftsmith compare", description=__doc__.split("\n\n")[0])
+def build_parser() -> ToolParser:
+    """The parser of ``draftsmith compare``."""
+    parser = ToolParser(prog="draftsmith compare", description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--config", required=True, help="a compare recipe (recipes/compare/*.yaml)")
     parser.add_argument("--out", help="output folder (default: the recipe's out)")
     parser.add_argument("--seed", type=int, help="seed of every fit and evaluation (default: the recipe's seed)")
@@ -354,7 +342,14 @@ def main(argv: list[str] | None = None) -> int:
         help="the output folder of the same comparison run with another seed: the report counts the pairwise "
         "orderings of methods that flip between the two runs",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``draftsmith compare``; returns the exit status (1 when a method failed)."""
+    from trainer.compare.report import write_report
+
+    args = build_parser().parse_args(argv)
     given = (("out", args.out), ("seed", args.seed), ("threads", args.threads))
     overrides = {key: value for key, value in given if value is not None}
     started = time.perf_counter()  # the comparison's wall time, the shared data included

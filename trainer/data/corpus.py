@@ -14,7 +14,6 @@ A second call with the same arguments finds corpus.json and reuses the output un
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.data.tokenizer import tokenizer_hash, train_byte_level_bpe, wrap_fast_tokenizer
+from trainer.flags import ToolParser
 
 log = logging.getLogger(__name__)
 
@@ -216,19 +216,24 @@ def _from_meta(out: Path, meta: dict) -> PreparedCorpus:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`draftsmith prepare`: build the standard-library corpus and tokenizer, then print a summary."""
-    parser = argparse.ArgumentParser(
+def build_parser() -> ToolParser:
+    """The parser of ``draftsmith prepare``."""
+    parser = ToolParser(
         prog="draftsmith prepare", description="Build the standard-library corpus and its byte-level BPE tokenizer."
     )
     parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--vocab-size", type=int, default=8192, help="tokenizer vocabulary size (default 8192)")
+    parser.add_argument("--vocab_size", type=int, default=8192, help="tokenizer vocabulary size (default 8192)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the train / held-out split (default 0)")
-    parser.add_argument("--heldout-fraction", type=float, default=0.05, help="share of files held out (0.05)")
-    parser.add_argument("--max-files", type=int, default=None, help="keep only this many files (default: all)")
-    parser.add_argument("--include-tests", action="store_true", help="keep the standard library's test suites")
+    parser.add_argument("--heldout_fraction", type=float, default=0.05, help="share of files held out (0.05)")
+    parser.add_argument("--max_files", type=int, default=None, help="keep only this many files (default: all)")
+    parser.add_argument("--include_tests", action="store_true", help="keep the standard library's test suites")
     parser.add_argument("--overwrite", action="store_true", help="rebuild even if the output exists")
-    ns = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`draftsmith prepare`: build the standard-library corpus and tokenizer, then print a summary."""
+    ns = build_parser().parse_args(argv)
     start = time.perf_counter()
     corpus = prepare_corpus(
         ns.out,

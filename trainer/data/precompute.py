@@ -1,7 +1,7 @@
 """``draftsmith precompute --config recipe.yaml --out DIR``: the target's top-k log-probabilities (and optionally
 hidden states) for every sequence of a recipe's data, written as webdataset shards (schema: trainer/data/shards.py).
 
-The recipe names ``teacher``, a ``data`` section (a TextDataModule, exactly as in a fit recipe) and the options below;
+The recipe names ``target``, a ``data`` section (a TextDataModule, exactly as in a fit recipe) and the options below;
 see recipes/quickstart/precompute.yaml. Every option is also a command-line flag (``--k 512``).
 
 Sharding: the sequences of each split (in data-set order, never shuffled) are cut into shards of
@@ -28,7 +28,7 @@ from typing import Literal
 
 import numpy as np
 import torch
-from jsonargparse import ActionConfigFile, ArgumentParser
+from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser
 
 from trainer.data.shards import (
     HIDDEN_DTYPES,
@@ -42,8 +42,9 @@ from trainer.data.shards import (
 )
 from trainer.data.text import TextDataModule
 from trainer.data.tokenizer import tokenizer_hash
+from trainer.data.vocab import load_tokenizer_if_present, shared_vocab_size
+from trainer.renamed_keys import renamed_precompute_key_message
 from trainer.target import FrozenTarget
-from trainer.vocab import load_tokenizer_if_present, shared_vocab_size
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ def rank_and_world() -> tuple[int, int, int]:
 
 def precompute(
     data: TextDataModule,
-    teacher: str,
+    target: str,
     out: str,
     k: int = 64,
     temperature: float = 1.0,
@@ -69,7 +70,7 @@ def precompute(
     logprob_dtype: Literal["float16", "float32"] = "float16",
     samples_per_shard: int = 256,
     batch_size: int = 8,
-    teacher_dtype: str = "float32",
+    target_dtype: str = "float32",
     splits: list[Literal["train", "val"]] | None = None,
     device: str = "auto",
     trust_remote_code: bool = False,
@@ -79,19 +80,19 @@ def precompute(
 
     Args:
         data: the recipe's text datamodule; its train (and val) rows are the sequences, in data-set order.
-        teacher: the target, an HF causal LM directory or hub id (its tokenizer is expected beside it).
+        target: the target, an HF causal LM directory or hub id (its tokenizer is expected beside it).
         out: the shard folder.
-        k: teacher log-probabilities kept per position (the k most likely ids); k equal to the vocabulary keeps all.
+        k: target log-probabilities kept per position (the k most likely ids); k equal to the vocabulary keeps all.
         temperature: the log-probabilities are log_softmax(logits / temperature); training must use the same.
         hidden_layers: HF hidden_states indices to store (0 embeddings, L the final normed output); None stores none.
         hidden_dtype: storage dtype of hidden states: bfloat16, float16, or float32 (twice the bytes; exact).
         logprob_dtype: storage dtype of the top-k log-probabilities (float16 halves the bytes; float32 is exact).
         samples_per_shard: sequences per shard; use at least nodes x GPUs x workers shards per split for training.
-        batch_size: sequences per teacher forward.
-        teacher_dtype: the teacher's weights dtype (float32, bfloat16, float16).
+        batch_size: sequences per target forward.
+        target_dtype: the target's weights dtype (float32, bfloat16, float16).
         splits: which of the datamodule's splits to write (default: train, and val when the data has one).
         device: "auto" (cuda:LOCAL_RANK when available, else cpu), or a torch device string.
-        trust_remote_code: allow custom modelling code in the teacher directory.
+        trust_remote_code: allow custom modelling code in the target directory.
         progress: show a progress bar with samples/s and ETA on rank 0.
     """
     if k < 1 or samples_per_shard < 1 or batch_size < 1 or temperature <= 0:
@@ -113,25 +114,25 @@ def precompute(
             raise ValueError(f"splits: the data has no {split!r} split (it has {sorted(rows)})")
     rows = {s: rows[s] for s in (splits or list(rows))}
 
-    target = FrozenTarget.from_pretrained(teacher, teacher_dtype, trust_remote_code).to(device)
-    teacher_tok = load_tokenizer_if_present(teacher)
+    frozen = FrozenTarget.from_pretrained(target, target_dtype, trust_remote_code).to(device)
+    target_tok = load_tokenizer_if_present(target)
     vocab = shared_vocab_size(
-        teacher,
-        teacher_tok,
-        target.vocab_size,
+        target,
+        target_tok,
+        frozen.vocab_size,
         f"the data's tokenizer {data.tokenizer_path}",
         data.tokenizer,
-        target.vocab_size,
+        frozen.vocab_size,
     )
     if k > vocab:
         raise ValueError(f"k={k} exceeds the vocabulary ({vocab} tokens)")
     layers = list(hidden_layers or [])
     for i in layers:
-        if not 0 <= i <= target.num_layers:
-            raise ValueError(f"hidden_layers: {i} is outside the target's hidden_states 0..{target.num_layers}")
+        if not 0 <= i <= frozen.num_layers:
+            raise ValueError(f"hidden_layers: {i} is outside the target's hidden_states 0..{frozen.num_layers}")
     meta = ShardMeta(
-        teacher=str(teacher),
-        teacher_fingerprint=target_fingerprint(teacher),
+        teacher=str(target),  # the shard format's field names
+        teacher_fingerprint=target_fingerprint(target),
         tokenizer_hash=tokenizer_hash(data.tokenizer),
         vocab_size=vocab,
         k=k,
@@ -139,7 +140,7 @@ def precompute(
         seq_len=data.seq_len,
         logprob_dtype=logprob_dtype,
         hidden_layers=layers,
-        hidden_size=int(target.config.hidden_size) if layers else 0,
+        hidden_size=int(frozen.config.hidden_size) if layers else 0,
         hidden_dtype=hidden_dtype,
     )
     _check_or_write_meta(folder, meta)
@@ -166,7 +167,7 @@ def precompute(
         try:
             for start in range(lo, hi, batch_size):
                 idx = list(range(start, min(hi, start + batch_size)))
-                for i, arrays in zip(idx, _teacher_signals(target, ds, idx, meta, device), strict=True):
+                for i, arrays in zip(idx, _target_signals(frozen, ds, idx, meta, device), strict=True):
                     writer.add(f"{i:09d}", arrays)
                 if bar is not None:
                     bar.update(len(idx))
@@ -208,8 +209,8 @@ def _check_or_write_meta(folder: Path, meta: ShardMeta) -> None:
 
 
 @torch.no_grad()
-def _teacher_signals(target: FrozenTarget, ds, idx: list[int], meta: ShardMeta, device: str) -> list[dict]:
-    """The sample arrays of the rows ``idx``: one teacher forward over the batch."""
+def _target_signals(target: FrozenTarget, ds, idx: list[int], meta: ShardMeta, device: str) -> list[dict]:
+    """The sample arrays of the rows ``idx``: one target forward over the batch."""
     tokens = np.stack([np.asarray(ds.ids[i], dtype=np.int32) for i in idx])  # [B, S + 1]
     mask = np.stack([np.asarray(ds.trained[i, 1:], dtype=bool) for i in idx])  # [B, S]
     input_ids = torch.from_numpy(tokens[:, :-1].astype(np.int64)).to(device)  # [B, S]
@@ -250,7 +251,12 @@ def build_parser() -> ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    cfg = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    parser.exit_on_error = False  # a renamed key (teacher: target) is refused with its new name, exit status 2
+    try:
+        cfg = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    except ArgumentError as err:
+        parser.exit_on_error = True
+        parser.error(renamed_precompute_key_message(str(err)) or str(err), err.__cause__ or err)
     init = parser.instantiate_classes(cfg)
     kwargs = {name: init[name] for name in inspect.signature(precompute).parameters}
     summary = precompute(**kwargs)

@@ -46,6 +46,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from trainer.data.shards import ShardError, ShardInfo, ShardMeta, check_compatible, iter_shard, load_manifest
+from trainer.data.sources import check_shards_folder
 
 log = logging.getLogger(__name__)
 
@@ -269,6 +270,7 @@ class ShardDataModule(L.LightningDataModule):
                 f"batch_size >= 1, num_workers >= 0, shuffle_buffer >= 0: got {batch_size}, "
                 f"{num_workers}, {shuffle_buffer}"
             )
+        check_shards_folder(shards)  # at construction, before anything is read
         self.save_hyperparameters()
         self.shards_dir = Path(shards)
         self.tokenizer_path = tokenizer

@@ -13,11 +13,14 @@ from __future__ import annotations
 import glob
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from trainer.errors import DataError, PathError
 
 _TEXT_SUFFIXES = (".txt",)
 _JSON_SUFFIXES = (".jsonl", ".json")
@@ -40,15 +43,20 @@ def _folder_files(folder: Path, suffixes: tuple[str, ...], skip: Path | None) ->
     return found
 
 
-def expand_data_files(paths: list[str], suffixes: tuple[str, ...], skip: str | None = None) -> list[str]:
+def expand_data_files(
+    paths: list[str], suffixes: tuple[str, ...], skip: str | None = None, key: str | None = None
+) -> list[str]:
     """The files that `train_files` / `val_files` entries name, in order: a file is itself, a folder gives every file
     with one of `suffixes` inside it (recursively, sorted), a glob pattern gives its sorted matches (folders among them
     expanded, files without a supported suffix left out). Files under `skip` (the cache folder) are never listed.
 
-    Raises FileNotFoundError naming the entry when a path does not exist or a folder or pattern holds no supported file.
+    Raises PathError (a FileNotFoundError) naming the entry, and the recipe `key` when given, when a path does not
+    exist or a folder or pattern holds no supported file.
     """
     skip_path = Path(skip).resolve() if skip else None
     kinds = ", ".join(suffixes)
+    where = f"{key}: " if key else ""
+    hint = "check the path (relative paths start from the folder draftsmith runs in)"
     out: list[str] = []
     for entry in paths:
         path = os.path.expanduser(str(entry))
@@ -58,7 +66,7 @@ def expand_data_files(paths: list[str], suffixes: tuple[str, ...], skip: str | N
         elif p.is_dir():
             found = _folder_files(p, suffixes, skip_path)
             if not found:
-                raise FileNotFoundError(f"data folder {entry} holds no data file ({kinds})")
+                raise PathError(f"{where}data folder {entry} holds no data file ({kinds})", hint)
             out.extend(found)
         elif any(c in path for c in _GLOB_CHARS):
             found = []
@@ -69,11 +77,70 @@ def expand_data_files(paths: list[str], suffixes: tuple[str, ...], skip: str | N
                 elif _supported(m, suffixes, skip_path):
                     found.append(match)
             if not found:
-                raise FileNotFoundError(f"data pattern {entry} matches no data file ({kinds})")
+                raise PathError(f"{where}data pattern {entry} matches no data file ({kinds})", hint)
             out.extend(found)
         else:
-            raise FileNotFoundError(f"data file not found: {entry}")
+            raise PathError(f"{where}data file not found: {entry}", hint)
     return out
+
+
+def data_suffixes(format: str) -> tuple[str, ...]:
+    """The file suffixes `train_files` / `val_files` folders and patterns list for `format` ("text" or "chat": chat
+    data is never read from .txt files)."""
+    return (() if format == "chat" else _TEXT_SUFFIXES) + _JSON_SUFFIXES + _PARQUET_SUFFIXES
+
+
+def check_data_paths(init_args: Mapping[str, Any] | Any) -> None:
+    """Checks that every local path a datamodule's arguments name exists, before anything heavy starts.
+
+    Reads the `data.init_args` of a recipe (a mapping or a jsonargparse Namespace): TextDataModule's `train_files`
+    and `val_files` (each entry a file, a folder holding a data file, or a pattern matching one, as
+    :func:`expand_data_files` expands them for the `format`), and ShardDataModule's `shards` folder (with its
+    manifest.json). Keys a datamodule does not have are ignored.
+
+    Raises:
+        PathError: naming the recipe key (``data.train_files``...) and the path.
+    """
+    args = init_args.as_dict() if hasattr(init_args, "as_dict") else dict(init_args or {})
+    suffixes = data_suffixes(str(args.get("format") or "text"))
+    for key in ("train_files", "val_files"):
+        entries = args.get(key)
+        if entries:
+            if isinstance(entries, str | os.PathLike):
+                entries = [entries]
+            expand_data_files([str(e) for e in entries], suffixes, skip=args.get("cache_dir"), key=f"data.{key}")
+    shards = args.get("shards")
+    if shards is not None:
+        check_shards_folder(str(shards))
+
+
+def check_shards_folder(shards: str, key: str = "data.shards") -> None:
+    """A PathError naming `key` when `shards` is not a folder holding the manifest.json `draftsmith precompute` writes
+    when it finishes."""
+    folder = Path(os.path.expanduser(shards))
+    if not folder.is_dir():
+        kind = "a file, not a folder" if folder.exists() else "no such folder"
+        raise PathError(f"{key}: {shards}: {kind}", "point it to the folder `draftsmith precompute` wrote")
+    if not (folder / "manifest.json").is_file():
+        finished = len(list(folder.glob("*.tar.json")))
+        raise PathError(
+            f"{key}: {shards}: no manifest.json ({finished} finished shards there)",
+            "run or resume `draftsmith precompute` to the end",
+        )
+
+
+def read_utf8_text(p: Path, path: str) -> str:
+    """The text of a .txt data file, which must be UTF-8: other bytes are a :class:`DataError` naming the file, the
+    byte offset and the line (nothing is replaced silently)."""
+    raw = p.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        raise DataError(
+            f"{path}: not UTF-8 text at byte {err.start} (line {line}: {err.reason})",
+            hint=f"convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8 {path} > converted.txt",
+        ) from err
 
 
 @dataclass
@@ -134,9 +201,9 @@ class DocumentReader:
         """The document or conversation of one JSON record read at `where`."""
         key = self.key()
         if not isinstance(record, dict):
-            raise ValueError(f"{where}: expected a JSON object with key {key!r}, got a {type(record).__name__}")
+            raise DataError(f"{where}: expected a JSON object with key {key!r}, got a {type(record).__name__}")
         if key not in record:
-            raise KeyError(f"{where}: record has no key {key!r} (keys: {', '.join(record)})")
+            raise DataError(f"{where}: record has no key {key!r} (keys: {', '.join(record)})")
         return record[key]
 
     def read_json_lines(self, p: Path, path: str) -> tuple[list[Any], list[int]]:
@@ -150,9 +217,9 @@ class DocumentReader:
                 try:
                     record = json.loads(raw)
                 except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}:{number}: not valid JSON ({err.msg}, column {err.colno})") from err
+                    raise DataError(f"{path}:{number}: not valid JSON ({err.msg}, column {err.colno})") from err
                 except UnicodeDecodeError as err:
-                    raise ValueError(f"{path}:{number}: not valid JSON (not UTF-8: {err.reason})") from err
+                    raise DataError(f"{path}:{number}: not valid JSON (not UTF-8: {err.reason})") from err
                 items.append(self.field(record, f"{path}:{number}"))
                 lines.append(number)
         return items, lines
@@ -162,14 +229,14 @@ class DocumentReader:
         try:
             text = p.read_text(encoding="utf-8-sig")
         except UnicodeDecodeError as err:
-            raise ValueError(f"{path}: not valid JSON (not UTF-8 at byte {err.start}: {err.reason})") from err
+            raise DataError(f"{path}: not valid JSON (not UTF-8 at byte {err.start}: {err.reason})") from err
         if not text.strip():
             return [], [], "record"
         try:
             whole = json.loads(text)
         except json.JSONDecodeError as err:
             if err.msg != "Extra data" or text.lstrip().startswith("["):
-                raise ValueError(f"{path}:{err.lineno}: not valid JSON ({err.msg}, column {err.colno})") from err
+                raise DataError(f"{path}:{err.lineno}: not valid JSON ({err.msg}, column {err.colno})") from err
             whole = None  # a first value followed by more: JSON lines, read (and checked) one line at a time
         if isinstance(whole, list):
             items = [self.field(r, f"{path} record {i}") for i, r in enumerate(whole)]
@@ -178,7 +245,7 @@ class DocumentReader:
             items = self.read_datasets("json", p, path)
             return items, list(range(len(items))), "record"
         if whole is not None:
-            raise ValueError(f"{path}: expected JSON records, got a {type(whole).__name__}")
+            raise DataError(f"{path}: expected JSON records, got a {type(whole).__name__}")
         del text  # the line reader reads the file again, one line at a time
         items, lines = self.read_json_lines(p, path)
         return items, lines, "line"
@@ -191,7 +258,7 @@ class DocumentReader:
                 builder, data_files=[str(p)], split="train", cache_dir=os.path.join(self.cache_dir, "hf")
             )
         except Exception as err:  # datasets wraps parser errors in several types
-            raise ValueError(f"could not read {path}: {err}") from err
+            raise DataError(f"could not read {path}: {err}") from err
         return self.column(ds, path)
 
     def read_file(self, path: str) -> tuple[list[Any], list[int], str]:
@@ -199,12 +266,12 @@ class DocumentReader:
         the unit of those numbers: "line" (.jsonl), "record" (index in the file) or "file" (.txt: one document)."""
         p = Path(path)
         if not p.is_file():
-            raise FileNotFoundError(f"data file not found: {path}")
+            raise PathError(f"data file not found: {path}")
         suffix = p.suffix.lower()
         if suffix in _TEXT_SUFFIXES:
             if self.format == "chat":
-                raise ValueError(f"{path}: a .txt file holds plain text; chat data needs .jsonl, .json or .parquet")
-            return [p.read_text(encoding="utf-8", errors="replace")], [0], "file"
+                raise DataError(f"{path}: a .txt file holds plain text; chat data needs .jsonl, .json or .parquet")
+            return [read_utf8_text(p, path)], [0], "file"
         if suffix == ".jsonl":
             items, lines = self.read_json_lines(p, path)
             return items, lines, "line"
@@ -213,14 +280,14 @@ class DocumentReader:
         if suffix in _PARQUET_SUFFIXES:
             items = self.read_datasets("parquet", p, path)
             return items, list(range(len(items))), "record"
-        raise ValueError(f"{path}: unsupported data file type {suffix!r} (use .txt, .jsonl, .json or .parquet)")
+        raise DataError(f"{path}: unsupported data file type {suffix!r} (use .txt, .jsonl, .json or .parquet)")
 
     def column(self, ds: Any, source: str) -> list[Any]:
         key = self.key()
         if len(ds) == 0:
             return []
         if key not in ds.column_names:
-            raise KeyError(f"{source}: records have no key {key!r} (keys: {', '.join(ds.column_names)})")
+            raise DataError(f"{source}: records have no key {key!r} (keys: {', '.join(ds.column_names)})")
         return list(ds[key])
 
     def read_hub(self, split: str) -> list[Any]:
@@ -231,13 +298,12 @@ class DocumentReader:
                 self.dataset_name, self.dataset_config, split=split, cache_dir=os.path.join(self.cache_dir, "hf")
             )
         except FileNotFoundError as err:
-            raise FileNotFoundError(f"data set {self.dataset_name!r} (split {split!r}) not found: {err}") from err
+            raise PathError(f"data set {self.dataset_name!r} (split {split!r}) not found: {err}") from err
         return self.column(ds, f"{self.dataset_name}[{split}]")
 
     def expand(self, paths: list[str]) -> list[str]:
         """The files of `train_files` / `val_files` entries (.txt only for text data)."""
-        suffixes = (() if self.format == "chat" else _TEXT_SUFFIXES) + _JSON_SUFFIXES + _PARQUET_SUFFIXES
-        return expand_data_files(paths, suffixes, skip=self.cache_dir)
+        return expand_data_files(paths, data_suffixes(self.format), skip=self.cache_dir)
 
     def documents(self, files: list[str], split: str | None) -> Documents:
         """Every document of the files, in order, then of the hub split."""

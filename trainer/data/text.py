@@ -52,8 +52,8 @@ from torch.utils.data import DataLoader
 
 from trainer.data.packing import TokenRows, label_sources, pack_rows, pad_rows
 from trainer.data.sampler import ResumableSampler, resume_point
-from trainer.data.sources import DocumentReader, Documents
-from trainer.data.tokenizer import load_tokenizer, tokenizer_hash
+from trainer.data.sources import DocumentReader, Documents, check_data_paths
+from trainer.data.tokenizer import check_before_reading, load_tokenizer, tokenizer_hash
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +168,15 @@ class TextDataModule(L.LightningDataModule):
         )
         self.trust_remote_code = trust_remote_code
         self.min_trained_fraction = min_trained_fraction
+        # every local path is checked at construction, before anything is read or tokenized
+        check_data_paths(
+            {
+                "train_files": self.train_files,
+                "val_files": self.val_files,
+                "format": format,
+                "cache_dir": self.cache_dir,
+            }
+        )
         self.reader = DocumentReader(format, text_field, messages_field, self.cache_dir, dataset_name, dataset_config)
         self._tokenizer: Any = None
         self.train_dataset: TokenRows | None = None
@@ -479,13 +488,16 @@ class TextDataModule(L.LightningDataModule):
     # ------------------------------------------------------------------ Lightning hooks
 
     def prepare_data(self) -> None:
-        """Tokenize and cache the rows once (Lightning calls this on one process per node)."""
+        """Tokenize and cache the rows once (Lightning calls this on one process per node), after the model's check
+        of the tokenizer (``check_before_reading``)."""
+        check_before_reading(self)
         self._load_or_build(write=True)
 
     def setup(self, stage: str | None = None) -> None:
         """Load the tokenized rows (from the cache when present)."""
         if self.train_dataset is not None:
             return
+        check_before_reading(self)
         rows = self._load_or_build(write=True)
         self.train_dataset = TokenRows(*rows["train"])
         self.val_dataset = TokenRows(*rows["val"]) if "val" in rows else None

@@ -4,6 +4,9 @@
 record it in their metadata; readers compare it). It hashes the id of every token (regular and added), the BPE
 merges (or the model's own table for other tokenizer models) and the special tokens, so two tokenizers with the
 same hash map every text to the same ids.
+
+`check_before_reading` lets the model being fitted refuse the data's tokenizer before a datamodule reads or tokenizes
+its files.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import json
 import os
 from collections.abc import Iterable
 from typing import Any
+
+from trainer.errors import PathError
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -90,7 +95,7 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> Any:
     # A hub id is "name" or "org/name"; anything else that does not exist is a missing local path.
     looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
     if looks_local and not os.path.exists(os.path.expanduser(name_or_path)):
-        raise FileNotFoundError(f"tokenizer not found: {name_or_path}")
+        raise PathError(f"tokenizer not found: {name_or_path}", "name a tokenizer folder or a hub id")
     return AutoTokenizer.from_pretrained(os.path.expanduser(name_or_path), trust_remote_code=trust_remote_code)
 
 
@@ -134,3 +139,18 @@ def tokenizer_hash(tokenizer: Any) -> str:
         record["special"] = sorted(str(s) for s in specials)
     blob = json.dumps(record, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     return hashlib.sha256(blob).hexdigest()
+
+
+def check_before_reading(datamodule: Any) -> None:
+    """Runs ``check_data_tokenizer(datamodule)`` of the LightningModule the datamodule's trainer fits, when that
+    module defines one (trainer/data/vocab.py ``check_data_tokenizer`` compares the tokenizer files), so that data of
+    another tokenizer is refused before the datamodule reads or tokenizes anything: Lightning calls the datamodule's
+    ``prepare_data`` and ``setup`` before the module's ``setup``.
+
+    A no-op outside a trainer, or for a module without that method.
+    """
+    trainer = getattr(datamodule, "trainer", None)
+    module = getattr(trainer, "lightning_module", None) if trainer is not None else None
+    check = getattr(module, "check_data_tokenizer", None)
+    if callable(check):
+        check(datamodule)

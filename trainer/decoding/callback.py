@@ -3,8 +3,12 @@
 Every objective that trains a drafter implements the protocol :class:`SpeculativeEvalModule` through the base class
 (trainer/objective.py): ``speculative_eval_target()`` (the frozen HF target, on the module's device),
 ``trainable_module()`` (the drafter as it is being trained) and ``drafter_record()`` (what it is). The callback asks
-the record's drafter kind for a proposer (trainer/registry.py), the same factory ``draftsmith eval`` uses, so
-what is logged during training is what ``eval`` measures afterwards.
+the record's drafter kind for a proposer (trainer/registry.py), the same factory ``draftsmith eval`` uses, with the
+same :class:`~trainer.decoding.options.ProposerOptions` (``options``: ``tree``, ``tree_nodes``, ``exit_layer``...),
+so what is logged during training is what ``eval`` measures afterwards with the same flags. In a recipe::
+
+    - class_path: trainer.decoding.callback.SpeculativeEvalCallback
+      init_args: {prompts: held_out.jsonl, k: 3, options: {tree: true, tree_nodes: 16}}
 
 Every ``every_n_steps`` optimizer steps, and at the last step, the callback decodes the held-out prompts greedily
 with the target alone (once, then cached) and with speculation, checks that the outputs are identical (a difference
@@ -26,8 +30,9 @@ from transformers import PreTrainedModel
 
 from trainer.decoding import metrics
 from trainer.decoding.evaluate import check_identity, load_prompts, loop_statistics, run_prompts
+from trainer.decoding.options import ProposerOptions
 from trainer.decoding.proposers import NoProposer
-from trainer.registry import DrafterRecord, ProposerOptions, get_kind
+from trainer.registry import DrafterRecord, get_kind
 
 
 @runtime_checkable
@@ -53,8 +58,7 @@ class SpeculativeEvalCallback(pl.Callback):
         every_n_steps: int = 200,
         max_prompts: int = 8,
         temperature: float = 0.0,
-        tree: bool = False,
-        exit_layer: int | None = None,
+        options: ProposerOptions = ProposerOptions(),
         seed: int = 0,
         eos_token_id: int | None = None,
     ) -> None:
@@ -68,8 +72,8 @@ class SpeculativeEvalCallback(pl.Callback):
             every_n_steps: evaluate when the global step is a multiple of this, and at the last step.
             max_prompts: use at most this many prompts (0: all).
             temperature: 0 measures greedy decoding only; above 0 also speculative sampling at this temperature.
-            tree: draft trees, for drafter kinds that can (see ``draftsmith eval --tree``).
-            exit_layer: the layer self-speculative drafters (LayerSkip) exit at.
+            options: how to draft, as ``draftsmith eval``'s flags say it (``tree``, ``tree_nodes``, ``tree_top_k``,
+                ``rank_temperature``, ``tree_choices``, ``exit_layer``: the layer self-speculative drafters exit at).
             seed: seed of the sampling mode.
             eos_token_id: token that ends a generation, or None for the full budget.
         """
@@ -85,7 +89,7 @@ class SpeculativeEvalCallback(pl.Callback):
         self.prompt_tokens, self.max_prompts = prompt_tokens, max_prompts
         self.k, self.max_new_tokens, self.every_n_steps = k, max_new_tokens, every_n_steps
         self.temperature, self.seed, self.eos_token_id = temperature, seed, eos_token_id
-        self.options = ProposerOptions(tree=tree, exit_layer=exit_layer)
+        self.options = options
         self.prompts: list[list[int]] | None = None
         self._reference = None
         self._last_step = -1
@@ -125,6 +129,7 @@ class SpeculativeEvalCallback(pl.Callback):
         try:
             with torch.no_grad():
                 proposer = kind.proposer(pl_module.trainable_module(), record, target, self.options)
+                proposer.check_k(self.k)
                 # a target that trains (Medusa-2, LayerSkip, MTP heads fine-tunes: the model drafts for itself)
                 # changes its own greedy output between evaluations: its reference is decoded anew each time
                 if self._reference is None or any(p.requires_grad for p in target.parameters()):

@@ -1,37 +1,38 @@
-"""``draftsmith eval``: real speculative decoding of a drafter against its target, greedy and sampling.
+"""Real speculative decoding of a drafter against its target, greedy and sampling: the measurement ``draftsmith eval``
+(trainer/decoding/eval_cli.py), the training callback and ``draftsmith compare`` report.
 
 For every K of the sweep, the target alone and the target with the drafter decode the same prompts. Greedy mode must
 reproduce the target's output token for token (a difference is an error, never a statistic); sampling mode runs
-speculative sampling at ``--temperature``. The report (report.json, report.md, acceptance.png) gives tau, acceptance
-per draft position, target forwards, the measured draft cost c, Leviathan's projected speedup, the measured
-wall-clock speedup, and the share of the target's greedy output that sits in loops with tau inside and outside them.
+speculative sampling at a temperature. :func:`evaluate_drafter` returns tau, acceptance per draft position, target
+forwards, the measured draft cost c, Leviathan's projected speedup, the measured wall-clock speedup, and the share of
+the target's greedy output that sits in loops with tau inside and outside them (trainer/decoding/report.py writes it).
 """
 
 from __future__ import annotations
 
-import argparse
+import functools
 import json
 import logging
 import math
 import os
 import statistics
-import sys
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+import transformers
+from transformers import AutoConfig, PreTrainedModel
 
 from trainer.data.tokenizer import tokenizer_hash
+from trainer.data.vocab import load_tokenizer_if_present
 from trainer.decoding import metrics
 from trainer.decoding.generate import GenerationResult, speculative_generate
-from trainer.decoding.head_tree import tree_for_budget
-from trainer.decoding.heads_proposer import ParallelHeadsProposer, measure_head_accuracy
+from trainer.decoding.options import ProposerOptions
 from trainer.decoding.proposers import NoProposer, Proposer, build_proposer, registered_proposers
-from trainer.decoding.report import write_report
-from trainer.registry import ProposerOptions, check_target, get_kind, load_drafter
-from trainer.vocab import load_tokenizer_if_present
+from trainer.errors import CheckpointError, ModelFolderError
+from trainer.export.files import folder_config
+from trainer.fingerprint import describe, differences, fingerprint, recorded_fingerprints
+from trainer.registry import check_target, get_kind, is_training_checkpoint, load_drafter, recognise
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +87,8 @@ def load_prompts(path: str | Path, tokenizer, max_length: int | None = None, cut
             if max_length is not None and len(ids) > max_length:
                 raise ValueError(
                     f"{path}:{number}: the prompt has {len(ids)} tokens, more than the {max_length} the target's "
-                    "context leaves beside the output budget (shorten it, cut it with --prompt-tokens, or lower "
-                    "--max-new-tokens)"
+                    "context leaves beside the output budget (shorten it, cut it with --prompt_tokens, or lower "
+                    "--max_new_tokens)"
                 )
             prompts.append(ids)
     if not prompts:
@@ -96,12 +97,28 @@ def load_prompts(path: str | Path, tokenizer, max_length: int | None = None, cut
 
 
 def resolve_drafter(
-    spec: str, target: PreTrainedModel, options: ProposerOptions = ProposerOptions(), target_tokenizer=None
+    spec: str,
+    target: PreTrainedModel,
+    options: ProposerOptions = ProposerOptions(),
+    target_tokenizer=None,
+    target_path: str | None = None,
+    allow_other_target: bool = False,
 ) -> Proposer:
     """``--drafter``: a registered name needing no weights (``prompt-lookup``, ``none``, ``early-exit``), or the path
     of a training checkpoint or an exported folder, whose drafter kind builds the proposer.
 
-    A drafter made for another target (vocabulary, hidden size, layers, tokenizer) is refused, naming the path.
+    A drafter made for another target (vocabulary, hidden size, layers, tokenizer) is refused, naming the path;
+    so is a training checkpoint whose recorded target fingerprint is not ``target_path``'s
+    (:func:`check_trained_target`), unless ``allow_other_target``.
+
+    Args:
+        spec: the ``--drafter`` value.
+        target: the loaded target.
+        options: the drafting options.
+        target_tokenizer: the target's tokenizer (compared with the drafter's), or None.
+        target_path: the target's folder, to compare with the fingerprint a training checkpoint recorded (None: no
+            comparison, as for a target the caller built itself).
+        allow_other_target: measure a training checkpoint against a target other than the one it recorded.
     """
     if spec in registered_proposers():
         return build_proposer(spec, target, options)
@@ -111,6 +128,8 @@ def resolve_drafter(
             f"({', '.join(registered_proposers())})"
         )
     module, record = load_drafter(spec)
+    if target_path is not None and is_training_checkpoint(Path(spec)):
+        check_trained_target(spec, target_path, allow_other_target)
     check_target(record, target.config, spec)
     drafter_tokenizer = load_tokenizer_if_present(record.tokenizer) if record.tokenizer else None
     if drafter_tokenizer is not None and target_tokenizer is not None:
@@ -125,6 +144,97 @@ def resolve_drafter(
             raise ValueError(f"{spec}: a drafter of {width} output tokens for a target of {target.config.vocab_size}")
     module = module.to(device=target.device, dtype=target.dtype).eval()
     return get_kind(record.kind, spec).proposer(module, record, target, options)
+
+
+def _is_model_class(config: dict) -> bool:
+    """Whether a ``config.json`` describes a model transformers builds as a target: an ``architectures`` entry that is
+    a transformers class (``LlamaForCausalLM``, ``Qwen3_5ForConditionalGeneration``...) or a ``*ForCausalLM`` of the
+    folder's own code (``auto_map``)."""
+    names = [str(n) for n in config.get("architectures") or []]
+    remote = "AutoModelForCausalLM" in (config.get("auto_map") or {})
+    return any(n in _transformers_names() or (remote and n.endswith("ForCausalLM")) for n in names)
+
+
+@functools.cache
+def _transformers_names() -> frozenset[str]:
+    """Every name transformers exports (read from its lazy module, importing no model)."""
+    return frozenset(dir(transformers))
+
+
+def named_target(folder: Path, config: dict) -> str | None:
+    """The target a drafter export names: speculators' ``speculators_config.verifier.name_or_path``, Medusa / TGI's
+    ``base_model_name_or_path``, or the trained target a Medusa-2 export keeps in ``target/``; None when it names
+    none."""
+    verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    for name in (verifier, config.get("base_model_name_or_path")):
+        if name:
+            return str(name)
+    return str(folder / "target") if (folder / "target" / "config.json").is_file() else None
+
+
+def drafter_export(path: str | Path) -> tuple[str, str, str | None] | None:
+    """(kind, format, the target it names) of a folder that holds a drafter export and no target model, else None.
+
+    The rule: a format of a registered kind recognises the folder (trainer/registry.py ``recognise``), that format is
+    not the generic one (any HF causal LM folder is kind ``hf_causal_lm``'s, and is a target as well), and the folder's
+    ``config.json`` does not name a model class transformers builds (:func:`_is_model_class`). So a LayerSkip export,
+    an MTP checkpoint (NextN, Qwen3-Next) and an MTP-heads export, which are target models with a drafter's files
+    beside them, are not drafter exports here; Medusa, EAGLE-3, DFlash (z-lab and speculators) exports are.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        return None
+    try:
+        kind, fmt = recognise(folder)
+        config = folder_config(folder)
+    except (OSError, ValueError):  # no format, or a config that is not JSON: the target's own checks say what
+        return None
+    if fmt.generic or _is_model_class(config):
+        return None
+    return kind.name, fmt.name, named_target(folder, config)
+
+
+def refuse_drafter_as_target(path: str) -> None:
+    """``--target``: a drafter export (:func:`drafter_export`) is a :class:`ModelFolderError` that says what it is,
+    where its target is, and that ``--drafter`` takes it."""
+    found = drafter_export(path)
+    if found is None:
+        return
+    kind, fmt, target = found
+    where = f"its target is {target}" if target else "its folder does not name its target"
+    raise ModelFolderError(
+        f"--target {path}: a drafter export (kind {kind}, format {fmt}), not a target model; {where}",
+        hint=f"pass it as --drafter {path} and its target model as --target"
+        + (f" {target}" if target else " (the model it was trained for)"),
+    )
+
+
+def check_trained_target(checkpoint: str, target_path: str, allow_other_target: bool = False) -> None:
+    """Refuse to measure a training checkpoint against a target other than the one it recorded.
+
+    Training checkpoints keep the fingerprint of their frozen target (``checkpoint["frozen_models"]["target"]``;
+    ``"teacher"`` in KD checkpoints): its config hash, the hash of its weights' names, shapes and dtypes, and a hash
+    of a sample of their values (trainer/fingerprint.py; reading it costs the safetensors headers and one small slice
+    per tensor). They are compared with ``target_path``'s; the path itself is not compared (the same model copied
+    elsewhere is the same target). A checkpoint without a recorded target, or an export (no fingerprint), is not
+    checked here.
+
+    Raises:
+        CheckpointError: naming both fingerprints and what differs, unless ``allow_other_target``.
+    """
+    recorded = recorded_fingerprints(checkpoint)
+    trained = recorded.get("target") or recorded.get("teacher")
+    if not isinstance(trained, dict) or allow_other_target:
+        return
+    current = fingerprint(target_path, AutoConfig.from_pretrained(target_path))
+    differ = differences(trained, current)
+    if differ:
+        raise CheckpointError(
+            f"--drafter {checkpoint}: trained for another target: the checkpoint recorded ({describe(trained)}), "
+            f"--target {target_path} is ({describe(current)}); they differ in {', '.join(differ)}",
+            hint="give the target it was trained with as --target; to measure it against this one anyway, pass "
+            "--allow_other_target (a config hash alone can change with the transformers version)",
+        )
 
 
 def run_prompts(
@@ -296,184 +406,3 @@ def evaluate_drafter(
         "forward_seconds": _forward_seconds(greedy_base),
     }
     return report
-
-
-def _positive_ints(flag: str):
-    """An argparse type: integers >= 1 separated by commas, errors naming ``flag``."""
-
-    def parse(text: str) -> list[int]:
-        try:
-            values = [int(x) for x in text.split(",") if x.strip()]
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(f"{flag} must be integers separated by commas, got {text!r}") from err
-        if not values or any(v < 1 for v in values):
-            raise argparse.ArgumentTypeError(f"{flag} needs values >= 1, got {text!r}")
-        return values
-
-    return parse
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="draftsmith eval", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", required=True, help="HF target model directory (with its tokenizer)")
-    parser.add_argument(
-        "--drafter",
-        required=True,
-        help="a training checkpoint (.ckpt or DeepSpeed folder), an exported drafter folder (any format draftsmith "
-        "writes: its kind is read from its files), or a drafter without weights: prompt-lookup, none, early-exit",
-    )
-    parser.add_argument("--tree", action="store_true", help="draft a tree (eagle3, dflash, medusa, mtp_heads, mtp)")
-    parser.add_argument("--tree-nodes", type=int, default=24, help="node budget of a tree (default 24)")
-    parser.add_argument("--tree-top-k", type=int, default=4, help="children per expanded tree node (default 4)")
-    parser.add_argument("--rank-temperature", type=float, default=0.1, help="temperature that ranks tree nodes")
-    parser.add_argument(
-        "--exit-layer",
-        type=_positive_ints("--exit-layer"),
-        default=None,
-        help="the layer self-speculative drafters (early-exit, LayerSkip) exit at, or a sweep such as 1,2,3 (one "
-        "report each, in OUT/exit_<E>)",
-    )
-    parser.add_argument(
-        "--tree-choices", default=None, help="parallel heads: a JSON file of tree paths (per-head top-k ranks)"
-    )
-    parser.add_argument(
-        "--write-tree",
-        default=None,
-        help="parallel heads: measure the heads' top-k accuracy on the prompts and write the best tree of "
-        "--tree-nodes paths to this JSON file (then use it with --tree --tree-choices FILE)",
-    )
-    parser.add_argument(
-        "--prompts",
-        required=True,
-        help="jsonl file: one 'prompt' or 'text' string, chat 'messages' or 'input_ids' per line",
-    )
-    parser.add_argument(
-        "--prompt-tokens", type=int, default=0, help="cut every prompt to its first N tokens (0: keep it whole)"
-    )
-    parser.add_argument(
-        "--k", type=_positive_ints("--k"), default=[4], help="drafts per round, or a sweep such as 1,2,4,8"
-    )
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="output budget per prompt")
-    parser.add_argument("--out", required=True, help="output directory for report.json, report.md, acceptance.png")
-    parser.add_argument("--temperature", type=float, default=1.0, help="sampling-mode temperature (0 skips sampling)")
-    parser.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0: all)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling mode")
-    parser.add_argument(
-        "--repeats",
-        type=_positive_ints("--repeats"),
-        default=[1],
-        help="passes over the prompts, the target alone and with the drafter side by side (the measured speedup is "
-        "the median of the per-prompt ratios of all passes)",
-    )
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda when available)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
-    return parser
-
-
-def read_tree(path: str) -> tuple[tuple[int, ...], ...]:
-    """Tree paths from a JSON file: a list of paths, or the ``paths`` of a file ``--write-tree`` wrote."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"--tree-choices {path}: not a readable JSON file ({err})") from err
-    paths = data.get("paths") if isinstance(data, dict) else data
-    if not isinstance(paths, list) or not all(isinstance(p, list) for p in paths):
-        raise ValueError(f"--tree-choices {path}: expected a list of paths (lists of top-k ranks)")
-    return tuple(tuple(int(r) for r in p) for p in paths)
-
-
-def load_target(path: str, dtype: str, device: torch.device) -> tuple[PreTrainedModel, object]:
-    """The HF target and its tokenizer from a local folder, with an error that says what the folder lacks."""
-    folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"--target {path!r} is not a local model folder (no config.json)")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, ImportError) as err:
-        raise ValueError(f"--target {path!r}: no usable tokenizer in that folder ({err})") from err
-    target = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
-    return target, tokenizer
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``draftsmith eval``; returns the exit status (2 for a greedy output mismatch)."""
-    args = _parser().parse_args(argv)
-    if args.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(args.device)
-    sweep = args.exit_layer or [None]  # several exit layers: one evaluation each, in out/exit_<E>
-    try:
-        options = ProposerOptions(
-            tree=args.tree,
-            tree_nodes=args.tree_nodes,
-            tree_top_k=args.tree_top_k,
-            rank_temperature=args.rank_temperature,
-            tree_choices=read_tree(args.tree_choices) if args.tree_choices else None,
-        )
-        target, tokenizer = load_target(args.target, args.dtype, device)
-        context = getattr(target.config, "max_position_embeddings", None)
-        max_length = context - args.max_new_tokens if context else None
-        prompts = load_prompts(args.prompts, tokenizer, max_length, cut=args.prompt_tokens or None)
-        proposers = {e: resolve_drafter(args.drafter, target, replace(options, exit_layer=e), tokenizer) for e in sweep}
-        limit = getattr(proposers[sweep[0]], "max_drafts", None)  # drafters with a fixed number of heads or modules
-        if limit is not None and max(args.k) > limit:
-            raise ValueError(f"--k {max(args.k)}: {args.drafter} drafts at most {limit} tokens per round")
-        check_k = getattr(proposers[sweep[0]], "check_k", None)  # drafters that refuse some K (MTP modules)
-        for k in args.k if check_k is not None else ():
-            check_k(k)  # every --k before any decoding
-    except (OSError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    if args.max_prompts > 0:
-        prompts = prompts[: args.max_prompts]
-    if args.write_tree:
-        proposer = proposers[sweep[0]]
-        if not isinstance(proposer, ParallelHeadsProposer):
-            print(f"error: --write-tree: {args.drafter} does not draft with parallel heads", file=sys.stderr)
-            return 1
-        accuracy = measure_head_accuracy(target, proposer, prompts, args.max_new_tokens, top_k=10)
-        paths = tree_for_budget(accuracy, args.tree_nodes)
-        record = {"paths": [list(p) for p in paths], "accuracy": accuracy.tolist(), "nodes": len(paths)}
-        Path(args.write_tree).write_text(json.dumps(record) + "\n")
-        print(f"wrote a {len(paths)}-node tree from the heads' measured top-10 accuracy to {args.write_tree}")
-    eos = target.generation_config.eos_token_id if target.generation_config is not None else None
-    eos = tokenizer.eos_token_id if eos is None else eos
-    for exit_layer, proposer in proposers.items():
-        out = Path(args.out) / f"exit_{exit_layer}" if len(sweep) > 1 else Path(args.out)
-        try:
-            report = evaluate_drafter(
-                target,
-                proposer,
-                prompts,
-                args.k,
-                args.max_new_tokens,
-                args.temperature,
-                eos,
-                args.seed,
-                args.repeats[0],
-            )
-        except SpeculativeMismatchError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-        report.update(
-            target=args.target, drafter=args.drafter, prompts=len(prompts), max_new_tokens=args.max_new_tokens
-        )
-        if exit_layer is not None:
-            report["exit_layer"] = exit_layer
-        paths = write_report(report, out)
-        for entry in report["greedy"]:
-            prefix = "" if exit_layer is None else f"E={exit_layer} "
-            low, high = entry["measured_speedup_quartiles"]
-            print(
-                f"{prefix}K={entry['k']}: tau {entry['tau']:.3f}, speedup {entry['measured_speedup']:.2f}x measured "
-                f"(quartiles {low:.2f}-{high:.2f}), "
-                f"{entry['projected_speedup']:.2f}x projected (c={entry['draft_cost']:.3f})"
-            )
-        print(f"loop share of the target's output: {report['loops']['share']:.1%}; best K: {report['best_k']}")
-        print("wrote " + ", ".join(str(p) for p in paths))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,16 +11,28 @@ are deterministic candidates (one-hot distributions), which keeps sampling exact
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path as FilePath
 
 import torch
 
-from trainer.decoding.head_tree import Path, check_choices, head_accuracy, top_k_needed, tree_from_choices
-from trainer.decoding.proposers import ProposalContext, draw
+from trainer.decoding.head_tree import (
+    Path,
+    check_choices,
+    head_accuracy,
+    top_k_needed,
+    tree_for_budget,
+    tree_from_choices,
+)
+from trainer.decoding.options import write_tree
+from trainer.decoding.proposers import BaseProposer, ProposalContext, draw
 from trainer.decoding.tree import DraftTree
 
+TREE_TOP_K = 10  # ranks of every head measured for a written tree
 
-class ParallelHeadsProposer:
-    """Chain or tree drafts from ``num_heads`` heads; subclasses give the heads' logits."""
+
+class ParallelHeadsProposer(BaseProposer):
+    """Chain or tree drafts from ``num_heads`` heads; subclasses give the heads' logits. ``max_drafts`` is the head
+    count; :meth:`write_tree` writes the best tree for a node budget from the heads' accuracy measured on prompts."""
 
     def __init__(self, layer: int, num_heads: int, choices: Sequence[Sequence[int]] | None = None) -> None:
         """
@@ -38,8 +50,15 @@ class ParallelHeadsProposer:
         """``[K, V]`` every head's logits at the last committed token."""
         raise NotImplementedError
 
-    def reset(self) -> None:
-        """Stateless by default."""
+    def write_tree(
+        self, path: FilePath, target, prompts: Sequence[Sequence[int]], max_new_tokens: int, nodes: int
+    ) -> tuple[Path, ...]:
+        """Measure the heads' top-10 accuracy on ``prompts`` (:func:`measure_head_accuracy`) and write the best tree
+        of ``nodes`` paths, with the accuracy it was built from, to ``path``; returns its paths."""
+        accuracy = measure_head_accuracy(target, self, prompts, max_new_tokens, top_k=TREE_TOP_K)
+        paths = tree_for_budget(accuracy, nodes)
+        write_tree(path, paths, accuracy=accuracy.tolist())
+        return paths
 
     @torch.no_grad()
     def propose(self, ctx: ProposalContext) -> DraftTree:

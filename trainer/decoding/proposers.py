@@ -2,22 +2,27 @@
 that need no training.
 
 A proposer is called once per round with a :class:`ProposalContext` and returns a :class:`DraftTree` (a chain for
-most). The engine never looks inside a proposer. Trained drafters get theirs from their drafter kind
-(trainer/registry.py: ``draftsmith eval --drafter PATH`` loads the drafter and asks its kind); drafters that
-need no weights register a name here with ``@register_proposer("name")`` and a classmethod
-``from_options(target, options)`` (``draftsmith eval --drafter NAME``): ``none``, ``prompt-lookup`` and
-``early-exit`` (the target's own first layers, trainer/methods/layerskip/proposer.py).
+most). The engine never looks inside a proposer: what ``draftsmith eval`` and the training callback ask of one (the
+most drafts per round, whether it can draft K, writing a tree measured on prompts) is part of the protocol, with its
+defaults in :class:`BaseProposer`, which every proposer here and in the methods derives from. Trained drafters get
+theirs from their drafter kind (trainer/registry.py: ``draftsmith eval --drafter PATH`` loads the drafter and asks
+its kind, with the :class:`~trainer.decoding.options.ProposerOptions`); drafters that need no weights register a name
+here with ``@register_proposer("name")`` and a classmethod ``from_options(target, options)`` (``draftsmith eval
+--drafter NAME``): ``none``, ``prompt-lookup`` and ``early-exit`` (the target's own first layers,
+trainer/methods/layerskip/proposer.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol, TypeVar, runtime_checkable
 
 import torch
 from transformers import PreTrainedModel
 
+from trainer.decoding.options import ProposerOptions
 from trainer.decoding.session import TargetSession
 from trainer.decoding.tree import DraftTree
 from trainer.decoding.verify import probs_from_logits
@@ -59,17 +64,52 @@ class Proposer(Protocol):
     """The drafting side of speculative decoding.
 
     ``needs_hidden_states``: target hidden-state layers the proposer wants in its context (empty for none).
-    Proposers with a fixed number of drafts per round (heads, modules) also set ``max_drafts``, which
-    ``draftsmith eval`` checks against ``--k`` before decoding.
+    ``max_drafts``: the most drafts one round can hold (heads, a diffusion block), None when unbounded.
     ``reset()``: forget any state (a new sequence starts). ``propose(ctx)``: the drafts of one round; no path may be
-    deeper than ``ctx.k``.
+    deeper than ``ctx.k``. ``check_k(k)``: refuse, before any decoding, ``k`` drafts per round that the proposer
+    cannot draft (a ValueError naming ``--k``). ``write_tree(path, target, prompts, max_new_tokens, nodes)``: measure
+    the proposer on the prompts and write the best tree of ``nodes`` paths to a file ``--tree_choices`` reads (parallel
+    heads; others refuse). :class:`BaseProposer` holds the defaults of all but ``propose``.
     """
 
     needs_hidden_states: tuple[int, ...]
+    max_drafts: int | None
 
     def reset(self) -> None: ...
 
     def propose(self, ctx: ProposalContext) -> DraftTree: ...
+
+    def check_k(self, k: int) -> None: ...
+
+    def write_tree(
+        self, path: Path, target: PreTrainedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, nodes: int
+    ) -> tuple[tuple[int, ...], ...]: ...
+
+
+class BaseProposer:
+    """The defaults of the :class:`Proposer` protocol, in one place: no hidden states, no bound on the drafts per
+    round, no state to forget, any ``k`` up to ``max_drafts``, and no tree to write."""
+
+    needs_hidden_states: tuple[int, ...] = ()
+    max_drafts: int | None = None
+
+    def reset(self) -> None:
+        """Stateless by default."""
+
+    def propose(self, ctx: ProposalContext) -> DraftTree:
+        """The drafts of one round (every proposer gives its own)."""
+        raise NotImplementedError
+
+    def check_k(self, k: int) -> None:
+        """Refuse more drafts per round than ``max_drafts``."""
+        if self.max_drafts is not None and k > self.max_drafts:
+            raise ValueError(f"--k {k}: this drafter drafts at most {self.max_drafts} tokens per round")
+
+    def write_tree(
+        self, path: Path, target: PreTrainedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, nodes: int
+    ) -> tuple[tuple[int, ...], ...]:
+        """Refused: only drafters with parallel heads build a tree from measured accuracies."""
+        raise ValueError(f"--write_tree: a {type(self).__name__} does not draft with parallel heads")
 
 
 def draw(logits: torch.Tensor, ctx: ProposalContext) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -107,13 +147,13 @@ def registered_proposers() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def build_proposer(name: str, target: PreTrainedModel | None, options=None) -> Proposer:
+def build_proposer(name: str, target: PreTrainedModel | None, options: ProposerOptions | None = None) -> Proposer:
     """Build a registered proposer by name.
 
     Args:
         name: a registered name (see :func:`registered_proposers`).
         target: the HF target model.
-        options: a trainer.registry.ProposerOptions, for the proposers that read one (None: defaults).
+        options: the drafting options, for the proposers that read them (None: defaults).
     """
     if name not in registered_proposers():
         raise ValueError(f"unknown proposer {name!r}; registered: {', '.join(registered_proposers())}")
@@ -121,18 +161,13 @@ def build_proposer(name: str, target: PreTrainedModel | None, options=None) -> P
 
 
 @register_proposer("none")
-class NoProposer:
+class NoProposer(BaseProposer):
     """No drafts: every round is one plain decoding step of the target (the baseline)."""
 
-    needs_hidden_states: tuple[int, ...] = ()
-
     @classmethod
-    def from_options(cls, target: PreTrainedModel | None, options=None) -> NoProposer:
+    def from_options(cls, target: PreTrainedModel | None, options: ProposerOptions | None = None) -> NoProposer:
         """Build from the command line (no options)."""
         return cls()
-
-    def reset(self) -> None:
-        """Nothing to forget."""
 
     def propose(self, ctx: ProposalContext) -> DraftTree:
         """The empty tree."""
@@ -140,10 +175,8 @@ class NoProposer:
 
 
 @register_proposer("prompt-lookup")
-class PromptLookupProposer:
+class PromptLookupProposer(BaseProposer):
     """Prompt lookup decoding: find the last n-gram earlier in the context and propose what followed it."""
-
-    needs_hidden_states: tuple[int, ...] = ()
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         """
@@ -157,12 +190,11 @@ class PromptLookupProposer:
         self.min_ngram = min_ngram
 
     @classmethod
-    def from_options(cls, target: PreTrainedModel | None, options=None) -> PromptLookupProposer:
+    def from_options(
+        cls, target: PreTrainedModel | None, options: ProposerOptions | None = None
+    ) -> PromptLookupProposer:
         """Build from the command line (default n-gram sizes)."""
         return cls()
-
-    def reset(self) -> None:
-        """Stateless."""
 
     def propose(self, ctx: ProposalContext) -> DraftTree:
         """Deterministic drafts copied after the most recent earlier match of the longest matching suffix n-gram."""
@@ -182,13 +214,11 @@ class PromptLookupProposer:
         return DraftTree.empty(tokens.device)
 
 
-class OracleProposer:
+class OracleProposer(BaseProposer):
     """Drafts the continuation of a known reference output (the target's own greedy output): always right.
 
     Used by the engine-overhead benchmark and the tests; beyond the reference it drafts nothing.
     """
-
-    needs_hidden_states: tuple[int, ...] = ()
 
     def __init__(self, reference: torch.Tensor, prompt_length: int) -> None:
         """
@@ -198,9 +228,6 @@ class OracleProposer:
         """
         self.reference = reference.flatten()
         self.prompt_length = prompt_length
-
-    def reset(self) -> None:
-        """Stateless."""
 
     def propose(self, ctx: ProposalContext) -> DraftTree:
         """The next ``ctx.k`` reference tokens."""

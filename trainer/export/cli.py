@@ -6,10 +6,10 @@ The checkpoint's drafter record says what the drafter is; its kind says which fo
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
+from trainer.flags import ToolParser
 from trainer.registry import DrafterRecord, get_kind, is_training_checkpoint, kinds
 
 
@@ -23,7 +23,7 @@ def export(ckpt: str, out: str, fmt: str | None = None) -> tuple[Path, str]:
     Nothing is written when the checkpoint holds no drafter record, a kind draftsmith does not know, or a kind that
     cannot be written as ``fmt``.
     """
-    from trainer.export.checkpoint import load_training_checkpoint
+    from trainer.checkpoints.reading import load_training_checkpoint
 
     path = Path(ckpt)
     if not path.exists():
@@ -37,12 +37,18 @@ def export(ckpt: str, out: str, fmt: str | None = None) -> tuple[Path, str]:
     return writer.write(kind.load(record, state, ckpt), record, Path(out)), writer.name
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="draftsmith export", description=__doc__.split("\n\n")[0])
+def build_parser() -> ToolParser:
+    """The parser of ``draftsmith export``."""
+    parser = ToolParser(prog="draftsmith export", description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--ckpt", required=True, help="a Lightning .ckpt file or a DeepSpeed checkpoint directory")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--format", default=None, help=f"target format (default: the kind's first). {_formats_help()}")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``draftsmith export``; returns the exit status (2 when nothing could be written)."""
+    args = build_parser().parse_args(argv)
     try:
         path, name = export(args.ckpt, args.out, args.format)
     except (OSError, ValueError, KeyError) as err:

@@ -7,8 +7,11 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from trainer.errors import ModelFolderError, PathError
 
 WEIGHTS = "model.safetensors"
 
@@ -29,12 +32,36 @@ def write_folder(out_dir: str | Path, config: dict, tensors: dict[str, torch.Ten
 
 
 def read_folder(path: str | Path, what: str, weights: str = WEIGHTS) -> tuple[dict, dict[str, torch.Tensor]]:
-    """The config and tensors of a folder :func:`write_folder` wrote; a missing file is named (``not {what}``)."""
+    """The config and tensors of a folder :func:`write_folder` wrote.
+
+    Raises:
+        PathError: a missing file, named (``not {what}``).
+        ModelFolderError: a ``config.json`` that is not JSON, or a weights file that is empty, truncated or not
+            safetensors, named.
+    """
+    from trainer.target import safetensors_error
+
     folder = Path(path)
     for name in ("config.json", weights):
         if not (folder / name).is_file():
-            raise FileNotFoundError(f"{folder / name}: missing (not {what})")
-    return json.loads((folder / "config.json").read_text()), load_file(str(folder / weights))
+            raise PathError(f"{folder / name}: missing (not {what})")
+    config = read_config(folder / "config.json", what)
+    try:
+        tensors = load_file(str(folder / weights))
+    except SafetensorError as err:
+        raise safetensors_error(folder / weights, what, err) from err
+    return config, tensors
+
+
+def read_config(path: Path, what: str) -> dict:
+    """A ``config.json`` of ``what``; one that is not a JSON object is a :class:`ModelFolderError` naming it."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ModelFolderError(f"{what}: {path} is not valid JSON ({err})") from err
+    if not isinstance(config, dict):
+        raise ModelFolderError(f"{what}: {path} holds a {type(config).__name__}, not a JSON object")
+    return config
 
 
 def folder_config(folder: Path) -> dict:

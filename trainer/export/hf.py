@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from trainer.vocab import load_tokenizer_if_present
+from trainer.data.vocab import load_tokenizer_if_present
 
 log = logging.getLogger(__name__)
 

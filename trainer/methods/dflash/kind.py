@@ -11,11 +11,12 @@ from pathlib import Path
 
 from transformers import PreTrainedModel
 
+from trainer.decoding.options import ProposerOptions
 from trainer.export.files import folder_config
 from trainer.methods.dflash import export as formats
 from trainer.methods.dflash.module import DFlashConfig, DFlashDrafter
 from trainer.methods.dflash.proposer import DFlashProposer, DFlashTreeProposer
-from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, ProposerOptions, register_kind
+from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
 
 KIND = "dflash"
 

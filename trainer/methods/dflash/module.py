@@ -41,7 +41,7 @@ from transformers.activations import ACT2FN
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from trainer.block_attention import Impl, anchored_block_attention
-from trainer.methods.eagle3.module import RMSNorm
+from trainer.layers import GatedMLP, RMSNorm, repeat_kv
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -218,24 +218,6 @@ class DFlashAttention(nn.Module):
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
 
-class MLP(nn.Module):
-    """Gated MLP (SwiGLU with the default activation)."""
-
-    def __init__(self, config: DFlashConfig) -> None:
-        """
-        Args:
-            config: the drafter's shape.
-        """
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.act = ACT2FN[config.hidden_act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DFlashLayer(nn.Module):
     """One draft layer: keys and values over the context and the block, queries from the block only."""
 
@@ -247,7 +229,7 @@ class DFlashLayer(nn.Module):
         super().__init__()
         self.config = config
         self.self_attn = DFlashAttention(config)
-        self.mlp = MLP(config)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, ACT2FN[config.hidden_act])
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -298,10 +280,6 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     """Rotary embedding of x [B, heads, T, D] with cos, sin [B, T, D] (HF's rotate-half convention)."""
     half = x.shape[-1] // 2
     return x * cos[:, None] + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin[:, None]
-
-
-def _repeat(x: torch.Tensor, groups: int) -> torch.Tensor:
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
 class DFlashDrafter(nn.Module):
@@ -396,8 +374,8 @@ class DFlashDrafter(nn.Module):
         for layer, (k_ctx, v_ctx) in zip(self.layers, past):
 
             def attend(q, k, v, _context_kv, k_ctx=k_ctx, v_ctx=v_ctx):
-                keys = _repeat(torch.cat([k_ctx, k], dim=2), groups)  # [B, nh, C + Q, D]
-                values = _repeat(torch.cat([v_ctx, v], dim=2), groups)
+                keys = repeat_kv(torch.cat([k_ctx, k], dim=2), groups)  # [B, nh, C + Q, D]
+                values = repeat_kv(torch.cat([v_ctx, v], dim=2), groups)
                 return F.scaled_dot_product_attention(q, keys, values)
 
             h = layer(h, cos, sin, attend)

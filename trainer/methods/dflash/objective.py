@@ -18,7 +18,7 @@ over the k ids, which at k = V is the online loss). Logits go through the target
 ``loss_chunk_size`` slots at a time, recomputed in backward, so the float32 logits of all slots never exist at once.
 
 Online mode runs the target's decoder (no logits over the whole batch) in every step for its hidden states. Offline
-mode (``teacher_signals: shards``) reads them from ``draftsmith precompute`` shards holding exactly the drafter's
+mode (``target_signals: shards``) reads them from ``draftsmith precompute`` shards holding exactly the drafter's
 target layers (``data.hidden_layers`` equal to ``model.target_layers``, in order), with the top-k next tokens for soft
 labels; the target model is never built, only its config, embedding and lm_head are read from its safetensors.
 
@@ -41,11 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from transformers import PreTrainedModel
 
 from trainer.block_attention import Impl
-from trainer.data.shard_datamodule import ShardDataModule, checked_shard_data
-from trainer.data.shards import load_manifest
 from trainer.losses import kl_from_log_probs
 from trainer.methods.dflash import kind as dflash_kind
 from trainer.methods.dflash.module import (
@@ -55,10 +52,15 @@ from trainer.methods.dflash.module import (
     default_gamma,
     default_target_layers,
 )
-from trainer.objective import DraftObjective, Optim, causal_lm_flops_per_token, count_params, derived_seed
-from trainer.registry import check_target, load_drafter
-from trainer.target import FrozenTarget, TargetEmbeddings, resolve_dtype
-from trainer.vocab import check_data_tokenizer, load_tokenizer_if_present
+from trainer.objective import (
+    DraftObjective,
+    Optim,
+    TargetSignals,
+    causal_lm_flops_per_token,
+    count_params,
+    derived_seed,
+)
+from trainer.target import FrozenTarget, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +86,7 @@ class DFlash(DraftObjective):
         drafter_dtype: str = "float32",
         trust_remote_code: bool = False,
         seed: int = 0,
-        teacher_signals: Literal["online", "shards"] = "online",
+        target_signals: TargetSignals = "online",
         optim: Optim = Optim(),
     ) -> None:
         """
@@ -107,7 +109,7 @@ class DFlash(DraftObjective):
             drafter_dtype: the drafter's weights dtype.
             trust_remote_code: allow custom modelling code in the target directory (off by default).
             seed: seed of the drafter's initialisation and of the anchors.
-            teacher_signals: "online" runs the target in every step; "shards" reads its hidden states of
+            target_signals: "online" runs the target in every step; "shards" reads its hidden states of
                 ``target_layers`` (and top-k next tokens, for soft labels) from a ShardDataModule, never building it.
             optim: optimizer and learning-rate schedule.
         """
@@ -119,27 +121,12 @@ class DFlash(DraftObjective):
             )
         if block_size < 2:
             raise ValueError(f"model.block_size={block_size}: a block needs the anchor and at least one mask slot")
-        self.target_path, self.labels, self.attention = target, labels, attention
+        self.labels, self.attention = labels, attention
         self.max_anchors, self.loss_chunk_size, self.seed = max_anchors, loss_chunk_size, seed
-        self.teacher_signals = teacher_signals
-        frozen: FrozenTarget | TargetEmbeddings
-        if teacher_signals == "online":
-            frozen = FrozenTarget.from_pretrained(target, target_dtype, trust_remote_code)
-        elif teacher_signals == "shards":
-            frozen = TargetEmbeddings.from_pretrained(target, target_dtype, trust_remote_code)
-        else:
-            raise ValueError(f"model.teacher_signals={teacher_signals!r} is not 'online' or 'shards'")
-        self._target = [frozen]  # a list: kept out of the module tree, so out of checkpoints and optimizers
-        self.track_frozen("target", target, frozen.config)
-        self.tokenizer = load_tokenizer_if_present(target)
+        frozen = self.load_target(target, target_signals, target_dtype, trust_remote_code)
         torch.manual_seed(seed)
         if init_from is not None:
-            drafter, record = load_drafter(init_from)
-            where = f"model.init_from {init_from!r}"
-            if record.kind != dflash_kind.KIND:
-                raise ValueError(f"{where}: holds a drafter of kind {record.kind!r}, not {dflash_kind.KIND!r}")
-            check_target(record, frozen.config, where)
-            self.drafter = drafter
+            self.drafter = self.drafter_from_checkpoint(init_from, dflash_kind.KIND)
         else:
             L = frozen.num_layers
             layers = list(target_layers) if target_layers else list(default_target_layers(L, context_layers))
@@ -162,11 +149,6 @@ class DFlash(DraftObjective):
         decay = torch.exp(-torch.arange(b - 1, dtype=torch.float32) / self.gamma)  # slot k = 1..b-1
         self.register_buffer("decay", decay / decay.sum(), persistent=False)  # normalised over the block
 
-    @property
-    def target(self) -> FrozenTarget | TargetEmbeddings:
-        """The frozen target (online), or its config, embedding and lm_head (shards)."""
-        return self._target[0]
-
     def trainable_module(self) -> nn.Module:
         return self.drafter
 
@@ -177,17 +159,20 @@ class DFlash(DraftObjective):
 
     # ---- data checks ---------------------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
-        self.check_data(getattr(self.trainer, "datamodule", None) if self._trainer is not None else None)
+        self.check_training_data(self.attached_datamodule())
 
-    def check_data(self, datamodule) -> None:
-        """Refuses data of another tokenizer, shards that do not fit (see :meth:`_check_shards`) and training data
-        holding the mask token."""
-        if self.teacher_signals == "shards":
-            self._check_shards(datamodule)
+    def check_training_data(self, datamodule) -> None:
+        """Refuses data of another tokenizer, shards that do not fit (of this target and tokenizer, holding the
+        drafter's target layers in its order, at temperature 1 for soft labels: the target's own distribution) and
+        training data holding the mask token."""
+        config = self.drafter.config
+        self.check_data(
+            datamodule, self.target.vocab_size, temperature=1.0 if self.labels == "soft" else None,
+            target_layers=config.target_layers, hidden_size=config.hidden_size,
+        )  # fmt: skip
+        if self.target_signals == "shards":
             rows = datamodule.training_rows()
         else:
-            width = self.target.vocab_size
-            check_data_tokenizer(datamodule, self.target_path, self.tokenizer, width, width)
             dataset = getattr(datamodule, "train_dataset", None)
             rows = [] if dataset is None or not hasattr(dataset, "ids") else [(dataset.ids, None)]
         mask = self.drafter.config.mask_token_id
@@ -199,33 +184,6 @@ class DFlash(DraftObjective):
                     f"model.mask_token_id={mask} ({token!r}) occurs {count} times in the training data: the tokenizer "
                     "uses it there; pick an id the data never contains"
                 )
-
-    def _check_shards(self, datamodule) -> None:
-        """Shards of this target and tokenizer, holding the drafter's target layers in its order (at temperature 1
-        for soft labels, the target's own distribution)."""
-        layers = list(self.drafter.config.target_layers)
-        if isinstance(datamodule, ShardDataModule):
-            meta, _ = load_manifest(datamodule.shards_dir)
-            if not meta.hidden_layers:
-                raise ValueError(
-                    f"{datamodule.shards_dir}: the shards hold no hidden states; DFlash reads target layers {layers}: "
-                    f"rerun draftsmith precompute with --hidden_layers '{layers}'"
-                )
-        vocab_size = len(self.tokenizer) if self.tokenizer is not None else self.target.vocab_size
-        data = checked_shard_data(
-            datamodule, vocab_size=vocab_size, tokenizer=self.tokenizer, teacher=self.target_path,
-            temperature=1.0 if self.labels == "soft" else None,
-        )  # fmt: skip
-        if list(data.hidden_layers) != layers:
-            raise ValueError(
-                f"data.hidden_layers={list(data.hidden_layers)} must equal the drafter's target_layers {layers} (the "
-                f"shards hold {data.meta.hidden_layers}), in that order: teacher_hidden[:, j] is target layer j"
-            )
-        if data.meta.hidden_size != self.drafter.config.hidden_size:
-            raise ValueError(
-                f"{data.shards_dir}: hidden states of width {data.meta.hidden_size}, the target {self.target_path!r} "
-                f"has {self.drafter.config.hidden_size}"
-            )
 
     # ---- training ------------------------------------------------------------------------------------------------
     def anchors(self, trained: torch.Tensor, stage: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,16 +208,14 @@ class DFlash(DraftObjective):
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()  # [B, S] each
-        target = self.target
-        if self.embedding_weight().device != ids.device:
-            target.to(ids.device)
+        target = self.target_on(ids.device)
         stage = "train" if self.training else "val"
         drafter, b = self.drafter, self.drafter.config.block_size
         B, S = ids.shape
         trained = F.pad(loss_mask[:, :-1], (1, 0), value=False)  # [B, S]: token t is a trained label
         anchors, keep = self.anchors(trained, stage)  # [B, N]
         N = anchors.shape[1]
-        if self.teacher_signals == "shards":
+        if self.target_signals == "shards":
             stored = batch["teacher_hidden"]  # [B, m, S, H], in target_layers order
             hidden = [stored[:, j] for j in range(stored.shape[1])]
             final = None
@@ -345,17 +301,9 @@ class DFlash(DraftObjective):
         slots_per_token = min(self.max_anchors, max(1, S - 1)) * c.block_size / max(1, S)
         head = 2.0 * c.hidden_size * c.vocab_size * (c.block_size - 1) / c.block_size
         drafter = 3.0 * (2.0 * count_params(self.drafter) + head) * slots_per_token
-        if self.teacher_signals == "shards":
+        if self.target_signals == "shards":
             return drafter
         return drafter + causal_lm_flops_per_token(self.target.model, S)
-
-    def speculative_eval_target(self) -> PreTrainedModel:
-        if not isinstance(self.target, FrozenTarget):
-            raise ValueError(
-                "teacher_signals: shards never builds the target, so SpeculativeEvalCallback cannot decode with it: "
-                "measure the exported drafter with draftsmith eval, or train online"
-            )
-        return self.target.model
 
     def drafter_record(self):
         architectures = getattr(self.target.config, "architectures", None) or []

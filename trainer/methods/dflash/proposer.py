@@ -33,12 +33,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from trainer.decoding.proposers import ProposalContext
+from trainer.decoding.proposers import BaseProposer, ProposalContext
 from trainer.decoding.tree import DraftTree
 from trainer.methods.dflash.module import KV, DFlashDrafter
 
 
-class DFlashProposer:
+class DFlashProposer(BaseProposer):
     """DFlash chain drafting: one block per round."""
 
     def __init__(self, drafter: DFlashDrafter, embedding: torch.Tensor, lm_head: torch.Tensor) -> None:

@@ -12,10 +12,11 @@ from pathlib import Path
 
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from trainer.data.vocab import TOKENIZER_FILES
+from trainer.decoding.options import ProposerOptions
 from trainer.export.hf import save_hf
 from trainer.methods.draft_model.proposer import DraftModelProposer
-from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, ProposerOptions, register_kind
-from trainer.vocab import TOKENIZER_FILES
+from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
 
 KIND = "hf_causal_lm"
 

@@ -1,14 +1,14 @@
-"""On-policy distillation (GKD, Agarwal et al. 2024): the student learns on sequences it generated itself.
+"""On-policy distillation (GKD, Agarwal et al. 2024): the drafter learns on sequences it generated itself.
 
 At every training step a coin with probability ``lmbda`` decides where the step's sequences come from:
 
-- heads: the student samples continuations of the batch's prompts (eval mode, no gradient, KV cache) and the loss is
+- heads: the drafter samples continuations of the batch's prompts (eval mode, no gradient, KV cache) and the loss is
   taken on ``[prompt + generated]`` with the mask covering exactly the generated tokens, up to and including the first
-  EOS (the step trains on what the student actually says, which removes the train/generation mismatch);
+  EOS (the step trains on what the drafter actually says, which removes the train/generation mismatch);
 - tails: the data set's own sequences and loss mask (the KD objective's step), or, with ``seq_kd``, continuations the
-  teacher sampled from the same prompts (sequence-level KD).
+  target sampled from the same prompts (sequence-level KD).
 
-The loss is the generalized JSD with weight ``beta`` between the teacher's and the student's temperature-softened
+The loss is the generalized JSD with weight ``beta`` between the target's and the drafter's temperature-softened
 next-token distributions at every trained position (``beta = 0`` is the forward KL, ``beta = 1`` the reverse KL,
 TRL's GKD convention, see trainer/losses.py), computed in chunks by ``fused_kd_loss``.
 
@@ -21,7 +21,7 @@ real token keeps its position and causal attention never sees a pad before a rea
 Determinism. The coin and the sampling seed are functions of (seed, global step, micro-batch index): a resumed run
 makes the same choices and, on the same hardware, samples the same tokens. Validation always uses the data set.
 
-Limits: generation calls HF ``generate`` on the student as it is held by the strategy; under DeepSpeed ZeRO-3 or FSDP
+Limits: generation calls HF ``generate`` on the drafter as it is held by the strategy; under DeepSpeed ZeRO-3 or FSDP
 (sharded parameters) it is not supported yet. Throughput logging counts the tokens each step trained on (prompts and
 generated tokens on generated steps, the data batch otherwise); the generation itself is not counted.
 """
@@ -40,11 +40,9 @@ from transformers import GenerationConfig, PreTrainedModel
 from trainer.export.hf import export_student
 from trainer.losses import LossParts, fused_kd_loss
 from trainer.methods.draft_model import kind as hf_causal_lm
-from trainer.methods.draft_model.kd import build_student
+from trainer.methods.draft_model.kd import build_drafter, drafter_vocab_size
 from trainer.objective import DraftObjective, Optim, causal_lm_flops_per_token, derived_seed
 from trainer.registry import DrafterRecord
-from trainer.target import FrozenTarget
-from trainer.vocab import check_data_tokenizer, load_tokenizer_if_present, shared_vocab_size
 
 log = logging.getLogger(__name__)
 
@@ -132,13 +130,13 @@ def assemble(
 
 
 class OnPolicyDistillation(DraftObjective):
-    """Generalized-JSD distillation on a mix of student-generated, teacher-generated and data set sequences."""
+    """Generalized-JSD distillation on a mix of drafter-generated, target-generated and data set sequences."""
 
     def __init__(
         self,
-        teacher: str,
-        student: str | None = None,
-        student_config: dict[str, int | float | str | bool] | None = None,
+        target: str,
+        drafter: str | None = None,
+        drafter_config: dict[str, int | float | str | bool] | None = None,
         lmbda: float = 0.5,
         beta: float = 0.5,
         seq_kd: bool = False,
@@ -148,9 +146,9 @@ class OnPolicyDistillation(DraftObjective):
         max_new_tokens: int = 64,
         prompt: Literal["prefix", "chat"] = "prefix",
         prompt_len: int = 32,
-        chunk_size: int = 256,
-        teacher_dtype: str = "float32",
-        student_dtype: str = "float32",
+        loss_chunk_size: int = 256,
+        target_dtype: str = "float32",
+        drafter_dtype: str = "float32",
         export_dir: str | None = None,
         trust_remote_code: bool = False,
         seed: int = 0,
@@ -158,25 +156,25 @@ class OnPolicyDistillation(DraftObjective):
     ) -> None:
         """
         Args:
-            teacher: the target, an HF causal LM directory or hub id (its tokenizer is expected beside it).
-            student: a pretrained student to start from (directory or hub id); None builds one from student_config.
-            student_config: overrides of the teacher's config for a fresh student, e.g. {num_hidden_layers: 2}.
-            lmbda: probability that a training step trains on the student's own continuations (GKD's lambda).
+            target: the target, an HF causal LM directory or hub id (its tokenizer is expected beside it).
+            drafter: a pretrained drafter to start from (directory or hub id); None builds one from drafter_config.
+            drafter_config: overrides of the target's config for a fresh drafter, e.g. {num_hidden_layers: 2}.
+            lmbda: probability that a training step trains on the drafter's own continuations (GKD's lambda).
             beta: generalized JSD weight (TRL's GKD convention): 0 is the forward KL, 1 the reverse KL.
-            seq_kd: on steps that are not on-policy, train on the teacher's continuations instead of the data set.
+            seq_kd: on steps that are not on-policy, train on the target's continuations instead of the data set.
             temperature: softens both distributions in the loss; the divergence is multiplied by temperature squared.
-            generation_temperature: sampling temperature of the student's (and, with seq_kd, the teacher's) generation.
+            generation_temperature: sampling temperature of the drafter's (and, with seq_kd, the target's) generation.
             do_sample: sample the continuations (True) or decode them greedily (False).
             max_new_tokens: tokens generated per prompt at most (generation stops earlier at EOS).
             prompt: where prompts come from: "prefix" (the first prompt_len tokens of each row, text data) or "chat"
                 (the untrained tokens before the first assistant token of each row).
             prompt_len: prompt length with prompt="prefix", and the fallback for chat rows without an assistant turn.
-            chunk_size: positions per chunk of the loss; each chunk's float32 logits are freed before the next.
-            teacher_dtype: the teacher's weights dtype (float32, bfloat16, float16).
-            student_dtype: the student's weights dtype (Lightning's precision plugin may still autocast).
-            export_dir: where the student is saved as an HF checkpoint (safetensors and tokenizer) at the end of fit.
-            trust_remote_code: allow custom modelling code in the teacher or student directory (off by default).
-            seed: seeds the fresh student's initialisation, the per-step coin and the sampling.
+            loss_chunk_size: positions per chunk of the loss; each chunk's float32 logits are freed before the next.
+            target_dtype: the target's weights dtype (float32, bfloat16, float16).
+            drafter_dtype: the drafter's weights dtype (Lightning's precision plugin may still autocast).
+            export_dir: where the drafter is saved as an HF checkpoint (safetensors and tokenizer) at the end of fit.
+            trust_remote_code: allow custom modelling code in the target or drafter directory (off by default).
+            seed: seeds the fresh drafter's initialisation, the per-step coin and the sampling.
             optim: optimizer and learning-rate schedule.
         """
         super().__init__(optim)
@@ -194,30 +192,24 @@ class OnPolicyDistillation(DraftObjective):
                 raise ValueError(f"model.{name} is out of range: {locals()[name]!r}")
         if prompt not in ("prefix", "chat"):
             raise ValueError(f"model.prompt must be 'prefix' or 'chat', got {prompt!r}")
-        self.teacher_path = teacher
         self.lmbda, self.beta, self.seq_kd = lmbda, beta, seq_kd
         self.temperature, self.generation_temperature, self.do_sample = temperature, generation_temperature, do_sample
         self.max_new_tokens, self.prompt, self.prompt_len = max_new_tokens, prompt, prompt_len
-        self.chunk_size, self.export_dir, self.seed = chunk_size, export_dir, seed
-        self.teacher = FrozenTarget.from_pretrained(teacher, teacher_dtype, trust_remote_code)
-        self.track_frozen("teacher", teacher, self.teacher.config)
-        torch.manual_seed(seed)
-        self.student = build_student(self.teacher.config, student, student_config, student_dtype)
-        self.tokenizer = load_tokenizer_if_present(teacher)
-        self.vocab_size = shared_vocab_size(
-            teacher_name=teacher,
-            teacher_tokenizer=self.tokenizer,
-            teacher_width=self.teacher.vocab_size,
-            student_name=student or "a student built from the teacher's config",
-            student_tokenizer=load_tokenizer_if_present(student) if student else self.tokenizer,
-            student_width=self.student.get_output_embeddings().weight.shape[0],
+        self.loss_chunk_size, self.export_dir, self.seed = loss_chunk_size, export_dir, seed
+        # in the module tree, as in KD; recorded in checkpoints under the name they have used
+        frozen = self.load_target(
+            target, "online", target_dtype, trust_remote_code, in_module_tree=True, record_as="teacher"
         )
+        torch.manual_seed(seed)
+        # `student`: the drafter's attribute, whose name prefixes its weights in checkpoints
+        self.student = build_drafter(frozen.config, drafter, drafter_config, drafter_dtype)
+        self.vocab_size = drafter_vocab_size(self, frozen.vocab_size, self.student, drafter)
         self.eos_id, self.pad_id = self._special_ids()
         self._micro = 0
 
     def _special_ids(self) -> tuple[int | None, int]:
-        """(EOS id or None, pad id) from the tokenizer, else the teacher's config; pad falls back to EOS, then 0."""
-        tok, cfg = self.tokenizer, self.teacher.config
+        """(EOS id or None, pad id) from the tokenizer, else the target's config; pad falls back to EOS, then 0."""
+        tok, cfg = self.tokenizer, self.target_config
         eos = tok.eos_token_id if tok is not None else getattr(cfg, "eos_token_id", None)
         if isinstance(eos, list):
             eos = eos[0] if eos else None
@@ -228,8 +220,7 @@ class OnPolicyDistillation(DraftObjective):
         return self.student
 
     def setup(self, stage: str) -> None:
-        datamodule = getattr(self.trainer, "datamodule", None)
-        check_data_tokenizer(datamodule, self.teacher_path, self.tokenizer, self.teacher.vocab_size, self.vocab_size)
+        self.check_data(self.attached_datamodule(), self.target.vocab_size, self.vocab_size)
 
     # ---- the pieces of a step (public for tests and the benchmark) -----------------------------------------------
     def coin(self, step: int, micro: int = 0) -> bool:
@@ -266,20 +257,20 @@ class OnPolicyDistillation(DraftObjective):
         return assemble(prompts, lengths, out[:, prompts.shape[1] :], self.eos_id, self.pad_id)
 
     def distill(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> LossParts:
-        """T^2 * generalized JSD(beta) between teacher and student at the positions of loss_mask ([B, S] each)."""
+        """T^2 * generalized JSD(beta) between target and drafter at the positions of loss_mask ([B, S] each)."""
         V = self.vocab_size
-        teacher_hidden = self.teacher.final_hidden(input_ids)  # [B, S, Ht]
+        target_hidden = self.target.final_hidden(input_ids)  # [B, S, Ht]
         student_hidden = self.student.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state  # [B, S, H]
         return fused_kd_loss(
             student_hidden,
             self.student.get_output_embeddings().weight[:V],  # [V, H]
-            teacher_hidden,
-            self.teacher.lm_head_weight[:V],  # [V, Ht]
+            target_hidden,
+            self.target.lm_head_weight[:V],  # [V, Ht]
             loss_mask,
             divergence="jsd",
             beta=self.beta,
             temperature=self.temperature,
-            chunk_size=self.chunk_size,
+            chunk_size=self.loss_chunk_size,
         )
 
     # ---- Lightning -----------------------------------------------------------------------------------------------
@@ -297,12 +288,12 @@ class OnPolicyDistillation(DraftObjective):
             if self.coin(step, micro):
                 source = "student"
             elif self.seq_kd:
-                source = "teacher"
+                source = "target"
         metrics: dict[str, torch.Tensor] = {}
         if source == "data":
             input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, S] each
         else:
-            model = self.student if source == "student" else self.teacher.model
+            model = self.student if source == "student" else self.target.model
             gen = self.generate(model, batch, sample_seed)
             input_ids, loss_mask = gen.input_ids, gen.loss_mask  # [B, T] each
             metrics["generated_tokens"] = gen.generated_lengths.float().mean()
@@ -313,18 +304,15 @@ class OnPolicyDistillation(DraftObjective):
         return out.loss, metrics
 
     def flops_per_token(self) -> float:
-        """Training FLOPs per token (student forward and backward, teacher forward); generation is not counted."""
+        """Training FLOPs per token (drafter forward and backward, target forward); generation is not counted."""
         seq_len = self.data_seq_len()
         return 3.0 * causal_lm_flops_per_token(self.student, seq_len) + causal_lm_flops_per_token(
-            self.teacher.model, seq_len
+            self.target.model, seq_len
         )
 
-    def speculative_eval_target(self) -> PreTrainedModel:
-        return self.teacher.model
-
     def drafter_record(self) -> DrafterRecord:
-        return hf_causal_lm.make_record(self.student, "student", self.teacher_path, self.teacher.config)
+        return hf_causal_lm.make_record(self.student, "student", self.target_path, self.target_config)
 
     def on_train_end(self) -> None:
         if self.export_dir:
-            export_student(self, self.student, self.export_dir, self.teacher_path)
+            export_student(self, self.student, self.export_dir, self.target_path)

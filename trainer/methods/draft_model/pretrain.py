@@ -38,8 +38,8 @@ class CausalLMPretraining(DraftObjective):
         num_key_value_heads: int = 4,
         max_position_embeddings: int = 2048,
         tie_word_embeddings: bool = False,
-        chunk_size: int = 256,
-        save_dir: str | None = None,
+        loss_chunk_size: int = 256,
+        export_dir: str | None = None,
         seed: int = 0,
         optim: Optim = Optim(lr=1e-3, warmup_steps=50),
     ) -> None:
@@ -53,8 +53,9 @@ class CausalLMPretraining(DraftObjective):
             num_key_value_heads: key/value heads (fewer than query heads gives grouped-query attention).
             max_position_embeddings: the longest sequence the model is configured for.
             tie_word_embeddings: share the input embedding and the output layer.
-            chunk_size: positions per chunk of the cross entropy.
-            save_dir: where the model and tokenizer are saved at the end of fit (the directory recipes name as target).
+            loss_chunk_size: positions per chunk of the cross entropy.
+            export_dir: where the model and tokenizer are saved at the end of fit (the directory recipes name as
+                target).
             seed: seed of the initialisation.
             optim: optimizer and learning-rate schedule.
         """
@@ -76,8 +77,8 @@ class CausalLMPretraining(DraftObjective):
         )
         torch.manual_seed(seed)
         self.model = LlamaForCausalLM(config)
-        self.chunk_size = chunk_size
-        self.save_dir = save_dir
+        self.loss_chunk_size = loss_chunk_size
+        self.export_dir = export_dir
 
     def trainable_module(self) -> nn.Module:
         return self.model
@@ -88,7 +89,7 @@ class CausalLMPretraining(DraftObjective):
             return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100), {}
         hidden = self.model.get_decoder()(input_ids=batch["input_ids"], use_cache=False).last_hidden_state  # [B, S, H]
         weight = self.model.get_output_embeddings().weight  # [V, H]
-        return chunked_cross_entropy(hidden, weight, batch["labels"], self.chunk_size), {}
+        return chunked_cross_entropy(hidden, weight, batch["labels"], self.loss_chunk_size), {}
 
     def flops_per_token(self) -> float:
         seq_len = self.data_seq_len()
@@ -101,8 +102,8 @@ class CausalLMPretraining(DraftObjective):
         return record
 
     def on_train_end(self) -> None:
-        if self.save_dir:
-            self.save(self.save_dir)
+        if self.export_dir:
+            self.save(self.export_dir)
 
     @rank_zero_only
     def save(self, out_dir: str) -> None:

@@ -6,19 +6,17 @@ import torch
 from transformers import PreTrainedModel
 
 from trainer.decoding.cache import new_cache, truncate_cache
-from trainer.decoding.proposers import ProposalContext, draw
+from trainer.decoding.proposers import BaseProposer, ProposalContext, draw
 from trainer.decoding.tree import DraftTree
 
 
-class DraftModelProposer:
+class DraftModelProposer(BaseProposer):
     """A separate HF causal LM drafting autoregressively, with its own KV cache reused across rounds.
 
     The proposer remembers which tokens its cache holds; at each round it keeps the longest prefix that agrees with
     the committed tokens, so accepted drafts are not recomputed. Its logits are cut (or padded with -inf) to the
     target's vocabulary.
     """
-
-    needs_hidden_states: tuple[int, ...] = ()
 
     def __init__(self, model: PreTrainedModel) -> None:
         """

@@ -11,11 +11,12 @@ from pathlib import Path
 
 from transformers import PreTrainedModel
 
+from trainer.decoding.options import ProposerOptions
 from trainer.export.files import folder_config
 from trainer.methods.eagle3 import export as formats
 from trainer.methods.eagle3.module import Eagle3Config, Eagle3Drafter
 from trainer.methods.eagle3.proposer import Eagle3Proposer, Eagle3TreeProposer
-from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, ProposerOptions, register_kind
+from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
 from trainer.target import EMBEDDING_NAMES, load_target_tensors
 
 KIND = "eagle3"

@@ -25,6 +25,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from trainer.block_attention import Impl, resolve_impl, ttt_flex_attention
+from trainer.layers import GatedMLP, RMSNorm, repeat_kv
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
@@ -123,26 +124,6 @@ class Eagle3Config:
         )
 
 
-class RMSNorm(nn.Module):
-    """Llama's RMSNorm (computed in float32)."""
-
-    def __init__(self, width: int, eps: float = 1e-6) -> None:
-        """
-        Args:
-            width: the normalised dimension.
-            eps: added to the mean square.
-        """
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(width))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
 class Attention(nn.Module):
     """Projections of the EAGLE-3 attention: q/k/v from width 2H, o back to H."""
 
@@ -159,23 +140,6 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
 
 
-class MLP(nn.Module):
-    """SwiGLU MLP."""
-
-    def __init__(self, config: Eagle3Config) -> None:
-        """
-        Args:
-            config: the drafter's shape.
-        """
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class MidLayer(nn.Module):
     """The EAGLE-3 decoder layer (``midlayer`` in the native format)."""
 
@@ -190,7 +154,7 @@ class MidLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
     def qkv(
         self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -212,15 +176,10 @@ class MidLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """[B, nkv, S, D] -> [B, nkv * groups, S, D]."""
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
-
-
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """q: [B, nh, N, D]; k, v: [B, nkv, M, D]; allowed: [N, M] or [B, 1, N, M] bool -> [B, nh, N, D]."""
     groups = q.shape[1] // k.shape[1]
-    return F.scaled_dot_product_attention(q, _repeat_kv(k, groups), _repeat_kv(v, groups), attn_mask=allowed)
+    return F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=allowed)
 
 
 def ttt_attention(
@@ -240,15 +199,15 @@ def ttt_attention(
     groups = q.shape[1] // keys[0].shape[1]
     S = q.shape[2]
     scale = 1.0 / math.sqrt(q.shape[-1])
-    k0, v0 = _repeat_kv(keys[0], groups), _repeat_kv(values[0], groups)  # [B, nh, S, D]
+    k0, v0 = repeat_kv(keys[0], groups), repeat_kv(values[0], groups)  # [B, nh, S, D]
     causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()  # [S, S]
     scores = [(q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]  # [B, nh, S, S]
     for k in keys[1:]:
-        scores.append((q * _repeat_kv(k, groups)).sum(-1, keepdim=True) * scale)  # [B, nh, S, 1]
+        scores.append((q * repeat_kv(k, groups)).sum(-1, keepdim=True) * scale)  # [B, nh, S, 1]
     probs = torch.softmax(torch.cat(scores, dim=-1).float(), dim=-1).to(q.dtype)  # [B, nh, S, S + i]
     out = probs[..., :S] @ v0  # [B, nh, S, D]
     for j, v in enumerate(values[1:]):
-        out = out + probs[..., S + j : S + j + 1] * _repeat_kv(v, groups)
+        out = out + probs[..., S + j : S + j + 1] * repeat_kv(v, groups)
     return out
 
 

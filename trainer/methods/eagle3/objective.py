@@ -16,7 +16,7 @@ the two inputs are the same token. Measured on the tiny target (README, EAGLE-3;
 acceptance at the second draft given the first 0.72 with predicted inputs against 0.79 with data inputs,
 teacher-forced tau 3.62 against 4.05.
 
-Offline mode (``teacher_signals: shards``): the batches of a ShardDataModule carry the aux layers' hidden states and
+Offline mode (``target_signals: shards``): the batches of a ShardDataModule carry the aux layers' hidden states and
 the target's top-k next tokens at temperature 1, written by ``draftsmith precompute`` (recipes/quickstart/
 precompute_eagle3.yaml). The target model is never built: only its config and the two tensors the drafter needs, the
 input embedding (the drafter's input) and the lm_head (which initialises the draft lm_head rows), are read from its
@@ -52,17 +52,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from transformers import PreTrainedModel
 
 from trainer.block_attention import Impl
-from trainer.data.shard_datamodule import checked_shard_data
 from trainer.methods.eagle3 import kind as eagle3_kind
 from trainer.methods.eagle3 import vocab_map
 from trainer.methods.eagle3.module import Eagle3Config, Eagle3Drafter
-from trainer.objective import DraftObjective, Optim, causal_lm_flops_per_token, count_params
-from trainer.registry import DrafterRecord, check_target, load_drafter
-from trainer.target import FrozenTarget, TargetEmbeddings, resolve_dtype
-from trainer.vocab import check_data_tokenizer, load_tokenizer_if_present
+from trainer.objective import DraftObjective, Optim, TargetSignals, causal_lm_flops_per_token, count_params
+from trainer.registry import DrafterRecord
+from trainer.target import resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +71,7 @@ class Eagle3(DraftObjective):
         self,
         target: str,
         draft_vocab_size: int = 32000,
-        aux_layers: list[int] | None = None,
+        target_layers: list[int] | None = None,
         ttt_steps: int = 7,
         step_decay: float = 0.8,
         labels: Literal["soft", "hard"] = "soft",
@@ -84,7 +81,7 @@ class Eagle3(DraftObjective):
         drafter_dtype: str = "float32",
         trust_remote_code: bool = False,
         seed: int = 0,
-        teacher_signals: Literal["online", "shards"] = "online",
+        target_signals: TargetSignals = "online",
         recompute: bool = True,
         attention: Impl = "dense",
         optim: Optim = Optim(),
@@ -93,8 +90,8 @@ class Eagle3(DraftObjective):
         Args:
             target: the target, an HF causal LM directory or hub id.
             draft_vocab_size: size of the reduced draft vocabulary (the most frequent trained tokens).
-            aux_layers: target layers fused by the drafter, in HF hidden_states indices (input of layer i; 0 is the
-                embeddings); None uses 2, L // 2, L - 3.
+            target_layers: the target layers fused by the drafter (its aux layers), in HF hidden_states indices (the
+                input of layer i; 0 is the embeddings); None uses 2, L // 2, L - 3.
             ttt_steps: K, the unrolled drafting steps of training-time test.
             step_decay: weight of step i is step_decay ** i.
             labels: "soft" matches the target's distribution over the draft vocabulary (renormalised; cross entropy
@@ -109,10 +106,10 @@ class Eagle3(DraftObjective):
             drafter_dtype: the drafter's weights dtype.
             trust_remote_code: allow custom modelling code in the target directory (off by default).
             seed: seed for the drafter's initialisation.
-            teacher_signals: "online" runs the target in every step; "shards" reads its aux-layer hidden states and
-                top-k next tokens (temperature 1) from the batches of a ShardDataModule whose hidden_layers are the
-                aux_layers (written by ``draftsmith precompute``), loading only the target's config, embedding and
-                lm_head, never the model.
+            target_signals: "online" runs the target in every step; "shards" reads the hidden states of its
+                target_layers and its top-k next tokens (temperature 1) from the batches of a ShardDataModule whose
+                hidden_layers are the target_layers (written by ``draftsmith precompute``), loading only the target's
+                config, embedding and lm_head, never the model.
             recompute: recompute TTT steps 0..K-2 in backward instead of storing their activations (each keeps its
                 inputs and outputs only; the last step is stored, as it is the first one backward needs): at K = 7
                 the step holds 1.4x the memory K = 1 holds for backward instead of 5.9x (bench/bench_eagle3_ttt.py).
@@ -126,58 +123,40 @@ class Eagle3(DraftObjective):
             raise ValueError(f"model.ttt_steps must be >= 1, got {ttt_steps}")
         if not 0.0 < step_decay <= 1.0:
             raise ValueError(f"model.step_decay must be in (0, 1], got {step_decay}")
-        self.target_path = target
         self.ttt_steps, self.step_decay, self.labels, self.ttt_inputs = ttt_steps, step_decay, labels, ttt_inputs
-        self.teacher_signals, self.recompute, self.attention = teacher_signals, recompute, attention
-        frozen: FrozenTarget | TargetEmbeddings
-        if teacher_signals == "online":
-            frozen = FrozenTarget.from_pretrained(target, target_dtype, trust_remote_code)
-        elif teacher_signals == "shards":
-            frozen = TargetEmbeddings.from_pretrained(target, target_dtype, trust_remote_code)
-        else:
-            raise ValueError(f"model.teacher_signals={teacher_signals!r} is not 'online' or 'shards'")
-        self._target = [frozen]  # a list: kept out of the module tree, so out of checkpoints and optimizers
-        self.track_frozen("target", target, frozen.config)
+        self.recompute, self.attention = recompute, attention
+        frozen = self.load_target(target, target_signals, target_dtype, trust_remote_code)
         torch.manual_seed(seed)
         self.vocab_fixed = init_from is not None
         if init_from is not None:
-            drafter, record = load_drafter(init_from)
-            where = f"model.init_from {init_from!r}"
-            if record.kind != eagle3_kind.KIND:
-                raise ValueError(f"{where}: holds a drafter of kind {record.kind!r}, not {eagle3_kind.KIND!r}")
-            check_target(record, frozen.config, where)
-            self.drafter = drafter
+            self.drafter = self.drafter_from_checkpoint(init_from, eagle3_kind.KIND)
             log.info("EAGLE-3 drafter, its shape and its vocabulary map loaded from %s", init_from)
         else:
-            config = Eagle3Config.from_target(frozen.config, draft_vocab_size, aux_layers)
+            config = Eagle3Config.from_target(frozen.config, draft_vocab_size, target_layers)
             config.vocab_size = frozen.vocab_size
-            L_ = frozen.num_layers
             for i in config.aux_layers:
-                if not 0 <= i <= L_:
-                    raise ValueError(f"model.aux_layers: {i} is outside the target's hidden_states 0..{L_}")
+                if not 0 <= i <= frozen.num_layers:
+                    raise ValueError(
+                        f"model.target_layers: {i} is outside the target's hidden_states 0..{frozen.num_layers}"
+                    )
             self.drafter = Eagle3Drafter(config)
         self.drafter.to(resolve_dtype(drafter_dtype))
-
-    @property
-    def target(self) -> FrozenTarget | TargetEmbeddings:
-        """The frozen target (online), or its config, embedding and lm_head (shards)."""
-        return self._target[0]
 
     def trainable_module(self) -> nn.Module:
         return self.drafter
 
     # ---- the reduced vocabulary ----------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        if self.teacher_signals == "shards":
-            self._check_shards(datamodule)
-        else:  # the data's token ids must mean what the target's do (the shards' check covers the other mode)
-            width = self.target.vocab_size
-            tokenizer = load_tokenizer_if_present(self.target_path)
-            check_data_tokenizer(datamodule, self.target_path, tokenizer, width, width)
+        datamodule = self.attached_datamodule()
+        # shards: of this target, tokenizer and vocabulary at temperature 1 (the labels are the target's own
+        # distribution), holding the drafter's target layers in its order (teacher_hidden[:, j] is fused as layer j)
+        config = self.drafter.config
+        self.check_data(
+            datamodule, self.target.vocab_size, target_layers=config.aux_layers, hidden_size=config.target_hidden_size
+        )
         if self.vocab_fixed:
             return
-        if self.teacher_signals == "shards":
+        if self.target_signals == "shards":
             self.install_vocab_map(datamodule.training_rows())
             return
         dataset = getattr(datamodule, "train_dataset", None)
@@ -187,26 +166,6 @@ class Eagle3(DraftObjective):
                 "with ids and trained arrays (or pass model.init_from)"
             )
         self.build_vocab_map(dataset.ids, dataset.trained)
-
-    def _check_shards(self, datamodule) -> None:
-        """Refuses data other than shards of this target, tokenizer and vocabulary at temperature 1 (the labels are
-        the target's own distribution) holding the drafter's aux layers in its order."""
-        tokenizer = load_tokenizer_if_present(self.target_path)
-        vocab_size = len(tokenizer) if tokenizer is not None else self.target.vocab_size
-        data = checked_shard_data(
-            datamodule, vocab_size=vocab_size, tokenizer=tokenizer, teacher=self.target_path, temperature=1.0
-        )
-        aux = list(self.drafter.config.aux_layers)
-        if list(data.hidden_layers) != aux:
-            raise ValueError(
-                f"data.hidden_layers={list(data.hidden_layers)} must equal the drafter's aux_layers {aux}, in "
-                "that order: teacher_hidden[:, j] is fused as aux layer j"
-            )
-        if data.meta.hidden_size != self.drafter.config.target_hidden_size:
-            raise ValueError(
-                f"{data.shards_dir}: hidden states of width {data.meta.hidden_size}, the target {self.target_path!r} "
-                f"has {self.drafter.config.target_hidden_size}"
-            )
 
     def build_vocab_map(self, ids, trained, chunk_rows: int = 4096) -> None:
         """:meth:`install_vocab_map` of [R, S + 1] ``ids`` and ``trained`` arrays, read ``chunk_rows`` at a time."""
@@ -236,10 +195,8 @@ class Eagle3(DraftObjective):
     # ---- training ------------------------------------------------------------------------------------------------
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ids = batch["input_ids"]  # [B, S]
-        target = self.target
-        if target.lm_head_weight.device != ids.device:
-            target.to(ids.device)
-        signals = self._shard_signals(batch) if self.teacher_signals == "shards" else self._online_signals(ids)
+        self.target_on(ids.device)
+        signals = self._shard_signals(batch) if self.target_signals == "shards" else self._online_signals(ids)
         return self._ttt_loss(ids, batch["loss_mask"], *signals)
 
     def _draft_index(self) -> torch.Tensor:
@@ -360,18 +317,10 @@ class Eagle3(DraftObjective):
 
     def flops_per_token(self) -> float:
         drafter = 2.0 * count_params(self.drafter)
-        if self.teacher_signals == "shards":
+        if self.target_signals == "shards":
             return 3.0 * drafter * self.ttt_steps  # the target ran in precompute
         target = causal_lm_flops_per_token(self.target.model, 1024)
         return 3.0 * drafter * self.ttt_steps + target
-
-    def speculative_eval_target(self) -> PreTrainedModel:
-        if not isinstance(self.target, FrozenTarget):
-            raise ValueError(
-                "teacher_signals: shards never builds the target, so SpeculativeEvalCallback cannot decode with it: "
-                "measure the exported drafter with draftsmith eval, or train online"
-            )
-        return self.target.model
 
     def drafter_record(self) -> DrafterRecord:
         architectures = getattr(self.target.config, "architectures", None) or []

@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import torch
 
-from trainer.decoding.proposers import ProposalContext
+from trainer.decoding.proposers import BaseProposer, ProposalContext
 from trainer.decoding.tree import DraftTree
 from trainer.methods.eagle3.module import Eagle3Drafter
 
 
-class _Eagle3Base:
+class _Eagle3Base(BaseProposer):
     """Shared state: the drafter, the target's embedding and the drafter's cache of committed positions."""
 
     def __init__(self, drafter: Eagle3Drafter, embedding: torch.nn.Module) -> None:

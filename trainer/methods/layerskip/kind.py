@@ -4,7 +4,7 @@ that drafts for itself with its first E layers.
 Exported as a plain HF checkpoint (transformers, vLLM and SGLang load it; transformers drafts with it through
 ``generate(assistant_early_exit=E)``) with ``layerskip.json`` beside it (how it was trained), which is how a folder
 is recognised as this kind rather than as a separate draft model. Drafted by the early-exit proposer
-(proposer.py) with ``--exit-layer E``, through the target session: pass the same folder as
+(proposer.py) with ``--exit_layer E``, through the target session: pass the same folder as
 ``--target``.
 """
 
@@ -15,9 +15,10 @@ from pathlib import Path
 
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from trainer.decoding.options import ProposerOptions
 from trainer.export.hf import save_hf
 from trainer.methods.layerskip.proposer import EarlyExitProposer
-from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, ProposerOptions, register_kind
+from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
 
 KIND = "layerskip"
 MARKER = "layerskip.json"
@@ -71,7 +72,7 @@ def proposer(model: PreTrainedModel, record: DrafterRecord, target: PreTrainedMo
     """Early exit at ``options.exit_layer`` through the target session (the target is this model)."""
     if options.exit_layer is None:
         layers = int(record.config["model"]["num_hidden_layers"])
-        raise ValueError(f"a LayerSkip model drafts with its first E layers: give --exit-layer E in 1..{layers - 1}")
+        raise ValueError(f"a LayerSkip model drafts with its first E layers: give --exit_layer E in 1..{layers - 1}")
     return EarlyExitProposer.from_options(target, options)
 
 

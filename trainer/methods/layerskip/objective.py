@@ -16,9 +16,9 @@ Training (Elhoushi et al. 2024; torchtune's names):
   ``i`` is enabled when ``i % period == step % period``) and ``gradual`` (exits enabled from the last layer down,
   all of them after ``curriculum_steps``). Every exit's logits are computed in chunks of positions and freed.
 
-Pre-training a fresh Llama from a tokenizer (``tokenizer`` with ``model_config`` overrides), or fine-tuning any HF
-Llama-like model in full (``model``). The model is saved as a plain HF checkpoint (drafter kind ``layerskip``: a
-``layerskip.json`` beside it says how it was trained); ``draftsmith eval --drafter DIR --exit-layer E`` drafts with
+Pre-training a fresh Llama from a tokenizer (``tokenizer`` with ``target_config`` overrides), or fine-tuning any HF
+Llama-like model in full (``target``). The model is saved as a plain HF checkpoint (drafter kind ``layerskip``: a
+``layerskip.json`` beside it says how it was trained); ``draftsmith eval --drafter DIR --exit_layer E`` drafts with
 its first E layers through the target session (proposer.py), and transformers runs it with
 ``generate(assistant_early_exit=E)``.
 """
@@ -34,6 +34,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 
+from trainer.data.vocab import load_tokenizer_if_present
 from trainer.decoding.session import slice_refusal
 from trainer.export.hf import export_student
 from trainer.llama import new_llama_config
@@ -42,7 +43,6 @@ from trainer.methods.layerskip import kind as layerskip_kind
 from trainer.objective import DraftObjective, Optim, causal_lm_flops_per_token, derived_seed
 from trainer.registry import DrafterRecord
 from trainer.target import resolve_dtype
-from trainer.vocab import check_data_tokenizer, load_tokenizer_if_present
 
 SCALES = ("uniform", "linear_l", "sum_l", "sqrt_l", "inv_l")
 
@@ -150,9 +150,9 @@ class LayerSkip(DraftObjective):
 
     def __init__(
         self,
-        model: str | None = None,
+        target: str | None = None,
         tokenizer: str | None = None,
-        model_config: dict[str, int | float | str | bool] | None = None,
+        target_config: dict[str, int | float | str | bool] | None = None,
         p_max: float = 0.1,
         dropout_scale: Literal["exp", "linear"] = "exp",
         early_exit_layers: list[int] | None = None,
@@ -160,18 +160,18 @@ class LayerSkip(DraftObjective):
         curriculum: Literal["none", "rotational", "gradual"] = "none",
         curriculum_period: int = 2,
         curriculum_steps: int = 0,
-        chunk_size: int = 256,
-        model_dtype: str = "float32",
-        save_dir: str | None = None,
+        loss_chunk_size: int = 256,
+        target_dtype: str = "float32",
+        export_dir: str | None = None,
         trust_remote_code: bool = False,
         seed: int = 0,
         optim: Optim = Optim(),
     ) -> None:
         """
         Args:
-            model: an HF Llama-like causal LM directory or hub id to fine-tune; None pre-trains a fresh Llama.
-            tokenizer: the tokenizer of a fresh model (its length is the vocabulary); ignored with ``model``.
-            model_config: a fresh model's Llama config overrides, e.g. {hidden_size: 256, num_hidden_layers: 4}.
+            target: an HF Llama-like causal LM directory or hub id to fine-tune; None pre-trains a fresh Llama.
+            tokenizer: the tokenizer of a fresh model (its length is the vocabulary); ignored with ``target``.
+            target_config: a fresh model's Llama config overrides, e.g. {hidden_size: 256, num_hidden_layers: 4}.
             p_max: the largest layer-dropout rate (reached at the last layer but one), in [0, 1).
             dropout_scale: how the rate rises with depth: "exp" or "linear".
             early_exit_layers: layers (0-based) whose output also gets the loss; None: every layer but the last.
@@ -179,9 +179,9 @@ class LayerSkip(DraftObjective):
             curriculum: which exits are enabled at a step: "none" (all), "rotational", "gradual".
             curriculum_period: rotational: one exit in this many is enabled per step, rotating.
             curriculum_steps: gradual: optimizer steps until every exit is enabled.
-            chunk_size: positions per chunk of every exit's logits.
-            model_dtype: the model's weights dtype (float32, bfloat16).
-            save_dir: where the model (HF checkpoint, tokenizer, layerskip.json) is saved at the end of fit.
+            loss_chunk_size: positions per chunk of every exit's logits.
+            target_dtype: the model's weights dtype (float32, bfloat16).
+            export_dir: where the model (HF checkpoint, tokenizer, layerskip.json) is saved at the end of fit.
             trust_remote_code: allow custom modelling code in the model directory (off by default).
             seed: seed of a fresh model's initialisation and of the layer dropout.
             optim: optimizer and learning-rate schedule.
@@ -198,18 +198,20 @@ class LayerSkip(DraftObjective):
                 f"{curriculum_steps}"
             )
         torch.manual_seed(seed)
-        if model is not None:
+        if target is not None:
             hf = AutoModelForCausalLM.from_pretrained(
-                model, dtype=resolve_dtype(model_dtype), trust_remote_code=trust_remote_code
+                target, dtype=resolve_dtype(target_dtype), trust_remote_code=trust_remote_code
             )
-            self.tokenizer_path: str | None = model
+            self.tokenizer_path: str | None = target
         elif tokenizer is not None:
-            config = new_llama_config(AutoTokenizer.from_pretrained(tokenizer), model_config or {}, "model_config")
-            hf = LlamaForCausalLM(config).to(resolve_dtype(model_dtype))
+            config = new_llama_config(AutoTokenizer.from_pretrained(tokenizer), target_config or {}, "target_config")
+            hf = LlamaForCausalLM(config).to(resolve_dtype(target_dtype))
             self.tokenizer_path = tokenizer
         else:
-            raise ValueError("set model.model (a model to fine-tune) or model.tokenizer (a fresh model)")
-        self.net = LayerSkipLM(hf, chunk_size)
+            raise ValueError("set model.target (a model to fine-tune) or model.tokenizer (a fresh model)")
+        self.target_path = target  # trained: not a frozen target
+        self.tokenizer = load_tokenizer_if_present(self.tokenizer_path)
+        self.net = LayerSkipLM(hf, loss_chunk_size)
         refusal = slice_refusal(self.model)
         if refusal is not None:
             raise ValueError(f"LayerSkip runs the model's layers one at a time, which it cannot do here: {refusal}")
@@ -225,7 +227,7 @@ class LayerSkip(DraftObjective):
         self.rates = dropout_rates(L, p_max, dropout_scale)
         self.exit_scale, self.curriculum = exit_scale, curriculum
         self.curriculum_period, self.curriculum_steps = curriculum_period, curriculum_steps
-        self.save_dir, self.seed = save_dir, seed
+        self.export_dir, self.seed = export_dir, seed
         self._micro = 0
 
     @property
@@ -237,10 +239,8 @@ class LayerSkip(DraftObjective):
         return self.net
 
     def setup(self, stage: str) -> None:
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         width = self.model.get_output_embeddings().weight.shape[0]
-        tokenizer = load_tokenizer_if_present(self.tokenizer_path) if self.tokenizer_path else None
-        check_data_tokenizer(datamodule, self.tokenizer_path or "the model", tokenizer, width, width)
+        self.check_data(self.attached_datamodule(), width, name=self.tokenizer_path)
 
     # ---- the schedule of a step ------------------------------------------------------------------------------------
     def enabled_exits(self, step: int) -> list[int]:
@@ -301,7 +301,7 @@ class LayerSkip(DraftObjective):
         )
 
     def on_train_end(self) -> None:
-        if self.save_dir:
-            export_student(self, self.model, self.save_dir, self.tokenizer_path)
+        if self.export_dir:
+            export_student(self, self.model, self.export_dir, self.tokenizer_path)
             if self.global_rank == 0:
-                layerskip_kind.write_marker(self.drafter_record(), self.save_dir)
+                layerskip_kind.write_marker(self.drafter_record(), self.export_dir)

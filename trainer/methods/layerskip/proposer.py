@@ -10,22 +10,20 @@ Greedy output equals the target's; at a temperature the drafts are sampled from 
 speculative sampling keeps the output distributed as the target's.
 
 Early exits of a model not trained for them are poor drafters; LayerSkip training (layer dropout and an early-exit
-loss) makes them good. ``draftsmith eval --drafter early-exit --exit-layer E`` measures any sliceable target.
+loss) makes them good. ``draftsmith eval --drafter early-exit --exit_layer E`` measures any sliceable target.
 """
 
 from __future__ import annotations
 
 import torch
 
-from trainer.decoding.proposers import ProposalContext, draw, register_proposer
+from trainer.decoding.proposers import BaseProposer, ProposalContext, draw, register_proposer
 from trainer.decoding.tree import DraftTree
 
 
 @register_proposer("early-exit")
-class EarlyExitProposer:
+class EarlyExitProposer(BaseProposer):
     """Drafts with the target session's first ``exit_layer`` layers and its own final norm and lm_head."""
-
-    needs_hidden_states: tuple[int, ...] = ()
 
     def __init__(self, exit_layer: int) -> None:
         """
@@ -38,9 +36,9 @@ class EarlyExitProposer:
 
     @classmethod
     def from_options(cls, target, options=None) -> EarlyExitProposer:
-        """Build from the command line: ``--exit-layer E`` is required."""
+        """Build from the command line: ``--exit_layer E`` is required."""
         if options is None or options.exit_layer is None:
-            raise ValueError("the early-exit drafter needs --exit-layer E (the layer the draft exits at)")
+            raise ValueError("the early-exit drafter needs --exit_layer E (the layer the draft exits at)")
         proposer = cls(options.exit_layer)
         if target is not None:
             proposer.check(int(target.config.num_hidden_layers))

@@ -3,8 +3,8 @@ and for Medusa-2 the target trained with them.
 
 Exported for vLLM (``medusa``) or the original Medusa / TGI layout (``medusa-tgi``), with a Medusa-2 drafter's trained
 target beside the heads (export.py); drafted as the heads' argmax chain, or with ``--tree`` as a tree
-of top-k paths (``--tree-choices FILE``; the Medusa paper's 63-node tree for 4 heads by default; ``draftsmith eval
---write-tree FILE`` builds one for a node budget from the heads' measured top-k accuracy).
+of top-k paths (``--tree_choices FILE``; the Medusa paper's 63-node tree for 4 heads by default; ``draftsmith eval
+--write_tree FILE`` builds one for a node budget from the heads' measured top-k accuracy).
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ from pathlib import Path
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from trainer.export.checkpoint import sub_state_dict
+from trainer.checkpoints.reading import sub_state_dict
+from trainer.decoding.options import ProposerOptions
 from trainer.export.files import folder_config
 from trainer.methods.medusa import export as formats
 from trainer.methods.medusa.module import MedusaConfig, MedusaDrafter
 from trainer.methods.medusa.proposer import MEDUSA_SPARSE_TREE, MedusaProposer
-from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, ProposerOptions, register_kind
+from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
 
 KIND = "medusa"
 
@@ -79,8 +80,8 @@ def proposer(module: MedusaDrafter, record: DrafterRecord, target: PreTrainedMod
         choices = options.tree_choices
         if choices is None and module.config.num_heads != 4:
             raise ValueError(
-                f"--tree for {module.config.num_heads} heads needs --tree-choices FILE (the Medusa paper's tree is for "
-                "4 heads; draftsmith eval --write-tree FILE builds one from the heads' measured accuracy)"
+                f"--tree for {module.config.num_heads} heads needs --tree_choices FILE (the Medusa paper's tree is for "
+                "4 heads; draftsmith eval --write_tree FILE builds one from the heads' measured accuracy)"
             )
         choices = choices or MEDUSA_SPARSE_TREE
     return MedusaProposer(module.heads, int(target.config.num_hidden_layers), choices)

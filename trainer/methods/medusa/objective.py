@@ -6,14 +6,15 @@ target's own head predicts t + 1): its labels are the data's tokens (``labels: d
 tokens (``labels: target``; with regenerated data this is how Medusa is trained in practice), shifted by 1 + k, under
 the loss mask of that token.
 
-- Medusa-1 (``stage: 1``): loss ``sum_k decay^k CE_k``; the target is frozen (a FrozenTarget: never in a checkpoint),
-  or never built when its final hidden states come from shards (``teacher_signals: shards``, data ``hidden_layers``
-  ``[L]`` of ``draftsmith precompute``; only its config and lm_head are read, for the heads' initialisation).
-- Medusa-2 (``stage: 2``): loss ``L_lm + sum_k coef * decay^k * warmup(step) * CE_k`` (coef 0.2, decay 0.8), where
-  ``L_lm`` is the target's next-token loss, or with ``self_distillation`` the KL from a frozen copy of the original
-  target to the trained one (its outputs do not drift from what it was); the heads learn ``heads_lr_multiplier``
-  (4) times faster than the target, which trains in full or its last ``trained_target_layers`` layers and final
-  norm; the warm-up of the heads' weight is constant, linear or sine over ``heads_warmup_steps``.
+- Medusa-1 (``stage: 1``): loss ``sum_k step_decay^k CE_k``; the target is frozen (a FrozenTarget: never in a
+  checkpoint), or never built when its final hidden states come from shards (``target_signals: shards``, data
+  ``hidden_layers`` ``[L]`` of ``draftsmith precompute``; only its config, embedding and lm_head are read, the lm_head
+  for the heads' initialisation).
+- Medusa-2 (``stage: 2``): loss ``L_lm + sum_k coef * step_decay^k * warmup(step) * CE_k`` (coef 0.2, step_decay
+  0.8), where ``L_lm`` is the target's next-token loss, or with ``self_distillation`` the KL from a frozen copy of the
+  original target to the trained one (its outputs do not drift from what it was); the heads learn
+  ``heads_lr_multiplier`` (4) times faster than the target, which trains in full or its last ``trained_target_layers``
+  layers and final norm; the warm-up of the heads' weight is constant, linear or sine over ``heads_warmup_steps``.
 
 Every head's logits are computed in chunks of positions (trainer/losses.py), one head after the other, so that the
 float32 logits of all heads never exist at once. The drafter (module.py) holds the heads and, for
@@ -30,14 +31,13 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from trainer.data.shard_datamodule import checked_shard_data
+from trainer.data.vocab import load_tokenizer_if_present
 from trainer.losses import chunked_cross_entropy, fused_kd_loss
 from trainer.methods.medusa import kind as medusa_kind
 from trainer.methods.medusa.module import MedusaConfig, MedusaDrafter
-from trainer.objective import DraftObjective, Optim, causal_lm_flops_per_token, count_params
+from trainer.objective import DraftObjective, Optim, TargetSignals, causal_lm_flops_per_token, count_params
 from trainer.registry import DrafterRecord
-from trainer.target import FrozenTarget, TargetEmbeddings, resolve_dtype
-from trainer.vocab import check_data_tokenizer, load_tokenizer_if_present
+from trainer.target import FrozenTarget, resolve_dtype
 
 IGNORE_INDEX = -100
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class Medusa(DraftObjective):
         num_layers: int = 1,
         head_bias: bool = True,
         stage: Literal[1, 2] = 1,
-        decay: float = 0.8,
+        step_decay: float = 0.8,
         labels: Literal["data", "target"] = "data",
         heads_coefficient: float = 0.2,
         heads_warmup: Literal["constant", "linear", "sine"] = "linear",
@@ -84,10 +84,10 @@ class Medusa(DraftObjective):
         heads_lr_multiplier: float = 4.0,
         self_distillation: bool = False,
         trained_target_layers: int | None = None,
-        teacher_signals: Literal["online", "shards"] = "online",
-        chunk_size: int = 256,
+        target_signals: TargetSignals = "online",
+        loss_chunk_size: int = 256,
         target_dtype: str = "float32",
-        heads_dtype: str = "float32",
+        drafter_dtype: str = "float32",
         trust_remote_code: bool = False,
         seed: int = 0,
         optim: Optim = Optim(),
@@ -99,7 +99,7 @@ class Medusa(DraftObjective):
             num_layers: residual blocks per head.
             head_bias: the blocks' linear layers have a bias (vLLM's medusa_fc_bias).
             stage: 1 trains the heads on the frozen target (Medusa-1); 2 trains heads and target together.
-            decay: head k's loss weight is decay ** k.
+            step_decay: head k's loss weight is step_decay ** k.
             labels: "data" (the rows' tokens) or "target" (the target's own greedy tokens).
             heads_coefficient: stage 2: the heads' loss weight beside the target's loss.
             heads_warmup: stage 2: how the heads' weight rises over heads_warmup_steps (constant, linear, sine).
@@ -109,11 +109,11 @@ class Medusa(DraftObjective):
                 of the next-token loss on the data.
             trained_target_layers: stage 2: train the last this many decoder layers and the final norm (None: the
                 whole target).
-            teacher_signals: stage 1: "online" runs the target in every step; "shards" reads its final normed
+            target_signals: stage 1: "online" runs the target in every step; "shards" reads its final normed
                 hidden states (data hidden_layers [L]) and top-k from a ShardDataModule and never builds it.
-            chunk_size: positions per chunk of every head's logits.
+            loss_chunk_size: positions per chunk of every head's logits.
             target_dtype: the target's weights dtype (float32, bfloat16, float16; stage 2 trains it: not float16).
-            heads_dtype: the heads' weights dtype.
+            drafter_dtype: the heads' weights dtype.
             trust_remote_code: allow custom modelling code in the target directory (off by default).
             seed: seed of the heads' initialisation.
             optim: optimizer and learning-rate schedule.
@@ -123,7 +123,7 @@ class Medusa(DraftObjective):
         checks = {
             "num_heads": num_heads >= 1,
             "num_layers": num_layers >= 0,
-            "decay": 0.0 < decay <= 1.0,
+            "step_decay": 0.0 < step_decay <= 1.0,
             "heads_coefficient": heads_coefficient > 0,
             "heads_lr_multiplier": heads_lr_multiplier > 0,
             "heads_warmup_steps": heads_warmup_steps >= 0,
@@ -131,8 +131,8 @@ class Medusa(DraftObjective):
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"model.{name} is out of range: {locals()[name]!r}")
-        if stage == 2 and teacher_signals == "shards":
-            raise ValueError("model.stage=2 trains the target, which shards cannot: use teacher_signals: online")
+        if stage == 2 and target_signals == "shards":
+            raise ValueError("model.stage=2 trains the target, which shards cannot: use target_signals: online")
         if stage == 2 and target_dtype == "float16":
             raise ValueError(
                 "model.stage=2 trains the target's weights, which float16 cannot hold stably (no master copy): use "
@@ -140,35 +140,21 @@ class Medusa(DraftObjective):
             )
         if stage == 1 and (self_distillation or trained_target_layers is not None):
             raise ValueError("model.self_distillation and model.trained_target_layers apply to stage 2 only")
-        self.target_path, self.stage, self.decay, self.labels = target, stage, decay, labels
+        self.stage, self.step_decay, self.labels, self.loss_chunk_size = stage, step_decay, labels, loss_chunk_size
         self.heads_coefficient, self.heads_warmup, self.heads_warmup_steps = (
             heads_coefficient,
             heads_warmup,
             heads_warmup_steps,
         )
         self.heads_lr_multiplier, self.self_distillation = heads_lr_multiplier, self_distillation
-        self.teacher_signals, self.chunk_size = teacher_signals, chunk_size
-        dtype = resolve_dtype(target_dtype)
-        self.target: FrozenTarget | None = None
         self.original: FrozenTarget | None = None
-        model: PreTrainedModel | None = None
-        if teacher_signals == "shards":
-            frozen = TargetEmbeddings.from_pretrained(target, target_dtype, trust_remote_code)
+        model = None
+        if stage == 1:  # frozen: in the module tree, as Lightning moves it and ZeRO-3 partitions it (never saved)
+            frozen = self.load_target(target, target_signals, target_dtype, trust_remote_code, in_module_tree=True)
             config, lm_head = frozen.config, frozen.lm_head_weight
-        elif stage == 1:
-            self.target = FrozenTarget.from_pretrained(target, target_dtype, trust_remote_code)
-            config, lm_head = self.target.config, self.target.lm_head_weight
-        else:
-            model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, trust_remote_code=trust_remote_code)
-            self._freeze_all_but_last(model, trained_target_layers)
+        else:  # trained with the heads: part of the drafter
+            model = self._trained_target(target, target_dtype, trust_remote_code, trained_target_layers)
             config, lm_head = model.config, model.get_output_embeddings().weight
-            if self_distillation:
-                self.original = FrozenTarget.from_pretrained(target, target_dtype, trust_remote_code)
-                self.track_frozen("original", target, config)
-            # under DeepSpeed the frozen layers are not saved: resume and export take them from the target's path
-            self.strict_loading = trained_target_layers is None
-        self.track_frozen("target", target, config)
-        self.target_config = config
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.num_target_layers = int(text.num_hidden_layers)
         heads = MedusaConfig(
@@ -184,7 +170,26 @@ class Medusa(DraftObjective):
                 "matrix and trains as a weight of its own, apart from the embedding",
                 target,
             )
-        self.drafter.heads.to(resolve_dtype(heads_dtype))
+        self.drafter.heads.to(resolve_dtype(drafter_dtype))
+
+    def _trained_target(
+        self, target: str, dtype: str, trust_remote_code: bool, trained_layers: int | None
+    ) -> PreTrainedModel:
+        """Stage 2: the target, trained in full or its last ``trained_layers`` layers; its fingerprint (and with
+        self-distillation a frozen copy of it, ``original``) kept as the run's frozen target."""
+        model = AutoModelForCausalLM.from_pretrained(
+            target, dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code
+        )
+        self._freeze_all_but_last(model, trained_layers)
+        if self.self_distillation:
+            self.original = FrozenTarget.from_pretrained(target, dtype, trust_remote_code)
+            self.track_frozen("original", target, model.config)
+        # under DeepSpeed the frozen layers are not saved: resume and export take them from the target's path
+        self.strict_loading = trained_layers is None
+        self.target_path, self.target_config = target, model.config
+        self.tokenizer = load_tokenizer_if_present(target)
+        self.track_frozen("target", target, model.config)
+        return model
 
     @staticmethod
     def _freeze_all_but_last(model: PreTrainedModel, layers: int | None) -> None:
@@ -209,17 +214,8 @@ class Medusa(DraftObjective):
         return [(self.drafter.model, 1.0), (self.drafter.heads, self.heads_lr_multiplier)]
 
     def setup(self, stage: str) -> None:
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        tokenizer = load_tokenizer_if_present(self.target_path)
-        width = self.drafter.config.vocab_size
-        if self.teacher_signals == "online":
-            check_data_tokenizer(datamodule, self.target_path, tokenizer, width, width)
-            return
-        vocab = len(tokenizer) if tokenizer is not None else width
-        data = checked_shard_data(
-            datamodule, vocab_size=vocab, tokenizer=tokenizer, teacher=self.target_path, temperature=1.0
-        )
-        if list(data.hidden_layers) != [self.num_target_layers]:
+        data = self.check_data(self.attached_datamodule(), self.drafter.config.vocab_size)
+        if data is not None and list(data.hidden_layers) != [self.num_target_layers]:
             raise ValueError(
                 f"data.hidden_layers={list(data.hidden_layers)}: Medusa heads read the target's final normed hidden "
                 f"state, hidden_states[{self.num_target_layers}]: write shards with hidden_layers "
@@ -231,12 +227,12 @@ class Medusa(DraftObjective):
         """(final normed hidden [B, S, H], the target's loss or None, the target's argmax [B, S] or None)."""
         ids = batch["input_ids"]  # [B, S]
         need_argmax = self.labels == "target"
-        if self.teacher_signals == "shards":
+        if self.target_signals == "shards":
             hidden = batch["teacher_hidden"][:, 0].to(self.drafter.heads.lm_heads[0].weight.dtype)  # [B, S, H]
             return hidden, None, batch["teacher_topk_ids"][..., 0].long() if need_argmax else None
         if self.stage == 1:
             hidden = self.target.final_hidden(ids)  # [B, S, H], no gradient
-            argmax = chunked_argmax(hidden, self.target.lm_head_weight, self.chunk_size) if need_argmax else None
+            argmax = chunked_argmax(hidden, self.target.lm_head_weight, self.loss_chunk_size) if need_argmax else None
             return hidden, None, argmax
         model = self.drafter.model
         hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state  # [B, S, H], trained
@@ -244,18 +240,19 @@ class Medusa(DraftObjective):
         if self.self_distillation:
             teacher = self.original.final_hidden(ids)  # [B, S, H]
             lm = fused_kd_loss(
-                hidden, weight, teacher, self.original.lm_head_weight, batch["loss_mask"], chunk_size=self.chunk_size
-            ).loss
+                hidden, weight, teacher, self.original.lm_head_weight, batch["loss_mask"],
+                chunk_size=self.loss_chunk_size,
+            ).loss  # fmt: skip
         else:
-            lm = chunked_cross_entropy(hidden, weight, batch["labels"], self.chunk_size)
+            lm = chunked_cross_entropy(hidden, weight, batch["labels"], self.loss_chunk_size)
         source = teacher if self.self_distillation else hidden.detach()
         source_weight = self.original.lm_head_weight if self.self_distillation else weight.detach()
-        argmax = chunked_argmax(source, source_weight, self.chunk_size) if need_argmax else None
+        argmax = chunked_argmax(source, source_weight, self.loss_chunk_size) if need_argmax else None
         return hidden, lm, argmax
 
     def head_weights(self) -> list[float]:
         """The loss weight of every head at this step."""
-        weights = [self.decay**k for k in range(self.drafter.config.num_heads)]
+        weights = [self.step_decay**k for k in range(self.drafter.config.num_heads)]
         if self.stage == 1:
             return weights
         ramp = warmup_factor(self.global_step, self.heads_warmup_steps, self.heads_warmup)
@@ -275,11 +272,12 @@ class Medusa(DraftObjective):
             if not bool(trained.any()):
                 continue  # rows too short for this head
             features = heads.head_hidden(hidden, k)  # [B, S, H]
-            loss_k = chunked_cross_entropy(features, heads.lm_heads[k].weight, target_k, self.chunk_size)
+            loss_k = chunked_cross_entropy(features, heads.lm_heads[k].weight, target_k, self.loss_chunk_size)
             total = total + weight * loss_k
             metrics[f"loss_{k}"] = loss_k.detach()
             if self._log_accuracy():  # one more projection per head: only at the steps that are logged
-                guess = chunked_argmax(features.detach(), heads.lm_heads[k].weight.detach(), self.chunk_size)  # [B, S]
+                weight_k = heads.lm_heads[k].weight.detach()
+                guess = chunked_argmax(features.detach(), weight_k, self.loss_chunk_size)  # [B, S]
                 metrics[f"acc_{k}"] = ((guess == target_k) & trained).sum().float() / trained.sum().float()
         return total, metrics
 
@@ -291,7 +289,7 @@ class Medusa(DraftObjective):
 
     def flops_per_token(self) -> float:
         heads = 2.0 * count_params(self.drafter.heads)
-        if self.teacher_signals == "shards":
+        if self.target_signals == "shards":
             return 3.0 * heads
         model = self.drafter.model if self.stage == 2 else self.target.model
         target = causal_lm_flops_per_token(model, self.data_seq_len())
@@ -301,12 +299,7 @@ class Medusa(DraftObjective):
     def speculative_eval_target(self) -> PreTrainedModel:
         if self.stage == 2:
             return self.drafter.model  # Medusa-2 drafts for the target trained with it
-        if self.target is None:
-            raise ValueError(
-                "teacher_signals: shards never builds the target, so SpeculativeEvalCallback cannot decode with it: "
-                "measure the exported heads with draftsmith eval, or train online"
-            )
-        return self.target.model
+        return super().speculative_eval_target()
 
     def drafter_record(self) -> DrafterRecord:
         return medusa_kind.make_record(self.drafter.config, self.target_path, self.target_config)

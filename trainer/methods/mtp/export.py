@@ -40,7 +40,9 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers.core_model_loading import revert_weight_conversion
 
+from trainer.data.vocab import TOKENIZER_FILES, load_tokenizer_if_present
 from trainer.methods.mtp.module import LAYOUTS, NEXTN_MODEL_TYPES, MTPConfig, MTPDrafter, text_config, trunk_parts
+from trainer.methods.mtp.record import make_record
 from trainer.registry import DrafterRecord
 from trainer.target import (
     EMBEDDING_NAMES,
@@ -50,7 +52,6 @@ from trainer.target import (
     target_file,
     weight_map,
 )
-from trainer.vocab import TOKENIZER_FILES, load_tokenizer_if_present
 
 MTP_WEIGHTS = "model-mtp.safetensors"
 NEXTN_OWN = ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")
@@ -299,8 +300,6 @@ def _read(source: str | Path, names: list[str]) -> dict[str, torch.Tensor]:
 
 def _loaded_record(drafter: MTPDrafter, source: str) -> DrafterRecord:
     """The record of modules read from a model checkpoint: the checkpoint is also their target."""
-    from trainer.methods.mtp.kind import make_record
-
     text = text_config(drafter.config.trunk_config())
     local = Path(source).is_dir()
     has_tokenizer = not local or any((Path(source) / f).is_file() for f in TOKENIZER_FILES)

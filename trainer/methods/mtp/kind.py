@@ -3,7 +3,8 @@
 Trained by objective.py (pre-training with the trunk, refresh and extend on a frozen model). Exported as
 the model with its modules in the layout of its architecture (``mtp``: ``nextn`` for DeepSeek-V3, ``qwen3-next``
 otherwise), in a named layout, or as the model alone (``hf``); drafted by proposer.py on the
-target session's hidden states, with the target's own embedding and lm_head.
+target session's hidden states, with the target's own embedding and lm_head. The record of the modules is
+record.py's (re-exported here).
 """
 
 from __future__ import annotations
@@ -12,47 +13,12 @@ from pathlib import Path
 
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from trainer.decoding.options import ProposerOptions
 from trainer.methods.mtp import export as formats
 from trainer.methods.mtp.module import MTPConfig, MTPDrafter, text_config
 from trainer.methods.mtp.proposer import MTPProposer
-from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, ProposerOptions, register_kind
-
-KIND = "mtp"
-COMPONENTS = {"mtp": "drafter.mtp.", "trunk": "drafter.trunk."}
-"""Component -> state-dict prefix in a training checkpoint (the objective's ``drafter`` attribute)."""
-
-
-def make_record(
-    config: MTPConfig,
-    target: str | None,
-    target_architectures: list[str],
-    with_trunk: bool,
-    tokenizer: str | None,
-) -> DrafterRecord:
-    """The record of MTP modules.
-
-    Args:
-        config: the modules' config.
-        target: the frozen model they draft for (refresh, extend), or None when the trunk is in the checkpoint.
-        target_architectures: the trunk config's ``architectures``.
-        with_trunk: the checkpoint holds the trunk (pre-training mode).
-        tokenizer: the tokenizer's directory or hub id.
-    """
-    text = text_config(config.trunk_config())
-    layer = int(text.num_hidden_layers) if config.trunk_hidden == "after_norm" else -1  # -1: FINAL_PRENORM
-    components = dict(COMPONENTS) if with_trunk else {"mtp": COMPONENTS["mtp"]}
-    return DrafterRecord(
-        kind=KIND,
-        config=config.to_dict(),
-        components=components,
-        target=target,
-        target_architectures=list(target_architectures or []),
-        target_layers=[layer],
-        target_vocab_size=int(text.vocab_size),
-        target_hidden_size=int(text.hidden_size),
-        tokenizer=tokenizer,
-        draft_tokens=config.depth,
-    )
+from trainer.methods.mtp.record import COMPONENTS, KIND, make_record  # noqa: F401 (the record, re-exported here)
+from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
 
 
 def build(record: DrafterRecord) -> MTPDrafter:
@@ -64,7 +30,7 @@ def build(record: DrafterRecord) -> MTPDrafter:
 
 def load_weights(drafter: MTPDrafter, record: DrafterRecord, state: dict, where: str) -> None:
     """Each component's weights, strictly."""
-    from trainer.export.checkpoint import sub_state_dict
+    from trainer.checkpoints.reading import sub_state_dict
 
     for component, prefix in record.components.items():
         target = getattr(drafter, component)

@@ -6,11 +6,11 @@ through its own final norm and the trunk's lm_head (module.py). Each depth's cro
 in chunks of positions (trainer/losses.py), one depth after the other, so the float32 logits of several depths never
 exist at once. Modes:
 
-- ``pretrain``: a fresh trunk (any HF family: ``model_type`` and ``model_config``, vocabulary from ``tokenizer``)
+- ``pretrain``: a fresh trunk (any HF family: ``model_type`` and ``target_config``, vocabulary from ``tokenizer``)
   trained together with its modules: ``loss = CE_main + lambda / D * sum_k CE_k``, lambda scheduled by the tokens
   seen (``mtp_weights``: DeepSeek-V3 used 0.3 for the first 10T tokens, then 0.1). MTP gradients reach the trunk,
   its embedding and its lm_head, which the modules share.
-- ``refresh``: the trunk is a frozen, already post-trained model (``model``); the modules start from its own MTP
+- ``refresh``: the trunk is a frozen, already post-trained model (``target``); the modules start from its own MTP
   modules when its checkpoint holds them (either layout, or ``init_from``, a draftsmith training checkpoint), or
   fresh, and are trained on regenerated data: ``loss = 1 / D * sum_k CE_k``. This is what a chat fine-tune that
   made the pre-training modules stale calls for.
@@ -37,14 +37,14 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from trainer.data.vocab import load_tokenizer_if_present
 from trainer.losses import chunked_cross_entropy
 from trainer.methods.mtp import export as exports
 from trainer.methods.mtp import kind as mtp_kind
 from trainer.methods.mtp.module import MTPConfig, MTPDrafter, text_config
 from trainer.objective import DraftObjective, Optim, causal_lm_flops_per_token, count_params
-from trainer.registry import DrafterRecord, check_target, load_drafter
+from trainer.registry import DrafterRecord
 from trainer.target import FrozenTarget, resolve_dtype
-from trainer.vocab import check_data_tokenizer, load_tokenizer_if_present
 
 log = logging.getLogger(__name__)
 
@@ -66,19 +66,19 @@ class SequentialMTP(DraftObjective):
         self,
         mode: Literal["pretrain", "refresh", "extend"] = "pretrain",
         mtp_depth: int = 1,
-        model: str | None = None,
+        target: str | None = None,
         tokenizer: str | None = None,
         model_type: str = "llama",
-        model_config: dict[str, int | float | str | bool] | None = None,
+        target_config: dict[str, int | float | str | bool] | None = None,
         mtp_weights: list[tuple[int, float]] | None = None,
         trunk_hidden: Literal["auto", "after_norm", "before_norm"] = "auto",
         layout: Literal["auto", "nextn", "qwen3_next"] = "auto",
         init_from: str | None = None,
-        load_model_modules: bool = True,
-        chunk_size: int = 256,
-        model_dtype: str = "float32",
-        modules_dtype: str = "float32",
-        save_dir: str | None = None,
+        load_target_modules: bool = True,
+        loss_chunk_size: int = 256,
+        target_dtype: str = "float32",
+        drafter_dtype: str = "float32",
+        export_dir: str | None = None,
         trust_remote_code: bool = False,
         seed: int = 0,
         optim: Optim = Optim(lr=1e-3, warmup_steps=50),
@@ -88,11 +88,11 @@ class SequentialMTP(DraftObjective):
             mode: "pretrain" (a fresh trunk trained with its modules), "refresh" (modules on a frozen model) or
                 "extend" (module 1 copied into modules 2..D, which alone are trained).
             mtp_depth: D, the number of modules.
-            model: refresh and extend: the frozen model, an HF causal LM directory or hub id; pretrain: None.
+            target: refresh and extend: the frozen model, an HF causal LM directory or hub id; pretrain: None.
             tokenizer: pretrain: the tokenizer directory (its length is the vocabulary); refresh and extend: the
-                model's, by default.
+                target's, by default.
             model_type: pretrain: the trunk's HF model type (llama, deepseek_v3, qwen3, ...).
-            model_config: pretrain: the trunk's config keys, e.g. {hidden_size: 256, num_hidden_layers: 4}.
+            target_config: pretrain: the trunk's config keys, e.g. {hidden_size: 256, num_hidden_layers: 4}.
             mtp_weights: pretrain: lambda by training tokens seen, [[tokens, lambda], ...] (default [[0, 0.3]];
                 DeepSeek-V3: [[0, 0.3], [10000000000000, 0.1]]).
             trunk_hidden: the trunk hidden state module 1 reads: "after_norm" or "before_norm" of its final norm;
@@ -100,11 +100,11 @@ class SequentialMTP(DraftObjective):
             layout: the engine conventions the modules are trained for, "nextn" (DeepSeek) or "qwen3_next"; "auto"
                 is nextn for DeepSeek-V3 architectures and qwen3_next otherwise.
             init_from: refresh and extend: a draftsmith training checkpoint (kind mtp) to take the modules from.
-            load_model_modules: refresh and extend: start from the MTP modules the model's checkpoint holds, if any.
-            chunk_size: positions per chunk of the cross entropy.
-            model_dtype: the trunk's weights dtype (float32, bfloat16, float16).
-            modules_dtype: the modules' weights dtype.
-            save_dir: pretrain: where the trained model is saved at the end of fit, without its modules, as a plain
+            load_target_modules: refresh and extend: start from the MTP modules the target's checkpoint holds, if any.
+            loss_chunk_size: positions per chunk of the cross entropy.
+            target_dtype: the trunk's weights dtype (float32, bfloat16, float16).
+            drafter_dtype: the modules' weights dtype.
+            export_dir: pretrain: where the trained model is saved at the end of fit, without its modules, as a plain
                 HF checkpoint with the tokenizer (the target other recipes name); the modules stay in the training
                 checkpoint (``draftsmith export`` writes the model with them).
             trust_remote_code: allow custom modelling code in the model directory (off by default).
@@ -127,37 +127,34 @@ class SequentialMTP(DraftObjective):
             raise ValueError(
                 f"model.mtp_weights={mtp_weights}: needs [[tokens, lambda], ...] with increasing tokens, lambda >= 0"
             )
-        self.mode, self.depth, self.schedule, self.chunk_size = mode, mtp_depth, schedule, chunk_size
+        self.mode, self.depth, self.schedule, self.loss_chunk_size = mode, mtp_depth, schedule, loss_chunk_size
         self.register_buffer("mtp_tokens_seen", torch.zeros((), dtype=torch.long))
         torch.manual_seed(seed)
         if mode == "pretrain":
-            if model is not None or init_from is not None:
+            if target is not None or init_from is not None:
                 raise ValueError(
-                    "model.mode pretrain builds a fresh trunk: model and init_from are for refresh and extend"
+                    "model.mode pretrain builds a fresh trunk: target and init_from are for refresh and extend"
                 )
             if tokenizer is None:
                 raise ValueError("model.mode pretrain needs model.tokenizer (its length is the vocabulary)")
-            trunk = self._fresh_trunk(tokenizer, model_type, model_config or {}).to(resolve_dtype(model_dtype))
-            config = MTPConfig.for_trunk(trunk.config, mtp_depth, layout, trunk_hidden)
-            self.drafter = MTPDrafter(config, trunk)
-            self._target: list[FrozenTarget] = []
-            self.tokenizer_path = tokenizer
+            trunk = self._fresh_trunk(tokenizer, model_type, target_config or {}).to(resolve_dtype(target_dtype))
+            self.drafter = MTPDrafter(MTPConfig.for_trunk(trunk.config, mtp_depth, layout, trunk_hidden), trunk)
         elif mode in ("refresh", "extend"):
-            if model is None:
-                raise ValueError(f"model.mode {mode} needs model.model, the frozen model's directory or hub id")
-            if save_dir is not None:
+            if target is None:
+                raise ValueError(f"model.mode {mode} needs model.target, the frozen model's directory or hub id")
+            if export_dir is not None:
                 raise ValueError(
-                    f"model.save_dir is for pretrain: {mode} leaves the model as it is (export the modules)"
+                    f"model.export_dir is for pretrain: {mode} leaves the model as it is (export the modules)"
                 )
-            frozen = FrozenTarget.from_pretrained(model, model_dtype, trust_remote_code)
-            self._target = [frozen]  # a list: out of the module tree, so out of checkpoints and optimizers
-            self.track_frozen("target", model, frozen.config)
-            self.tokenizer_path = tokenizer or model
-            self.drafter = self._modules_for(frozen, model, init_from, load_model_modules, layout, trunk_hidden)
+            frozen = self.load_target(target, "online", target_dtype, trust_remote_code)
+            self.drafter = self._modules_for(frozen, init_from, load_target_modules, layout, trunk_hidden)
         else:
             raise ValueError(f"model.mode={mode!r} is not pretrain, refresh or extend")
-        self.drafter.mtp.to(resolve_dtype(modules_dtype))
-        self.model_path, self.save_dir = model, save_dir
+        self.tokenizer_path = tokenizer or target
+        if tokenizer is not None:  # the data's token ids must be this tokenizer's
+            self.tokenizer = load_tokenizer_if_present(tokenizer)
+        self.drafter.mtp.to(resolve_dtype(drafter_dtype))
+        self.export_dir = export_dir
         conventions = self.drafter.config
         log.info("MTP %s: %d modules, layout %s, module 1 reads the trunk's hidden state %s", mode, mtp_depth,
                  conventions.layout, conventions.trunk_hidden)  # fmt: skip
@@ -176,24 +173,20 @@ class SequentialMTP(DraftObjective):
             raise ValueError(f"model.model_type={model_type!r}: {err}") from err
         unknown = sorted(k for k in overrides if not hasattr(defaults, k))
         if unknown:
-            raise ValueError(f"model.model_config: {unknown} are not keys of a {model_type} config")
+            raise ValueError(f"model.target_config: {unknown} are not keys of a {model_type} config")
         settings.update(overrides)
         config = AutoConfig.for_model(model_type, **settings)
         return AutoModelForCausalLM.from_config(config)
 
     def _modules_for(
-        self, frozen: FrozenTarget, model: str, init_from: str | None, from_model: bool, layout: str, trunk_hidden: str
+        self, frozen: FrozenTarget, init_from: str | None, from_model: bool, layout: str, trunk_hidden: str
     ) -> MTPDrafter:
         """The modules to train on a frozen model: from ``init_from``, from the model's checkpoint, or new ones."""
+        model = self.target_path
         source: MTPDrafter | None = None
         where = ""
         if init_from is not None:
-            loaded, record = load_drafter(init_from)
-            where = f"model.init_from {init_from!r}"
-            if record.kind != mtp_kind.KIND:
-                raise ValueError(f"{where}: holds a drafter of kind {record.kind!r}, not {mtp_kind.KIND!r}")
-            check_target(record, frozen.config, where)
-            source = loaded
+            source, where = self.drafter_from_checkpoint(init_from, mtp_kind.KIND), f"model.init_from {init_from!r}"
         elif from_model:
             found = exports.load_model_modules(model)
             if found is not None:
@@ -227,13 +220,8 @@ class SequentialMTP(DraftObjective):
         return drafter
 
     # ---- training ------------------------------------------------------------------------------------------------
-    @property
-    def target(self) -> FrozenTarget | None:
-        """The frozen model (refresh, extend), or None (pretrain)."""
-        return self._target[0] if self._target else None
-
     def trunk(self) -> PreTrainedModel:
-        """The model the modules follow: the trained trunk or the frozen model."""
+        """The model the modules follow: the trained trunk (pretrain) or the frozen target (refresh, extend)."""
         return self.drafter.trunk if self.target is None else self.target.model
 
     def trainable_module(self) -> nn.Module:
@@ -247,10 +235,8 @@ class SequentialMTP(DraftObjective):
             )
 
     def setup(self, stage: str) -> None:
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         width = int(self.trunk().get_output_embeddings().weight.shape[0])
-        name = self.model_path or self.tokenizer_path
-        check_data_tokenizer(datamodule, name, load_tokenizer_if_present(self.tokenizer_path), width, width)
+        self.check_data(self.attached_datamodule(), width, name=self.target_path or self.tokenizer_path)
         self.configure_model()
 
     def _trunk_states(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -270,6 +256,7 @@ class SequentialMTP(DraftObjective):
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ids, labels = batch["input_ids"], batch["labels"]  # [B, S] each; labels[i] is token i + 1
+        self.target_on(ids.device)  # the frozen target, out of the module tree
         trunk = self.trunk()
         head = trunk.get_output_embeddings().weight  # [V, H]
         post, pre = self._trunk_states(ids)
@@ -282,7 +269,8 @@ class SequentialMTP(DraftObjective):
             depth_labels = labels[:, k + 1 :]  # token i + k + 2 at index i
             if k < frozen or not bool((depth_labels != -100).any()):
                 continue
-            ce = chunked_cross_entropy(mtp.head_input(k, out).to(head.dtype), head, depth_labels, self.chunk_size)
+            head_in = mtp.head_input(k, out).to(head.dtype)
+            ce = chunked_cross_entropy(head_in, head, depth_labels, self.loss_chunk_size)
             losses.append(ce)
             metrics[f"mtp_loss_{k + 1}"] = ce.detach()
         mtp_loss = torch.stack(losses).mean() if losses else post.new_zeros((), dtype=torch.float32)
@@ -293,7 +281,7 @@ class SequentialMTP(DraftObjective):
         if self.training:
             world = self.trainer.world_size if self._trainer is not None else 1
             self.mtp_tokens_seen += ids.numel() * world
-        main = chunked_cross_entropy(post, head, labels, self.chunk_size)
+        main = chunked_cross_entropy(post, head, labels, self.loss_chunk_size)
         metrics.update(main_loss=main.detach(), mtp_weight=torch.tensor(weight))
         return main + weight * mtp_loss, metrics
 
@@ -319,12 +307,12 @@ class SequentialMTP(DraftObjective):
         architectures = list(getattr(trunk.config, "architectures", None) or [type(trunk).__name__])
         pretrain = self.mode == "pretrain"
         return mtp_kind.make_record(
-            self.drafter.config, None if pretrain else self.model_path, architectures, pretrain, self.tokenizer_path
+            self.drafter.config, None if pretrain else self.target_path, architectures, pretrain, self.tokenizer_path
         )
 
     def on_train_end(self) -> None:
-        if self.save_dir:
-            self.save(self.save_dir)
+        if self.export_dir:
+            self.save(self.export_dir)
 
     @rank_zero_only
     def save(self, out_dir: str) -> None:

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from trainer.decoding.head_tree import tree_for_budget, tree_from_choices
-from trainer.decoding.proposers import ProposalContext, draw
+from trainer.decoding.proposers import BaseProposer, ProposalContext, draw
 from trainer.decoding.session import FINAL_PRENORM
 from trainer.decoding.tree import DraftTree
 from trainer.methods.mtp.module import MTPModules
@@ -45,7 +45,7 @@ def check_draft_count(k: int, depth: int) -> None:
         )
 
 
-class MTPProposer:
+class MTPProposer(BaseProposer):
     """Chain or tree drafts from MTP modules sharing the target's embedding and lm_head."""
 
     def __init__(
@@ -97,7 +97,10 @@ class MTPProposer:
 
     def check_k(self, k: int) -> None:
         """Refuse ``k`` drafts per round that the module count does not divide (engines refuse them too)."""
-        check_draft_count(k, self.depth)
+        try:
+            check_draft_count(k, self.depth)
+        except ValueError as err:
+            raise ValueError(f"--k {k}: {err}") from err
 
     def _logits(self, k: int, out: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """[1, 1, H] block output of module k -> [V] logits through its norm and the target's lm_head."""

@@ -6,12 +6,12 @@ The drafter is the model with its heads; its target is the same model (trunk + h
 transformers loads (heads dropped), plus ``mtp_heads.safetensors`` and ``mtp_heads.json`` beside it. So::
 
     draftsmith export --ckpt CKPT --out DIR
-    draftsmith eval --target DIR --drafter DIR --k 3 [--tree --tree-nodes 16]     # n = 4 heads: K = 3 drafts
+    draftsmith eval --target DIR --drafter DIR --k 3 [--tree --tree_nodes 16]     # n = 4 heads: K = 3 drafts
 
 Drafting (proposer.py): a chain of the extra heads' argmaxes (samples at a temperature),
 or with ``--tree`` the tree of per-head top-k paths that :func:`~trainer.decoding.head_tree.tree_for_budget` builds
-for ``--tree-nodes`` from the heads' measured agreement with head 0 (recorded at validation; a prior
-:func:`module.default_accuracy` when never measured), ranks below ``--tree-top-k``. The proposer
+for ``--tree_nodes`` from the heads' measured agreement with head 0 (recorded at validation; a prior
+:func:`module.default_accuracy` when never measured), ranks below ``--tree_top_k``. The proposer
 refuses a target whose weights are not the model's the heads were trained with (they read its hidden states and
 share its norm and lm_head).
 """
@@ -24,10 +24,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from trainer.decoding.head_tree import tree_for_budget
+from trainer.decoding.options import ProposerOptions
 from trainer.methods.mtp_heads import export as formats
 from trainer.methods.mtp_heads.module import ACCURACY_TOP_K, MTPHeads, default_accuracy
 from trainer.methods.mtp_heads.proposer import MTPHeadsProposer
-from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, ProposerOptions, register_kind
+from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
 
 KIND = "mtp_heads"
 
@@ -71,7 +72,7 @@ def build(record: DrafterRecord) -> MTPHeads:
 
 def load_weights(module: MTPHeads, record: DrafterRecord, state: dict, where: str) -> None:
     """A training checkpoint's weights, strictly (a tied lm_head may be stored once, as the embedding)."""
-    from trainer.export.checkpoint import sub_state_dict
+    from trainer.checkpoints.reading import sub_state_dict
 
     ((_, prefix),) = record.components.items()
     missing, unexpected = module.load_state_dict(sub_state_dict(state, prefix), strict=False)
@@ -108,7 +109,7 @@ def proposer(heads: MTPHeads, record: DrafterRecord, target: PreTrainedModel, op
     """The chain of the extra heads, or with ``options.tree`` the tree of per-head top-k paths for the node budget."""
     if options.exit_layer is not None:
         raise ValueError("parallel MTP heads draft from the last layer's input, not from an early exit: drop "
-                         "--exit-layer")  # fmt: skip
+                         "--exit_layer")  # fmt: skip
     if not same_model(heads, target):
         raise ValueError(
             "the MTP heads read the target's hidden states and share its final norm and lm_head, but the target's "

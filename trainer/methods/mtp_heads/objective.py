@@ -7,7 +7,7 @@ on the trunk output, all sharing the final norm and lm_head. The loss is ``sum_i
 all 1); logged per head as ``loss_head{i}``.
 
 The memory-saving backward (``head_backward``): ``sequential`` runs the heads' forward and backward one after the
-other inside one autograd Function, each head's logits a chunk of ``chunk_size`` positions at a time, accumulating
+other inside one autograd Function, each head's logits a chunk of ``loss_chunk_size`` positions at a time, accumulating
 the gradient of the trunk output, then the trunk runs one backward; Lightning's automatic optimization, DDP and
 DeepSpeed ZeRO-1/2 see a single backward in which every parameter's gradient arrives once (the shared lm_head's
 summed over the heads), micro-batch after micro-batch under gradient accumulation. Under ZeRO-3 and FSDP2 a parameter
@@ -16,15 +16,15 @@ activation checkpointing, one head's logits alive at a time in forward and in ba
 logits (the reference). All three give the same gradients (tested in float64, in one process and in two under DDP and
 ZeRO-2, with and without gradient accumulation).
 
-Pre-training (``tokenizer`` and ``model_config``): a fresh Llama of ``len(tokenizer)`` tokens, the tiny target's shape
+Pre-training (``tokenizer`` and ``target_config``): a fresh Llama of ``len(tokenizer)`` tokens, the tiny target's shape
 by default (CausalLMPretraining's), overridden key by key (recipes/quickstart/mtp_heads_pretrain.yaml). Fine-tuning
-(``model``): an existing HF model whose extra heads start as copies of its last layer (``head_init``); ``train:
+(``target``): an existing HF model whose extra heads start as copies of its last layer (``head_init``); ``train:
 heads`` freezes the model and trains the extra heads only (the model's outputs then never change).
 
 Validation also measures every head's accuracy (``val/acc_head{i}``) and how often extra head i's top-k tokens hold
 head 0's argmax i positions later (``val/agree_head{i}``, top 1): the last measurement is kept in the module and
 exported, and the drafting tree for a node budget is built from it. At the end of fit the model is written to
-``save_dir`` as an HF checkpoint with the heads beside it (export.py); ``draftsmith eval --target
+``export_dir`` as an HF checkpoint with the heads beside it (export.py); ``draftsmith eval --target
 DIR --drafter DIR`` measures self-speculative decoding with the heads (K = n - 1 drafts).
 """
 
@@ -38,6 +38,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedModel
 
+from trainer.data.vocab import load_tokenizer_if_present
 from trainer.llama import new_llama_config
 from trainer.methods.mtp_heads import export as mtp_export
 from trainer.methods.mtp_heads import kind as mtp_kind
@@ -45,7 +46,6 @@ from trainer.methods.mtp_heads.module import MTPHeads
 from trainer.objective import DraftObjective, Optim, causal_lm_flops_per_token, count_params
 from trainer.registry import DrafterRecord
 from trainer.target import resolve_dtype
-from trainer.vocab import check_data_tokenizer, load_tokenizer_if_present
 
 log = logging.getLogger(__name__)
 
@@ -58,15 +58,15 @@ FRESH_MODEL: dict[str, int | float | str | bool] = {
     "max_position_embeddings": 2048,
     "tie_word_embeddings": False,
 }
-"""The fresh model's shape before ``model_config`` overrides: the tiny target's (methods/draft_model/pretrain.py)."""
+"""The fresh model's shape before ``target_config`` overrides: the tiny target's (methods/draft_model/pretrain.py)."""
 
 
 def fresh_llama(tokenizer, overrides: dict[str, int | float | str | bool] | None, seed: int) -> LlamaForCausalLM:
     """A fresh Llama of ``len(tokenizer)`` tokens, :data:`FRESH_MODEL` with ``overrides``, initialised from ``seed``
     exactly as CausalLMPretraining initialises the same shape."""
     if "vocab_size" in (overrides or {}):
-        raise ValueError("model.model_config: vocab_size is the tokenizer's length, do not set it")
-    config = new_llama_config(tokenizer, {**FRESH_MODEL, **(overrides or {})}, "model.model_config")
+        raise ValueError("model.target_config: vocab_size is the tokenizer's length, do not set it")
+    config = new_llama_config(tokenizer, {**FRESH_MODEL, **(overrides or {})}, "model.target_config")
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
 
@@ -87,31 +87,31 @@ class ParallelMTPHeads(DraftObjective):
 
     def __init__(
         self,
-        model: str | None = None,
+        target: str | None = None,
         tokenizer: str | None = None,
-        model_config: dict[str, int | float | str | bool] | None = None,
-        n_heads: int = 4,
+        target_config: dict[str, int | float | str | bool] | None = None,
+        num_heads: int = 4,
         head_weights: list[float] | None = None,
         head_init: Literal["copy", "random"] = "copy",
         train: Literal["all", "heads"] = "all",
         head_backward: Literal["auto", "sequential", "checkpoint", "naive"] = "auto",
         heads_lr_multiplier: float = 1.0,
-        chunk_size: int = 256,
-        dtype: str = "float32",
-        save_dir: str | None = None,
+        loss_chunk_size: int = 256,
+        target_dtype: str = "float32",
+        export_dir: str | None = None,
         trust_remote_code: bool = False,
         seed: int = 0,
         optim: Optim = Optim(),
     ) -> None:
         """
         Args:
-            model: an existing HF causal LM to fine-tune with new heads (directory or hub id; its tokenizer is
-                expected beside it); None pre-trains a fresh Llama from ``tokenizer`` and ``model_config``.
+            target: an existing HF causal LM to fine-tune with new heads (directory or hub id; its tokenizer is
+                expected beside it); None pre-trains a fresh Llama from ``tokenizer`` and ``target_config``.
             tokenizer: the tokenizer directory of a fresh model (its length is the vocabulary; saved beside the
-                model); with ``model``, a tokenizer to use instead of the one beside it.
-            model_config: overrides of the fresh model's config (the tiny target's shape), e.g.
-                {num_hidden_layers: 8}; only without ``model``.
-            n_heads: n, the heads including head 0 (the model's own last layer): n - 1 drafts per round.
+                model); with ``target``, a tokenizer to use instead of the one beside it.
+            target_config: overrides of the fresh model's config (the tiny target's shape), e.g.
+                {num_hidden_layers: 8}; only without ``target``.
+            num_heads: n, the heads including head 0 (the model's own last layer): n - 1 drafts per round.
             head_weights: the loss weight of every head (n values; default all 1).
             head_init: the extra heads start as copies of the last layer ("copy") or freshly initialised ("random").
             train: "all" trains the model and the heads; "heads" freezes the model and trains the extra heads only.
@@ -119,9 +119,9 @@ class ParallelMTPHeads(DraftObjective):
                 (per-head activation checkpointing, for ZeRO-3 and FSDP2), "naive" (every head's logits alive),
                 or "auto": checkpoint when the weights are sharded, else sequential.
             heads_lr_multiplier: the extra heads' learning rate as a multiple of ``optim.lr``.
-            chunk_size: positions per chunk of a head's logits.
-            dtype: the weights' dtype (float32, bfloat16, float16, float64).
-            save_dir: where the model (HF checkpoint and tokenizer) and its heads are written at the end of fit.
+            loss_chunk_size: positions per chunk of a head's logits.
+            target_dtype: the weights' dtype (float32, bfloat16, float16, float64).
+            export_dir: where the model (HF checkpoint and tokenizer) and its heads are written at the end of fit.
             trust_remote_code: allow custom modelling code in the model's directory (off by default).
             seed: seed of the fresh model's and the heads' initialisation.
             optim: optimizer and learning-rate schedule.
@@ -130,39 +130,41 @@ class ParallelMTPHeads(DraftObjective):
         # not the tokenizer: Lightning refuses a module hparam of the datamodule's name with another value (None here
         # when fine-tuning, the data's tokenizer there)
         self.save_hyperparameters(ignore=["optim", "tokenizer"])
-        if n_heads < 1:
-            raise ValueError(f"model.n_heads must be >= 1 (head 0 is the model's last layer), got {n_heads}")
-        if head_weights is not None and (len(head_weights) != n_heads or min(head_weights) < 0):
-            raise ValueError(f"model.head_weights needs {n_heads} values >= 0 (one per head), got {head_weights}")
-        if chunk_size < 1:
-            raise ValueError(f"model.chunk_size must be >= 1, got {chunk_size}")
+        if num_heads < 1:
+            raise ValueError(f"model.num_heads must be >= 1 (head 0 is the model's last layer), got {num_heads}")
+        if head_weights is not None and (len(head_weights) != num_heads or min(head_weights) < 0):
+            raise ValueError(f"model.head_weights needs {num_heads} values >= 0 (one per head), got {head_weights}")
+        if loss_chunk_size < 1:
+            raise ValueError(f"model.loss_chunk_size must be >= 1, got {loss_chunk_size}")
         if train not in ("all", "heads") or head_backward not in ("auto", "sequential", "checkpoint", "naive"):
             raise ValueError(f"model.train={train!r} or model.head_backward={head_backward!r} is not a known value")
-        torch_dtype = resolve_dtype(dtype) if dtype != "float64" else torch.float64
-        if model is not None:
-            if model_config:
-                raise ValueError("set either model.model (fine-tune an existing model) or model.model_config, not both")
+        torch_dtype = resolve_dtype(target_dtype) if target_dtype != "float64" else torch.float64
+        if target is not None:
+            if target_config:
+                raise ValueError(
+                    "set either model.target (fine-tune an existing model) or model.target_config, not both"
+                )
             hf_model = AutoModelForCausalLM.from_pretrained(
-                model, dtype=torch_dtype, trust_remote_code=trust_remote_code
+                target, dtype=torch_dtype, trust_remote_code=trust_remote_code
             )
-            self.tokenizer_path = tokenizer or model
+            self.tokenizer_path = tokenizer or target
             self.tokenizer = load_tokenizer_if_present(self.tokenizer_path)
         else:
             if tokenizer is None:
-                raise ValueError("pre-training a fresh model needs model.tokenizer (or fine-tune model.model)")
+                raise ValueError("pre-training a fresh model needs model.tokenizer (or fine-tune model.target)")
             self.tokenizer_path = tokenizer
             self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-            hf_model = fresh_llama(self.tokenizer, model_config, seed).to(torch_dtype)
+            hf_model = fresh_llama(self.tokenizer, target_config, seed).to(torch_dtype)
         torch.manual_seed(seed)
-        self.mtp = MTPHeads(hf_model, n_heads, head_init=head_init)
+        self.mtp = MTPHeads(hf_model, num_heads, head_init=head_init)
         if train == "heads":
-            if n_heads < 2:
-                raise ValueError("model.train: heads trains the extra heads, and n_heads=1 has none")
+            if num_heads < 2:
+                raise ValueError("model.train: heads trains the extra heads, and num_heads=1 has none")
             self.mtp.model.requires_grad_(False)
-        self.model_path = model
+        self.target_path = target  # trained with its heads: not a frozen target
         self.head_weights = head_weights
         self.train_mode, self.head_backward, self.heads_lr_multiplier = train, head_backward, heads_lr_multiplier
-        self.chunk_size, self.save_dir = chunk_size, save_dir
+        self.loss_chunk_size, self.export_dir = loss_chunk_size, export_dir
         self._agreement: list[torch.Tensor] = []
 
     def trainable_module(self) -> nn.Module:
@@ -173,10 +175,9 @@ class ParallelMTPHeads(DraftObjective):
         return [(self.mtp.model, 1.0), (self.mtp.heads, self.heads_lr_multiplier)]
 
     def setup(self, stage: str) -> None:
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         width = int(self.mtp.model.get_output_embeddings().weight.shape[0])
-        name = self.model_path or f"the fresh model of {self.tokenizer_path}"
-        check_data_tokenizer(datamodule, name, self.tokenizer, width, width)
+        name = self.target_path or f"the fresh model of {self.tokenizer_path}"
+        self.check_data(self.attached_datamodule(), width, name=name)
 
     def backward_mode(self) -> str:
         """The head backward this run uses: ``head_backward``, with ``auto`` resolved for the strategy."""
@@ -197,7 +198,7 @@ class ParallelMTPHeads(DraftObjective):
             batch["input_ids"],
             batch["labels"],
             backward=self.backward_mode(),
-            chunk_size=self.chunk_size,
+            chunk_size=self.loss_chunk_size,
             weights=self.head_weights,
             measure=measure,
         )
@@ -225,8 +226,8 @@ class ParallelMTPHeads(DraftObjective):
 
     # ---- what was trained --------------------------------------------------------------------------------------------
     def drafter_record(self) -> DrafterRecord:
-        """Kind ``mtp_heads``: the model with its heads, its own target (at ``save_dir`` once written)."""
-        return mtp_kind.make_record(self.mtp, "mtp", self.save_dir, self.tokenizer_path)
+        """Kind ``mtp_heads``: the model with its heads, its own target (at ``export_dir`` once written)."""
+        return mtp_kind.make_record(self.mtp, "mtp", self.export_dir, self.tokenizer_path)
 
     def speculative_eval_target(self) -> PreTrainedModel:
         """The model being trained: with parallel heads the model drafts for itself.
@@ -249,7 +250,7 @@ class ParallelMTPHeads(DraftObjective):
         return self.mtp.model
 
     def on_train_end(self) -> None:
-        if self.save_dir:
+        if self.export_dir:
             from trainer.strategies import full_state_dict
 
             state = full_state_dict(self.mtp) if self.weights_are_sharded() else None
@@ -257,5 +258,5 @@ class ParallelMTPHeads(DraftObjective):
 
     @rank_zero_only
     def _save(self, state: dict[str, torch.Tensor] | None) -> None:
-        path = mtp_export.save(self.mtp, self.save_dir, self.tokenizer_path, state)
+        path = mtp_export.save(self.mtp, self.export_dir, self.tokenizer_path, state)
         log.info("model and %d heads saved to %s", self.mtp.num_heads, path)

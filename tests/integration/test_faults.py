@@ -1,0 +1,247 @@
+"""A real ``fit`` process stopped by a signal: SIGTERM (a scheduler) and SIGINT (Ctrl-C) leave a resumable
+``last.ckpt`` of the step they arrived at and a non-zero exit status (128 + the signal, as shells report it);
+SIGKILL loses only the steps since the last periodic checkpoint, which stays whole. ``--ckpt_path last`` then runs
+to the end and exits 0.
+
+Until ``draftsmith fit`` installs PreemptionCheckpoint and AtomicCheckpointIO by default and exits with
+``exit_status_after_fit``, these runs add them explicitly and exit through a three-line runner that does what the
+command will do (``RUNNER``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+from tests.recipe_runs import RECIPES, ROOT, TINY_MODEL, kd_override, merge, record_batches, write_override
+from tests.slurm_cluster import recorded_batches
+from trainer.errors import RecipeError
+from trainer.preemption import PreemptionCheckpoint, default_preemption_checkpoint, exit_status_after_fit
+
+MAX_STEPS = 12
+EVERY_N = 5  # periodic checkpoints at steps 5 and 10
+SIGNAL_AT = 7  # the run waits at the end of step 7 while the test signals it
+START_TIMEOUT_S = 600.0
+
+# what `draftsmith fit` will do once wired: run the fit, then exit with the status the preemption callback reports
+RUNNER = (
+    "import sys\n"
+    "from trainer.preemption import exit_status_after_fit\n"
+    "from trainer.recipe import DraftsmithCLI\n"
+    "cli = DraftsmithCLI(args=sys.argv[1:])\n"
+    "sys.exit(exit_status_after_fit(cli.trainer))\n"
+)
+EXTRA_ARGS = ("--trainer.callbacks+=trainer.preemption.PreemptionCheckpoint",)
+
+
+@pytest.fixture(scope="module")
+def random_target(tiny_corpus, tmp_path_factory) -> Path:
+    """A random 2-layer Llama with the tiny corpus' tokenizer saved beside it (no training: fast)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("random_target")
+    tok = AutoTokenizer.from_pretrained(tiny_corpus.tokenizer_dir)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tok), max_position_embeddings=256, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, tie_word_embeddings=False, **TINY_MODEL,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def _override(run: Path, corpus, target: Path, wait: bool) -> dict:
+    callbacks = [record_batches(run)]
+    if wait:
+        callbacks.append(
+            {
+                "class_path": "tests.slurm_cluster.WaitAtStep",
+                "init_args": {"step": SIGNAL_AT, "marker": str(run / "waiting"), "release": str(run / "release")},
+            }
+        )
+    plugins = {"trainer": {"plugins": [{"class_path": "trainer.checkpoints.atomic.AtomicCheckpointIO"}]}}
+    return merge(kd_override(run, corpus, target, MAX_STEPS, EVERY_N, callbacks=callbacks), plugins)
+
+
+def _start(run: Path, override: dict, name: str, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path]:
+    config = write_override(run.parent / f"{name}.yaml", override)
+    cmd = [sys.executable, "-c", RUNNER, "fit", "--config", str(RECIPES / "quickstart/kd.yaml")]
+    cmd += ["--config", str(config), *EXTRA_ARGS, *extra]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env["OMP_NUM_THREADS"] = "1"
+    log_path = run.parent / f"{name}.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=run.parent, start_new_session=True
+        )
+    return proc, log_path
+
+
+def _wait_until_waiting(proc: subprocess.Popen, run: Path, log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not Path(f"{run / 'waiting'}.0").exists():
+        assert proc.poll() is None, f"the run ended early:\n{log.read_text()[-4000:]}"
+        assert time.monotonic() < deadline, f"the run never reached step {SIGNAL_AT}:\n{log.read_text()[-4000:]}"
+        time.sleep(0.1)
+
+
+def _finish(proc: subprocess.Popen, log: Path, timeout: float = 600.0) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        pytest.fail(f"the run did not end:\n{log.read_text()[-4000:]}")
+
+
+def _ckpt_step(path: Path) -> int:
+    return int(torch.load(path, map_location="cpu", weights_only=True)["global_step"])
+
+
+def _steps(run: Path) -> list[int]:
+    """The global step of every training batch the run's processes started, in order (``run/batches.jsonl``)."""
+    recorded_batches(run)  # a step replayed after a resume saw the same batch
+    return [json.loads(line)["step"] for line in (run / "batches.jsonl").read_text().splitlines()]
+
+
+def _resume_to_the_end(run: Path, corpus, target: Path, from_step: int) -> None:
+    """``--ckpt_path last`` in a fresh process: it starts at ``from_step``, runs to MAX_STEPS and exits 0."""
+    before = len(_steps(run))
+    proc, log = _start(run, _override(run, corpus, target, wait=False), "resume", ("--ckpt_path", "last"))
+    status = _finish(proc, log)
+    assert status == 0, log.read_text()[-4000:]
+    assert _steps(run)[before:] == list(range(from_step, MAX_STEPS))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_saves_last_ckpt_and_exits_non_zero(tiny_corpus, random_target, tmp_path, signum, status):
+    run = tmp_path / "run"
+    run.mkdir()
+    proc, log = _start(run, _override(run, tiny_corpus, random_target, wait=True), "signalled")
+    try:
+        _wait_until_waiting(proc, run, log)
+        os.kill(proc.pid, signum)  # the main process only, as `kill PID` does
+        time.sleep(0.5)
+        (run / "release").touch()
+        code = _finish(proc, log)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert code == status, f"exit status {code}, expected {status}:\n{log.read_text()[-4000:]}"
+    assert _ckpt_step(run / "checkpoints" / "last.ckpt") == SIGNAL_AT
+    assert not list((run / "checkpoints").glob("*.tmp"))
+    assert _steps(run) == list(range(SIGNAL_AT))
+    _resume_to_the_end(run, tiny_corpus, random_target, SIGNAL_AT)
+
+
+@pytest.mark.slow
+def test_kill_9_keeps_the_last_periodic_checkpoint(tiny_corpus, random_target, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    proc, log = _start(run, _override(run, tiny_corpus, random_target, wait=True), "killed")
+    try:
+        _wait_until_waiting(proc, run, log)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    assert _ckpt_step(run / "checkpoints" / "last.ckpt") == EVERY_N  # steps 6 and 7 are lost
+    _resume_to_the_end(run, tiny_corpus, random_target, EVERY_N)
+
+
+# ------------------------------------------------------------------------------------------------- in one process
+
+
+class Tiny(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        return self.layer(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.randn(64, 4, generator=torch.Generator().manual_seed(0))), batch_size=4)
+
+
+class SignalAt(L.Callback):
+    """Sends ``signum`` to this process ``times`` times at the end of step ``step``."""
+
+    def __init__(self, step: int, signum: int, times: int = 1) -> None:
+        self.step, self.signum, self.times = step, signum, times
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            for _ in range(self.times):
+                os.kill(os.getpid(), self.signum)
+
+
+def _tiny_fit(folder: Path, max_steps: int, signal_at: SignalAt) -> tuple[L.Trainer, PreemptionCheckpoint]:
+    preemption = PreemptionCheckpoint()
+    trainer = L.Trainer(
+        max_steps=max_steps,
+        callbacks=[signal_at, preemption, ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_last=True)],
+        logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+        default_root_dir=folder,
+    )  # fmt: skip
+    trainer.fit(Tiny())
+    return trainer, preemption
+
+
+def test_ctrl_c_saves_at_the_batch_end_and_the_status_is_130(tmp_path):
+    before = signal.getsignal(signal.SIGINT)
+    trainer, preemption = _tiny_fit(tmp_path, 10, SignalAt(3, signal.SIGINT))
+    assert signal.getsignal(signal.SIGINT) == before  # Python's handler is back after fit
+    assert trainer.global_step == 3 and preemption.stopped_by == signal.SIGINT
+    assert _ckpt_step(tmp_path / "last.ckpt") == 3
+    assert exit_status_after_fit(trainer) == 130
+
+
+def test_a_second_ctrl_c_stops_at_once_with_status_1(tmp_path):
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit) as exited:  # Lightning's KeyboardInterrupt handling: sys.exit(1)
+            _tiny_fit(tmp_path, 10, SignalAt(3, signal.SIGINT, times=2))
+    finally:
+        signal.signal(signal.SIGINT, before)  # Lightning leaves SIGINT ignored after a KeyboardInterrupt
+    assert exited.value.code == 1
+    assert _ckpt_step(tmp_path / "last.ckpt") == 2  # the periodic one: nothing was saved at step 3
+
+
+def test_a_signal_at_the_last_step_or_none_is_status_0(tmp_path):
+    trainer, preemption = _tiny_fit(tmp_path / "last", 4, SignalAt(4, signal.SIGTERM))
+    assert preemption.stopped_by == signal.SIGTERM and preemption.finished
+    assert exit_status_after_fit(trainer) == 0
+    trainer, preemption = _tiny_fit(tmp_path / "none", 4, SignalAt(99, signal.SIGTERM))
+    assert preemption.stopped_by is None and exit_status_after_fit(trainer) == 0
+    trainer, _ = _tiny_fit(tmp_path / "term", 10, SignalAt(2, signal.SIGTERM))
+    assert trainer.global_step == 2 and exit_status_after_fit(trainer) == 143
+
+
+def test_the_default_instance_leaves_a_fit_without_checkpoints_alone(tmp_path):
+    options = dict(max_steps=3, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        callbacks=[default_preemption_checkpoint()], enable_checkpointing=False, default_root_dir=tmp_path, **options
+    )
+    trainer.fit(Tiny())
+    assert trainer.global_step == 3 and exit_status_after_fit(trainer) == 0
+    strict = L.Trainer(callbacks=[PreemptionCheckpoint()], enable_checkpointing=False, **options)
+    with pytest.raises(RecipeError, match="PreemptionCheckpoint needs a ModelCheckpoint"):
+        strict.fit(Tiny())

@@ -1,0 +1,191 @@
+"""One name per concept in recipes: every objective's signature uses the project's vocabulary (``target``,
+``drafter``, ``target_dtype``, ``export_dir``, ``num_heads``, ``loss_chunk_size``...), a renamed key is refused with
+its new name by ``draftsmith fit``, ``parse_recipe`` and ``draftsmith precompute``, and every shipped recipe parses."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+import trainer.methods
+from trainer.cli import main as draftsmith
+from trainer.data import precompute
+from trainer.objective import DraftObjective
+from trainer.recipe import RecipeError, parse_recipe
+from trainer.renamed_keys import RENAMED_KEYS, RENAMED_PRECOMPUTE_KEYS, WHY
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES = ROOT / "recipes"
+FIT_RECIPES = sorted(
+    p
+    for p in [*RECIPES.glob("*.yaml"), *RECIPES.glob("quickstart/*.yaml")]
+    if p.read_text().startswith("# draftsmith fit")
+)
+PRECOMPUTE_RECIPES = sorted(RECIPES.glob("quickstart/*precompute*.yaml"))
+
+
+def objectives() -> dict[str, type[DraftObjective]]:
+    """Every objective class of trainer.methods, by class path."""
+    for info in pkgutil.walk_packages(trainer.methods.__path__, "trainer.methods."):
+        importlib.import_module(info.name)
+    found, todo = {}, [DraftObjective]
+    while todo:
+        for cls in todo.pop().__subclasses__():
+            todo.append(cls)
+            if cls.__module__.startswith("trainer.methods."):
+                found[f"{cls.__module__}.{cls.__qualname__}"] = cls
+    return found
+
+
+OBJECTIVES = objectives()
+
+
+def parameters(cls: type) -> list[str]:
+    return [name for name in inspect.signature(cls.__init__).parameters if name != "self"]
+
+
+def synonyms(name: str) -> str | None:
+    """Why a parameter name is a second name for a concept that has one (None: it is not)."""
+    rules = [
+        (name in ("teacher", "model") or name.startswith("teacher_"), "the model drafted for is `target`"),
+        (name.startswith("student"), "the trained draft model is `drafter`"),
+        (name == "model_config" or name == "student_config", "a fresh model's config is `target_config`"),
+        (
+            name.endswith("_signals") and name != "target_signals",
+            "where the target's signals come from is `target_signals`",
+        ),
+        (
+            (name == "dtype" or name.endswith("_dtype")) and name not in ("target_dtype", "drafter_dtype"),
+            "a weights dtype is `target_dtype` or `drafter_dtype`",
+        ),
+        (name.endswith("_dir") and name != "export_dir", "the output folder is `export_dir`"),
+        (re.fullmatch(r"n_\w+", name) is not None, "a count is `num_...` (`num_heads`)"),
+        (name.endswith("chunk_size") and name != "loss_chunk_size", "positions per loss chunk is `loss_chunk_size`"),
+        (name == "aux_layers", "target hidden_states indices are `target_layers`"),
+        (name == "decay", "the loss weight of draft step k is `step_decay ** k` (`optim.decay` is the schedule)"),
+        ("model_modules" in name, "modules read from the target's checkpoint: `load_target_modules`"),
+    ]
+    return next((why for bad, why in rules if bad), None)
+
+
+def test_every_objective_is_found():
+    assert set(RENAMED_KEYS) <= set(OBJECTIVES)
+    assert len(OBJECTIVES) == 9, sorted(OBJECTIVES)
+
+
+@pytest.mark.parametrize("path", sorted(OBJECTIVES), ids=lambda p: p.rsplit(".", 1)[-1])
+def test_a_signature_uses_one_name_per_concept(path):
+    bad = {name: why for name in parameters(OBJECTIVES[path]) if (why := synonyms(name)) is not None}
+    assert not bad, f"{path}: {bad}"
+
+
+@pytest.mark.parametrize("path", sorted(RENAMED_KEYS), ids=lambda p: p.rsplit(".", 1)[-1])
+def test_every_renamed_key_maps_to_a_parameter(path):
+    names = parameters(OBJECTIVES[path])
+    for old, new in RENAMED_KEYS[path].items():
+        assert new in names, f"{path}: {old} -> {new}, which is no parameter"
+        assert old not in names, f"{path}: {old} is still a parameter"
+        assert synonyms(old) is not None, f"{path}: {old} is renamed but the vocabulary test does not forbid it"
+
+
+def test_every_renamed_precompute_key_maps_to_a_parameter():
+    names = list(inspect.signature(precompute.precompute).parameters)
+    for old, new in RENAMED_PRECOMPUTE_KEYS.items():
+        assert new in names and old not in names and synonyms(old) is not None
+
+
+def write_recipe(tmp_path: Path, path: str, init_args: dict) -> Path:
+    """A fit recipe of objective ``path`` (its required arguments set) with ``init_args``, nothing else."""
+    required = {
+        name: "x"
+        for name, p in inspect.signature(OBJECTIVES[path].__init__).parameters.items()
+        if name != "self" and p.default is inspect.Parameter.empty
+    }
+    recipe = {
+        "model": {"class_path": path, "init_args": {**required, **init_args}},
+        "data": {
+            "class_path": "trainer.data.text.TextDataModule",
+            "init_args": {"tokenizer": "t", "train_files": ["a"]},
+        },
+    }
+    file = tmp_path / "recipe.yaml"
+    file.write_text(yaml.safe_dump(recipe))
+    return file
+
+
+RENAMES = [(path, old, new) for path, table in sorted(RENAMED_KEYS.items()) for old, new in table.items()]
+
+
+@pytest.mark.parametrize("path, old, new", RENAMES, ids=[f"{p.rsplit('.', 1)[-1]}.{o}" for p, o, _ in RENAMES])
+def test_parse_recipe_names_the_new_key_of_an_old_one(path, old, new, tmp_path):
+    expected = f"model.init_args.{old} was renamed to model.init_args.{new} ({WHY})"
+    with pytest.raises(RecipeError) as in_recipe:
+        parse_recipe([str(write_recipe(tmp_path, path, {old: 1}))])
+    assert str(in_recipe.value) == expected
+    if old == next(iter(RENAMED_KEYS[path])):  # and on the command line (once per objective: the same parser path)
+        with pytest.raises(RecipeError) as on_command_line:
+            parse_recipe([str(write_recipe(tmp_path, path, {}))], [f"--model.init_args.{old}", "1"])
+        assert str(on_command_line.value) == expected
+
+
+def test_fit_refuses_an_old_key_with_status_2(tmp_path, capsys):
+    kd = "trainer.methods.draft_model.kd.KnowledgeDistillation"
+    with pytest.raises(SystemExit) as exited:
+        draftsmith(["fit", "--config", str(write_recipe(tmp_path, kd, {"teacher": "artifacts/tiny_target"}))])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"model.init_args.teacher was renamed to model.init_args.target ({WHY})" in err
+    assert "usage:" in err
+    with pytest.raises(SystemExit) as exited:
+        draftsmith(["fit", "--config", str(write_recipe(tmp_path, kd, {})), "--model.init_args.chunk_size=64"])
+    assert exited.value.code == 2
+    assert "model.init_args.chunk_size was renamed to model.init_args.loss_chunk_size" in capsys.readouterr().err
+
+
+def test_an_unknown_key_keeps_the_parser_message(tmp_path):
+    kd = "trainer.methods.draft_model.kd.KnowledgeDistillation"
+    with pytest.raises(RecipeError, match="Option 'teachr' is not accepted"):
+        parse_recipe([str(write_recipe(tmp_path, kd, {"teachr": "x"}))])
+    # an old name of another objective is not this one's rename: Eagle3 never had `teacher`
+    with pytest.raises(RecipeError, match="Option 'teacher' is not accepted"):
+        parse_recipe([str(write_recipe(tmp_path, "trainer.methods.eagle3.objective.Eagle3", {"teacher": "x"}))])
+
+
+@pytest.mark.parametrize("old", sorted(RENAMED_PRECOMPUTE_KEYS))
+def test_precompute_refuses_an_old_key_with_status_2(old, tmp_path, capsys):
+    recipe = (RECIPES / "quickstart" / "precompute.yaml").read_text()
+    new = RENAMED_PRECOMPUTE_KEYS[old]
+    old_recipe = tmp_path / "old.yaml"
+    old_recipe.write_text(re.sub(rf"^{new}:", f"{old}:", recipe, flags=re.M))
+    for argv in (
+        ["--config", str(old_recipe)],
+        ["--config", str(RECIPES / "quickstart" / "precompute.yaml"), f"--{old}", "x"],
+    ):
+        with pytest.raises(SystemExit) as exited:
+            precompute.main([*argv, "--out", str(tmp_path / "out")])
+        assert exited.value.code == 2
+        assert f"error: {old} was renamed to {new} ({WHY})" in capsys.readouterr().err
+
+
+@pytest.fixture
+def elsewhere(tmp_path, monkeypatch):
+    """Run from an empty folder: the artifacts the recipes name do not exist there."""
+    monkeypatch.chdir(tmp_path)
+
+
+@pytest.mark.parametrize("recipe", FIT_RECIPES, ids=lambda p: str(p.relative_to(RECIPES)))
+def test_every_fit_recipe_parses(recipe, elsewhere):
+    config = parse_recipe([str(recipe)])
+    assert config.model.class_path in OBJECTIVES
+
+
+@pytest.mark.parametrize("recipe", PRECOMPUTE_RECIPES, ids=lambda p: p.name)
+def test_every_precompute_recipe_parses(recipe, elsewhere):
+    config = precompute.build_parser().parse_args(["--config", str(recipe), "--out", "x"])
+    assert config.target == "artifacts/tiny_target" and config.target_dtype == "float32"

@@ -1,0 +1,172 @@
+"""Reads a training checkpoint into a plain state dict, whatever strategy wrote it.
+
+A Lightning checkpoint file is read with ``torch.load(weights_only=True)``; a DeepSpeed checkpoint directory is
+consolidated to full float32 tensors first. Objectives record in the checkpoint what the drafter is
+(``checkpoint["drafter"]``: its kind, config and the state-dict prefix of its weights), so exporters never need to
+load the target to rebuild it.
+
+A file that is not a whole checkpoint is refused naming it: empty, truncated (a save that did not finish, a copy cut
+short), another kind of file, or a pickle holding objects that no checkpoint draftsmith writes holds (a class of
+some module, a function such as ``os.system``): ``weights_only`` refuses those without running anything, and the
+error names what the file asked for. A DeepSpeed folder's files are screened the same way before DeepSpeed, which
+unpickles them with ``weights_only=False``, reads them.
+"""
+
+from __future__ import annotations
+
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.errors import CheckpointError, PathError
+
+_ZIP_MAGIC = b"PK\x03\x04"
+# Globals a DeepSpeed checkpoint folder's files name besides what weights_only allows by default (its ZeRO stage enum,
+# loss scalers and fragment records), by exact name: a module prefix would let a pickle reach any function through a
+# dotted name (``deepspeed.x.subprocess.run``).
+_DEEPSPEED_GLOBALS = frozenset(
+    {
+        "deepspeed.runtime.zero.config.ZeroStageEnum",
+        "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+        "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+        "deepspeed.utils.tensor_fragment.fragment_address",
+    }
+)
+
+
+def _not_a_checkpoint(path: Path, what: str, reason: str) -> CheckpointError:
+    return CheckpointError(
+        f"{what} {path}: {reason}",
+        hint="point to a whole checkpoint (an older one in the same folder, or save it again); "
+        "a file cut short by a full disk or an interrupted copy cannot be repaired",
+    )
+
+
+def _unsafe_globals(path: Path) -> list[str]:
+    """The globals (classes, functions) a ``torch.save`` zip's pickle names beyond what weights_only allows, read
+    without unpickling anything; [] when they cannot be listed."""
+    try:
+        return list(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
+    except Exception:  # a pickle torch cannot scan: the caller's message stands without the list
+        return []
+
+
+def _refused(path: Path, what: str, names: list[str]) -> CheckpointError:
+    held = f" ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''})" if names else ""
+    return CheckpointError(
+        f"{what} {path}: refused: it holds objects no checkpoint draftsmith writes holds{held}, which unpickling "
+        "would import or run; nothing in it was run",
+        hint="use a checkpoint draftsmith wrote; do not load this file with weights_only=False unless you trust "
+        "whoever made it",
+    )
+
+
+def explain_load_error(path: Path, err: BaseException, what: str = "checkpoint") -> CheckpointError | None:
+    """The :class:`CheckpointError` that says why ``torch.load`` of ``path`` failed with ``err`` (empty, truncated,
+    not a checkpoint, refused objects), or None when ``err`` is none of those (a bug, a device error: re-raise it)."""
+    refused = isinstance(err, pickle.UnpicklingError) and "weights only load failed" in str(err).lower()
+    size = path.stat().st_size if path.is_file() else 0
+    if size == 0:
+        return _not_a_checkpoint(path, what, "empty file (0 bytes): not a checkpoint")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head == _ZIP_MAGIC and not zipfile.is_zipfile(path):
+        return _not_a_checkpoint(
+            path, what, f"truncated ({size:,} bytes, the zip archive has no end): not a whole checkpoint"
+        )
+    if head != _ZIP_MAGIC:
+        if refused and head[:1] == b"\x80":  # a bare pickle (protocol 2+), not torch.save's zip
+            return _refused(path, what, [])
+        return _not_a_checkpoint(path, what, "not a checkpoint (not a file torch.save wrote)")
+    if refused:
+        return _refused(path, what, _unsafe_globals(path))
+    if isinstance(err, (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, KeyError, ValueError)):
+        reason = str(err).split(". ")[0].strip()
+        return _not_a_checkpoint(path, what, f"corrupted ({reason}): not a whole checkpoint")
+    return None
+
+
+def torch_load_checked(path: str | Path, what: str = "checkpoint") -> Any:
+    """``torch.load(path, map_location="cpu", weights_only=True)``; a file that is not a whole checkpoint, or one
+    holding objects weights_only refuses, is a :class:`CheckpointError` naming it (see :func:`explain_load_error`).
+
+    Args:
+        path: the file.
+        what: what the file is, for the message (``checkpoint``, ``DeepSpeed client state``...).
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise PathError(f"{what} {file}: no such file")
+    if file.stat().st_size == 0:
+        raise _not_a_checkpoint(file, what, "empty file (0 bytes): not a checkpoint")
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as err:
+        explained = explain_load_error(file, err, what)
+        if explained is None:
+            raise
+        raise explained from err
+
+
+def _screen_deepspeed_folder(folder: Path) -> None:
+    """Refuses a DeepSpeed checkpoint folder whose files name globals beyond tensors and DeepSpeed's own records:
+    DeepSpeed's consolidation unpickles them with ``weights_only=False``, which would run them."""
+    for file in sorted(folder.rglob("*.pt")):
+        if file.stat().st_size == 0:
+            raise _not_a_checkpoint(file, "DeepSpeed checkpoint file", "empty file (0 bytes)")
+        if not zipfile.is_zipfile(file):
+            with open(file, "rb") as f:
+                truncated = f.read(4) == _ZIP_MAGIC
+            reason = "truncated (the zip archive has no end)" if truncated else "not a file torch.save wrote"
+            raise _not_a_checkpoint(file, "DeepSpeed checkpoint file", reason)
+        try:
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(str(file))
+        except Exception as err:
+            raise _not_a_checkpoint(file, "DeepSpeed checkpoint file", f"unreadable ({err})") from err
+        foreign = [n for n in names if n not in _DEEPSPEED_GLOBALS]
+        if foreign:
+            raise _refused(file, "DeepSpeed checkpoint file", foreign)
+
+
+def load_training_checkpoint(path: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """Returns (state_dict, drafter record) of a ``.ckpt`` file or a DeepSpeed checkpoint directory.
+
+    Raises:
+        PathError: ``path`` does not exist, or is a folder that is not a DeepSpeed checkpoint.
+        CheckpointError: a file that is empty, truncated, not a checkpoint, or holds objects no draftsmith checkpoint
+            holds (refused before anything in it runs); a file without a state dict.
+    """
+    ckpt = Path(path)
+    if not ckpt.exists():
+        raise PathError(f"checkpoint {path!r} does not exist")
+    if ckpt.is_dir():
+        # ZeRO-1/2 write mp_rank_00_model_states.pt, ZeRO-3 one zero_pp_rank_R_mp_rank_00_model_states.pt per rank;
+        # rank 0's holds Lightning's client state, the drafter record among it
+        candidates = [
+            ckpt / "checkpoint" / n for n in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+        ]
+        client_state = next((c for c in candidates if c.is_file()), None)
+        if client_state is None:
+            raise PathError(f"{path!r} is a directory but not a DeepSpeed checkpoint (no {candidates[0].name})")
+        meta = torch_load_checked(client_state, "DeepSpeed checkpoint file")
+        _screen_deepspeed_folder(ckpt / "checkpoint")
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
+        state = {k.removeprefix("_forward_module."): v for k, v in state.items()}
+        return state, meta.get("drafter", {}) if isinstance(meta, dict) else {}
+    data = torch_load_checked(ckpt)
+    if not isinstance(data, dict) or "state_dict" not in data:
+        raise CheckpointError(f"checkpoint {path}: holds no state_dict: not a Lightning checkpoint")
+    return data["state_dict"], data.get("drafter", {})
+
+
+def sub_state_dict(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The entries under ``prefix`` with the prefix removed; an error when there are none."""
+    out = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+    if not out:
+        raise KeyError(f"no weights under {prefix!r} in the checkpoint (keys start with {sorted(state)[:3]}...)")
+    return out

@@ -1,0 +1,180 @@
+"""``draftsmith eval``: real speculative decoding of a drafter against its target, greedy and sampling.
+
+For every K of the sweep, the target alone and the target with the drafter decode the same prompts
+(trainer/decoding/evaluate.py). Greedy mode must reproduce the target's output token for token (a difference is an
+error, never a statistic); sampling mode runs speculative sampling at ``--temperature``. The report (report.json,
+report.md, acceptance.png) gives tau, acceptance per draft position, target forwards, the measured draft cost c,
+Leviathan's projected speedup, the measured wall-clock speedup, and the share of the target's greedy output that sits
+in loops with tau inside and outside them. The drafting flags (``--tree``, ``--tree_nodes``, ``--exit_layer``...) are
+the fields of :class:`~trainer.decoding.options.ProposerOptions`, which the training callback takes too.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from trainer.decoding.evaluate import (
+    SpeculativeMismatchError,
+    evaluate_drafter,
+    load_prompts,
+    refuse_drafter_as_target,
+    resolve_drafter,
+)
+from trainer.decoding.options import add_option_arguments, options_from_arguments, positive_ints
+from trainer.decoding.report import write_report
+from trainer.errors import UserError
+from trainer.flags import ToolParser
+
+
+def build_parser() -> ToolParser:
+    """The parser of ``draftsmith eval``: the command's own flags, then one per drafting option."""
+    parser = ToolParser(prog="draftsmith eval", description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument(
+        "--target",
+        required=True,
+        help="HF target model directory (with its tokenizer); a drafter export given here is refused, naming its target",
+    )
+    parser.add_argument(
+        "--allow_other_target",
+        action="store_true",
+        help="measure a training checkpoint against a target other than the one whose fingerprint it recorded "
+        "(refused by default)",
+    )
+    parser.add_argument(
+        "--drafter",
+        required=True,
+        help="a training checkpoint (.ckpt or DeepSpeed folder), an exported drafter folder (any format draftsmith "
+        "writes: its kind is read from its files), or a drafter without weights: prompt-lookup, none, early-exit",
+    )
+    parser.add_argument(
+        "--write_tree",
+        default=None,
+        metavar="FILE",
+        help="parallel heads: measure the heads' top-k accuracy on the prompts and write the best tree of "
+        "--tree_nodes paths to this JSON file (then use it with --tree --tree_choices FILE)",
+    )
+    parser.add_argument(
+        "--prompts",
+        required=True,
+        help="jsonl file: one 'prompt' or 'text' string, chat 'messages' or 'input_ids' per line",
+    )
+    parser.add_argument(
+        "--prompt_tokens", type=int, default=0, help="cut every prompt to its first N tokens (0: keep it whole)"
+    )
+    parser.add_argument(
+        "--k", type=positive_ints("--k"), default=[4], help="drafts per round, or a sweep such as 1,2,4,8"
+    )
+    parser.add_argument("--max_new_tokens", type=int, default=128, help="output budget per prompt")
+    parser.add_argument("--out", required=True, help="output directory for report.json, report.md, acceptance.png")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling-mode temperature (0 skips sampling)")
+    parser.add_argument("--max_prompts", type=int, default=0, help="use only the first N prompts (0: all)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling mode")
+    parser.add_argument(
+        "--repeats",
+        type=positive_ints("--repeats"),
+        default=[1],
+        help="passes over the prompts, the target alone and with the drafter side by side (the measured speedup is "
+        "the median of the per-prompt ratios of all passes)",
+    )
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda when available)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
+    add_option_arguments(parser)
+    return parser
+
+
+def load_target(path: str, dtype: str, device: torch.device) -> tuple[PreTrainedModel, object]:
+    """The HF target and its tokenizer from a local folder, with an error that says what the folder lacks."""
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"--target {path!r} is not a local model folder (no config.json)")
+    refuse_drafter_as_target(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, ImportError) as err:
+        raise ValueError(f"--target {path!r}: no usable tokenizer in that folder ({err})") from err
+    target = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    return target, tokenizer
+
+
+def _error(message: str, err: BaseException) -> None:
+    """``error: <message>`` on standard error, and the hint of a :class:`UserError` on the next line."""
+    print(f"error: {message}", file=sys.stderr)
+    if isinstance(err, UserError) and err.hint:
+        print(f"hint: {err.hint}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``draftsmith eval``; returns the exit status (2 for a greedy output mismatch)."""
+    args = build_parser().parse_args(argv)
+    if args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(args.device)
+    try:
+        sweep = options_from_arguments(args)  # several exit layers: one evaluation each, in out/exit_<E>
+        target, tokenizer = load_target(args.target, args.dtype, device)
+        context = getattr(target.config, "max_position_embeddings", None)
+        max_length = context - args.max_new_tokens if context else None
+        prompts = load_prompts(args.prompts, tokenizer, max_length, cut=args.prompt_tokens or None)
+        proposers = [
+            (options, resolve_drafter(args.drafter, target, options, tokenizer, args.target, args.allow_other_target))
+            for options in sweep
+        ]
+    except (OSError, ValueError) as err:
+        _error(str(err), err)
+        return 1
+    try:
+        for _, proposer in proposers:
+            for k in args.k:  # every --k before any decoding
+                proposer.check_k(k)
+    except ValueError as err:
+        _error(f"{args.drafter}: {err}", err)
+        return 1
+    if args.max_prompts > 0:
+        prompts = prompts[: args.max_prompts]
+    if args.write_tree:
+        options, proposer = proposers[0]
+        try:
+            paths = proposer.write_tree(Path(args.write_tree), target, prompts, args.max_new_tokens, options.tree_nodes)
+        except ValueError as err:
+            _error(f"{args.drafter}: {err}", err)
+            return 1
+        print(f"wrote a {len(paths)}-node tree from the heads' measured accuracy to {args.write_tree}")
+    eos = target.generation_config.eos_token_id if target.generation_config is not None else None
+    eos = tokenizer.eos_token_id if eos is None else eos
+    for options, proposer in proposers:
+        exit_layer = options.exit_layer
+        out = Path(args.out) / f"exit_{exit_layer}" if len(proposers) > 1 else Path(args.out)
+        try:
+            report = evaluate_drafter(
+                target, proposer, prompts, args.k, args.max_new_tokens, args.temperature, eos, args.seed,
+                args.repeats[0],
+            )  # fmt: skip
+        except SpeculativeMismatchError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        report.update(
+            target=args.target, drafter=args.drafter, prompts=len(prompts), max_new_tokens=args.max_new_tokens
+        )
+        if exit_layer is not None:
+            report["exit_layer"] = exit_layer
+        written = write_report(report, out)
+        for entry in report["greedy"]:
+            prefix = "" if exit_layer is None else f"E={exit_layer} "
+            low, high = entry["measured_speedup_quartiles"]
+            print(
+                f"{prefix}K={entry['k']}: tau {entry['tau']:.3f}, speedup {entry['measured_speedup']:.2f}x measured "
+                f"(quartiles {low:.2f}-{high:.2f}), "
+                f"{entry['projected_speedup']:.2f}x projected (c={entry['draft_cost']:.3f})"
+            )
+        print(f"loop share of the target's output: {report['loops']['share']:.1%}; best K: {report['best_k']}")
+        print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Recipe keys that were renamed so that recipes use one name per concept, and the message that names the new key.
+
+The vocabulary: the model being drafted for (frozen or fine-tuned) is the ``target`` (its ``target_config``,
+``target_dtype``, ``target_signals``, ``target_layers``); the trained draft model is the ``drafter``
+(``drafter_config``, ``drafter_dtype``); an output folder is ``export_dir``, a head count ``num_heads``, positions per
+chunk of a loss ``loss_chunk_size``, and the loss weight of draft step ``k`` is ``step_decay ** k``.
+
+:data:`RENAMED_KEYS` is the one table of the renames, per objective; ``draftsmith fit`` and
+:func:`trainer.recipe.parse_recipe` refuse an old key with :func:`renamed_key_message` (tests/unit/
+test_recipe_vocabulary.py checks that every new name is a parameter of its objective), and ``draftsmith precompute``
+with :data:`RENAMED_PRECOMPUTE_KEYS`.
+"""
+
+from __future__ import annotations
+
+import re
+
+_TARGET = {"teacher": "target", "teacher_dtype": "target_dtype"}
+_DRAFTER = {"student": "drafter", "student_config": "drafter_config", "student_dtype": "drafter_dtype"}
+_FRESH_TARGET = {"model": "target", "model_config": "target_config"}
+_LOSS_CHUNK = {"chunk_size": "loss_chunk_size"}
+_EXPORT_DIR = {"save_dir": "export_dir"}
+_SIGNALS = {"teacher_signals": "target_signals"}
+
+RENAMED_KEYS: dict[str, dict[str, str]] = {
+    "trainer.methods.draft_model.kd.KnowledgeDistillation": {**_TARGET, **_DRAFTER, **_LOSS_CHUNK, **_SIGNALS},
+    "trainer.methods.draft_model.on_policy.OnPolicyDistillation": {**_TARGET, **_DRAFTER, **_LOSS_CHUNK},
+    "trainer.methods.draft_model.pretrain.CausalLMPretraining": {**_LOSS_CHUNK, **_EXPORT_DIR},
+    "trainer.methods.medusa.objective.Medusa": {
+        **_SIGNALS,
+        **_LOSS_CHUNK,
+        "heads_dtype": "drafter_dtype",
+        "decay": "step_decay",
+    },
+    "trainer.methods.mtp_heads.objective.ParallelMTPHeads": {
+        **_FRESH_TARGET,
+        **_LOSS_CHUNK,
+        **_EXPORT_DIR,
+        "n_heads": "num_heads",
+        "dtype": "target_dtype",
+    },
+    "trainer.methods.mtp.objective.SequentialMTP": {
+        **_FRESH_TARGET,
+        **_LOSS_CHUNK,
+        **_EXPORT_DIR,
+        "load_model_modules": "load_target_modules",
+        "model_dtype": "target_dtype",
+        "modules_dtype": "drafter_dtype",
+    },
+    "trainer.methods.eagle3.objective.Eagle3": {**_SIGNALS, "aux_layers": "target_layers"},
+    "trainer.methods.dflash.objective.DFlash": {**_SIGNALS},
+    "trainer.methods.layerskip.objective.LayerSkip": {
+        **_FRESH_TARGET,
+        **_LOSS_CHUNK,
+        **_EXPORT_DIR,
+        "model_dtype": "target_dtype",
+    },
+}
+"""Objective class path -> {old ``model.init_args`` key: its new name}."""
+
+RENAMED_PRECOMPUTE_KEYS: dict[str, str] = dict(_TARGET)
+"""Old key of a ``draftsmith precompute`` recipe (trainer/data/precompute.py) -> its new name."""
+
+WHY = "recipes use one name per concept; see docs/methods"
+
+# jsonargparse 4's wording of an unknown init_args key of a subclass (`model.init_args.KEY` in a recipe or on the
+# command line): "Problem with given class_path 'CLASS':\n    Option 'KEY' is not accepted"
+_UNKNOWN_INIT_ARG = re.compile(r"class_path '(?P<cls>[\w.]+)':\s+Option '(?P<key>\w+)' is not accepted")
+# an unknown top-level key of a plain parser (draftsmith precompute): "Option 'KEY' is not accepted" (in a recipe) or
+# "unrecognized arguments: --KEY VALUE --KEY2 ..." (on the command line)
+_UNKNOWN_OPTION = re.compile(r"Option '(\w+)' is not accepted")
+_UNRECOGNIZED = re.compile(r"unrecognized arguments:(.*)", re.I)
+
+
+def renamed(old_prefix: str, old: str, new: str) -> str:
+    """The message refusing an old key: ``model.init_args.teacher was renamed to model.init_args.target (...)``."""
+    return f"{old_prefix}{old} was renamed to {old_prefix}{new} ({WHY})"
+
+
+def renamed_key_message(parser_error: str) -> str | None:
+    """The message for a ``draftsmith fit`` parser error that refuses a renamed ``model.init_args`` key, or None when
+    the error is about something else (the parser's own message then stands)."""
+    for found in _UNKNOWN_INIT_ARG.finditer(parser_error):
+        new = RENAMED_KEYS.get(found["cls"], {}).get(found["key"])
+        if new is not None:
+            return renamed("model.init_args.", found["key"], new)
+    return None
+
+
+def renamed_precompute_key_message(parser_error: str) -> str | None:
+    """The same for a ``draftsmith precompute`` parser error (its keys are top-level: ``teacher``, ``--teacher``)."""
+    keys = _UNKNOWN_OPTION.findall(parser_error)
+    for line in _UNRECOGNIZED.findall(parser_error):
+        keys += re.findall(r"--(\w+)", line)
+    for key in keys:
+        if key in RENAMED_PRECOMPUTE_KEYS:
+            return renamed("", key, RENAMED_PRECOMPUTE_KEYS[key])
+    return None
