@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_CPU ?= torch==2.13.0
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: venv demo test test-fast bench lint clean
+.PHONY: venv demo test test-fast lint clean
 
 venv: $(VENV)/.installed
 
@@ -31,9 +31,6 @@ test: venv
 
 test-fast: venv
 	$(BIN)/python -m pytest tests -m "not gpu and not slow and not slurm" -q
-
-bench: venv
-	$(BIN)/python bench/run_all.py
 
 lint: venv
 	$(BIN)/ruff check trainer tests bench

@@ -25,6 +25,15 @@ already exists under ``--out`` (default artifacts/dflash; delete a file to redo 
    and peak memory (the profiler's, forward and backward).
 
 Writes ``OUT/dflash.md`` (and prints it).
+
+With ``--labels hard,argmax,soft`` it runs instead a side-by-side of the DFlash objective's label options on natural
+text (the corpus' training files, whose tokens are often not the target's choice), each run of
+recipes/quickstart/dflash.yaml for ``--label-steps`` optimizer steps on the same data with one thread, all at once,
+then ``evaluate_drafter`` greedy (K = ``--dflash-k``) on the held-out prompts: tau and acceptance per draft slot, in
+``OUT/labels.md``. ``--artifacts`` may name any folder holding ``corpus/`` (``draftsmith prepare``) and
+``tiny_target/``:
+
+    python bench/bench_dflash.py --labels hard,argmax,soft --artifacts ART --out ART/labels --label-steps 300
 """
 
 from __future__ import annotations
@@ -188,6 +197,65 @@ def table(reports: dict, steps: dict[str, int], args) -> list[str]:
     return lines
 
 
+def compare_labels(args, art: Path, out: Path) -> int:
+    """``--labels``: the label options side by side on natural text (same steps, same data, one thread each)."""
+    labels = args.labels.split(",")
+    train_file, tokenizer_dir = art / "corpus" / "train.jsonl", art / "corpus" / "tokenizer"
+    exports = {label: out / "export" / label for label in labels}
+    procs = {}
+    for label in labels:
+        if (exports[label] / "model.safetensors").is_file():
+            continue
+        extra = [
+            "--model.init_args.target", str(art / "tiny_target"), "--model.init_args.labels", label,
+            "--data.init_args.tokenizer", str(tokenizer_dir),
+            "--data.init_args.val_files", json.dumps([str(art / "corpus" / "heldout.jsonl")]),
+        ]  # fmt: skip
+        cmd = fit_cmd("recipes/quickstart/dflash.yaml", out / "runs" / label, train_file, 0, args.label_steps, extra)
+        procs[label] = run(cmd, out / f"fit_{label}.log", threads=1)
+    for label, proc in procs.items():
+        wait(proc, out / f"fit_{label}.log")
+        ckpt = out / "runs" / label / "checkpoints" / "last.ckpt"
+        export = ["draftsmith", "export", "--ckpt", str(ckpt), "--out", str(exports[label]), "--format", "dflash"]
+        wait(run(export, out / f"export_{label}.log"), out / f"export_{label}.log")
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    target = AutoModelForCausalLM.from_pretrained(art / "tiny_target").eval()
+    tokenizer = AutoTokenizer.from_pretrained(art / "tiny_target")
+    heldout = out / "heldout_prompts.jsonl"
+    lines = (art / "corpus" / "heldout.jsonl").read_text().splitlines()[: args.prompts]
+    heldout.write_text("".join(json.dumps({"prompt": json.loads(x)["text"][:PROMPT_CHARS]}) + "\n" for x in lines))
+    prompts = load_prompts(heldout, tokenizer)
+    rows = [
+        f"DFlash label options, recipes/quickstart/dflash.yaml for {args.label_steps} steps each on {train_file} "
+        f"(natural text), one thread each; greedy on {len(prompts)} held-out prompts, {args.max_new_tokens} new "
+        "tokens, "
+        f"K = {args.dflash_k}.",
+        "",
+        "| labels | steps | tau (greedy) | against the first | tau outside loops | acceptance per slot (greedy) |",
+        "|---|---|---|---|---|---|",
+    ]
+    taus = {}
+    for label in labels:
+        proposer = resolve_drafter(str(exports[label]), target, ProposerOptions(), tokenizer)
+        report = evaluate_drafter(target, proposer, prompts, [args.dflash_k], args.max_new_tokens, 0.0)
+        greedy = report["greedy"][0]
+        taus[label] = greedy["tau"]
+        per_slot = " ".join("-" if a is None else f"{a:.2f}" for a in greedy["acceptance_per_position"])
+        ratio = f"{greedy['tau'] / taus[labels[0]]:.3f}x" if labels[0] in taus else "-"
+        steps = steps_done(out, label)
+        outside = greedy["tau_outside_loops"]
+        rows.append(f"| {label} | {steps} | {greedy['tau']:.3f} | {ratio} | {outside:.3f} | {per_slot} |")
+        print(rows[-1], flush=True)
+    rows += ["", f"The target's greedy output sits in loops for {report['loops']['share']:.0%} of its tokens."]
+    text = "\n".join(rows) + "\n"
+    (out / "labels.md").write_text(text)
+    print(text)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--artifacts", default="artifacts", help="where `make demo` left the corpus and the target")
@@ -205,11 +273,15 @@ def main() -> int:
     parser.add_argument("--tree-nodes", type=int, default=24, help="node budget of both trees")
     parser.add_argument("--tree-top-k", type=int, default=4, help="top-k of both trees")
     parser.add_argument("--step-repeats", type=int, default=3, help="timed training steps per objective (step 5)")
+    parser.add_argument("--labels", default=None, help="compare these DFlash label options instead (hard,argmax,soft)")
+    parser.add_argument("--label-steps", type=int, default=300, help="optimizer steps of each --labels run")
     args = parser.parse_args()
     art, out = Path(args.artifacts), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if not (art / "tiny_target" / "config.json").is_file():
         sys.exit(f"{art / 'tiny_target'} not found: run `make demo` first")
+    if args.labels:
+        return compare_labels(args, art, out)
     completions = prepare(art, out, args.prompts_per_file, args.new_tokens)
     if args.prepare_only:
         return 0

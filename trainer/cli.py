@@ -6,15 +6,49 @@ unknown or misspelled keys are rejected with the key named, and the resolved con
 checkpoint directory. :func:`parse_recipe` reads a recipe with the same parser without building anything (``draftsmith
 plan`` and ``draftsmith slurm submit`` use it). The other subcommands are plain tools, each a module with
 ``main(argv) -> int``.
+
+Errors
+------
+A mistake the user can fix is a :class:`~trainer.errors.UserError`, raised where the check is made (in a tool, in an
+objective's ``__init__`` or ``setup``, in a datamodule, a DataLoader worker or a callback). Every subcommand ends it
+with ``error: <message>`` on standard error, ``hint: <what to do>`` on the next line when there is one, and exit
+status 2, without a traceback. Any other exception is a bug of ours and keeps its traceback. ``--debug`` before the
+subcommand's own arguments (``draftsmith --debug fit ...``), or ``DRAFTSMITH_DEBUG=1``, shows the traceback of a user
+error too.
+
+A fit stopped by SIGTERM or Ctrl-C before its last step exits with ``128 + signal`` (143, 130) after saving
+``last.ckpt`` (trainer/preemption.py), which ``--ckpt_path last`` resumes.
+
+Several ranks (DDP, DeepSpeed, FSDP): the error is printed once. Global rank 0 prints its own error. Every rank that
+fails records its message in the process group's key-value store (hosted by rank 0). Another rank prints its error,
+as ``error: rank N: <message>``, only when rank 0 has not recorded the same message within
+:data:`PEER_GRACE_S` seconds (an error raised identically on every rank, say in ``setup``, is printed by rank 0
+alone; an error only rank N saw, say a shard only it reads, by rank N); it prints nothing when rank 0 has already
+ended (it reported its own failure) or before the process group exists (every rank then runs the same code on the
+same recipe: the error is rank 0's too). An exception that is not a user error, on a rank whose peer has recorded a
+user error, is a consequence of it (a collective whose peer left): it ends that rank with status 2 without output,
+and so does any exception on a rank other than 0 once rank 0 has ended. After reporting, rank 0 stops the other
+local ranks of Lightning's process launcher, so that none waits in a collective.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import os
+import signal
 import sys
+import time
 
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from trainer.errors import DEBUG_ENV, UserError, debugging, error_report, user_error_in
 from trainer.recipe import DraftsmithCLI
+
+DEBUG_FLAG = "--debug"
+USER_ERROR_STATUS = 2
+PEER_GRACE_S = 5.0  # how long a rank other than 0 waits for rank 0's record of the same error before printing its own
+_STORE_KEY = "draftsmith/user_error/"
 
 # Subcommands that are tools rather than training runs: name -> "module:function", function(argv) -> exit code.
 TOOLS: dict[str, tuple[str, str]] = {
@@ -33,26 +67,178 @@ TOOLS: dict[str, tuple[str, str]] = {
 def _usage() -> str:
     tools = "\n".join(f"  {name:<10} {help_}" for name, (_, help_) in TOOLS.items())
     return (
-        "usage: draftsmith <command> [options]\n\ntraining (LightningCLI; see `draftsmith fit --help`):\n"
+        "usage: draftsmith [--debug] <command> [options]\n\ntraining (LightningCLI; see `draftsmith fit --help`):\n"
         "  fit        train with a recipe: draftsmith fit --config recipes/quickstart/kd.yaml\n"
-        f"  validate   evaluate the validation loss of a recipe's model\n\ntools:\n{tools}\n"
+        f"  validate   evaluate the validation loss of a recipe's model\n\ntools:\n{tools}\n\n"
+        f"--debug (or {DEBUG_ENV}=1): show the traceback of an error the command would end in one line\n"
     )
 
 
+def _without_debug_flag(args: list[str]) -> tuple[bool, list[str]]:
+    """Removes ``--debug`` from before the subcommand and from right after it (before the subcommand's own
+    arguments); returns whether it was there."""
+    head = 0
+    while head < len(args) and args[head] == DEBUG_FLAG:
+        head += 1
+    found = head > 0
+    rest = args[head:]
+    if rest:
+        tail = 1
+        while tail < len(rest) and rest[tail] == DEBUG_FLAG:
+            tail += 1
+        found = found or tail > 1
+        rest = [rest[0], *rest[tail:]]
+    return found, rest
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Runs ``draftsmith <command> ...`` (``argv``; None: ``sys.argv[1:]``) and returns the exit status: 0, 2 for a
+    user error (or a command line a tool refuses), 128 + signal for a fit a signal stopped; a bug raises."""
     args = list(sys.argv[1:] if argv is None else argv)
+    debug, args = _without_debug_flag(args)
+    if debug:
+        os.environ[DEBUG_ENV] = "1"  # the other ranks of a multi-process fit inherit it
+        if argv is None:
+            sys.argv[1:] = args  # LightningCLI and its process launchers read sys.argv
+        else:
+            argv = args
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
         return 0
+    try:
+        return _run(args, argv)
+    except SIGTERMException:  # Lightning ends a SIGTERM that no PreemptionCheckpoint acted on with this SystemExit
+        return 128 + signal.SIGTERM
+    except Exception as err:
+        if debugging():
+            raise
+        return _end(err)
+
+
+def _run(args: list[str], argv: list[str] | None) -> int:
     if args[0] in TOOLS:
         module_name, function_name = TOOLS[args[0]][0].split(":")
         return int(getattr(importlib.import_module(module_name), function_name)(args[1:]) or 0)
     if args[0] not in ("fit", "validate"):
         print(f"draftsmith: unknown command {args[0]!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    DraftsmithCLI(args=argv)  # None: LightningCLI reads sys.argv, as its subprocess launchers expect
-    return 0
+    from trainer.preemption import exit_status_after_fit
+
+    DraftsmithCLI.running_trainer = None
+    cli = DraftsmithCLI(args=argv)  # None: LightningCLI reads sys.argv, as its subprocess launchers expect
+    return exit_status_after_fit(cli.trainer) if args[0] == "fit" else 0
+
+
+# ------------------------------------------------------------------------------------------------------ errors
+
+
+def _print_error(error: UserError, prefix: str = "") -> None:
+    """``error: <message>`` and ``hint: <hint>`` on standard error, after whatever the run wrote so far."""
+    sys.stdout.flush()
+    print(error_report(error, prefix), file=sys.stderr)
+    sys.stderr.flush()
+
+
+def _end(err: Exception) -> int:
+    """Reports ``err`` as the rules of the module docstring say and returns the exit status; re-raises a bug."""
+    error = user_error_in(err)
+    rank, store = _rank_and_store()
+    if error is None:
+        if rank is not None and _peer_failed(store, rank):
+            return USER_ERROR_STATUS  # a consequence of another rank's error, which that rank reported
+        raise err
+    if rank is None or rank == 0:
+        if store is not None:
+            _record(store, 0, error.message)
+        _print_error(error)
+        _stop_local_ranks()
+        return USER_ERROR_STATUS
+    if store is None:  # no process group yet: every rank ran the same code, rank 0 reports it
+        return USER_ERROR_STATUS
+    if not _record(store, rank, error.message):  # rank 0 has ended: it reported its own failure
+        return USER_ERROR_STATUS
+    rank0 = _wait_for_record(store, 0, PEER_GRACE_S)
+    if rank0 is not _GONE and rank0 != error.message:
+        _print_error(error, prefix=f"rank {rank}: ")
+    return USER_ERROR_STATUS
+
+
+_GONE = object()  # rank 0's store no longer answers
+
+
+def _rank_and_store():
+    """(global rank, the process group's key-value store), (rank, None) for a rank of a multi-process run before its
+    process group exists, or (None, None) in a single process."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            return dist.get_rank(), _get_default_store()
+    except Exception:  # no store: judged as before the process group exists
+        pass
+    if world <= 1:
+        return None, None
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    return int(getattr(rank_zero_only, "rank", 0) or 0), None
+
+
+def _record(store, rank: int, message: str) -> bool:
+    """Records this rank's error in the store; False when the store no longer answers (rank 0 has ended)."""
+    try:
+        store.set(f"{_STORE_KEY}{rank}", message.encode())
+        return True
+    except Exception:  # any failure of the store means its host is gone
+        return False
+
+
+def _wait_for_record(store, rank: int, timeout_s: float):
+    """The message ``rank`` recorded, None when it recorded none within ``timeout_s``, or ``_GONE``."""
+    key = f"{_STORE_KEY}{rank}"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if store.check([key]):
+                return store.get(key).decode()
+        except Exception:
+            return _GONE
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.1)
+
+
+def _peer_failed(store, rank: int) -> bool:
+    """Whether another rank recorded a user error (this rank's exception is then its consequence), or, on a rank
+    other than 0, whether rank 0 has ended."""
+    if store is None:
+        return False
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    try:
+        import torch.distributed as dist
+
+        world = dist.get_world_size()
+    except Exception:
+        pass
+    try:
+        return any(store.check([f"{_STORE_KEY}{r}"]) for r in range(world) if r != rank)
+    except Exception:  # rank 0, the store's host, has ended
+        return rank != 0
+
+
+def _stop_local_ranks() -> None:
+    """Kills the other local ranks that Lightning's process launcher started, so that none waits in a collective
+    for this one (as Lightning does on Ctrl-C)."""
+    trainer = DraftsmithCLI.running_trainer
+    launcher = getattr(getattr(trainer, "strategy", None), "launcher", None)
+    if launcher is None or not getattr(launcher, "procs", None) or not hasattr(launcher, "kill"):
+        return
+    from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
+
+    launcher.kill(_get_sigkill_signal())
 
 
 if __name__ == "__main__":

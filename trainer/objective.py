@@ -37,11 +37,12 @@ from transformers import AutoConfig, PreTrainedModel
 from trainer.data.shard_datamodule import ShardDataModule, checked_shard_data
 from trainer.data.shards import load_manifest
 from trainer.data.vocab import check_data_tokenizer, load_tokenizer_if_present
+from trainer.errors import CheckpointError, DataError, RecipeError, TrainingError
 from trainer.fingerprint import describe, fingerprint
 from trainer.preemption import PreemptionCheckpoint
 from trainer.registry import DrafterRecord, check_target, load_drafter
 from trainer.strategies import deepspeed_offload_enabled, shard_for_fsdp2
-from trainer.target import FrozenTarget, TargetEmbeddings
+from trainer.target import FrozenTarget, TargetEmbeddings, check_model_path, model_load_error
 from trainer.throughput import measure_matmul_peak
 
 DEAD_GRADIENT_STEPS = 3
@@ -137,12 +138,12 @@ class DraftObjective(L.LightningModule):
         the module's device: the target :meth:`load_target` loaded online. Objectives whose model drafts for itself
         return that model."""
         if self.target_signals == "shards":
-            raise ValueError(
+            raise RecipeError(
                 "target_signals: shards never builds the target, so SpeculativeEvalCallback cannot decode with it: "
                 "measure the exported drafter with draftsmith eval, or train online"
             )
         if not isinstance(self.target, FrozenTarget):
-            raise ValueError(f"{type(self).__name__} trains no drafter against a target for SpeculativeEvalCallback")
+            raise RecipeError(f"{type(self).__name__} trains no drafter against a target for SpeculativeEvalCallback")
         return self.target_on(self.device).model
 
     # ---- the target, its data and init_from ----------------------------------------------------------------------
@@ -186,9 +187,13 @@ class DraftObjective(L.LightningModule):
             frozen = TargetEmbeddings.from_pretrained(path, dtype, trust_remote_code)
             config = frozen.config
         elif signals == "shards":
-            frozen, config = None, AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+            check_model_path(path)
+            try:
+                frozen, config = None, AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+            except OSError as err:
+                raise model_load_error(path, err) from err
         else:
-            raise ValueError(f"model.target_signals={signals!r} is not 'online' or 'shards'")
+            raise RecipeError(f"model.target_signals={signals!r} is not 'online' or 'shards'")
         self._target = [] if frozen is None else [frozen]
         if in_module_tree and isinstance(frozen, FrozenTarget):
             self.frozen_target = frozen
@@ -246,13 +251,13 @@ class DraftObjective(L.LightningModule):
             check_data_tokenizer(datamodule, name or self.target_path, self.tokenizer, width, vocab_size or width)
             return None
         if not isinstance(datamodule, ShardDataModule):
-            raise ValueError(
+            raise RecipeError(
                 "model.target_signals=shards needs data: trainer.data.shard_datamodule.ShardDataModule, got "
                 f"{type(datamodule).__name__}"
             )
         layers = None if target_layers is None else list(target_layers)
         if layers and not load_manifest(datamodule.shards_dir)[0].hidden_layers:
-            raise ValueError(
+            raise DataError(
                 f"{datamodule.shards_dir}: the shards hold no hidden states; {type(self).__name__} reads target layers "
                 f"{layers}: rerun draftsmith precompute with --hidden_layers '{layers}'"
             )
@@ -263,16 +268,42 @@ class DraftObjective(L.LightningModule):
             temperature=temperature,
         )  # fmt: skip
         if layers is not None and list(data.hidden_layers) != layers:
-            raise ValueError(
+            raise RecipeError(
                 f"data.hidden_layers={list(data.hidden_layers)} must equal the drafter's target_layers {layers} (the "
                 f"shards hold {data.meta.hidden_layers}), in that order: teacher_hidden[:, j] is target layer j"
             )
         if hidden_size is not None and data.meta.hidden_size != hidden_size:
-            raise ValueError(
+            raise DataError(
                 f"{data.shards_dir}: hidden states of width {data.meta.hidden_size}, the target {self.target_path!r} "
                 f"has {hidden_size}"
             )
         return data
+
+    def check_data_tokenizer(self, datamodule) -> None:
+        """Refuses data of another tokenizer than the model's before the datamodule reads or tokenizes anything.
+
+        TextDataModule's ``prepare_data`` and ``setup`` call it (trainer/data/tokenizer.py ``check_before_reading``),
+        which Lightning runs before the objective's ``setup``: data of another tokenizer, or a model folder that holds
+        no tokenizer, is refused in seconds instead of after tokenizing a corpus. It is the tokenizer part of
+        :meth:`check_data` (the tokenizer files compared), with the model's output rows as the width; ``setup`` runs
+        :meth:`check_data` again with the drafter's widths. From shards a no-op (:meth:`check_data` checks the
+        shards' tokenizer), and for data without a tokenizer.
+
+        Args:
+            datamodule: the datamodule about to read its data.
+
+        Raises:
+            TokenizerError: the model holds no tokenizer, or the data's differs (named by both folders).
+        """
+        if self.target_signals == "shards":
+            return
+        name = self.target_path or getattr(self, "tokenizer_path", None) or self.hparams.get("tokenizer")
+        config = self.target_config
+        text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+        rows = getattr(text, "vocab_size", None)
+        if rows is None:
+            rows = len(self.tokenizer) if self.tokenizer is not None else 1 << 62
+        check_data_tokenizer(datamodule, str(name), self.tokenizer, int(rows), int(rows))
 
     def drafter_from_checkpoint(self, init_from: str, kind: str) -> nn.Module:
         """The drafter of ``model.init_from`` (a training checkpoint or an export), refused when it is not of ``kind``
@@ -280,7 +311,7 @@ class DraftObjective(L.LightningModule):
         drafter, record = load_drafter(init_from)
         where = f"model.init_from {init_from!r}"
         if record.kind != kind:
-            raise ValueError(f"{where}: holds a drafter of kind {record.kind!r}, not {kind!r}")
+            raise CheckpointError(f"{where}: holds a drafter of kind {record.kind!r}, not {kind!r}")
         check_target(record, self.target_config, where)
         return drafter
 
@@ -303,7 +334,7 @@ class DraftObjective(L.LightningModule):
         for name, current in self._frozen.items():
             old = saved.get(name)
             if old is not None and old != current:
-                raise ValueError(
+                raise CheckpointError(
                     f"the checkpoint was trained with another {name}: it recorded ({describe(old)}), this run loads "
                     f"({describe(current)}); resume with the model it was trained with, or start a new run"
                 )
@@ -336,10 +367,10 @@ class DraftObjective(L.LightningModule):
     def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
         loss, metrics = self.compute_loss(batch)
         if not torch.isfinite(loss):
-            raise FloatingPointError(
+            raise TrainingError(
                 f"non-finite {stage} loss ({loss.item()}) at global step {self.global_step}, batch of "
-                f"{tuple(batch['input_ids'].shape)}: lower the learning rate or check the data; the last saved "
-                f"checkpoint is intact"
+                f"{tuple(batch['input_ids'].shape)}: lower the learning rate (model.init_args.optim.lr="
+                f"{self.optim.lr}) or check the data; the last saved checkpoint is intact"
             )
         batch_size = batch["input_ids"].shape[0]
         self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=batch_size, sync_dist=stage != "train")
@@ -383,7 +414,7 @@ class DraftObjective(L.LightningModule):
         if total <= 0:
             estimated = self.trainer.estimated_stepping_batches  # inf when only trainer.max_time bounds the run
             if math.isinf(estimated) and self.optim.decay != "constant":
-                raise ValueError(
+                raise RecipeError(
                     f"model.init_args.optim.decay={self.optim.decay!r} decays the learning rate over the run's "
                     "length, but the run has no trainer.max_steps or max_epochs (trainer.max_time alone): set "
                     "trainer.max_steps, or optim.decay: constant"
@@ -406,7 +437,7 @@ class DraftObjective(L.LightningModule):
             self.log("train/grad_norm", total)
             self._zero_grad_steps = self._zero_grad_steps + 1 if total == 0.0 else 0
             if self._zero_grad_steps >= DEAD_GRADIENT_STEPS:
-                raise FloatingPointError(
+                raise TrainingError(
                     f"the gradient norm has been exactly 0 for {self._zero_grad_steps} optimizer steps (global step "
                     f"{self.global_step}): the model no longer learns (a learning rate far too high, "
                     f"model.init_args.optim.lr={self.optim.lr}, kills it); the last saved checkpoint is intact"
@@ -441,7 +472,7 @@ class DraftObjective(L.LightningModule):
         rms = math.sqrt(squares / sum(p.numel() for p in params))
         self.log("train/weight_rms", rms)
         if not math.isfinite(rms) or rms > MAX_WEIGHT_RMS:
-            raise FloatingPointError(
+            raise TrainingError(
                 f"the trainable weights' root mean square is {rms:.3g} at global step {self.global_step} (more than "
                 f"{MAX_WEIGHT_RMS:g}): training diverged (model.init_args.optim.lr={self.optim.lr}); the last saved "
                 "checkpoint is intact"

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer.errors import DataError, ModelFolderError, RecipeError, UsageError, UserError, debugging, error_report
 from trainer.flags import ToolParser
 
 GIB = 1024**3
@@ -101,7 +102,7 @@ class Shape:
             if config.get(k) is None
         ]
         if missing:
-            raise ValueError(f"draftsmith plan: {source} has no {', '.join(missing)} (a decoder-only LM config?)")
+            raise ModelFolderError(f"draftsmith plan: {source} has no {', '.join(missing)} (a decoder-only LM config?)")
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
         kv = config.get("num_key_value_heads")
@@ -151,7 +152,7 @@ def precision_bytes(precision: str) -> tuple[int, int, int]:
         return 2, 12, 2  # half-precision model copy, fp32 master weights + two fp32 moments
     if p in ("bf16-true", "16-true"):
         return 2, 4, 2  # moments in the parameters' dtype, no master copy
-    raise ValueError(f"draftsmith plan: unknown trainer.precision {precision!r}")
+    raise RecipeError(f"draftsmith plan: unknown trainer.precision {precision!r}")
 
 
 @dataclass(frozen=True)
@@ -211,7 +212,7 @@ def estimate(
         chunk_size: positions per chunk of the KD loss.
     """
     if gpus < 1 or batch < 1 or seq < 1:
-        raise ValueError(f"draftsmith plan: gpus, batch and seq must be positive, got {gpus}, {batch}, {seq}")
+        raise UsageError(f"draftsmith plan: gpus, batch and seq must be positive, got {gpus}, {batch}, {seq}")
     w, k, a = precision_bytes(precision)
     target_w = 4 if str(precision) in ("32", "32-true") else 2
     p_t, p_d = target.parameters(), drafter.parameters()
@@ -252,7 +253,7 @@ def _load_config(source: str) -> dict[str, Any]:
     try:
         return AutoConfig.from_pretrained(source).to_dict()
     except (OSError, ValueError) as err:
-        raise ValueError(
+        raise ModelFolderError(
             f"draftsmith plan: cannot read the config of {source!r} ({err}); pass --target_config or a --target "
             f"preset ({', '.join(PRESETS)})"
         ) from err
@@ -298,13 +299,13 @@ def plan_from_recipe(
 
     recipe = parse_recipe(configs, overrides)
     if recipe.get("model") is None:
-        raise ValueError("draftsmith plan: the recipe has no model")
+        raise RecipeError("draftsmith plan: the recipe has no model")
     model = recipe.model.init_args
     data = recipe.get("data.init_args")
     model_name = recipe.model.class_path.rsplit(".", 1)[-1]
     if target is not None:
         if target not in PRESETS:
-            raise ValueError(f"draftsmith plan: unknown --target {target!r}; presets: {', '.join(PRESETS)}")
+            raise UsageError(f"draftsmith plan: unknown --target {target!r}; presets: {', '.join(PRESETS)}")
         target_dict = dict(PRESETS[target])
         source = f"preset {target}"
     elif target_config is not None:
@@ -312,7 +313,7 @@ def plan_from_recipe(
     elif model.get("target"):
         target_dict, source = _load_config(str(model.target)), str(model.target)
     else:
-        raise ValueError(
+        raise RecipeError(
             f"draftsmith plan: the recipe's model ({model_name}) has no init_args.target; pass --target or "
             "--target_config"
         )
@@ -323,22 +324,22 @@ def plan_from_recipe(
         drafter_dict = dict(target_dict)
         for key, value in drafter_config.items():
             if key not in drafter_dict and key not in ("head_dim", "tie_word_embeddings", "num_key_value_heads"):
-                raise ValueError(f"draftsmith plan: model.init_args.drafter_config: {key!r} is not a key of {source}")
+                raise RecipeError(f"draftsmith plan: model.init_args.drafter_config: {key!r} is not a key of {source}")
             drafter_dict[key] = value
         if "hidden_size" in drafter_config and "head_dim" not in drafter_config:
             drafter_dict.pop("head_dim", None)  # follows the new width, as in the HF config
     else:
-        raise ValueError(
+        raise RecipeError(
             f"draftsmith plan: the recipe's model ({model_name}) has neither init_args.drafter nor "
             "init_args.drafter_config (the planner covers distilled draft models)"
         )
     if "loss_chunk_size" not in model:
-        raise ValueError(f"draftsmith plan: the recipe's model ({model_name}) has no init_args.loss_chunk_size")
+        raise RecipeError(f"draftsmith plan: the recipe's model ({model_name}) has no init_args.loss_chunk_size")
     if data is None:
-        raise ValueError("draftsmith plan: the recipe has no data")
+        raise RecipeError("draftsmith plan: the recipe has no data")
     if batch is None:
         if "batch_size" not in data:
-            raise ValueError("draftsmith plan: the recipe's data has no init_args.batch_size; pass --batch_size")
+            raise RecipeError("draftsmith plan: the recipe's data has no init_args.batch_size; pass --batch_size")
         batch = data.batch_size
     if seq is None:
         seq = _seq_len(data)
@@ -365,18 +366,18 @@ def _seq_len(data: Any) -> int:
         try:
             return load_manifest(data.shards)[0].seq_len
         except (OSError, ValueError) as err:
-            raise ValueError(
+            raise DataError(
                 f"draftsmith plan: the recipe's data has no init_args.seq_len and its shards' manifest cannot be "
                 f"read ({err}); pass --seq_len"
             ) from err
-    raise ValueError("draftsmith plan: the recipe's data has no init_args.seq_len; pass --seq_len")
+    raise RecipeError("draftsmith plan: the recipe's data has no init_args.seq_len; pass --seq_len")
 
 
 def parse_bytes(text: str) -> int:
     """'80GB', '80G', '80GiB', '141 GB' -> bytes (GB and G read as GiB, as GPU memory is quoted)."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B)?\s*", text, flags=re.IGNORECASE)
     if not m:
-        raise ValueError(f"draftsmith plan: cannot read memory size {text!r} (e.g. 80GB)")
+        raise UsageError(f"draftsmith plan: cannot read memory size {text!r} (e.g. 80GB)")
     scale = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}[m.group(2).upper()]
     return int(float(m.group(1)) * scale)
 
@@ -423,7 +424,12 @@ def main(argv: list[str] | None = None) -> int:
         estimates = estimate(
             plan.target, plan.drafter, plan.batch, plan.seq, args.gpus, plan.precision, plan.chunk_size
         )
-    except (OSError, ValueError) as err:
+    except UserError as err:
+        if debugging():
+            raise
+        print(error_report(err), file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as err:  # a config or shards manifest that Hugging Face or json cannot read
         print(f"error: {err}", file=sys.stderr)
         return 2
     out = [

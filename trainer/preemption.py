@@ -18,8 +18,9 @@ checkpoint is the same as a regular one and resumes exactly: weights, optimizer,
 position that ``TextDataModule.state_dict`` stores), the ranks agree (a signal seen by any rank counts), save
 ``<ModelCheckpoint dirpath>/last.ckpt`` with ``trainer.save_checkpoint``, and stop. On SIGUSR1 inside a SLURM job,
 rank 0 then runs ``scontrol requeue <job>``; the requeued job runs the same ``fit ... --ckpt_path last`` and resumes
-from that file. ``draftsmith slurm submit`` adds this callback to every job; add it to a local run with
-``--trainer.callbacks+=trainer.preemption.PreemptionCheckpoint`` so that ``kill -TERM`` saves before the exit.
+from that file. Every ``draftsmith fit`` gets one (:func:`default_preemption_checkpoint`, added by trainer/recipe.py
+unless the recipe names its own), and ``draftsmith slurm submit`` adds one to every job; trainer/cli.py exits with
+:func:`exit_status_after_fit`.
 
 Ctrl-C (SIGINT) does the same: the first one saves ``last.ckpt`` at the end of the batch and stops (Lightning alone
 saves nothing and exits 1); a second one stops at once without saving (KeyboardInterrupt, as without this callback).

@@ -8,17 +8,28 @@ resolved config is saved beside the logs and every checkpoint directory (trainer
 
 from __future__ import annotations
 
+import difflib
+import importlib
+import inspect
 import os
+import re
 import warnings
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from jsonargparse import ArgumentError, Namespace
-from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.plugins.io import CheckpointIO
 
+from trainer.checkpoints.atomic import default_checkpoint_io
+from trainer.data.sources import check_data_paths
+from trainer.errors import RecipeError
+from trainer.preemption import PreemptionCheckpoint, default_preemption_checkpoint
 from trainer.renamed_keys import renamed_key_message
 from trainer.run_folder import SaveConfigBesideCheckpoints
+
+__all__ = ["DraftsmithCLI", "RecipeError", "parse_recipe"]
 
 # Expected by design: the resolved config is written into the checkpoint directory before the first checkpoint, and a
 # frozen target sits in eval mode inside a training module.
@@ -28,16 +39,47 @@ if "SLURM_JOB_ID" not in os.environ:  # outside a SLURM allocation Lightning's h
     warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system but is not used")
 
 
+# jsonargparse 4's wording of an unknown init_args key of a subclass: 'Parser key "model": ... Problem with given
+# class_path 'CLASS':\n    Option 'KEY' is not accepted ...' (a union's error, a dozen lines)
+_UNKNOWN_INIT_ARG = re.compile(
+    r"Parser key \"(?P<section>[\w.]+)\":.*?class_path '(?P<cls>[\w.]+)':\s+Option '(?P<key>\w+)' is not accepted", re.S
+)
+
+
+def unknown_key_message(parser_error: str) -> str | None:
+    """One line for the parser's error on an unknown ``init_args`` key (``model.init_args.KEY``...): the key, the
+    class that has no such parameter and the closest parameter it has; None for another error."""
+    found = _UNKNOWN_INIT_ARG.search(parser_error)
+    if found is None:
+        return None
+    section, class_path, key = found["section"], found["cls"], found["key"]
+    message = f"{section}.init_args.{key}: not a parameter of {class_path}"
+    try:
+        module, _, name = class_path.rpartition(".")
+        parameters = [p for p in inspect.signature(getattr(importlib.import_module(module), name)).parameters]
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return message
+    close = difflib.get_close_matches(key, [p for p in parameters if p not in ("self", "args", "kwargs")], n=1)
+    return message + (f" (did you mean {section}.init_args.{close[0]}?)" if close else "")
+
+
 class _RecipeParser(LightningArgumentParser):
     """The parser of ``draftsmith fit``: an unknown key that was renamed (trainer/renamed_keys.py) is refused with its
-    new name instead of the parser's "not accepted"."""
+    new name instead of the parser's "not accepted", and another unknown ``init_args`` key in one line naming the
+    closest parameter."""
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
-        super().error(renamed_key_message(message) or message, ex)
+        super().error(renamed_key_message(message) or unknown_key_message(message) or message, ex)
 
 
 class DraftsmithCLI(LightningCLI):
-    """LightningCLI with the project's defaults: any objective, any datamodule, no auto-added optimizer groups."""
+    """LightningCLI with the project's defaults: any objective, any datamodule, no auto-added optimizer groups; the
+    data paths checked before anything is built; every fit saves checkpoints atomically (AtomicCheckpointIO) and
+    saves ``last.ckpt`` on SIGTERM, SIGINT and SIGUSR1 (PreemptionCheckpoint), unless its recipe names its own."""
+
+    running_trainer: Trainer | None = None
+    """The trainer of the last DraftsmithCLI built in this process: the error handler of ``draftsmith``
+    (trainer/cli.py) stops the other local ranks through its launcher when this rank ends with an error."""
 
     def __init__(self, args: list[str] | None = None, run: bool = True, exit_on_error: bool = True) -> None:
         """Parse ``args`` (None: ``sys.argv``), build the model, data and trainer, and run the subcommand.
@@ -63,9 +105,43 @@ class DraftsmithCLI(LightningCLI):
             parser_class=_RecipeParser,
         )
 
+    def before_instantiate_classes(self) -> None:
+        """Checks every local data path of the recipe (``data.train_files``, ``val_files``, ``shards``) before the
+        model is built: LightningCLI builds the model (and loads its target) before the datamodule.
 
-class RecipeError(ValueError):
-    """A recipe that ``draftsmith fit`` would refuse; the message is the parser's, the one fit prints."""
+        Raises:
+            PathError: naming the recipe key and the path.
+        """
+        config = self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config
+        data = config.get("data")
+        init_args = data.get("init_args") if isinstance(data, Namespace) else None
+        if init_args is not None:
+            check_data_paths(init_args)
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """The recipe's trainer, with :func:`~trainer.checkpoints.atomic.default_checkpoint_io` among its plugins
+        unless the recipe names a CheckpointIO, and :func:`~trainer.preemption.default_preemption_checkpoint` after
+        its other callbacks and before its checkpoint callbacks (which Lightning runs last) unless the recipe has a
+        PreemptionCheckpoint."""
+        trainer_config = self._get(self.config_init, "trainer", default={}) or {}
+        extra = [self._get(self.config_init, c) for c in self._parser(self.subcommand).callback_keys]
+        if "plugins" not in kwargs:
+            plugins = trainer_config.get("plugins")
+            plugins = [] if plugins is None else list(plugins) if isinstance(plugins, list | tuple) else [plugins]
+            if not any(isinstance(p, CheckpointIO) for p in plugins):
+                plugins.append(default_checkpoint_io())
+            kwargs["plugins"] = plugins
+        if "callbacks" not in kwargs:
+            callbacks = trainer_config.get("callbacks")
+            callbacks = [] if callbacks is None else list(callbacks) if isinstance(callbacks, list) else [callbacks]
+            if not any(isinstance(c, PreemptionCheckpoint) for c in [*callbacks, *extra]):
+                # last of the recipe's callbacks: a signal that arrives while another callback's batch end runs is
+                # acted on at this batch end; Lightning moves the checkpoint callbacks after it (_reorder_callbacks)
+                callbacks.append(default_preemption_checkpoint())
+            kwargs["callbacks"] = callbacks
+        trainer = super().instantiate_trainer(**kwargs)
+        DraftsmithCLI.running_trainer = trainer
+        return trainer
 
 
 class _Parsed(Exception):

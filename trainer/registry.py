@@ -25,6 +25,8 @@ from pathlib import Path
 
 from torch import nn
 
+from trainer.errors import CheckpointError, ModelFolderError, PathError, UsageError
+
 
 @dataclass
 class DrafterRecord:
@@ -62,7 +64,7 @@ class DrafterRecord:
     def from_dict(cls, data: dict, where: str) -> DrafterRecord:
         """The record of a checkpoint's ``drafter`` entry; ``where`` names the file in errors."""
         if not isinstance(data, dict) or "kind" not in data or "config" not in data:
-            raise ValueError(f"{where}: holds no drafter record (a checkpoint written by draftsmith fit has one)")
+            raise CheckpointError(f"{where}: holds no drafter record (a checkpoint written by draftsmith fit has one)")
         data = dict(data)
         if "prefix" in data:  # the layout before drafter kinds: one component under "prefix"
             data.setdefault("components", {"model": data.pop("prefix")})
@@ -70,7 +72,7 @@ class DrafterRecord:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"{where}: drafter record has unknown keys {unknown}")
+            raise CheckpointError(f"{where}: drafter record has unknown keys {unknown}")
         return cls(**data)
 
 
@@ -128,7 +130,7 @@ class DrafterKind:
         for fmt in self.formats:
             if fmt.name == name:
                 return fmt
-        raise ValueError(f"a drafter of kind {self.name!r} cannot be written as {name!r}; it writes: {_list(self)}")
+        raise UsageError(f"a drafter of kind {self.name!r} cannot be written as {name!r}; it writes: {_list(self)}")
 
 
 _KINDS: dict[str, DrafterKind] = {}
@@ -161,7 +163,9 @@ def get_kind(name: str, where: str) -> DrafterKind:
     """The kind of a record, or an error naming ``where`` and the kinds known."""
     known = kinds()
     if name not in known:
-        raise ValueError(f"{where}: drafter kind {name!r} is not one draftsmith knows ({', '.join(sorted(known))})")
+        raise CheckpointError(
+            f"{where}: drafter kind {name!r} is not one draftsmith knows ({', '.join(sorted(known))})"
+        )
     return known[name]
 
 
@@ -171,7 +175,7 @@ def recognise(folder: Path) -> tuple[DrafterKind, ExportFormat]:
     matches.sort(key=lambda match: match[1].generic)  # specific formats first
     if not matches:
         listing = "; ".join(f"{k.name}: {', '.join(f.name for f in k.formats)}" for k in kinds().values())
-        raise ValueError(
+        raise ModelFolderError(
             f"{folder}: no drafter format recognised in this folder (known formats by kind: {listing}; or a "
             "training checkpoint, a .ckpt file or a DeepSpeed checkpoint folder)"
         )
@@ -189,7 +193,7 @@ def load_drafter(path: str) -> tuple[nn.Module, DrafterRecord]:
 
     where = Path(path)
     if not where.exists():
-        raise FileNotFoundError(f"drafter {path!r} does not exist")
+        raise PathError(f"drafter {path!r} does not exist")
     if not is_training_checkpoint(where):
         return recognise(where)[1].load(where)
     state, raw = load_training_checkpoint(path)
@@ -211,7 +215,9 @@ def load_components(module: nn.Module, record: DrafterRecord, state: dict, where
     tied = (getattr(module, "_tied_weights_keys", None) or {}) if ties else {}
     missing = [k for k in missing if k not in tied]  # tied output embeddings are stored once
     if missing or unexpected:
-        raise ValueError(f"{where}: weights do not match the drafter record: missing {missing}, extra {unexpected}")
+        raise CheckpointError(
+            f"{where}: weights do not match the drafter record: missing {missing}, extra {unexpected}"
+        )
     if tied and hasattr(module, "tie_weights"):
         module.tie_weights()
 
@@ -229,4 +235,4 @@ def check_target(record: DrafterRecord, target_config, where: str) -> None:
     if outside:
         problems.append(f"reads target layers {outside}, the target has hidden states 0..{layers}")
     if problems:
-        raise ValueError(f"{where}: a drafter for another target: " + "; ".join(problems))
+        raise CheckpointError(f"{where}: a drafter for another target: " + "; ".join(problems))

@@ -24,12 +24,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_only
 
+from trainer.errors import CheckpointError
+
 log = logging.getLogger(__name__)
 
 LOCK_FILE = ".draftsmith-fit.lock"
 
 
-class CheckpointFolderError(RuntimeError):
+class CheckpointFolderError(CheckpointError, RuntimeError):
     """A fit refused a checkpoint folder that a running fit holds, or that holds another run's checkpoints."""
 
 

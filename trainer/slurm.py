@@ -32,6 +32,7 @@ from pathlib import Path
 from string import Template
 from typing import Any
 
+from trainer.errors import PathError, RecipeError, UsageError, UserError, debugging, error_report
 from trainer.flags import ToolParser
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "slurm" / "train.sbatch.in"
@@ -76,7 +77,7 @@ def _num_workers(recipe: Any) -> int:
     # a datamodule without a num_workers option starts no worker processes of its own
     workers = init_args.get("num_workers", 0) if init_args is not None else 0
     if not isinstance(workers, int) or workers < 0:
-        raise ValueError(f"draftsmith slurm: data.init_args.num_workers must be a non-negative int, got {workers!r}")
+        raise RecipeError(f"draftsmith slurm: data.init_args.num_workers must be a non-negative int, got {workers!r}")
     return workers
 
 
@@ -188,7 +189,7 @@ def fit_command_args(job: SlurmJob, recipe: Any) -> list[str]:
 def resolved_tasks_per_node(job: SlurmJob) -> int:
     if job.gpus_per_node > 0:
         if job.tasks_per_node not in (None, job.gpus_per_node):
-            raise ValueError(
+            raise UsageError(
                 f"draftsmith slurm: --tasks_per_node {job.tasks_per_node} must equal --gpus_per_node "
                 f"{job.gpus_per_node} (one process per GPU)"
             )
@@ -199,19 +200,19 @@ def resolved_tasks_per_node(job: SlurmJob) -> int:
 def render(job: SlurmJob, template: Path = TEMPLATE) -> str:
     """The sbatch script for ``job``, from ``template`` (a string.Template: ``${name}`` fields, ``$$`` for $)."""
     if job.nodes < 1:
-        raise ValueError(f"draftsmith slurm: --nodes must be >= 1, got {job.nodes}")
+        raise UsageError(f"draftsmith slurm: --nodes must be >= 1, got {job.nodes}")
     if job.gpus_per_node < 0:
-        raise ValueError(f"draftsmith slurm: --gpus_per_node must be >= 0, got {job.gpus_per_node}")
+        raise UsageError(f"draftsmith slurm: --gpus_per_node must be >= 0, got {job.gpus_per_node}")
     if job.tasks_per_node is not None and job.tasks_per_node < 1:
-        raise ValueError(f"draftsmith slurm: --tasks_per_node must be >= 1, got {job.tasks_per_node}")
+        raise UsageError(f"draftsmith slurm: --tasks_per_node must be >= 1, got {job.tasks_per_node}")
     check_job(job)
     if not template.is_file():
-        raise FileNotFoundError(f"draftsmith slurm: template {template} does not exist (see --template)")
+        raise PathError(f"draftsmith slurm: template {template} does not exist (see --template)")
     recipe = read_recipe(job)
     tasks = resolved_tasks_per_node(job)
     cpus = job.cpus_per_task if job.cpus_per_task is not None else _num_workers(recipe) + 1
     if cpus < 1:
-        raise ValueError(f"draftsmith slurm: --cpus_per_task must be >= 1, got {cpus}")
+        raise UsageError(f"draftsmith slurm: --cpus_per_task must be >= 1, got {cpus}")
     sbatch_lines = []
     if job.partition:
         sbatch_lines.append(f"--partition={job.partition}")
@@ -246,7 +247,7 @@ def render(job: SlurmJob, template: Path = TEMPLATE) -> str:
             fit_args=" \\\n".join("  " + line for line in lines),
         )
     except (KeyError, ValueError) as err:
-        raise ValueError(f"draftsmith slurm: template {template} has an unknown or malformed field: {err}") from err
+        raise UsageError(f"draftsmith slurm: template {template} has an unknown or malformed field: {err}") from err
 
 
 def submit(script: str, job: SlurmJob) -> str:
@@ -316,7 +317,12 @@ def main(argv: list[str] | None = None) -> int:
             print(script, end="")
             return 0
         job_id = submit(script, job)
-    except (OSError, ValueError, RuntimeError) as err:
+    except UserError as err:
+        if debugging():
+            raise
+        print(error_report(err), file=sys.stderr)
+        return 2
+    except (OSError, ValueError, RuntimeError) as err:  # sbatch missing or failing
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(job_id)

@@ -21,11 +21,41 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from trainer.errors import ModelFolderError, PathError
+from trainer.errors import ModelFolderError, PathError, UserError
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_model_path(name_or_path: str) -> Path:
+    """The local path of a target (``model.target``), refused when it is a folder without config.json, or a path that
+    looks local (starting with ``/``, ``.`` or ``~``, or of more than two parts) and does not exist: a PathError
+    naming it, before Hugging Face would try it as a hub id.
+
+    Returns:
+        The expanded path (which need not exist: a hub id such as ``org/name``).
+    """
+    path = Path(name_or_path).expanduser()
+    if path.exists() and not (path / "config.json").is_file():
+        raise PathError(f"target {name_or_path!r}: no config.json in that directory")
+    looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
+    if looks_local and not path.exists():
+        raise PathError(
+            f"target {name_or_path!r}: no such folder", "check the path, or train or download the target first"
+        )
+    return path
+
+
+def model_load_error(name_or_path: str, err: OSError) -> UserError:
+    """The error of a target that Hugging Face could not load: a ModelFolderError naming the folder (its config.json
+    is not JSON, a file is missing...), or for a hub id a PathError."""
+    if Path(name_or_path).expanduser().exists():
+        return ModelFolderError(f"target {name_or_path!r}: cannot be loaded: {err}")
+    return PathError(
+        f"target {name_or_path!r} is not a local directory, and loading it as a hub id failed ({err})",
+        "check the path, or train or download the target first",
+    )
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -71,22 +101,16 @@ class FrozenTarget(nn.Module):
     def from_pretrained(
         cls, name_or_path: str, dtype: str = "float32", trust_remote_code: bool = False
     ) -> FrozenTarget:
-        """Loads a local directory or hub id. A local path that does not exist is an error naming the path."""
-        path = Path(name_or_path).expanduser()
-        if path.exists() and not (path / "config.json").is_file():
-            raise FileNotFoundError(f"target {name_or_path!r}: no config.json in that directory")
+        """Loads a local directory or hub id. A local path that does not exist is an error naming the path, and so is
+        a folder Hugging Face cannot load (a config.json that is not JSON...)."""
+        path = check_model_path(name_or_path)
         check_safetensors_headers(path, f"target {name_or_path!r}")
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 name_or_path, dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code
             )
         except OSError as err:
-            if path.exists():
-                raise
-            raise FileNotFoundError(
-                f"target {name_or_path!r} is not a local directory, and loading it as a hub id failed ({err}); "
-                "train or download the target first"
-            ) from err
+            raise model_load_error(name_or_path, err) from err
         return cls(model)
 
     def train(self, mode: bool = True) -> FrozenTarget:
@@ -321,10 +345,11 @@ class TargetEmbeddings:
         cls, name_or_path: str, dtype: str = "float32", trust_remote_code: bool = False
     ) -> TargetEmbeddings:
         """The target's config (AutoConfig) and its two tensors read from its safetensors, cast to ``dtype``."""
-        path = Path(name_or_path).expanduser()
-        if path.exists() and not (path / "config.json").is_file():
-            raise FileNotFoundError(f"target {name_or_path!r}: no config.json in that directory")
-        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        check_model_path(name_or_path)
+        try:
+            config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        except OSError as err:
+            raise model_load_error(name_or_path, err) from err
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         tied = bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))
         names = {"embedding": EMBEDDING_NAMES} if tied else {"embedding": EMBEDDING_NAMES, "lm_head": LM_HEAD_NAMES}

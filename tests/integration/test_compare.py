@@ -51,7 +51,7 @@ def test_compare_trains_measures_reports_and_resumes(tiny_corpus, tiny_target, t
         ],
     }
     path.write_text(yaml.safe_dump(typo))
-    assert compare_main(["--config", str(path)]) == 1
+    assert compare_main(["--config", str(path)]) == 2  # a user error
     assert "methods[2] ('typo')" in capsys.readouterr().err and not (tmp_path / "out" / "methods").exists()
     path.write_text(yaml.safe_dump(recipe))
 
@@ -82,4 +82,4 @@ def test_compare_trains_measures_reports_and_resumes(tiny_corpus, tiny_target, t
     assert "kd: fit" not in said and "broken: fit" in said and "data:" not in said
     assert [p.stat().st_mtime_ns for p in done] == stamps
     assert len(json.loads((out / "compare_seconds.json").read_text())) == 2
-    assert compare_main(["--config", str(path), "--only", "nope"]) == 1
+    assert compare_main(["--config", str(path), "--only", "nope"]) == 2

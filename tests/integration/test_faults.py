@@ -1,17 +1,18 @@
-"""A real ``fit`` process stopped by a signal: SIGTERM (a scheduler) and SIGINT (Ctrl-C) leave a resumable
-``last.ckpt`` of the step they arrived at and a non-zero exit status (128 + the signal, as shells report it);
+"""A real ``draftsmith fit`` process stopped by a signal: SIGTERM (a scheduler) and SIGINT (Ctrl-C) leave a
+resumable ``last.ckpt`` of the step they arrived at and a non-zero exit status (128 + the signal, as shells report it);
 SIGKILL loses only the steps since the last periodic checkpoint, which stays whole. ``--ckpt_path last`` then runs
-to the end and exits 0.
+to the end and exits 0. A disk that fills while a checkpoint is written ends the fit with status 2 and one error line
+naming the folder, and the previous ``last.ckpt`` still loads.
 
-Until ``draftsmith fit`` installs PreemptionCheckpoint and AtomicCheckpointIO by default and exits with
-``exit_status_after_fit``, these runs add them explicitly and exit through a three-line runner that does what the
-command will do (``RUNNER``).
+Every fit gets PreemptionCheckpoint and AtomicCheckpointIO by default (trainer/recipe.py) and exits with
+``exit_status_after_fit`` (trainer/cli.py): the recipes here name neither.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,7 +25,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.recipe_runs import RECIPES, ROOT, TINY_MODEL, kd_override, merge, record_batches, write_override
+from tests.recipe_runs import RECIPES, ROOT, TINY_MODEL, kd_override, record_batches, write_override
 from tests.slurm_cluster import recorded_batches
 from trainer.errors import RecipeError
 from trainer.preemption import PreemptionCheckpoint, default_preemption_checkpoint, exit_status_after_fit
@@ -33,16 +34,6 @@ MAX_STEPS = 12
 EVERY_N = 5  # periodic checkpoints at steps 5 and 10
 SIGNAL_AT = 7  # the run waits at the end of step 7 while the test signals it
 START_TIMEOUT_S = 600.0
-
-# what `draftsmith fit` will do once wired: run the fit, then exit with the status the preemption callback reports
-RUNNER = (
-    "import sys\n"
-    "from trainer.preemption import exit_status_after_fit\n"
-    "from trainer.recipe import DraftsmithCLI\n"
-    "cli = DraftsmithCLI(args=sys.argv[1:])\n"
-    "sys.exit(exit_status_after_fit(cli.trainer))\n"
-)
-EXTRA_ARGS = ("--trainer.callbacks+=trainer.preemption.PreemptionCheckpoint",)
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +62,14 @@ def _override(run: Path, corpus, target: Path, wait: bool) -> dict:
                 "init_args": {"step": SIGNAL_AT, "marker": str(run / "waiting"), "release": str(run / "release")},
             }
         )
-    plugins = {"trainer": {"plugins": [{"class_path": "trainer.checkpoints.atomic.AtomicCheckpointIO"}]}}
-    return merge(kd_override(run, corpus, target, MAX_STEPS, EVERY_N, callbacks=callbacks), plugins)
+    return kd_override(run, corpus, target, MAX_STEPS, EVERY_N, callbacks=callbacks)
 
 
 def _start(run: Path, override: dict, name: str, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path]:
     config = write_override(run.parent / f"{name}.yaml", override)
-    cmd = [sys.executable, "-c", RUNNER, "fit", "--config", str(RECIPES / "quickstart/kd.yaml")]
-    cmd += ["--config", str(config), *EXTRA_ARGS, *extra]
+    script = Path(sys.executable).parent / "draftsmith"
+    cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "trainer.cli"]
+    cmd += ["fit", "--config", str(RECIPES / "quickstart/kd.yaml"), "--config", str(config), *extra]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env["OMP_NUM_THREADS"] = "1"
     log_path = run.parent / f"{name}.log"
@@ -161,6 +152,71 @@ def test_kill_9_keeps_the_last_periodic_checkpoint(tiny_corpus, random_target, t
     assert proc.returncode == -signal.SIGKILL
     assert _ckpt_step(run / "checkpoints" / "last.ckpt") == EVERY_N  # steps 6 and 7 are lost
     _resume_to_the_end(run, tiny_corpus, random_target, EVERY_N)
+
+
+class FillDisk(L.Callback):
+    """At the end of step ``step``, fills the file system of ``folder`` with a file there, leaving ``leave`` bytes:
+    the checkpoint written at the next interval finds the disk full."""
+
+    def __init__(self, step: int, folder: str, leave: int = 4096) -> None:
+        self.step, self.folder, self.leave = step, Path(folder), leave
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_step != self.step:
+            return
+        stats = os.statvfs(self.folder)
+        todo = stats.f_bavail * stats.f_frsize - self.leave
+        chunk = b"\0" * (1 << 20)
+        with (self.folder / "filler").open("wb") as f:
+            try:
+                while todo > 0:
+                    todo -= f.write(chunk[: min(len(chunk), todo)])
+                    f.flush()
+            except OSError:
+                pass
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 MiB tmpfs mounted under ``tmp_path`` (skips where this process may not mount one)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode(errors='replace').strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_while_checkpointing_ends_the_fit_with_one_error(
+    tiny_corpus, random_target, tmp_path, small_disk
+):
+    run = tmp_path / "run"
+    run.mkdir()
+    folder = small_disk / "checkpoints"
+    override = _override(run, tiny_corpus, random_target, wait=False)
+    checkpoint = override["trainer"]["callbacks"][0]["init_args"]
+    checkpoint.update(dirpath=str(folder), every_n_train_steps=2, save_top_k=0, save_last=True)
+    fill = {"class_path": f"{__name__}.FillDisk", "init_args": {"step": 3, "folder": str(small_disk)}}
+    override["trainer"]["callbacks"].append(fill)
+    proc, log = _start(run, override, "disk_full")
+    status = _finish(proc, log)
+    output = log.read_text()
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert status == 2, output[-4000:]
+    assert "Traceback" not in output, output[-6000:]
+    assert lines[-2] == (
+        f"error: could not write checkpoint last.ckpt in {folder}: No space left on device; the previous last.ckpt "
+        "there is intact"
+    ), output[-3000:]
+    assert lines[-1].startswith(f"hint: free space in {folder}")
+    assert not [p for p in folder.iterdir() if p.name.endswith(".tmp")]
+    assert _ckpt_step(folder / "last.ckpt") == 2  # the previous checkpoint, whole
 
 
 # ------------------------------------------------------------------------------------------------- in one process

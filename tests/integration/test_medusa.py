@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from tests.integration.test_eagle3_offline import run_precompute
 from tests.integration.test_shards import losses, record, text_data
 from tests.recipe_runs import fit, merge, trainer_overrides
+from trainer.cli import main as draftsmith
 from trainer.decoding.eval_cli import main as eval_main
 from trainer.export.cli import main as export_main
 from trainer.registry import load_drafter
@@ -84,8 +85,8 @@ def test_exports_and_eval_with_the_papers_tree_and_a_built_one(medusa1, tiny_tar
     report = json.loads((tmp_path / "e2" / "report.json").read_text())
     assert report["greedy"][0]["identical"] and 1.0 <= report["greedy"][0]["tau"] <= 4.0
     # three heads: the paper's 4-head tree does not apply, and more drafts than heads are refused
-    assert eval_main([*argv, "--tree", "--out", str(tmp_path / "e3")]) == 1
-    assert eval_main([*common, "--drafter", ckpt, "--k", "4", "--out", str(tmp_path / "e4")]) == 1
+    assert draftsmith(["eval", *argv, "--tree", "--out", str(tmp_path / "e3")]) == 2
+    assert draftsmith(["eval", *common, "--drafter", ckpt, "--k", "4", "--out", str(tmp_path / "e4")]) == 2
 
 
 def test_medusa2_exports_its_trained_target_beside_the_heads(tiny_corpus, tiny_target, tmp_path) -> None:

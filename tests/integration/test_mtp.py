@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.recipe_runs import TINY_MODEL, data_overrides, fit, merge, trainer_overrides
 from trainer.checkpoints.reading import load_training_checkpoint
-from trainer.decoding.eval_cli import main as eval_main
+from trainer.cli import main as draftsmith
 from trainer.decoding.evaluate import evaluate_drafter, load_prompts, resolve_drafter
 from trainer.decoding.options import ProposerOptions
 from trainer.export.cli import main as export_main
@@ -96,7 +96,7 @@ def test_pretraining_exports_and_evaluates_through_the_kind(pretrained, tiny_cor
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "def f(x):"}\n')
     argv = ["--target", str(run / "model"), "--drafter", str(ckpt), "--prompts", str(prompts), "--k", "1,3"]
-    assert eval_main([*argv, "--out", str(tmp_path / "eval")]) == 1
+    assert draftsmith(["eval", *argv, "--out", str(tmp_path / "eval")]) == 2
     assert "2 does not divide 3" in capsys.readouterr().err and not (tmp_path / "eval").exists()
 
 

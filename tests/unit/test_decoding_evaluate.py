@@ -12,6 +12,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from tests.helpers import tiny_llama
+from trainer.cli import main as draftsmith
 from trainer.decoding.callback import SpeculativeEvalCallback
 from trainer.decoding.eval_cli import build_parser, main
 from trainer.decoding.evaluate import SpeculativeMismatchError, check_identity
@@ -68,16 +69,18 @@ def test_eval_rejects_bad_inputs(saved, tmp_path, capsys) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"other": "no prompt key"}\n')
     base = ["--target", str(saved / "target"), "--out", str(tmp_path / "o")]
-    assert main(base + ["--drafter", "prompt-lookup", "--prompts", str(bad)]) == 1
+    assert draftsmith(["eval", *base, *["--drafter", "prompt-lookup", "--prompts", str(bad)]]) == 2
     assert "bad.jsonl:2" in capsys.readouterr().err
-    assert main(base + ["--drafter", "no-such-drafter", "--prompts", str(saved / "prompts.jsonl")]) == 1
+    assert (
+        draftsmith(["eval", *base, *["--drafter", "no-such-drafter", "--prompts", str(saved / "prompts.jsonl")]]) == 2
+    )
     assert "no-such-drafter" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(base + ["--drafter", "prompt-lookup", "--prompts", str(bad), "--k", "0"])
     # a prompt longer than the target's context (256 positions) less the output budget
     long = tmp_path / "long.jsonl"
     long.write_text(json.dumps({"prompt": " ".join(TEXT * 30)}) + "\n")
-    assert main(base + ["--drafter", "prompt-lookup", "--prompts", str(long)]) == 1
+    assert draftsmith(["eval", *base, *["--drafter", "prompt-lookup", "--prompts", str(long)]]) == 2
     err = capsys.readouterr().err
     assert "long.jsonl:1" in err and "context" in err
     # ... unless cut to its first tokens
@@ -87,11 +90,16 @@ def test_eval_rejects_bad_inputs(saved, tmp_path, capsys) -> None:
     prompts = str(saved / "prompts.jsonl")
     empty = tmp_path / "not_a_model"
     empty.mkdir()
-    assert main(["--target", str(empty), "--drafter", "none", "--prompts", prompts, "--out", str(tmp_path / "x")]) == 1
+    assert (
+        draftsmith(
+            ["eval", "--target", str(empty), "--drafter", "none", "--prompts", prompts, "--out", str(tmp_path / "x")]
+        )
+        == 2
+    )
     assert "not a local model folder" in capsys.readouterr().err
     other = tmp_path / "other_vocab"
     tiny_llama(3, 77, dtype=torch.float32).save_pretrained(other)
-    assert main(base + ["--drafter", str(other), "--prompts", prompts]) == 1
+    assert draftsmith(["eval", *base, *["--drafter", str(other), "--prompts", prompts]]) == 2
     assert "other_vocab: a drafter of 77 output tokens for a target of" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()  # a refused run writes nothing
 
@@ -131,7 +139,7 @@ def test_what_eval_asks_a_proposer_has_its_defaults_in_one_place(saved, tmp_path
     with pytest.raises(ValueError, match="--write_tree: a PromptLookupProposer does not draft with parallel heads"):
         lookup.write_tree(tmp_path / "tree.json", None, [[1, 2]], 4, 8)
     argv = ["--target", str(saved / "target"), "--drafter", "prompt-lookup", "--prompts", str(saved / "prompts.jsonl")]
-    assert main([*argv, "--write_tree", str(tmp_path / "t.json"), "--out", str(tmp_path / "o")]) == 1
+    assert main([*argv, "--write_tree", str(tmp_path / "t.json"), "--out", str(tmp_path / "o")]) == 2
     assert "prompt-lookup: --write_tree: a PromptLookupProposer does not draft" in capsys.readouterr().err
     assert not (tmp_path / "t.json").exists()
 

@@ -148,13 +148,18 @@ def test_fit_refuses_an_old_key_with_status_2(tmp_path, capsys):
     assert "model.init_args.chunk_size was renamed to model.init_args.loss_chunk_size" in capsys.readouterr().err
 
 
-def test_an_unknown_key_keeps_the_parser_message(tmp_path):
+def test_an_unknown_key_is_named_in_one_line_with_its_class(tmp_path):
     kd = "trainer.methods.draft_model.kd.KnowledgeDistillation"
-    with pytest.raises(RecipeError, match="Option 'teachr' is not accepted"):
+    with pytest.raises(RecipeError, match=rf"^model\.init_args\.teachr: not a parameter of {kd}$"):
         parse_recipe([str(write_recipe(tmp_path, kd, {"teachr": "x"}))])
+    typo = rf"^model\.init_args\.loss_chunk_sise: not a parameter of {kd} "
+    typo += r"\(did you mean model\.init_args\.loss_chunk_size\?\)$"
+    with pytest.raises(RecipeError, match=typo):
+        parse_recipe([str(write_recipe(tmp_path, kd, {"loss_chunk_sise": 64}))])
     # an old name of another objective is not this one's rename: Eagle3 never had `teacher`
-    with pytest.raises(RecipeError, match="Option 'teacher' is not accepted"):
-        parse_recipe([str(write_recipe(tmp_path, "trainer.methods.eagle3.objective.Eagle3", {"teacher": "x"}))])
+    eagle3 = "trainer.methods.eagle3.objective.Eagle3"
+    with pytest.raises(RecipeError, match=rf"^model\.init_args\.teacher: not a parameter of {eagle3}"):
+        parse_recipe([str(write_recipe(tmp_path, eagle3, {"teacher": "x"}))])
 
 
 @pytest.mark.parametrize("old", sorted(RENAMED_PRECOMPUTE_KEYS))

@@ -67,6 +67,32 @@ def _fsync_folder(folder: Path) -> None:
         os.close(fd)
 
 
+class _FirstWriteError:
+    """A binary file that keeps the first OSError of its writes: torch.save's zip writer turns a write that failed (a
+    full disk) into a RuntimeError of its own ("unexpected pos N vs M"), which would hide the cause."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+    def flush(self) -> None:
+        try:
+            self._f.flush()
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """TorchCheckpointIO whose saves are atomic on the checkpoint's own file system (see the module docstring)."""
 
@@ -92,7 +118,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             tmp = Path(name)
             os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would hide the checkpoint from the group
             with os.fdopen(fd, "wb") as f:
-                self.write(checkpoint, f)
+                sink = _FirstWriteError(f)
+                try:
+                    self.write(checkpoint, sink)
+                except Exception as err:
+                    if sink.error is None:
+                        raise
+                    raise sink.error from err  # torch.save reports a failed write as "unexpected pos ..."
+                if sink.error is not None:
+                    raise sink.error
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, target)

@@ -19,13 +19,14 @@ from pathlib import Path
 from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser
 
 from trainer.decoding.options import ProposerOptions
+from trainer.errors import RecipeError
 
 PLACEHOLDERS = ("target", "data", "run", "ckpt", "export")
 PLACEHOLDER = re.compile(r"\{([A-Za-z_]\w*)\}")  # {name}; other braces (JSON values) are left as they are
 TRAINING_FREE = ("prompt-lookup", "early-exit", "none")  # drafters ``draftsmith eval`` knows by name
 
 
-class CompareConfigError(ValueError):
+class CompareConfigError(RecipeError):
     """A compare recipe that cannot run: the message names the file and the key."""
 
 

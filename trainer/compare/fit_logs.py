@@ -23,11 +23,11 @@ def steps_for_budget(budget: Budget, recipe: str, fit_args: list[str]) -> int | 
     try:
         fit = parse_recipe([recipe], fit_args)
     except RecipeError as err:
-        raise ValueError(f"{recipe}: {err}") from err
+        raise RecipeError(f"{recipe}: {err}") from err
     data = fit.data.init_args
     batch, seq_len = getattr(data, "batch_size", None), getattr(data, "seq_len", None)
     if not isinstance(batch, int) or not isinstance(seq_len, int):
-        raise ValueError(
+        raise RecipeError(
             f"{recipe}: a token budget needs data.init_args.batch_size and seq_len in the recipe (got {batch} and "
             f"{seq_len}); give this method a budget in steps"
         )

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from trainer.compare.config import CompareConfig, Method
 from trainer.compare.fit_logs import tokens_at
+from trainer.errors import PathError
 
 METRICS = {
     "tau_greedy": "tau greedy at the largest K",
@@ -210,7 +211,7 @@ def write_report(config: CompareConfig, out: Path, stability: Path | None = None
     if stability is not None:
         other = _read(stability / "report.json")
         if other is None:
-            raise FileNotFoundError(f"--stability {stability}: no report.json there (run that comparison first)")
+            raise PathError(f"--stability {stability}: no report.json there (run that comparison first)")
         report["stability"] = {"other": str(stability), "flips": ordering_flips(rows, other["rows"])}
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "report.json", out / "report.md"]

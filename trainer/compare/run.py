@@ -32,6 +32,7 @@ from pathlib import Path
 
 from trainer.compare.config import CompareConfig, CompareConfigError, Method, fill_placeholders, read_config
 from trainer.decoding.options import option_arguments
+from trainer.errors import DataError, UserError, debugging, error_report
 from trainer.flags import ToolParser
 
 FIT_TAGS = ("train/tokens", "spec_eval/tau", "spec_eval/tau_sampling")
@@ -82,14 +83,14 @@ def training_prompts(documents: Path, out: Path, chars: int, per_document: int, 
         try:
             text = json.loads(line)["text"]
         except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise ValueError(f"{documents}:{number}: expected a JSON object with a 'text' string ({err})") from err
+            raise DataError(f"{documents}:{number}: expected a JSON object with a 'text' string ({err})") from err
         starts = [i + 1 for i, c in enumerate(text[:-chars]) if c == "\n"]
         for start in [0] + rng.sample(starts, min(per_document - 1, len(starts))):
             prompt = text[start : start + chars]
             if prompt.strip():
                 prompts.append({"prompt": prompt})
     if not prompts:
-        raise ValueError(f"{documents}: no document to cut a prompt from")
+        raise DataError(f"{documents}: no document to cut a prompt from")
     rng.shuffle(prompts)
     out.write_text("".join(json.dumps(p) + "\n" for p in prompts), encoding="utf-8")
     return len(prompts)
@@ -357,7 +358,12 @@ def main(argv: list[str] | None = None) -> int:
         config = read_config(args.config, overrides)
         comparison = Comparison(config, args.config)
         comparison.prepare()
-    except (CompareConfigError, ValueError, StageFailed) as err:
+    except UserError as err:  # the compare recipe, a method's fit arguments, the target, the prompts
+        if debugging():
+            raise
+        print(error_report(err), file=sys.stderr)
+        return 2
+    except (ValueError, StageFailed) as err:  # making the shared data failed
         print(f"error: {err}", file=sys.stderr)
         return 1
     names = [m.name for m in config.methods]
@@ -365,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(only - set(names))
     if unknown:
         print(f"error: --only names {unknown}; the recipe's methods are {', '.join(names)}", file=sys.stderr)
-        return 1
+        return 2
     failures = 0
     for number, method in enumerate(config.methods, 1):
         if method.name not in only:
@@ -385,8 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         paths = write_report(config, comparison.out, Path(args.stability) if args.stability else None)
     except FileNotFoundError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+        print(error_report(err), file=sys.stderr)
+        return 2
     print("wrote " + ", ".join(str(p) for p in paths))
     return 1 if failures else 0
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.data.tokenizer import tokenizer_hash, train_byte_level_bpe, wrap_fast_tokenizer
+from trainer.errors import DataError, PathError, UsageError
 from trainer.flags import ToolParser
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ def stdlib_python_files(
     """
     root = Path(stdlib_dir or sysconfig.get_paths()["stdlib"])
     if not root.is_dir():
-        raise FileNotFoundError(f"standard library folder not found: {root}")
+        raise PathError(f"standard library folder not found: {root}")
     skip = {"site-packages", "dist-packages", "__pycache__"} | (set() if include_tests else set(_TEST_DIRS))
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -125,9 +126,9 @@ def prepare_corpus(
         overwrite: rebuild even when `out_dir` already holds a corpus made with the same arguments.
     """
     if not 0.0 < heldout_fraction < 1.0:
-        raise ValueError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
+        raise UsageError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
     if max_files is not None and max_files < 2:
-        raise ValueError(f"max_files must be at least 2 (one train and one held-out file), got {max_files}")
+        raise UsageError(f"max_files must be at least 2 (one train and one held-out file), got {max_files}")
     out = Path(out_dir)
     root = Path(stdlib_dir or sysconfig.get_paths()["stdlib"])
     args = {
@@ -150,7 +151,7 @@ def prepare_corpus(
 
     files = stdlib_python_files(str(root), include_tests=include_tests, min_file_bytes=min_file_bytes)
     if len(files) < 2:
-        raise ValueError(f"found {len(files)} usable .py files under {root}: need at least 2")
+        raise DataError(f"found {len(files)} usable .py files under {root}: need at least 2")
     rng = random.Random(seed)
     order = list(range(len(files)))
     rng.shuffle(order)

@@ -41,6 +41,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from trainer.data.tokenizer import load_tokenizer
+from trainer.errors import DataError, PathError, TokenizerError, UsageError
 from trainer.target import resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ def read_records(path: str) -> list[dict[str, Any]]:
     """The records of a .jsonl, .json (a list of objects) or .parquet file, with errors naming the file and line."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"input file not found: {path}")
+        raise PathError(f"input file not found: {path}")
     suffix = p.suffix.lower()
     if suffix == ".jsonl":
         records = []
@@ -78,20 +79,20 @@ def read_records(path: str) -> list[dict[str, Any]]:
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{n}: not a JSON record ({err})") from err
+                raise DataError(f"{path}:{n}: not a JSON record ({err})") from err
     elif suffix == ".json":
         records = json.loads(p.read_text(encoding="utf-8"))
         if not isinstance(records, list):
-            raise ValueError(f"{path}: a .json input must hold a list of records")
+            raise DataError(f"{path}: a .json input must hold a list of records")
     elif suffix == ".parquet":
         import pyarrow.parquet as pq
 
         records = pq.read_table(p).to_pylist()
     else:
-        raise ValueError(f"{path}: unsupported input type {suffix!r} (use .jsonl, .json or .parquet)")
+        raise DataError(f"{path}: unsupported input type {suffix!r} (use .jsonl, .json or .parquet)")
     for n, record in enumerate(records):
         if not isinstance(record, dict):
-            raise ValueError(f"{path}: record {n} is not an object")
+            raise DataError(f"{path}: record {n} is not an object")
     return records
 
 
@@ -100,7 +101,7 @@ def _check_messages(record: dict[str, Any], field: str, where: str) -> list[dict
     if not isinstance(messages, list) or not all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
     ):
-        raise ValueError(f"{where}: field {field!r} must be a list of {{'role': str, 'content': str}} messages")
+        raise DataError(f"{where}: field {field!r} must be a list of {{'role': str, 'content': str}} messages")
     return messages
 
 
@@ -122,7 +123,7 @@ def _complete_jsonl_lines(path: Path, repair: bool = True) -> int:
         try:
             json.loads(line)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{n}: not a JSON record; delete the output to start over ({err})") from err
+            raise DataError(f"{path}:{n}: not a JSON record; delete the output to start over ({err})") from err
         count += 1
     return count
 
@@ -134,7 +135,7 @@ class _Writer:
         self.output = output
         self.parquet = output.suffix.lower() == ".parquet"
         if not self.parquet and output.suffix.lower() != ".jsonl":
-            raise ValueError(f"{output}: unsupported output type {output.suffix!r} (use .jsonl or .parquet)")
+            raise UsageError(f"{output}: unsupported output type {output.suffix!r} (use .jsonl or .parquet)")
         self.parts = output.with_name(output.name + ".parts")
 
     def done(self, repair: bool = True) -> int:
@@ -234,7 +235,7 @@ class Regenerator:
         for start in range(0, len(token_lists), self.batch_size):
             prompts = token_lists[start : start + self.batch_size]
             if any(not p for p in prompts):
-                raise ValueError("generate: a prompt tokenizes to no tokens")
+                raise DataError("generate: a prompt tokenizes to no tokens")
             ids, attention = _left_padded(prompts, self.config.pad_token_id)  # [B, P] each
             with torch.no_grad():
                 seqs = self.model.generate(
@@ -287,7 +288,7 @@ def complete_records(
 def _check_prompt(record: dict[str, Any], field: str, where: str) -> str:
     prompt = record.get(field)
     if not isinstance(prompt, str) or not prompt:
-        raise ValueError(f"{where}: field {field!r} must be a non-empty string prompt")
+        raise DataError(f"{where}: field {field!r} must be a non-empty string prompt")
     return prompt
 
 
@@ -343,16 +344,16 @@ def regenerate(
     }
     for key, value in settings.items():
         if value < 0 or (key in ("batch_size", "chunk_size", "max_new_tokens") and value < 1):
-            raise ValueError(f"generate: {key}={value} is out of range")
+            raise UsageError(f"generate: {key}={value} is out of range")
     if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"generate: top_p={top_p} must lie in (0, 1]")
+        raise UsageError(f"generate: top_p={top_p} must lie in (0, 1]")
     out_path = Path(output)
     writer = _Writer(out_path)
     records = read_records(input)
     if max_records is not None:
         records = records[:max_records]
     if not records:
-        raise ValueError(f"{input}: no records to regenerate")
+        raise DataError(f"{input}: no records to regenerate")
     for n, record in enumerate(records):
         if prompt_field is None:
             _check_messages(record, messages_field, f"{input} record {n}")
@@ -379,14 +380,14 @@ def regenerate(
         previous = json.loads(meta_path.read_text())
         changed = sorted(k for k in meta.keys() | previous.keys() if meta.get(k) != previous.get(k))
         if changed:
-            raise ValueError(
+            raise UsageError(
                 f"{output} was started with other settings ({', '.join(changed)} differ, see {meta_path}): "
                 f"delete the output and {meta_path.name} to start over, or rerun with the same settings"
             )
     elif out_path.exists() or writer.parts.exists():
-        raise FileExistsError(f"{output} exists without {meta_path.name}: it was not written by this tool; move it")
+        raise UsageError(f"{output} exists without {meta_path.name}: it was not written by this tool; move it")
     if done > len(records):
-        raise ValueError(f"{output} holds {done} records but {input} only {len(records)}")
+        raise DataError(f"{output} holds {done} records but {input} only {len(records)}")
 
     tokenizer, model = load_target(target, dtype, trust_remote_code, needs_chat_template=prompt_field is None)
     if device == "auto":
@@ -446,11 +447,11 @@ def load_target(target: str, dtype: str, trust_remote_code: bool, needs_chat_tem
     """
     path = Path(target).expanduser()
     if path.exists() and not (path / "config.json").is_file():
-        raise FileNotFoundError(f"target {target!r}: no config.json in that folder (not a model folder)")
+        raise PathError(f"target {target!r}: no config.json in that folder (not a model folder)")
     # "name" or "org/name" may be a hub id; any other path that does not exist is a missing local folder
     looks_local = target.startswith((".", "/", "~")) or target.count("/") > 1
     if looks_local and not path.exists():
-        raise FileNotFoundError(f"target {target!r} is not a local model folder or hub id (no such folder)")
+        raise PathError(f"target {target!r} is not a local model folder or hub id (no such folder)")
     try:
         tokenizer = load_tokenizer(target, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
@@ -459,14 +460,14 @@ def load_target(target: str, dtype: str, trust_remote_code: bool, needs_chat_tem
     except (OSError, ValueError) as err:
         if path.exists():
             raise
-        raise FileNotFoundError(
+        raise PathError(
             f"target {target!r} is not a local model folder or hub id (no such folder, and loading it from the hub "
             f"failed: {err}); check the path, or train or download the target first"
         ) from err
     if needs_chat_template and not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"the tokenizer of {target} has no chat template: generate needs one to render prompts")
+        raise TokenizerError(f"the tokenizer of {target} has no chat template: generate needs one to render prompts")
     if tokenizer.eos_token_id is None:
-        raise ValueError(f"the tokenizer of {target} has no EOS token: replies could not end")
+        raise TokenizerError(f"the tokenizer of {target} has no EOS token: replies could not end")
     return tokenizer, model.eval()
 
 

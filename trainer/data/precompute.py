@@ -43,6 +43,7 @@ from trainer.data.shards import (
 from trainer.data.text import TextDataModule
 from trainer.data.tokenizer import tokenizer_hash
 from trainer.data.vocab import load_tokenizer_if_present, shared_vocab_size
+from trainer.errors import UsageError
 from trainer.renamed_keys import renamed_precompute_key_message
 from trainer.target import FrozenTarget
 
@@ -96,7 +97,7 @@ def precompute(
         progress: show a progress bar with samples/s and ETA on rank 0.
     """
     if k < 1 or samples_per_shard < 1 or batch_size < 1 or temperature <= 0:
-        raise ValueError(
+        raise UsageError(
             f"k, samples_per_shard, batch_size and temperature must be positive: {k=}, "
             f"{samples_per_shard=}, {batch_size=}, {temperature=}"
         )
@@ -111,7 +112,7 @@ def precompute(
         rows["val"] = data.val_dataset
     for split in splits or list(rows):
         if split not in rows:
-            raise ValueError(f"splits: the data has no {split!r} split (it has {sorted(rows)})")
+            raise UsageError(f"splits: the data has no {split!r} split (it has {sorted(rows)})")
     rows = {s: rows[s] for s in (splits or list(rows))}
 
     frozen = FrozenTarget.from_pretrained(target, target_dtype, trust_remote_code).to(device)
@@ -125,11 +126,11 @@ def precompute(
         frozen.vocab_size,
     )
     if k > vocab:
-        raise ValueError(f"k={k} exceeds the vocabulary ({vocab} tokens)")
+        raise UsageError(f"k={k} exceeds the vocabulary ({vocab} tokens)")
     layers = list(hidden_layers or [])
     for i in layers:
         if not 0 <= i <= frozen.num_layers:
-            raise ValueError(f"hidden_layers: {i} is outside the target's hidden_states 0..{frozen.num_layers}")
+            raise UsageError(f"hidden_layers: {i} is outside the target's hidden_states 0..{frozen.num_layers}")
     meta = ShardMeta(
         teacher=str(target),  # the shard format's field names
         teacher_fingerprint=target_fingerprint(target),
@@ -200,7 +201,7 @@ def _check_or_write_meta(folder: Path, meta: ShardMeta) -> None:
         old = json.loads(path.read_text())
         diff = sorted(key for key, value in meta.to_dict().items() if old.get(key) != value)
         if diff:
-            raise ValueError(
+            raise UsageError(
                 f"{path}: this folder holds shards made with other settings ({', '.join(diff)} differ): "
                 f"use a new --out folder or delete it"
             )

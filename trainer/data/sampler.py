@@ -41,6 +41,8 @@ from typing import Any
 import torch
 from torch.utils.data import DistributedSampler
 
+from trainer.errors import CheckpointError, DataError
+
 log = logging.getLogger(__name__)
 
 POSITION_VERSION = 1
@@ -88,7 +90,7 @@ class ResumableSampler(DistributedSampler):
         self.global_batch_size = self.batch_size * self.num_replicas
         self.batches_per_epoch = self.num_samples_total // self.global_batch_size
         if self.batches_per_epoch == 0:
-            raise ValueError(
+            raise DataError(
                 f"the data set has {num_samples} sequences, fewer than one global batch of {self.global_batch_size}"
                 f" (batch_size={batch_size} x world_size={world_size})"
             )
@@ -152,17 +154,19 @@ def resume_point(
 ) -> tuple[int, int]:
     """Map a saved `position` to (epoch, start_batch) for a new sampler, or refuse with an error naming the values."""
     if position.get("version") != POSITION_VERSION:
-        raise ValueError(f"unknown data position version {position.get('version')!r} (expected {POSITION_VERSION})")
+        raise CheckpointError(
+            f"unknown data position version {position.get('version')!r} (expected {POSITION_VERSION})"
+        )
     expected = {"num_samples": num_samples, "seed": seed, "shuffle": shuffle}
     for key, value in expected.items():
         if position[key] != value:
-            raise ValueError(
+            raise CheckpointError(
                 f"cannot resume the data position: the checkpoint has {key}={position[key]!r}, this run has"
                 f" {key}={value!r} (the data set or its order changed)"
             )
     global_batch = batch_size * world_size
     if position["global_batch_size"] != global_batch:
-        raise ValueError(
+        raise CheckpointError(
             f"cannot resume the data position exactly: the checkpoint used a global batch of"
             f" {position['global_batch_size']} samples, this run uses {global_batch} (batch_size={batch_size} x"
             f" world_size={world_size}); keep batch_size x world_size unchanged to resume"

@@ -47,6 +47,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from trainer.data.shards import ShardError, ShardInfo, ShardMeta, check_compatible, iter_shard, load_manifest
 from trainer.data.sources import check_shards_folder
+from trainer.errors import CheckpointError, DataError, RecipeError
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +267,7 @@ class ShardDataModule(L.LightningDataModule):
         """
         super().__init__()
         if batch_size < 1 or num_workers < 0 or shuffle_buffer < 0:
-            raise ValueError(
+            raise RecipeError(
                 f"batch_size >= 1, num_workers >= 0, shuffle_buffer >= 0: got {batch_size}, "
                 f"{num_workers}, {shuffle_buffer}"
             )
@@ -295,7 +296,7 @@ class ShardDataModule(L.LightningDataModule):
         meta, shard_list = load_manifest(self.shards_dir)
         missing = [i for i in self.hidden_layers if i not in meta.hidden_layers]
         if missing:
-            raise ValueError(
+            raise DataError(
                 f"{self.shards_dir}: hidden_layers {missing} not stored (the shards hold {meta.hidden_layers})"
             )
         if self.tokenizer_path is not None:
@@ -354,7 +355,7 @@ class ShardDataModule(L.LightningDataModule):
         totals = [sum(s.samples for s in shards) for shards in per_rank]
         batches = min((n - workers * (batch_size - 1)) // batch_size for n in totals)
         if batches < 1:
-            raise ValueError(
+            raise DataError(
                 f"{self.shards_dir}: the {split} split ({len(split_shards)} shards, {sum(totals)} sequences) is too "
                 f"small for {world} ranks x {workers} workers x batch {batch_size}: write smaller shards "
                 f"(samples_per_shard) or use fewer workers"
@@ -395,7 +396,7 @@ class ShardDataModule(L.LightningDataModule):
             key = self._position_key(world)
             for name, value in key.items():
                 if self._resume_position.get(name) != value:
-                    raise ValueError(
+                    raise CheckpointError(
                         f"cannot resume the shard stream exactly: the checkpoint has {name}="
                         f"{self._resume_position.get(name)!r}, this run has {name}={value!r}"
                     )
@@ -435,7 +436,7 @@ def checked_shard_data(
     shards were made with this vocabulary size, tokenizer (when given), teacher and temperature (ValueError otherwise,
     naming the shards and the value)."""
     if not isinstance(datamodule, ShardDataModule):
-        raise ValueError(
+        raise RecipeError(
             "model.teacher_signals=shards needs data: trainer.data.shard_datamodule.ShardDataModule, got "
             f"{type(datamodule).__name__}"
         )

@@ -40,6 +40,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from trainer.errors import DataError, PathError, TokenizerError
+
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 META = "precompute.json"
@@ -50,7 +52,7 @@ _FINGERPRINT_BYTES = 1 << 20
 _VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash")
 
 
-class ShardError(ValueError):
+class ShardError(DataError):
     """A shard that cannot be read or does not match its meta; the message names the shard and sample."""
 
 
@@ -257,7 +259,7 @@ def load_manifest(folder: str | Path) -> tuple[ShardMeta, list[ShardInfo]]:
     path = folder / MANIFEST
     if not path.is_file():
         partial = len(list(folder.glob("*.tar.json"))) if folder.is_dir() else 0
-        raise FileNotFoundError(
+        raise PathError(
             f"{path}: no manifest ({partial} finished shards there): run or resume `draftsmith precompute` to the end"
         )
     try:
@@ -388,24 +390,24 @@ def check_compatible(
 ) -> None:
     """Refuses shards made for another student vocabulary, tokenizer, target or temperature (ValueError naming it)."""
     if vocab_size is not None and vocab_size != meta.vocab_size:
-        raise ValueError(
+        raise DataError(
             f"{source}: the shards hold a {meta.vocab_size}-token vocabulary but the student's shared vocabulary has"
             f" {vocab_size} tokens: train a student with the target's vocabulary"
         )
     if tokenizer_hash is not None and tokenizer_hash != meta.tokenizer_hash:
-        raise ValueError(
+        raise TokenizerError(
             f"{source}: made with another tokenizer (hash {meta.tokenizer_hash[:16]}, this recipe's"
             f" {tokenizer_hash[:16]}): rerun precompute with this recipe's tokenizer"
         )
     if teacher is not None:
         print_ = target_fingerprint(teacher)
         if print_ != meta.teacher_fingerprint:
-            raise ValueError(
+            raise DataError(
                 f"{source}: made with another target ({meta.teacher!r}, fingerprint {meta.teacher_fingerprint[:16]})"
                 f" than this recipe's {teacher!r} (fingerprint {print_[:16]}): rerun precompute with this target"
             )
     if temperature is not None and abs(temperature - meta.temperature) > 1e-9:
-        raise ValueError(
+        raise DataError(
             f"{source}: log-probabilities were stored at temperature {meta.temperature}, the recipe asks for"
             f" {temperature}: they cannot be re-tempered without the tail; rerun precompute or match the temperature"
         )

@@ -54,6 +54,7 @@ from trainer.data.packing import TokenRows, label_sources, pack_rows, pad_rows
 from trainer.data.sampler import ResumableSampler, resume_point
 from trainer.data.sources import DocumentReader, Documents, check_data_paths
 from trainer.data.tokenizer import check_before_reading, load_tokenizer, tokenizer_hash
+from trainer.errors import DataError, PathError, RecipeError, TokenizerError
 
 log = logging.getLogger(__name__)
 
@@ -136,13 +137,13 @@ class TextDataModule(L.LightningDataModule):
         """
         super().__init__()
         if seq_len < 1 or batch_size < 1:
-            raise ValueError(f"seq_len and batch_size must be positive, got {seq_len} and {batch_size}")
+            raise RecipeError(f"seq_len and batch_size must be positive, got {seq_len} and {batch_size}")
         if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+            raise RecipeError(f"val_fraction must be in [0, 1), got {val_fraction}")
         if format not in ("text", "chat"):
-            raise ValueError(f"format must be 'text' or 'chat', got {format!r}")
+            raise RecipeError(f"format must be 'text' or 'chat', got {format!r}")
         if not 0.0 <= min_trained_fraction < 1.0:
-            raise ValueError(f"min_trained_fraction must be in [0, 1), got {min_trained_fraction}")
+            raise RecipeError(f"min_trained_fraction must be in [0, 1), got {min_trained_fraction}")
         self.save_hyperparameters()
         self.tokenizer_path = tokenizer
         self.train_files = list(train_files) if train_files else None
@@ -191,10 +192,12 @@ class TextDataModule(L.LightningDataModule):
         """The loaded tokenizer (loaded on first use)."""
         if self._tokenizer is None:
             if not self.tokenizer_path:
-                raise ValueError("TextDataModule needs `tokenizer` (a tokenizer folder or hub id)")
+                raise RecipeError("TextDataModule needs `tokenizer` (a tokenizer folder or hub id)")
             self._tokenizer = load_tokenizer(self.tokenizer_path, trust_remote_code=self.trust_remote_code)
             if self._tokenizer.eos_token_id is None:
-                raise ValueError(f"tokenizer {self.tokenizer_path} has no EOS token: documents could not be separated")
+                raise TokenizerError(
+                    f"tokenizer {self.tokenizer_path} has no EOS token: documents could not be separated"
+                )
         return self._tokenizer
 
     @property
@@ -211,7 +214,7 @@ class TextDataModule(L.LightningDataModule):
                 return self.reader.expand(self.train_files), None
             if self.dataset_name:
                 return [], self.train_split
-            raise ValueError("TextDataModule needs `train_files` or `dataset_name`")
+            raise RecipeError("TextDataModule needs `train_files` or `dataset_name`")
         if self.val_files:
             return self.reader.expand(self.val_files), None
         if self.dataset_name and self.val_split:
@@ -228,7 +231,7 @@ class TextDataModule(L.LightningDataModule):
             chunk = docs.items[start : start + 512]
             for i, d in enumerate(chunk):
                 if not isinstance(d, str):
-                    raise TypeError(f"{docs.where(start + i)}: field {self.text_field!r} is not a string")
+                    raise DataError(f"{docs.where(start + i)}: field {self.text_field!r} is not a string")
             enc = self.tokenizer(chunk, add_special_tokens=False)["input_ids"]
             for ids in enc:
                 arr = np.asarray([*ids, eos], np.int32)
@@ -242,7 +245,7 @@ class TextDataModule(L.LightningDataModule):
         number of conversations without an assistant turn (left out, with a warning) and the roles they hold."""
         tok = self.tokenizer
         if not getattr(tok, "chat_template", None):
-            raise ValueError(f"tokenizer {self.tokenizer_path} has no chat template: format='chat' needs one")
+            raise TokenizerError(f"tokenizer {self.tokenizer_path} has no chat template: format='chat' needs one")
         eos = tok.eos_token_id
         streams = []
         tags: list[int] = []
@@ -250,7 +253,7 @@ class TextDataModule(L.LightningDataModule):
         roles: dict[int, set[str]] = {}
         for i, messages in enumerate(docs.items):
             if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-                raise TypeError(f"{docs.where(i)}: field {self.messages_field!r} is not a list of messages")
+                raise DataError(f"{docs.where(i)}: field {self.messages_field!r} is not a list of messages")
             if not any(m.get("role") == "assistant" for m in messages):
                 s = int(docs.source[i])
                 missing.setdefault(s, []).append(i)
@@ -263,11 +266,11 @@ class TextDataModule(L.LightningDataModule):
                     messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
                 )
             except Exception as err:  # jinja raises its own types (unknown roles, missing keys)
-                raise ValueError(f"{docs.where(i)}: the chat template failed on this conversation: {err}") from err
+                raise DataError(f"{docs.where(i)}: the chat template failed on this conversation: {err}") from err
             ids = list(out["input_ids"])
             mask = list(out["assistant_masks"])
             if not any(mask):
-                raise ValueError(
+                raise DataError(
                     f"{docs.where(i)}: the chat template of {self.tokenizer_path} marks no assistant tokens in this"
                     " conversation; it needs {% generation %} blocks around assistant turns"
                 )
@@ -393,7 +396,7 @@ class TextDataModule(L.LightningDataModule):
                 )
         if floor > 0 and not nothing:
             hints.append(f"min_trained_fraction={floor}; 0 accepts any share above zero")
-        raise ValueError(f"{head}: {'; '.join(problems)}" + (f" ({'; '.join(hints)})" if hints else ""))
+        raise DataError(f"{head}: {'; '.join(problems)}" + (f" ({'; '.join(hints)})" if hints else ""))
 
     # ------------------------------------------------------------------ caching
 
@@ -401,7 +404,7 @@ class TextDataModule(L.LightningDataModule):
         def stamp(path: str) -> list[Any]:
             p = Path(path)
             if not p.is_file():
-                raise FileNotFoundError(f"data file not found: {path}")
+                raise PathError(f"data file not found: {path}")
             st = p.stat()
             return [str(p.resolve()), st.st_size, st.st_mtime_ns]
 
@@ -427,7 +430,7 @@ class TextDataModule(L.LightningDataModule):
         if self.max_documents is not None:
             docs = docs.take(np.arange(min(self.max_documents, len(docs))))
         if not len(docs):
-            raise ValueError(f"no documents in the training data: {train_source}")
+            raise DataError(f"no documents in the training data: {train_source}")
         val_files, val_split = self._sources("val")
         val_docs: Documents | None = None
         val_per_file = True
@@ -435,10 +438,10 @@ class TextDataModule(L.LightningDataModule):
             val_docs = self.reader.documents(val_files, val_split)
             val_source = val_docs.label()
             if not len(val_docs):
-                raise ValueError(f"no documents in the validation data: {val_source}")
+                raise DataError(f"no documents in the validation data: {val_source}")
         elif self.val_fraction > 0:
             if len(docs) < 2:
-                raise ValueError(f"val_fraction={self.val_fraction} needs at least 2 documents in {train_source}")
+                raise DataError(f"val_fraction={self.val_fraction} needs at least 2 documents in {train_source}")
             order = np.random.default_rng(self.seed).permutation(len(docs))
             n_val = min(max(1, round(len(docs) * self.val_fraction)), len(docs) - 1)
             is_val = np.zeros(len(docs), bool)
@@ -448,14 +451,14 @@ class TextDataModule(L.LightningDataModule):
             val_per_file = False  # a few carved documents say little about a file's share
         out = {"train": self._rows(docs, "training", train_source, per_file=True)}
         if len(out["train"][0]) == 0:
-            raise ValueError(
+            raise DataError(
                 f"the training data is too small: {len(docs)} documents give fewer tokens than one sequence of"
                 f" seq_len + 1 = {self.seq_len + 1} tokens: {train_source}"
             )
         if val_docs is not None:
             out["val"] = self._rows(val_docs, "validation", val_source, per_file=val_per_file)
             if len(out["val"][0]) == 0:
-                raise ValueError(
+                raise DataError(
                     f"the validation data is too small for one sequence of {self.seq_len + 1} tokens: {val_source}"
                 )
         return out

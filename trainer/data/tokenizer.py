@@ -17,7 +17,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from trainer.errors import PathError
+from trainer.errors import PathError, UsageError
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -54,7 +54,7 @@ def train_byte_level_bpe(texts: Iterable[str], vocab_size: int, length: int | No
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     if vocab_size < 256 + len(SPECIAL_TOKENS) + 1:
-        raise ValueError(f"vocab_size={vocab_size} is too small: a byte-level BPE needs more than 256 + specials")
+        raise UsageError(f"vocab_size={vocab_size} is too small: a byte-level BPE needs more than 256 + specials")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()

@@ -7,6 +7,10 @@ report.md, acceptance.png) gives tau, acceptance per draft position, target forw
 Leviathan's projected speedup, the measured wall-clock speedup, and the share of the target's greedy output that sits
 in loops with tau inside and outside them. The drafting flags (``--tree``, ``--tree_nodes``, ``--exit_layer``...) are
 the fields of :class:`~trainer.decoding.options.ProposerOptions`, which the training callback takes too.
+
+Refused in one line before anything is decoded: a drafter export given as ``--target`` (named with its kind and the
+target it names), and a training checkpoint measured against a target other than the one whose fingerprint it
+recorded (unless ``--allow_other_target``); trainer/decoding/evaluate.py holds both checks.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from trainer.decoding.evaluate import (
 )
 from trainer.decoding.options import add_option_arguments, options_from_arguments, positive_ints
 from trainer.decoding.report import write_report
-from trainer.errors import UserError
+from trainer.errors import ModelFolderError, TokenizerError, UserError
 from trainer.flags import ToolParser
 
 
@@ -36,7 +40,7 @@ def build_parser() -> ToolParser:
     parser.add_argument(
         "--target",
         required=True,
-        help="HF target model directory (with its tokenizer); a drafter export given here is refused, naming its target",
+        help="HF target model directory (with its tokenizer); a drafter export here is refused, naming its target",
     )
     parser.add_argument(
         "--allow_other_target",
@@ -90,12 +94,12 @@ def load_target(path: str, dtype: str, device: torch.device) -> tuple[PreTrained
     """The HF target and its tokenizer from a local folder, with an error that says what the folder lacks."""
     folder = Path(path)
     if not (folder / "config.json").is_file():
-        raise ValueError(f"--target {path!r} is not a local model folder (no config.json)")
+        raise ModelFolderError(f"--target {path!r} is not a local model folder (no config.json)")
     refuse_drafter_as_target(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, ImportError) as err:
-        raise ValueError(f"--target {path!r}: no usable tokenizer in that folder ({err})") from err
+        raise TokenizerError(f"--target {path!r}: no usable tokenizer in that folder ({err})") from err
     target = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
     return target, tokenizer
 
@@ -108,7 +112,8 @@ def _error(message: str, err: BaseException) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``draftsmith eval``; returns the exit status (2 for a greedy output mismatch)."""
+    """Entry point of ``draftsmith eval``; returns the exit status: 2 for a bad input or a greedy output mismatch (a
+    :class:`~trainer.errors.UserError` goes to the command's handler, which prints it and exits 2)."""
     args = build_parser().parse_args(argv)
     if args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -124,25 +129,31 @@ def main(argv: list[str] | None = None) -> int:
             (options, resolve_drafter(args.drafter, target, options, tokenizer, args.target, args.allow_other_target))
             for options in sweep
         ]
+    except UserError:
+        raise  # the command's handler: `error:` and `hint:` lines, exit status 2
     except (OSError, ValueError) as err:
         _error(str(err), err)
-        return 1
+        return 2
     try:
         for _, proposer in proposers:
             for k in args.k:  # every --k before any decoding
                 proposer.check_k(k)
+    except UserError:
+        raise
     except ValueError as err:
         _error(f"{args.drafter}: {err}", err)
-        return 1
+        return 2
     if args.max_prompts > 0:
         prompts = prompts[: args.max_prompts]
     if args.write_tree:
         options, proposer = proposers[0]
         try:
             paths = proposer.write_tree(Path(args.write_tree), target, prompts, args.max_new_tokens, options.tree_nodes)
+        except UserError:
+            raise
         except ValueError as err:
             _error(f"{args.drafter}: {err}", err)
-            return 1
+            return 2
         print(f"wrote a {len(paths)}-node tree from the heads' measured accuracy to {args.write_tree}")
     eos = target.generation_config.eos_token_id if target.generation_config is not None else None
     eos = tokenizer.eos_token_id if eos is None else eos

@@ -109,7 +109,7 @@ def resolve_drafter(
 
     A drafter made for another target (vocabulary, hidden size, layers, tokenizer) is refused, naming the path;
     so is a training checkpoint whose recorded target fingerprint is not ``target_path``'s
-    (:func:`check_trained_target`), unless ``allow_other_target``.
+    (:func:`check_trained_target`), unless ``allow_other_target`` or the drafter trained its target (Medusa-2).
 
     Args:
         spec: the ``--drafter`` value.
@@ -128,7 +128,9 @@ def resolve_drafter(
             f"({', '.join(registered_proposers())})"
         )
     module, record = load_drafter(spec)
-    if target_path is not None and is_training_checkpoint(Path(spec)):
+    # a drafter that trained its target (Medusa-2: with_target) recorded the target it started from, and is measured
+    # against the one it trained: only frozen targets are compared
+    if target_path is not None and is_training_checkpoint(Path(spec)) and not record.config.get("with_target"):
         check_trained_target(spec, target_path, allow_other_target)
     check_target(record, target.config, spec)
     drafter_tokenizer = load_tokenizer_if_present(record.tokenizer) if record.tokenizer else None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from trainer.errors import CheckpointError, PathError, UserError, debugging, error_report
 from trainer.flags import ToolParser
 from trainer.registry import DrafterRecord, get_kind, is_training_checkpoint, kinds
 
@@ -27,9 +28,11 @@ def export(ckpt: str, out: str, fmt: str | None = None) -> tuple[Path, str]:
 
     path = Path(ckpt)
     if not path.exists():
-        raise FileNotFoundError(f"checkpoint {ckpt!r} does not exist")
+        raise PathError(f"checkpoint {ckpt!r} does not exist")
     if not is_training_checkpoint(path):
-        raise ValueError(f"{ckpt!r} is neither a .ckpt file nor a DeepSpeed checkpoint folder (no checkpoint/ inside)")
+        raise CheckpointError(
+            f"{ckpt!r} is neither a .ckpt file nor a DeepSpeed checkpoint folder (no checkpoint/ inside)"
+        )
     state, raw = load_training_checkpoint(ckpt)
     record = DrafterRecord.from_dict(raw, ckpt)
     kind = get_kind(record.kind, ckpt)
@@ -51,7 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         path, name = export(args.ckpt, args.out, args.format)
-    except (OSError, ValueError, KeyError) as err:
+    except UserError as err:
+        if debugging():
+            raise
+        print(error_report(err), file=sys.stderr)
+        return 2
+    except (OSError, ValueError, KeyError) as err:  # a format's writer refusing this drafter
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"exported {args.ckpt} as {name} to {path}")

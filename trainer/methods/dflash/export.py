@@ -12,15 +12,25 @@ Weights without prefix: ``layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``layers
 ``fc.weight`` [H, m * H], ``hidden_norm.weight``, ``norm.weight``. No embedding and no lm_head: every reader uses the
 target's (the mask token's row included).
 
-Speculators format (``DFlashSpeculator``, ``speculators_model_type: "dflash"``): the same weights, the Qwen3 layer
-config under ``transformer_layer_config``, ``block_size``, ``mask_token_id``, ``aux_hidden_state_layer_ids`` in HF
-``hidden_states`` indices (z-lab ids + 1), the full vocabulary as ``draft_vocab_size`` (no ``d2t``/``t2d``, no
-lm_head: speculators takes the verifier's for a full-vocabulary draft) and ``speculators_config`` naming the
-verifier and ``block_size - 1`` speculative tokens.
+Speculators format (``speculators_model_type: "dflash"``, which identifies it: speculators' own ``save_pretrained``
+writes ``architectures: ["DFlashDraftModel"]``, the z-lab name, and this writer ``["DFlashSpeculator"]``): the same
+weights, the layer config under ``transformer_layer_config`` (read as speculators reads it, through the transformers
+config class of its ``model_type``: Qwen3's defaults fill what it leaves out, ``head_dim`` 128 among them),
+``block_size``, ``mask_token_id``, ``aux_hidden_state_layer_ids`` in HF ``hidden_states`` indices (z-lab ids + 1),
+the full vocabulary as ``draft_vocab_size`` (no ``d2t``/``t2d``, no lm_head: speculators takes the verifier's for a
+full-vocabulary draft), ``target_hidden_size`` (None or the layers' width: speculators' ``fc`` reads
+``len(aux_hidden_state_layer_ids) * hidden_size``), ``sliding_window_non_causal`` and ``sample_from_anchor`` (both
+False by default), and ``speculators_config`` naming the verifier and ``block_size - 1`` speculative tokens.
+speculators' trainer declares its draft layers ``sliding_attention`` with ``sliding_window`` 2048 by default, which
+its ``create_anchor_block_mask_mod`` makes causal inside the block and windowed over the context (module.py reads
+both); ``sample_from_anchor: true`` (the anchor slot drafts the first token) is refused by name.
+
+The z-lab format has no field for a block's causal attention: a z-lab folder whose ``layer_types`` make a layer
+sliding is refused by name, and so is a drafter with sliding layers given to its writer.
 
 Every loader maps each tensor of the file to a drafter parameter and fails on a tensor it does not consume (an
-embedding or lm_head included), a missing parameter, a shape that differs, layer ids outside the target, or two
-block sizes that disagree.
+embedding or lm_head included), a missing parameter, a shape that differs, layer ids outside the target, two block
+sizes that disagree, or a field it does not implement (named with its value).
 """
 
 from __future__ import annotations
@@ -31,8 +41,9 @@ from typing import Literal
 
 import torch
 
+from trainer.errors import ModelFolderError
 from trainer.export.files import cpu_tensors, read_folder, write_folder
-from trainer.methods.dflash.module import DFlashConfig, DFlashDrafter
+from trainer.methods.dflash.module import FULL, LAYER_TYPES, SLIDING, DFlashConfig, DFlashDrafter
 
 ZLAB_ARCHITECTURES = ["DFlashDraftModel"]
 SPECULATORS_ARCHITECTURES = ["DFlashSpeculator"]
@@ -59,16 +70,26 @@ def _layer_keys(c: DFlashConfig) -> dict:
         "attention_bias": False,
         "attention_dropout": 0.0,
         "tie_word_embeddings": False,
-        "layer_types": ["full_attention"] * c.num_hidden_layers,
+        "layer_types": list(c.layer_types or [FULL] * c.num_hidden_layers),
     }
+    if not c.all_full:  # as speculators' trainer writes a sliding layer config
+        keys.update(sliding_window=c.sliding_window, use_sliding_window=True)
     if rope.get("rope_type", "default") != "default":
         keys["rope_scaling"] = rope
     return keys
 
 
 def save_zlab(drafter: DFlashDrafter, out_dir: str, dtype: torch.dtype | None = None) -> Path:
-    """Write the z-lab checkpoint (``DFlashDraftModel``: SGLang, vLLM, ``DFlashDraftModel.from_pretrained``)."""
+    """Write the z-lab checkpoint (``DFlashDraftModel``: SGLang, vLLM, ``DFlashDraftModel.from_pretrained``); a
+    drafter with sliding-window layers is refused (the format has no field for their causal block)."""
     c = drafter.config
+    if not c.all_full:
+        raise ModelFolderError(
+            f"layer_types {list(c.layer_types or [])} (sliding_window {c.sliding_window}, sliding_window_non_causal "
+            f"{c.sliding_window_non_causal}): the z-lab format has no field for a block's causal or windowed "
+            "attention, its readers would attend to the whole block",
+            hint="write it with --format dflash-speculators",
+        )
     dtype_name = str(dtype or drafter.fc.weight.dtype).removeprefix("torch.")
     config = {
         "architectures": ZLAB_ARCHITECTURES,
@@ -121,6 +142,8 @@ def save_speculators(
         "block_size": c.block_size,
         "aux_hidden_state_layer_ids": list(c.target_layers),
         "mask_token_id": c.mask_token_id,
+        "sliding_window_non_causal": bool(c.sliding_window_non_causal),
+        "sample_from_anchor": False,
         "num_target_layers": c.num_target_layers,
         "dtype": dtype_name,
         "torch_dtype": dtype_name,
@@ -144,26 +167,80 @@ def zlab_target_layers(config: dict, reading: Reading, where: str) -> list[int]:
     if reading == "vllm" and config.get("eagle_aux_hidden_state_layer_ids") is not None:
         return [int(i) for i in config["eagle_aux_hidden_state_layer_ids"]]
     if ids is None:
-        raise ValueError(f"{where}: dflash_config.target_layer_ids is missing (readers would guess the layers)")
+        raise ModelFolderError(f"{where}: dflash_config.target_layer_ids is missing (readers would guess the layers)")
     top = config.get("target_layer_ids")
     if reading == "dflash" and top is not None and list(top) != list(ids):
-        raise ValueError(f"{where}: target_layer_ids {top} and dflash_config.target_layer_ids {ids} disagree")
+        raise ModelFolderError(f"{where}: target_layer_ids {top} and dflash_config.target_layer_ids {ids} disagree")
     return [int(i) + 1 for i in ids]
 
 
 def _block_size(config: dict, where: str) -> int:
     inner, top = (config.get("dflash_config") or {}).get("block_size"), config.get("block_size")
     if inner is not None and top is not None and inner != top:
-        raise ValueError(f"{where}: block_size {top} and dflash_config.block_size {inner} disagree")
+        raise ModelFolderError(f"{where}: block_size {top} and dflash_config.block_size {inner} disagree")
     size = inner if inner is not None else top
     if size is None:
-        raise ValueError(f"{where}: no block_size (readers fall back to 16 or 8)")
+        raise ModelFolderError(f"{where}: no block_size (readers fall back to 16 or 8)")
     return int(size)
 
 
-def _config(layer: dict, target_layers: list[int], num_target_layers, block, mask, where: str) -> DFlashConfig:
+# keys of a z-lab config.json that are not the draft layers' (speculators' converter leaves the same ones out)
+ZLAB_KEYS = ("architectures", "auto_map", "block_size", "dflash_config", "num_target_layers")
+
+
+def layer_config(layer: dict, where: str, key: str) -> dict:
+    """The draft layers' config as speculators, SGLang, vLLM and the z-lab package read it: built by the transformers
+    config class of its ``model_type`` (Qwen3 when it has none), whose defaults fill what the file leaves out
+    (``head_dim``, ``layer_types`` from ``use_sliding_window`` and ``max_window_layers``, ``sliding_window`` None
+    unless ``use_sliding_window``), and returned as a dict. ``key`` names it in errors."""
+    from transformers import CONFIG_MAPPING
+
+    model_type = layer.get("model_type") or "qwen3"
+    if model_type not in CONFIG_MAPPING:
+        raise ModelFolderError(f"{where}: {key}.model_type {model_type!r} is not a transformers config type")
     try:
-        rope = layer.get("rope_parameters") or {"rope_type": "default", "rope_theta": layer["rope_theta"]}
+        config = CONFIG_MAPPING[model_type](**{k: v for k, v in layer.items() if k != "model_type"})
+    except Exception as err:  # transformers' own validation (a strict dataclass error is no ValueError)
+        raise ModelFolderError(f"{where}: {key} is not a {model_type} config ({' '.join(str(err).split())})") from err
+    out = config.to_dict()
+    rope = out.get("rope_parameters")
+    if isinstance(rope, dict) and isinstance(rope.get(SLIDING), dict):  # per layer type: speculators takes this one
+        out["rope_parameters"] = rope[SLIDING]
+    return out
+
+
+def _refuse(where: str, key: str, value, why: str) -> ModelFolderError:
+    return ModelFolderError(f"{where}: {key} {json.dumps(value)}: {why}")
+
+
+def _attention(layer: dict, non_causal, where: str, key: str) -> dict:
+    """``layer_types``, ``sliding_window`` and ``sliding_window_non_causal`` of the drafter config (module.py's
+    reading of them, speculators' ``create_anchor_block_mask_mod``); all layers full: the defaults."""
+    n = layer["num_hidden_layers"]
+    types = list(layer.get("layer_types") or [FULL] * n)
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown or len(types) != n:
+        why = (
+            f"{unknown} is no layer type a DFlash drafter has ({', '.join(LAYER_TYPES)})"
+            if unknown
+            else (f"{len(types)} entries for {n} layers")
+        )
+        raise _refuse(where, f"{key}.layer_types", types, why)
+    window = layer.get("sliding_window")
+    if SLIDING not in types or window is None:  # a sliding layer without a window attends as a full one
+        return {}
+    if not isinstance(non_causal, bool):
+        raise _refuse(where, "sliding_window_non_causal", non_causal, "must be true or false")
+    return {"layer_types": tuple(types), "sliding_window": int(window), "sliding_window_non_causal": non_causal}
+
+
+def _config(
+    layer: dict, target_layers: list[int], num_target_layers, block, mask, where: str, attention: dict | None = None
+) -> DFlashConfig:
+    """The drafter config of a normalised layer config (:func:`layer_config`) and the format's own keys."""
+    if layer.get("attention_bias"):
+        raise _refuse(where, "attention_bias", True, "DFlash's attention projections have no bias")
+    try:
         for key, value in (("mask_token_id", mask), ("num_target_layers", num_target_layers), ("block_size", block)):
             if value is None:
                 raise KeyError(key)
@@ -180,12 +257,15 @@ def _config(layer: dict, target_layers: list[int], num_target_layers, block, mas
             block_size=int(block),
             mask_token_id=int(mask),
             rms_norm_eps=layer["rms_norm_eps"],
-            rope_parameters=rope,
+            rope_parameters=dict(layer["rope_parameters"]),
             max_position_embeddings=layer["max_position_embeddings"],
             hidden_act=layer.get("hidden_act", "silu"),
+            **(attention or {}),
         )
     except KeyError as err:
-        raise ValueError(f"{where}: config.json lacks the key {err.args[0]!r}") from err
+        raise ModelFolderError(f"{where}: config.json lacks the key {err.args[0]!r}") from err
+    except ValueError as err:
+        raise ModelFolderError(f"{where}: {err}") from err
 
 
 def _consume(drafter: DFlashDrafter, tensors: dict[str, torch.Tensor], where: str) -> DFlashDrafter:
@@ -197,52 +277,97 @@ def _consume(drafter: DFlashDrafter, tensors: dict[str, torch.Tensor], where: st
     unconsumed = sorted(k for k in tensors if k not in expected)
     missing = sorted(k for k in expected if k not in tensors)
     if unconsumed or missing:
-        raise ValueError(f"{where}: tensors not consumed {unconsumed}, weights missing {missing}")
+        raise ModelFolderError(f"{where}: tensors not consumed {unconsumed}, weights missing {missing}")
     for name, tensor in tensors.items():
         if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise ValueError(f"{where}: {name} has shape {tuple(tensor.shape)}, expected {tuple(expected[name].shape)}")
+            raise ModelFolderError(
+                f"{where}: {name} has shape {tuple(tensor.shape)}, expected {tuple(expected[name].shape)}"
+            )
     drafter.load_state_dict(tensors, strict=True)
     return drafter
 
 
 def load_zlab(path: str, reading: Reading = "vllm") -> DFlashDrafter:
     """Read a z-lab export by an engine's rules (``reading``: whose layer-id convention; every other rule is shared:
-    Qwen3 layer keys, ``block_size`` from ``dflash_config`` first, ``mask_token_id`` from ``dflash_config``, weights
-    without prefix and without embedding or lm_head)."""
+    the layer config as its transformers config class reads it, ``block_size`` from ``dflash_config`` first,
+    ``mask_token_id`` from ``dflash_config``, weights without prefix and without embedding or lm_head). A folder with
+    ``speculators_model_type`` is the speculators format's, and one whose layers are sliding is refused."""
     config, tensors = read_folder(path, "a DFlash export")
     if config.get("architectures") != ZLAB_ARCHITECTURES:
-        raise ValueError(f"{path}: architectures {config.get('architectures')}, expected {ZLAB_ARCHITECTURES}")
+        raise ModelFolderError(f"{path}: architectures {config.get('architectures')}, expected {ZLAB_ARCHITECTURES}")
+    if config.get("speculators_model_type") is not None:
+        raise ModelFolderError(
+            f"{path}: speculators_model_type {config['speculators_model_type']!r}: a speculators export, not the "
+            "z-lab format (read it with load_speculators)"
+        )
     dflash = config.get("dflash_config") or {}
     layers = zlab_target_layers(config, reading, path)
+    layer = layer_config({k: v for k, v in config.items() if k not in ZLAB_KEYS}, path, "config.json")
+    if _attention(layer, False, path, "config.json"):
+        raise _refuse(
+            path, "layer_types", layer["layer_types"],
+            f"sliding_window {layer['sliding_window']}: the z-lab format does not say whether a sliding layer's block "
+            "is causal (the speculators format does: sliding_window_non_causal)",
+        )  # fmt: skip
     drafter = DFlashDrafter(
         _config(
-            config,
-            layers,
-            config.get("num_target_layers"),
-            _block_size(config, path),
-            dflash.get("mask_token_id"),
-            path,
+            layer, layers, config.get("num_target_layers"), _block_size(config, path), dflash.get("mask_token_id"), path
         )
     )
     return _consume(drafter, tensors, path)
 
 
 def load_speculators(path: str) -> DFlashDrafter:
-    """Read a speculators export by its rules: the layer config under ``transformer_layer_config``, layer ids in
-    ``aux_hidden_state_layer_ids`` (HF indices), a full-vocabulary draft (no vocabulary map)."""
+    """Read a speculators export by its rules (speculators' ``DFlashSpeculatorConfig`` and ``DFlashDraftModel``):
+    the layer config under ``transformer_layer_config``, layer ids in ``aux_hidden_state_layer_ids`` (HF indices), a
+    full-vocabulary draft (no vocabulary map), ``target_hidden_size`` None or the layers' width, the layers' attention
+    (``layer_types``, ``sliding_window``, ``sliding_window_non_causal``), and ``sample_from_anchor`` false."""
     config, tensors = read_folder(path, "a DFlash export")
     if config.get("speculators_model_type") != "dflash":
-        raise ValueError(f"{path}: speculators_model_type {config.get('speculators_model_type')!r}, expected 'dflash'")
-    layer = config.get("transformer_layer_config")
-    if not isinstance(layer, dict):
-        raise ValueError(f"{path}: transformer_layer_config must be a dict")
+        raise ModelFolderError(
+            f"{path}: speculators_model_type {config.get('speculators_model_type')!r}, expected 'dflash'"
+        )
+    raw = config.get("transformer_layer_config")
+    if not isinstance(raw, dict):
+        raise ModelFolderError(f"{path}: transformer_layer_config must be a dict")
+    layer = layer_config(raw, path, "transformer_layer_config")
     if config.get("draft_vocab_size") not in (None, layer.get("vocab_size")):
-        raise ValueError(f"{path}: a reduced draft vocabulary ({config['draft_vocab_size']}) is not a DFlash export")
+        raise _refuse(
+            path, "draft_vocab_size", config["draft_vocab_size"],
+            f"a reduced draft vocabulary (the target's has {layer.get('vocab_size')}) is not a DFlash export",
+        )  # fmt: skip
+    if config.get("target_hidden_size") not in (None, layer["hidden_size"]):
+        raise _refuse(
+            path, "target_hidden_size", config["target_hidden_size"],
+            f"speculators' fc reads hidden states of the layers' width, {layer['hidden_size']}",
+        )  # fmt: skip
+    if config.get("sample_from_anchor", False) is not False:
+        raise _refuse(
+            path, "sample_from_anchor", config["sample_from_anchor"],
+            "the anchor slot drafting the first token is not implemented by draftsmith's DFlash proposer (slots "
+            "1..b-1 draft)",
+        )  # fmt: skip
     layers = config.get("aux_hidden_state_layer_ids")
     if layers is None:
-        raise ValueError(f"{path}: aux_hidden_state_layer_ids is missing (speculators would guess the layers)")
+        raise ModelFolderError(f"{path}: aux_hidden_state_layer_ids is missing (speculators would guess the layers)")
+    block = config.get("block_size", 8)  # speculators' default
+    proposals = (config.get("speculators_config") or {}).get("proposal_methods") or []
+    drafts = [p.get("speculative_tokens") for p in proposals if isinstance(p, dict)]
+    if any(not isinstance(d, int) or not 1 <= d <= int(block) - 1 for d in drafts):
+        raise _refuse(
+            path, "speculators_config.proposal_methods[].speculative_tokens", drafts,
+            f"a block of {block} drafts 1..{int(block) - 1} tokens",
+        )  # fmt: skip
     depth = config.get("num_target_layers") or _verifier_depth(config)
-    drafter = DFlashDrafter(_config(layer, layers, depth, config.get("block_size"), config.get("mask_token_id"), path))
+    if depth is None:
+        verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+        raise ModelFolderError(
+            f"{path}: config.json has no num_target_layers, and its verifier {verifier!r} is no local folder with a "
+            "config.json to count the target's layers in",
+            hint="run from the folder the verifier path is relative to, or add num_target_layers to config.json",
+        )
+    attention = _attention(layer, config.get("sliding_window_non_causal", False), path, "transformer_layer_config")
+    drafter = DFlashDrafter(_config(layer, layers, depth, block, config.get("mask_token_id"), path, attention))
     return _consume(drafter, tensors, path)
 
 

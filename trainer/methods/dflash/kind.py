@@ -3,6 +3,9 @@
 Exported in the z-lab format (``dflash``: SGLang, vLLM and the z-lab ``dflash`` package, ``DFlashDraftModel``) or the
 speculators format (``dflash-speculators``: ``DFlashSpeculator``); drafted one block per round as a chain, or as a
 DDTree with ``--tree`` (proposer.py), through the target's own embedding and lm_head.
+
+A folder is recognised as the speculators format by its ``speculators_model_type`` first: speculators' own
+``save_pretrained`` writes ``architectures: ["DFlashDraftModel"]``, the z-lab format's name, beside it.
 """
 
 from __future__ import annotations
@@ -35,6 +38,16 @@ def make_record(config: DFlashConfig, target: str | None, target_architectures: 
         tokenizer=target,
         draft_tokens=config.block_size - 1,
     )
+
+
+def is_speculators(config: dict) -> bool:
+    """A speculators DFlash config (``speculators_model_type: "dflash"``), whatever its ``architectures``."""
+    return config.get("speculators_model_type") == "dflash"
+
+
+def is_zlab(config: dict) -> bool:
+    """A z-lab config: ``architectures: ["DFlashDraftModel"]`` and no ``speculators_model_type``."""
+    return config.get("architectures") == formats.ZLAB_ARCHITECTURES and "speculators_model_type" not in config
 
 
 def build(record: DrafterRecord) -> DFlashDrafter:
@@ -76,14 +89,14 @@ ZLAB = ExportFormat(
     description="z-lab DFlash (DFlashDraftModel): SGLang, vLLM and the dflash package",
     write=lambda drafter, record, out: formats.save_zlab(drafter, str(out)),
     load=load_zlab,
-    recognise=lambda folder: folder_config(folder).get("architectures") == formats.ZLAB_ARCHITECTURES,
+    recognise=lambda folder: is_zlab(folder_config(folder)),
 )
 SPECULATORS = ExportFormat(
     name="dflash-speculators",
     description="DFlash in the speculators format (DFlashSpeculator)",
     write=write_speculators,
     load=load_speculators,
-    recognise=lambda folder: folder_config(folder).get("speculators_model_type") == "dflash",
+    recognise=lambda folder: is_speculators(folder_config(folder)),
 )
 
 register_kind(DrafterKind(name=KIND, build=build, formats=(ZLAB, SPECULATORS), proposer=proposer))

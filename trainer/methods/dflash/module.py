@@ -14,6 +14,14 @@ hidden states of every position before ``p``, computed once and shared by the la
     h = h + o_proj(attention(Q, K, V))               (non-causal: every slot sees the whole context and block)
     h = h + mlp(post_attention_layernorm(h))
 
+That is a ``full_attention`` layer, the only kind draftsmith trains. Drafters written by speculators' trainer
+declare their layers ``sliding_attention`` by default (``layer_types`` and ``sliding_window`` of its
+``transformer_layer_config``, ``sliding_window_non_causal`` beside it); such a layer of a block anchored at ``p``
+sees the context of positions ``p - sliding_window .. p - 1`` only, and inside the block slot ``k`` sees slots
+``0..k`` (causal) unless ``sliding_window_non_causal`` (speculators' ``create_anchor_block_mask_mod``). A layer
+declared sliding without a window (``sliding_window`` None) is a full one, as there. :meth:`DFlashDrafter.draft`
+(the proposer) runs both kinds; :meth:`DFlashDrafter.train_blocks` runs full layers only.
+
 and the output ``norm(h)`` goes through the target's lm_head (not part of the drafter) on slots 1..b-1. Parameter
 names are the z-lab checkpoint's (``layers.{i}.self_attn.{q,k,v,o}_proj``, ``q_norm``, ``k_norm``, ``mlp.*``, the
 layer norms, ``fc``, ``hidden_norm``, ``norm``), so that export is the state dict itself.
@@ -44,6 +52,8 @@ from trainer.block_attention import Impl, anchored_block_attention
 from trainer.layers import GatedMLP, RMSNorm, repeat_kv
 
 KV = tuple[torch.Tensor, torch.Tensor]
+FULL, SLIDING = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL, SLIDING)
 
 
 def default_target_layers(num_layers: int, count: int = 5) -> tuple[int, ...]:
@@ -96,6 +106,12 @@ class DFlashConfig:
         rope_parameters: the target's rotary settings (HF ``rope_parameters``).
         max_position_embeddings: the longest position the rotary embedding is built for.
         hidden_act: the MLP's activation.
+        layer_types: each draft layer's attention, ``full_attention`` or ``sliding_attention`` (speculators'
+            ``transformer_layer_config.layer_types``); None: every layer full.
+        sliding_window: the context positions before the anchor a sliding layer sees (speculators'
+            ``transformer_layer_config.sliding_window``); None makes a sliding layer a full one.
+        sliding_window_non_causal: a sliding layer's slots see the whole block (speculators' top-level key; its
+            default, False, makes slot k see slots 0..k).
     """
 
     hidden_size: int
@@ -113,9 +129,24 @@ class DFlashConfig:
     rope_parameters: dict = field(default_factory=lambda: {"rope_theta": 10000.0, "rope_type": "default"})
     max_position_embeddings: int = 4096
     hidden_act: str = "silu"
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
+    sliding_window_non_causal: bool = False
 
     def __post_init__(self) -> None:
         self.target_layers = tuple(int(i) for i in self.target_layers)
+        if self.layer_types is not None:
+            self.layer_types = tuple(str(t) for t in self.layer_types)
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(
+                    f"layer_types={list(self.layer_types)}: {len(self.layer_types)} entries for "
+                    f"{self.num_hidden_layers} layers"
+                )
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown:
+                raise ValueError(f"layer_types={list(self.layer_types)}: {unknown} not one of {list(LAYER_TYPES)}")
+        if self.sliding_window is not None and int(self.sliding_window) < 1:
+            raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 (or None: no window)")
         if self.block_size < 2:
             raise ValueError(
                 f"block_size={self.block_size}: a block needs the anchor and at least one mask slot (>= 2)"
@@ -174,7 +205,18 @@ class DFlashConfig:
     def to_dict(self) -> dict:
         out = asdict(self)
         out["target_layers"] = list(self.target_layers)
+        if self.layer_types is not None:
+            out["layer_types"] = list(self.layer_types)
         return out
+
+    def windowed(self, layer: int) -> bool:
+        """Layer ``layer`` sees a window of the context (a ``sliding_attention`` layer with a ``sliding_window``)."""
+        return self.layer_types is not None and self.layer_types[layer] == SLIDING and self.sliding_window is not None
+
+    @property
+    def all_full(self) -> bool:
+        """Every layer sees the whole context and the whole block (what draftsmith trains)."""
+        return not any(self.windowed(i) for i in range(self.num_hidden_layers))
 
     @property
     def zlab_layer_ids(self) -> list[int]:
@@ -333,6 +375,11 @@ class DFlashDrafter(nn.Module):
         Returns:
             [B, N * b, H] the normed outputs of every slot (slot 0 of each block included).
         """
+        if not self.config.all_full:
+            raise ValueError(
+                f"layer_types={list(self.config.layer_types or [])} with sliding_window={self.config.sliding_window}: "
+                "draftsmith trains full-attention DFlash layers only (a drafter read from such an export drafts)"
+            )
         B, S, _ = context.shape
         b = self.config.block_size
         positions = (anchors[:, :, None] + torch.arange(b, device=anchors.device)).flatten(1)  # [B, N * b]
@@ -366,20 +413,40 @@ class DFlashDrafter(nn.Module):
         """One block (or several blocks sharing one context) against cached context entries.
 
         embeds: [B, Q, H] the block's input embeddings; positions: [B, Q]; past: per layer (k, v) [B, nkv, C, D] of
-        the context before the block. Every slot sees all of ``past`` and the whole block. Returns [B, Q, H].
+        the context before the block, positions 0..C-1. In a full layer every slot sees all of ``past`` and the whole
+        block; in a sliding one (:meth:`DFlashConfig.windowed`, one block only, anchored at ``positions[:, 0]``) the
+        context from ``anchor - sliding_window`` on, and slots 0..k of the block unless
+        ``sliding_window_non_causal``. Returns [B, Q, H].
         """
+        c = self.config
         cos, sin = self.rope(embeds, positions)
-        groups = self.config.num_attention_heads // self.config.num_key_value_heads
+        groups = c.num_attention_heads // c.num_key_value_heads
         h = embeds.to(self.fc.weight.dtype)
-        for layer, (k_ctx, v_ctx) in zip(self.layers, past):
+        for index, (layer, (k_ctx, v_ctx)) in enumerate(zip(self.layers, past)):
+            mask = self.window_mask(positions, k_ctx.shape[2]) if c.windowed(index) else None
 
-            def attend(q, k, v, _context_kv, k_ctx=k_ctx, v_ctx=v_ctx):
+            def attend(q, k, v, _context_kv, k_ctx=k_ctx, v_ctx=v_ctx, mask=mask):
                 keys = repeat_kv(torch.cat([k_ctx, k], dim=2), groups)  # [B, nh, C + Q, D]
                 values = repeat_kv(torch.cat([v_ctx, v], dim=2), groups)
-                return F.scaled_dot_product_attention(q, keys, values)
+                return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
 
             h = layer(h, cos, sin, attend)
         return self.norm(h)
+
+    def window_mask(self, positions: torch.Tensor, cached: int) -> torch.Tensor:
+        """The keys a sliding layer's slots see: [B, 1, Q, C + Q] bool (True: seen) for a block at ``positions``
+        [B, Q] (anchor ``positions[:, 0]``) after ``cached`` context entries at positions 0..C-1."""
+        c = self.config
+        B, Q = positions.shape
+        if Q != c.block_size:
+            raise ValueError(f"a sliding-window layer drafts one block of {c.block_size} slots at a time, got {Q}")
+        anchor = positions[:, :1]  # [B, 1]
+        context = torch.arange(cached, device=positions.device)[None]  # [1, C]
+        seen = (context >= anchor - c.sliding_window) & (context < anchor)  # [B, C]
+        block = torch.ones(Q, Q, dtype=torch.bool, device=positions.device)
+        if not c.sliding_window_non_causal:
+            block = block.tril()  # slot k sees slots 0..k
+        return torch.cat([seen[:, None, :].expand(B, Q, cached), block.expand(B, Q, Q)], dim=-1)[:, None]
 
 
 def check_mask_token(mask_token_id: int | None, tokenizer, embedding_rows: int) -> int:

@@ -12,10 +12,12 @@ Slot ``k >= 1`` of block ``j`` predicts the token at ``a_j + k`` (slot 0, the an
 token is inside the row and trained. Its weight is ``exp(-(k - 1) / gamma)`` (gamma 7 at b = 16), normalised over
 the block: the loss is the weighted mean of the slots' losses, so early slots, whose mistakes end the accepted prefix,
 count most. Labels: ``hard``, the data's token (cross entropy; with regenerated data, ``draftsmith generate``, the
-target's own output, which the recipes use), or ``soft``, the target's distribution at the position before the
-slot's token, ``KL(p || q)`` (online: the target's full distribution; from shards: its stored top-k, renormalised
-over the k ids, which at k = V is the online loss). Logits go through the target's frozen lm_head, one chunk of
-``loss_chunk_size`` slots at a time, recomputed in backward, so the float32 logits of all slots never exist at once.
+target's own output), ``argmax`` (the default), the target's own choice at the position before the slot's
+token (cross entropy against the argmax of its distribution, speculators' default "ce" loss; from shards: the stored
+top-1), or ``soft``, the target's distribution there, ``KL(p || q)`` (online: the target's full distribution; from
+shards: its stored top-k, renormalised over the k ids, which at k = V is the online loss). Logits go through the
+target's frozen lm_head, one chunk of ``loss_chunk_size`` slots at a time, recomputed in backward, so the float32
+logits of all slots never exist at once.
 
 Online mode runs the target's decoder (no logits over the whole batch) in every step for its hidden states. Offline
 mode (``target_signals: shards``) reads them from ``draftsmith precompute`` shards holding exactly the drafter's
@@ -43,6 +45,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from trainer.block_attention import Impl
+from trainer.errors import RecipeError, UserError
 from trainer.losses import kl_from_log_probs
 from trainer.methods.dflash import kind as dflash_kind
 from trainer.methods.dflash.module import (
@@ -78,7 +81,7 @@ class DFlash(DraftObjective):
         mask_token_id: int | None = None,
         max_anchors: int = 512,
         gamma: float | None = None,
-        labels: Literal["hard", "soft"] = "hard",
+        labels: Literal["hard", "argmax", "soft"] = "argmax",
         attention: Impl = "auto",
         loss_chunk_size: int = 1024,
         init_from: str | None = None,
@@ -101,7 +104,9 @@ class DFlash(DraftObjective):
                 tokenizer's mask token, else ``len(tokenizer)`` when the target's embedding has that row.
             max_anchors: the most blocks drawn per sequence.
             gamma: slot k's loss weight is exp(-(k - 1) / gamma); None: 7 at b = 16, 4 at b = 8.
-            labels: "hard" trains on the data's tokens (cross entropy), "soft" on the target's distribution (KL).
+            labels: "argmax" (the default, which measured best: docs/methods/dflash.md) trains on the target's argmax
+                (cross entropy), what greedy verification accepts; "hard" on the data's tokens, "soft" on the
+                target's distribution (KL).
             attention: the block-sparse attention: "flex" (CUDA), "dense", or "auto" (flex on CUDA).
             loss_chunk_size: slots projected to the vocabulary at a time (their logits are recomputed in backward).
             init_from: a training checkpoint of a DFlash run to start from (its weights and shape).
@@ -116,11 +121,11 @@ class DFlash(DraftObjective):
         super().__init__(optim)
         self.save_hyperparameters(ignore=["optim"])
         if max_anchors < 1 or loss_chunk_size < 1:
-            raise ValueError(
+            raise RecipeError(
                 f"model.max_anchors and loss_chunk_size must be >= 1, got {max_anchors}, {loss_chunk_size}"
             )
         if block_size < 2:
-            raise ValueError(f"model.block_size={block_size}: a block needs the anchor and at least one mask slot")
+            raise RecipeError(f"model.block_size={block_size}: a block needs the anchor and at least one mask slot")
         self.labels, self.attention = labels, attention
         self.max_anchors, self.loss_chunk_size, self.seed = max_anchors, loss_chunk_size, seed
         frozen = self.load_target(target, target_signals, target_dtype, trust_remote_code)
@@ -132,12 +137,17 @@ class DFlash(DraftObjective):
             layers = list(target_layers) if target_layers else list(default_target_layers(L, context_layers))
             outside = [i for i in layers if not 1 <= i <= L - 1]
             if outside:
-                raise ValueError(
+                raise RecipeError(
                     f"model.target_layers={layers}: {outside} outside the layer outputs every engine reads of the "
                     f"{L}-layer target, hidden_states 1..{L - 1} (z-lab ids 0..{L - 2})"
                 )
             rows = int(self.embedding_weight().shape[0])
-            mask = check_mask_token(mask_token_id, self.tokenizer, rows)
+            try:
+                mask = check_mask_token(mask_token_id, self.tokenizer, rows)
+            except UserError:
+                raise
+            except ValueError as err:  # the check names model.mask_token_id: a recipe value
+                raise RecipeError(str(err)) from err
             config = DFlashConfig.from_target(frozen.config, num_draft_layers, layers, block_size, mask)
             config.vocab_size = rows
             self.drafter = DFlashDrafter(config)
@@ -145,7 +155,7 @@ class DFlash(DraftObjective):
         b = self.drafter.config.block_size
         self.gamma = default_gamma(b) if gamma is None else gamma
         if self.gamma <= 0:
-            raise ValueError(f"model.gamma={gamma} must be > 0")
+            raise RecipeError(f"model.gamma={gamma} must be > 0")
         decay = torch.exp(-torch.arange(b - 1, dtype=torch.float32) / self.gamma)  # slot k = 1..b-1
         self.register_buffer("decay", decay / decay.sum(), persistent=False)  # normalised over the block
 
@@ -180,7 +190,7 @@ class DFlash(DraftObjective):
             count = sum(int(np.count_nonzero(np.asarray(ids) == mask)) for ids, _ in rows)
             if count:
                 token = self.tokenizer.convert_ids_to_tokens(mask)
-                raise ValueError(
+                raise RecipeError(
                     f"model.mask_token_id={mask} ({token!r}) occurs {count} times in the training data: the tokenizer "
                     "uses it there; pick an id the data never contains"
                 )
@@ -260,8 +270,9 @@ class DFlash(DraftObjective):
         """Per-slot losses [n] float32 and right-argmax flags [n] of the selected slots.
 
         hidden: [n, H] the slots' outputs; rows, positions: [n] the batch row and position of each slot's token.
-        Soft labels come from the target's distribution at ``position - 1`` (online: from ``final`` [B, S, H]; shards:
-        the batch's top-k), hard ones are the token itself. Chunks of ``loss_chunk_size`` slots, each checkpointed.
+        Soft and argmax labels come from the target's distribution at ``position - 1`` (online: from ``final``
+        [B, S, H]; shards: the batch's top-k), hard ones are the token itself. Chunks of ``loss_chunk_size`` slots,
+        each checkpointed.
         """
         head = self.target.lm_head_weight.detach()  # [V, H]
         labels = ids[rows, positions]  # [n]
@@ -269,9 +280,9 @@ class DFlash(DraftObjective):
         for start in range(0, hidden.shape[0], self.loss_chunk_size):
             part = slice(start, start + self.loss_chunk_size)
             extra: tuple[torch.Tensor, ...] = ()
-            if self.labels == "soft" and final is not None:
+            if self.labels != "hard" and final is not None:
                 extra = (final[rows[part], positions[part] - 1],)  # [C, H] the target's normed hidden states
-            elif self.labels == "soft":
+            elif self.labels != "hard":
                 topk = batch["teacher_topk_ids"][rows[part], positions[part] - 1].long()  # [C, k]
                 extra = (topk, batch["teacher_topk_logprobs"][rows[part], positions[part] - 1].float())
             loss, hit = checkpoint(self._chunk, hidden[part], head, labels[part], *extra, use_reentrant=False)
@@ -285,6 +296,10 @@ class DFlash(DraftObjective):
         logits = (hidden @ head.t().to(hidden.dtype)).float()  # [C, V]
         log_q = torch.log_softmax(logits, dim=-1)  # [C, V]
         guess = logits.detach().argmax(-1)  # [C]
+        if self.labels == "argmax":  # the target's choice (online: from its hidden states; shards: the stored top-1)
+            with torch.no_grad():
+                top = (teacher[0] @ head.t().to(teacher[0].dtype)).argmax(-1) if len(teacher) == 1 else teacher[0][:, 0]
+            return -log_q.gather(-1, top[:, None])[:, 0], guess == top
         if self.labels == "hard":
             return -log_q.gather(-1, labels[:, None])[:, 0], guess == labels
         if len(teacher) == 1:  # online: the target's full distribution

@@ -24,6 +24,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from trainer.data.vocab import load_tokenizer_if_present, shared_vocab_size
+from trainer.errors import RecipeError
 from trainer.export.hf import export_student
 from trainer.losses import fused_kd_loss, kd_loss, sparse_kd_loss
 from trainer.methods.draft_model import kind as hf_causal_lm
@@ -40,12 +41,12 @@ def build_drafter(
     """Loads a pretrained drafter, or builds a fresh one from the target's config with ``drafter_config`` overrides."""
     if drafter is not None:
         if drafter_config:
-            raise ValueError("set either model.drafter (a pretrained drafter) or model.drafter_config, not both")
+            raise RecipeError("set either model.drafter (a pretrained drafter) or model.drafter_config, not both")
         return AutoModelForCausalLM.from_pretrained(drafter, dtype=resolve_dtype(dtype))
     config = copy.deepcopy(target_config)
     for key, value in (drafter_config or {}).items():
         if not hasattr(config, key):
-            raise ValueError(f"model.drafter_config: {key!r} is not a key of the target's {config.model_type} config")
+            raise RecipeError(f"model.drafter_config: {key!r} is not a key of the target's {config.model_type} config")
         setattr(config, key, value)
     return AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(dtype))
 
@@ -114,11 +115,11 @@ class KnowledgeDistillation(DraftObjective):
         super().__init__(optim)
         self.save_hyperparameters(ignore=["optim"])
         if not 0.0 <= alpha <= 1.0:
-            raise ValueError(f"model.alpha must be in [0, 1], got {alpha}")
+            raise RecipeError(f"model.alpha must be in [0, 1], got {alpha}")
         if temperature <= 0:
-            raise ValueError(f"model.temperature must be positive, got {temperature}")
+            raise RecipeError(f"model.temperature must be positive, got {temperature}")
         if target_signals == "shards" and divergence != "forward_kl":
-            raise ValueError(f"model.divergence={divergence!r}: target shards hold top-k only, use forward_kl")
+            raise RecipeError(f"model.divergence={divergence!r}: target shards hold top-k only, use forward_kl")
         self.divergence, self.beta, self.temperature, self.alpha = divergence, beta, temperature, alpha
         self.loss_chunk_size, self.export_dir, self.tail = loss_chunk_size, export_dir, tail
         # in the module tree: ZeRO-3 partitions a large target; from shards only its config (and tokenizer) is read

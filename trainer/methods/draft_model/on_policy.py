@@ -37,6 +37,7 @@ import torch
 from torch import nn
 from transformers import GenerationConfig, PreTrainedModel
 
+from trainer.errors import RecipeError
 from trainer.export.hf import export_student
 from trainer.losses import LossParts, fused_kd_loss
 from trainer.methods.draft_model import kind as hf_causal_lm
@@ -78,7 +79,7 @@ def prompt_lengths(loss_mask: torch.Tensor, prompt: str, prompt_len: int) -> tor
     if prompt == "prefix":
         return fallback
     if prompt != "chat":
-        raise ValueError(f"model.prompt must be 'prefix' or 'chat', got {prompt!r}")
+        raise RecipeError(f"model.prompt must be 'prefix' or 'chat', got {prompt!r}")
     mask = loss_mask.bool()
     rising = torch.zeros_like(mask)  # [B, S]
     rising[:, 1:] = mask[:, 1:] & ~mask[:, :-1]
@@ -189,9 +190,9 @@ class OnPolicyDistillation(DraftObjective):
         }
         for name, ok in checks.items():
             if not ok:
-                raise ValueError(f"model.{name} is out of range: {locals()[name]!r}")
+                raise RecipeError(f"model.{name} is out of range: {locals()[name]!r}")
         if prompt not in ("prefix", "chat"):
-            raise ValueError(f"model.prompt must be 'prefix' or 'chat', got {prompt!r}")
+            raise RecipeError(f"model.prompt must be 'prefix' or 'chat', got {prompt!r}")
         self.lmbda, self.beta, self.seq_kd = lmbda, beta, seq_kd
         self.temperature, self.generation_temperature, self.do_sample = temperature, generation_temperature, do_sample
         self.max_new_tokens, self.prompt, self.prompt_len = max_new_tokens, prompt, prompt_len

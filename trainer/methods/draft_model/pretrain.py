@@ -83,6 +83,10 @@ class CausalLMPretraining(DraftObjective):
     def trainable_module(self) -> nn.Module:
         return self.model
 
+    def setup(self, stage: str) -> None:
+        """Refuses data of another tokenizer than ``model.tokenizer`` (the check every objective runs)."""
+        self.check_data(self.attached_datamodule(), self.model.config.vocab_size, name=self.hparams.tokenizer)
+
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if self.weights_are_sharded():  # FSDP2 / ZeRO-3: the output weight is a shard outside the forward
             logits = self.model(input_ids=batch["input_ids"], use_cache=False).logits  # [B, S, V]

@@ -54,6 +54,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from trainer.block_attention import Impl
+from trainer.errors import RecipeError
 from trainer.methods.eagle3 import kind as eagle3_kind
 from trainer.methods.eagle3 import vocab_map
 from trainer.methods.eagle3.module import Eagle3Config, Eagle3Drafter
@@ -120,9 +121,9 @@ class Eagle3(DraftObjective):
         super().__init__(optim)
         self.save_hyperparameters(ignore=["optim"])
         if ttt_steps < 1:
-            raise ValueError(f"model.ttt_steps must be >= 1, got {ttt_steps}")
+            raise RecipeError(f"model.ttt_steps must be >= 1, got {ttt_steps}")
         if not 0.0 < step_decay <= 1.0:
-            raise ValueError(f"model.step_decay must be in (0, 1], got {step_decay}")
+            raise RecipeError(f"model.step_decay must be in (0, 1], got {step_decay}")
         self.ttt_steps, self.step_decay, self.labels, self.ttt_inputs = ttt_steps, step_decay, labels, ttt_inputs
         self.recompute, self.attention = recompute, attention
         frozen = self.load_target(target, target_signals, target_dtype, trust_remote_code)
@@ -136,7 +137,7 @@ class Eagle3(DraftObjective):
             config.vocab_size = frozen.vocab_size
             for i in config.aux_layers:
                 if not 0 <= i <= frozen.num_layers:
-                    raise ValueError(
+                    raise RecipeError(
                         f"model.target_layers: {i} is outside the target's hidden_states 0..{frozen.num_layers}"
                     )
             self.drafter = Eagle3Drafter(config)
@@ -161,7 +162,7 @@ class Eagle3(DraftObjective):
             return
         dataset = getattr(datamodule, "train_dataset", None)
         if dataset is None or not hasattr(dataset, "ids"):
-            raise ValueError(
+            raise RecipeError(
                 "EAGLE-3 needs the training rows to count its draft vocabulary: the datamodule has no train_dataset "
                 "with ids and trained arrays (or pass model.init_from)"
             )

@@ -36,6 +36,7 @@ from transformers.masking_utils import create_causal_mask
 
 from trainer.data.vocab import load_tokenizer_if_present
 from trainer.decoding.session import slice_refusal
+from trainer.errors import ModelFolderError, RecipeError
 from trainer.export.hf import export_student
 from trainer.llama import new_llama_config
 from trainer.losses import chunked_cross_entropy
@@ -57,7 +58,7 @@ def dropout_rates(num_layers: int, p_max: float, scale: str) -> list[float]:
     elif scale == "linear":
         rates = [p_max * i / (L - 1) for i in range(L)]
     else:
-        raise ValueError(f"model.dropout_scale must be 'exp' or 'linear', got {scale!r}")
+        raise RecipeError(f"model.dropout_scale must be 'exp' or 'linear', got {scale!r}")
     rates[-1] = 0.0
     return rates
 
@@ -191,9 +192,9 @@ class LayerSkip(DraftObjective):
         # a value other than the datamodule's tokenizer of the same name (a fine-tune leaves it None)
         self.save_hyperparameters(ignore=["optim", "tokenizer"])
         if not 0.0 <= p_max < 1.0:
-            raise ValueError(f"model.p_max must be in [0, 1), got {p_max}")
+            raise RecipeError(f"model.p_max must be in [0, 1), got {p_max}")
         if curriculum_period < 1 or curriculum_steps < 0:
-            raise ValueError(
+            raise RecipeError(
                 f"model.curriculum_period must be >= 1 and curriculum_steps >= 0, got {curriculum_period}, "
                 f"{curriculum_steps}"
             )
@@ -208,18 +209,20 @@ class LayerSkip(DraftObjective):
             hf = LlamaForCausalLM(config).to(resolve_dtype(target_dtype))
             self.tokenizer_path = tokenizer
         else:
-            raise ValueError("set model.target (a model to fine-tune) or model.tokenizer (a fresh model)")
+            raise RecipeError("set model.target (a model to fine-tune) or model.tokenizer (a fresh model)")
         self.target_path = target  # trained: not a frozen target
         self.tokenizer = load_tokenizer_if_present(self.tokenizer_path)
         self.net = LayerSkipLM(hf, loss_chunk_size)
         refusal = slice_refusal(self.model)
         if refusal is not None:
-            raise ValueError(f"LayerSkip runs the model's layers one at a time, which it cannot do here: {refusal}")
+            raise ModelFolderError(
+                f"LayerSkip runs the model's layers one at a time, which it cannot do here: {refusal}"
+            )
         L = self.model.config.num_hidden_layers
         exits = list(range(L - 1)) if early_exit_layers is None else sorted(set(early_exit_layers))
         bad = [n for n in exits if not 0 <= n < L - 1]
         if bad:
-            raise ValueError(
+            raise RecipeError(
                 f"model.early_exit_layers: {bad} not layers of the model before its last (0..{L - 2}; the last layer's "
                 "output is always trained)"
             )

@@ -32,6 +32,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from trainer.data.vocab import load_tokenizer_if_present
+from trainer.errors import RecipeError
 from trainer.losses import chunked_cross_entropy, fused_kd_loss
 from trainer.methods.medusa import kind as medusa_kind
 from trainer.methods.medusa.module import MedusaConfig, MedusaDrafter
@@ -130,16 +131,16 @@ class Medusa(DraftObjective):
         }
         for name, ok in checks.items():
             if not ok:
-                raise ValueError(f"model.{name} is out of range: {locals()[name]!r}")
+                raise RecipeError(f"model.{name} is out of range: {locals()[name]!r}")
         if stage == 2 and target_signals == "shards":
-            raise ValueError("model.stage=2 trains the target, which shards cannot: use target_signals: online")
+            raise RecipeError("model.stage=2 trains the target, which shards cannot: use target_signals: online")
         if stage == 2 and target_dtype == "float16":
-            raise ValueError(
+            raise RecipeError(
                 "model.stage=2 trains the target's weights, which float16 cannot hold stably (no master copy): use "
                 "target_dtype float32 or bfloat16, and trainer.precision bf16-mixed for half-precision compute"
             )
         if stage == 1 and (self_distillation or trained_target_layers is not None):
-            raise ValueError("model.self_distillation and model.trained_target_layers apply to stage 2 only")
+            raise RecipeError("model.self_distillation and model.trained_target_layers apply to stage 2 only")
         self.stage, self.step_decay, self.labels, self.loss_chunk_size = stage, step_decay, labels, loss_chunk_size
         self.heads_coefficient, self.heads_warmup, self.heads_warmup_steps = (
             heads_coefficient,
@@ -199,7 +200,7 @@ class Medusa(DraftObjective):
         decoder = model.get_decoder()
         total = len(decoder.layers)
         if not 1 <= layers <= total:
-            raise ValueError(f"model.trained_target_layers={layers} must be in 1..{total} (the target's layers)")
+            raise RecipeError(f"model.trained_target_layers={layers} must be in 1..{total} (the target's layers)")
         model.requires_grad_(False)
         for layer in decoder.layers[total - layers :]:
             layer.requires_grad_(True)
@@ -216,7 +217,7 @@ class Medusa(DraftObjective):
     def setup(self, stage: str) -> None:
         data = self.check_data(self.attached_datamodule(), self.drafter.config.vocab_size)
         if data is not None and list(data.hidden_layers) != [self.num_target_layers]:
-            raise ValueError(
+            raise RecipeError(
                 f"data.hidden_layers={list(data.hidden_layers)}: Medusa heads read the target's final normed hidden "
                 f"state, hidden_states[{self.num_target_layers}]: write shards with hidden_layers "
                 f"[{self.num_target_layers}]"

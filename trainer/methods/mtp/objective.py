@@ -38,6 +38,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from trainer.data.vocab import load_tokenizer_if_present
+from trainer.errors import RecipeError
 from trainer.losses import chunked_cross_entropy
 from trainer.methods.mtp import export as exports
 from trainer.methods.mtp import kind as mtp_kind
@@ -116,15 +117,15 @@ class SequentialMTP(DraftObjective):
         # (None here in refresh mode); the resolved recipe beside every checkpoint keeps it
         self.save_hyperparameters(ignore=["optim", "tokenizer"])
         if mtp_depth < 1:
-            raise ValueError(f"model.mtp_depth must be >= 1, got {mtp_depth}")
+            raise RecipeError(f"model.mtp_depth must be >= 1, got {mtp_depth}")
         if mode == "extend" and mtp_depth < 2:
-            raise ValueError(
+            raise RecipeError(
                 f"model.mode extend copies module 1 into modules 2..D: mtp_depth must be >= 2, got {mtp_depth}"
             )
         schedule = [(int(t), float(w)) for t, w in (mtp_weights or [(0, 0.3)])]
         counts = [t for t, _ in schedule]
         if not schedule or min(w for _, w in schedule) < 0 or counts != sorted(set(counts)):
-            raise ValueError(
+            raise RecipeError(
                 f"model.mtp_weights={mtp_weights}: needs [[tokens, lambda], ...] with increasing tokens, lambda >= 0"
             )
         self.mode, self.depth, self.schedule, self.loss_chunk_size = mode, mtp_depth, schedule, loss_chunk_size
@@ -132,24 +133,24 @@ class SequentialMTP(DraftObjective):
         torch.manual_seed(seed)
         if mode == "pretrain":
             if target is not None or init_from is not None:
-                raise ValueError(
+                raise RecipeError(
                     "model.mode pretrain builds a fresh trunk: target and init_from are for refresh and extend"
                 )
             if tokenizer is None:
-                raise ValueError("model.mode pretrain needs model.tokenizer (its length is the vocabulary)")
+                raise RecipeError("model.mode pretrain needs model.tokenizer (its length is the vocabulary)")
             trunk = self._fresh_trunk(tokenizer, model_type, target_config or {}).to(resolve_dtype(target_dtype))
             self.drafter = MTPDrafter(MTPConfig.for_trunk(trunk.config, mtp_depth, layout, trunk_hidden), trunk)
         elif mode in ("refresh", "extend"):
             if target is None:
-                raise ValueError(f"model.mode {mode} needs model.target, the frozen model's directory or hub id")
+                raise RecipeError(f"model.mode {mode} needs model.target, the frozen model's directory or hub id")
             if export_dir is not None:
-                raise ValueError(
+                raise RecipeError(
                     f"model.export_dir is for pretrain: {mode} leaves the model as it is (export the modules)"
                 )
             frozen = self.load_target(target, "online", target_dtype, trust_remote_code)
             self.drafter = self._modules_for(frozen, init_from, load_target_modules, layout, trunk_hidden)
         else:
-            raise ValueError(f"model.mode={mode!r} is not pretrain, refresh or extend")
+            raise RecipeError(f"model.mode={mode!r} is not pretrain, refresh or extend")
         self.tokenizer_path = tokenizer or target
         if tokenizer is not None:  # the data's token ids must be this tokenizer's
             self.tokenizer = load_tokenizer_if_present(tokenizer)
@@ -170,10 +171,10 @@ class SequentialMTP(DraftObjective):
         try:
             defaults = AutoConfig.for_model(model_type)
         except ValueError as err:
-            raise ValueError(f"model.model_type={model_type!r}: {err}") from err
+            raise RecipeError(f"model.model_type={model_type!r}: {err}") from err
         unknown = sorted(k for k in overrides if not hasattr(defaults, k))
         if unknown:
-            raise ValueError(f"model.target_config: {unknown} are not keys of a {model_type} config")
+            raise RecipeError(f"model.target_config: {unknown} are not keys of a {model_type} config")
         settings.update(overrides)
         config = AutoConfig.for_model(model_type, **settings)
         return AutoModelForCausalLM.from_config(config)
@@ -193,7 +194,7 @@ class SequentialMTP(DraftObjective):
                 source, where = found[0], f"the MTP modules of {model!r}"
         if source is None:
             if self.mode == "extend":
-                raise ValueError(
+                raise RecipeError(
                     f"model.mode extend copies module 1: {model!r} holds no MTP modules and no model.init_from is given"
                 )
             log.info("MTP refresh: %s holds no MTP modules: training new ones", model)
@@ -202,11 +203,11 @@ class SequentialMTP(DraftObjective):
         asked = {"layout": layout, "trunk_hidden": trunk_hidden}
         for key, value in asked.items():
             if value not in ("auto", getattr(config, key)):
-                raise ValueError(f"{where} were trained with {key}={getattr(config, key)}, model.{key} is {value}")
+                raise RecipeError(f"{where} were trained with {key}={getattr(config, key)}, model.{key} is {value}")
         log.info("MTP %s: modules from %s", self.mode, where)
         if self.mode == "refresh":
             if config.depth != self.depth:
-                raise ValueError(
+                raise RecipeError(
                     f"{where} has {config.depth} modules, model.mtp_depth is {self.depth}: refresh keeps them"
                 )
             source.trunk = None  # a pre-training checkpoint's trunk: the frozen model replaces it
@@ -229,7 +230,7 @@ class SequentialMTP(DraftObjective):
 
     def configure_model(self) -> None:
         if self.weights_are_sharded():
-            raise ValueError(
+            raise RecipeError(
                 "SequentialMTP under FSDP2 or ZeRO-3: the loss reads the lm_head and embedding weights outside their "
                 "modules' forward, which sharding splits: use DDP or ZeRO-1/2"
             )

@@ -39,6 +39,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedModel
 
 from trainer.data.vocab import load_tokenizer_if_present
+from trainer.errors import RecipeError
 from trainer.llama import new_llama_config
 from trainer.methods.mtp_heads import export as mtp_export
 from trainer.methods.mtp_heads import kind as mtp_kind
@@ -65,7 +66,7 @@ def fresh_llama(tokenizer, overrides: dict[str, int | float | str | bool] | None
     """A fresh Llama of ``len(tokenizer)`` tokens, :data:`FRESH_MODEL` with ``overrides``, initialised from ``seed``
     exactly as CausalLMPretraining initialises the same shape."""
     if "vocab_size" in (overrides or {}):
-        raise ValueError("model.target_config: vocab_size is the tokenizer's length, do not set it")
+        raise RecipeError("model.target_config: vocab_size is the tokenizer's length, do not set it")
     config = new_llama_config(tokenizer, {**FRESH_MODEL, **(overrides or {})}, "model.target_config")
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
@@ -131,17 +132,17 @@ class ParallelMTPHeads(DraftObjective):
         # when fine-tuning, the data's tokenizer there)
         self.save_hyperparameters(ignore=["optim", "tokenizer"])
         if num_heads < 1:
-            raise ValueError(f"model.num_heads must be >= 1 (head 0 is the model's last layer), got {num_heads}")
+            raise RecipeError(f"model.num_heads must be >= 1 (head 0 is the model's last layer), got {num_heads}")
         if head_weights is not None and (len(head_weights) != num_heads or min(head_weights) < 0):
-            raise ValueError(f"model.head_weights needs {num_heads} values >= 0 (one per head), got {head_weights}")
+            raise RecipeError(f"model.head_weights needs {num_heads} values >= 0 (one per head), got {head_weights}")
         if loss_chunk_size < 1:
-            raise ValueError(f"model.loss_chunk_size must be >= 1, got {loss_chunk_size}")
+            raise RecipeError(f"model.loss_chunk_size must be >= 1, got {loss_chunk_size}")
         if train not in ("all", "heads") or head_backward not in ("auto", "sequential", "checkpoint", "naive"):
-            raise ValueError(f"model.train={train!r} or model.head_backward={head_backward!r} is not a known value")
+            raise RecipeError(f"model.train={train!r} or model.head_backward={head_backward!r} is not a known value")
         torch_dtype = resolve_dtype(target_dtype) if target_dtype != "float64" else torch.float64
         if target is not None:
             if target_config:
-                raise ValueError(
+                raise RecipeError(
                     "set either model.target (fine-tune an existing model) or model.target_config, not both"
                 )
             hf_model = AutoModelForCausalLM.from_pretrained(
@@ -151,7 +152,7 @@ class ParallelMTPHeads(DraftObjective):
             self.tokenizer = load_tokenizer_if_present(self.tokenizer_path)
         else:
             if tokenizer is None:
-                raise ValueError("pre-training a fresh model needs model.tokenizer (or fine-tune model.target)")
+                raise RecipeError("pre-training a fresh model needs model.tokenizer (or fine-tune model.target)")
             self.tokenizer_path = tokenizer
             self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
             hf_model = fresh_llama(self.tokenizer, target_config, seed).to(torch_dtype)
@@ -159,7 +160,7 @@ class ParallelMTPHeads(DraftObjective):
         self.mtp = MTPHeads(hf_model, num_heads, head_init=head_init)
         if train == "heads":
             if num_heads < 2:
-                raise ValueError("model.train: heads trains the extra heads, and num_heads=1 has none")
+                raise RecipeError("model.train: heads trains the extra heads, and num_heads=1 has none")
             self.mtp.model.requires_grad_(False)
         self.target_path = target  # trained with its heads: not a frozen target
         self.head_weights = head_weights
@@ -185,7 +186,7 @@ class ParallelMTPHeads(DraftObjective):
         if self.head_backward == "auto":
             return "checkpoint" if sharded else "sequential"
         if self.head_backward == "sequential" and sharded:
-            raise ValueError(
+            raise RecipeError(
                 "model.head_backward=sequential reads whole parameters, but this strategy shards them (ZeRO-3, "
                 "FSDP2): use auto or checkpoint"
             )
@@ -237,7 +238,7 @@ class ParallelMTPHeads(DraftObjective):
         cleared here, so that every evaluation checks against the model as it is now.
         """
         if self.weights_are_sharded():
-            raise ValueError(
+            raise RecipeError(
                 "under ZeRO-3 and FSDP2 the model's weights are shards, which SpeculativeEvalCallback cannot decode "
                 "with: measure the export with draftsmith eval --target DIR --drafter DIR"
             )
