@@ -28,6 +28,23 @@ TINY_STUDENT = {
 }
 
 
+def save_random_target(folder: Path, tokenizer_dir) -> Path:
+    """A random 2-layer Llama of :data:`TINY_MODEL` with the tokenizer of ``tokenizer_dir`` saved beside it (no
+    training: for tests that need a target of the right shape, not a good one)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tok), max_position_embeddings=256, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, tie_word_embeddings=False, **TINY_MODEL,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
 def trainer_overrides(run_dir: Path, max_steps: int, every_n: int, **extra) -> dict:
     """A trainer section that writes logs and checkpoints under ``run_dir`` and stays quiet."""
     return {

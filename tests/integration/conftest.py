@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.recipe_runs import TINY_MODEL, data_overrides, fit, kd_override, merge, trainer_overrides
+from tests.recipe_runs import TINY_MODEL, data_overrides, fit, kd_override, merge, save_random_target, trainer_overrides
 
 
 @pytest.fixture(scope="session")
@@ -58,3 +58,9 @@ def torch_extensions_dir() -> str:
     if builder is not None:
         builder.load(verbose=False)
     return path
+
+
+@pytest.fixture(scope="session")
+def random_target(tiny_corpus, tmp_path_factory) -> Path:
+    """A random 2-layer Llama with the tiny corpus' tokenizer saved beside it (no training: fast)."""
+    return save_random_target(tmp_path_factory.mktemp("random_target"), tiny_corpus.tokenizer_dir)

@@ -26,7 +26,7 @@ import torch
 import yaml
 
 from tests.cli_server import CliResult, CliServer
-from tests.recipe_runs import RECIPES, ROOT, TINY_MODEL, TINY_STUDENT
+from tests.recipe_runs import RECIPES, ROOT, TINY_STUDENT, save_random_target
 
 FIXTURES = ROOT / "tests" / "fixtures" / "pre_move"
 DOCS = 6  # training documents: enough rows for a few batches of 4 x 64 tokens
@@ -61,21 +61,14 @@ class World:
 
 @pytest.fixture(scope="module")
 def world(tiny_corpus, tmp_path_factory) -> World:
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
     from trainer.data.precompute import main as precompute_main
     from trainer.export.cli import export
 
     root = tmp_path_factory.mktemp("bad_inputs")
+    target = save_random_target(root / "target", tiny_corpus.tokenizer_dir)
     tok = AutoTokenizer.from_pretrained(tiny_corpus.tokenizer_dir)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tok), max_position_embeddings=256, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id, tie_word_embeddings=False, **TINY_MODEL,
-    )  # fmt: skip
-    target = root / "target"
-    LlamaForCausalLM(config).save_pretrained(target)
-    tok.save_pretrained(target)
     other = root / "other_tokenizer"  # one token more: another tokenizer hash, another length
     tok.add_special_tokens({"additional_special_tokens": ["<|other|>"]})
     tok.save_pretrained(other)

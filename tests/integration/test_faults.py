@@ -25,7 +25,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.recipe_runs import RECIPES, ROOT, TINY_MODEL, kd_override, record_batches, write_override
+from tests.recipe_runs import RECIPES, ROOT, kd_override, record_batches, write_override
 from tests.slurm_cluster import recorded_batches
 from trainer.errors import RecipeError
 from trainer.preemption import PreemptionCheckpoint, default_preemption_checkpoint, exit_status_after_fit
@@ -34,23 +34,6 @@ MAX_STEPS = 12
 EVERY_N = 5  # periodic checkpoints at steps 5 and 10
 SIGNAL_AT = 7  # the run waits at the end of step 7 while the test signals it
 START_TIMEOUT_S = 600.0
-
-
-@pytest.fixture(scope="module")
-def random_target(tiny_corpus, tmp_path_factory) -> Path:
-    """A random 2-layer Llama with the tiny corpus' tokenizer saved beside it (no training: fast)."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    folder = tmp_path_factory.mktemp("random_target")
-    tok = AutoTokenizer.from_pretrained(tiny_corpus.tokenizer_dir)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tok), max_position_embeddings=256, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id, tie_word_embeddings=False, **TINY_MODEL,
-    )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
 
 
 def _override(run: Path, corpus, target: Path, wait: bool) -> dict:

@@ -16,10 +16,9 @@ from pathlib import Path
 
 import lightning as L
 import pytest
-import torch
 import yaml
 
-from tests.recipe_runs import RECIPES, ROOT, TINY_MODEL, kd_override
+from tests.recipe_runs import RECIPES, ROOT, kd_override
 from trainer.errors import DataError
 
 pytestmark = pytest.mark.slow
@@ -36,23 +35,6 @@ class RaiseOnRanks(L.Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         if trainer.global_rank in self.ranks:
             raise DataError(MESSAGE, hint="rerun draftsmith precompute")
-
-
-@pytest.fixture(scope="module")
-def random_target(tiny_corpus, tmp_path_factory) -> Path:
-    """A random 2-layer Llama with the tiny corpus' tokenizer saved beside it (no training: fast)."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    folder = tmp_path_factory.mktemp("random_target")
-    tok = AutoTokenizer.from_pretrained(tiny_corpus.tokenizer_dir)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tok), max_position_embeddings=256, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id, tie_word_embeddings=False, **TINY_MODEL,
-    )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
 
 
 def _alive(pgid: int) -> bool:
