@@ -26,8 +26,12 @@ $(VENV)/.installed: pyproject.toml
 demo: venv
 	$(BIN)/draftsmith demo
 
+# Two workers (one per core of the machines the suite is sized for), each test file on one worker (its module fixtures
+# built once); the trained session fixtures are built once for both (tests/shared_fixtures.py). TEST_WORKERS=0 runs
+# the suite in one process.
+TEST_WORKERS ?= 2
 test: venv
-	$(BIN)/python -m pytest tests -m "not gpu" -q
+	$(BIN)/python -m pytest tests -m "not gpu" -q -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: venv
 	$(BIN)/python -m pytest tests -m "not gpu and not slow and not slurm" -q

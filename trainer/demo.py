@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -25,6 +26,7 @@ from trainer.data.corpus import prepare_corpus
 from trainer.data.text import TextDataModule
 from trainer.flags import ToolParser
 from trainer.heldout import heldout_loss, unigram_baseline, unigram_counts
+from trainer.preemption import exit_status_after_fit
 from trainer.recipe import DraftsmithCLI
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "quickstart"
@@ -82,6 +84,14 @@ def _fit(recipe: str, max_steps: int, summary_file: Path, checkpoints: Path) -> 
     with warnings.catch_warnings():  # the demo hands fit its arguments in-process, on purpose
         warnings.filterwarnings("ignore", message=r"LightningCLI's args parameter is intended")
         cli = DraftsmithCLI(args=args)
+    status = exit_status_after_fit(cli.trainer)
+    if status:  # stopped by a signal before its last step: last.ckpt is saved, and no later stage may use it
+        print(
+            f"draftsmith demo: the {recipe} stage stopped on signal {status - 128} at step {cli.trainer.global_step} "
+            f"and saved {checkpoints / 'last.ckpt'}; rerun `draftsmith demo` to go on from there",
+            file=sys.stderr,
+        )
+        raise SystemExit(status)
     seconds = time.perf_counter() - start
     metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
     tokens = cli.trainer.global_step * cli.datamodule.batch_size * cli.datamodule.seq_len

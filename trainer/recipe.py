@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 from jsonargparse import ArgumentError, Namespace
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
 
@@ -140,6 +141,13 @@ class DraftsmithCLI(LightningCLI):
                 callbacks.append(default_preemption_checkpoint())
             kwargs["callbacks"] = callbacks
         trainer = super().instantiate_trainer(**kwargs)
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint):
+                # A resumed run writes its last.ckpt over the one it resumed from. Lightning would write last-v1.ckpt
+                # beside a sharded last.ckpt (DeepSpeed, FSDP2: it does not restore the callback's last_model_path
+                # from those), and `draftsmith export --ckpt .../last.ckpt` would read the stale one. Nothing another
+                # run wrote is overwritten: a fresh run into a folder of checkpoints is refused (run_folder.py).
+                callback._enable_version_counter = False
         DraftsmithCLI.running_trainer = trainer
         return trainer
 

@@ -3,18 +3,24 @@
 Runs inside the client virtualenv (speculators pins its own transformers, which the project's venv cannot share):
 
     python speculators_dflash_forward.py make VERIFIER OUT [--layers N] [--block-size B] [--aux 1,3] [--mask ID]
-        [--sliding-window W] [--full-attention-indices 0,2] [--non-causal]
+        [--sliding-window W] [--full-attention-indices 0,2] [--non-causal] [--dspark RANK]
     python speculators_dflash_forward.py forward EXPORT FEATURES OUT [--attn eager|sdpa]
 
 ``make`` builds the drafter the way ``speculators train`` does by default (speculators/train/cli.py:
 ``create_transformer_layer_config(verifier, N, "qwen3", None, W, full_attention_indices)``, every layer
 ``sliding_attention`` unless listed, then ``DFlashDraftModel.from_training_args``, which reads the verifier's config
-and weights), draws non-trivial weights (norms included) with a fixed seed, and writes it with ``save_pretrained``.
+and weights), draws non-trivial weights (norms included) with a fixed seed, and writes it with ``save_pretrained``;
+``--dspark RANK`` builds ``DSparkDraftModel`` instead (a vanilla Markov head of rank RANK, the confidence head reading
+it, ``sample_from_anchor`` false), its heads' weights drawn too.
 
 ``forward`` loads EXPORT with ``SpeculatorModel.from_pretrained`` (the embedding and lm_head from the verifier it
 names), checks that every tensor the forward uses came from the file or the verifier (none NaN), and runs
 ``DFlashDraftModel._backbone_forward`` (speculators/models/dflash/core.py, the training forward: every anchored block
 under ``create_anchor_block_mask_mod``) with the anchors of FEATURES instead of random ones.
+
+A DSpark export (``speculators_model_type: "dspark"``) runs ``DSparkDraftModel.forward`` itself, with speculators'
+``compute_metrics`` replaced by a capture of what it is given: the Markov-biased logits and the confidence logits
+(``confidence`` [1, N * b] in OUT).
 
 FEATURES (safetensors): ``hidden_states`` [1, T, m * H] the aux layers' hidden states concatenated in
 ``aux_hidden_state_layer_ids`` order, ``input_ids`` [1, T], ``anchors`` [N] int64. OUT: ``logits`` [1, N * b, V] and
@@ -40,12 +46,19 @@ def ints(text: str) -> list[int]:
 
 def make(args: argparse.Namespace) -> int:
     from speculators.models.dflash import DFlashDraftModel
+    from speculators.models.dspark import DSparkDraftModel
     from speculators.train.cli import create_transformer_layer_config
 
     layer_config = create_transformer_layer_config(
         args.verifier, args.layers, "qwen3", None, args.sliding_window, args.full_attention_indices
     )
-    model = DFlashDraftModel.from_training_args(
+    heads = {}
+    if args.dspark:
+        heads = dict(
+            markov_rank=args.dspark, markov_head_type="vanilla", enable_confidence_head=True,
+            confidence_head_with_markov=True, sample_from_anchor=False,
+        )  # fmt: skip
+    model = (DSparkDraftModel if args.dspark else DFlashDraftModel).from_training_args(
         verifier_config=layer_config,
         draft_vocab_size=layer_config.vocab_size,
         block_size=args.block_size,
@@ -53,11 +66,12 @@ def make(args: argparse.Namespace) -> int:
         target_layer_ids=args.aux,
         mask_token_id=args.mask,
         sliding_window_non_causal=args.non_causal,
+        **heads,
     )
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.startswith(("layers.", "fc.", "hidden_norm.", "norm.")):
+            if name.startswith(("layers.", "fc.", "hidden_norm.", "norm.", "markov_head.", "confidence_head.")):
                 mean = 1.0 if p.ndim == 1 else 0.0
                 p.copy_(mean + 0.1 * torch.randn(p.shape, generator=generator))
     model.save_pretrained(args.out)
@@ -95,6 +109,8 @@ def forward(args: argparse.Namespace) -> int:
         hidden, ids, anchors = (f.get_tensor(n) for n in ("hidden_states", "input_ids", "anchors"))
     T, N = ids.shape[1], anchors.numel()
     core.select_anchors = lambda loss_mask, n, b: (anchors.clone(), torch.ones(n, dtype=torch.bool))
+    if config.speculators_model_type == "dspark":
+        return dspark_forward(model, hidden, ids, N, args.out, report)
     with torch.no_grad():
         out, logits, *_ = model._backbone_forward(
             hidden.to(model.fc.weight.dtype),
@@ -105,6 +121,45 @@ def forward(args: argparse.Namespace) -> int:
             max_anchors=N,
         )
     save_file({"logits": logits.float().contiguous(), "hidden": out.float().contiguous()}, args.out)
+    print(json.dumps(report))
+    return 0
+
+
+class Captured(Exception):
+    """Raised by the capture that replaces DSpark's compute_metrics: the forward's outputs are taken, the loss (whose
+    fused kernels need triton) is not computed."""
+
+
+def dspark_forward(model, hidden: torch.Tensor, ids: torch.Tensor, N: int, out: str, report: dict) -> int:
+    """``DSparkDraftModel.forward`` on the fixed anchors; its Markov-biased logits and confidence logits to OUT."""
+    import speculators.models.dspark.core as dspark_core
+
+    seen: dict[str, torch.Tensor] = {}
+
+    def capture(logits, targets, confidence_logits, *rest, **kwargs):
+        seen["logits"] = logits
+        if confidence_logits is not None:
+            seen["confidence"] = confidence_logits
+        raise Captured
+
+    dspark_core.compute_metrics = capture
+    T = ids.shape[1]
+    report["markov"] = None if model.markov_head is None else model.markov_head.head_type
+    report["confidence_head"] = model.confidence_head is not None
+    report["sample_from_anchor"] = model.config.sample_from_anchor
+    with torch.no_grad():
+        try:
+            model.forward(
+                hidden.to(model.fc.weight.dtype),
+                ids,
+                torch.ones(1, T, dtype=torch.long),
+                torch.zeros(1, T, model.hidden_size, dtype=model.fc.weight.dtype),  # the loss's targets only
+                torch.zeros(1, T, dtype=torch.long),  # one document
+                max_anchors=N,
+            )
+        except Captured:
+            pass
+    save_file({k: v.float().contiguous() for k, v in seen.items()}, out)
     print(json.dumps(report))
     return 0
 
@@ -122,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--sliding-window", type=int, default=2048)  # speculators train's default
     m.add_argument("--full-attention-indices", type=ints, default=[])
     m.add_argument("--non-causal", action="store_true")
+    m.add_argument("--dspark", type=int, default=0)  # a DSparkDraftModel with a Markov head of this rank
     f = sub.add_parser("forward")
     f.add_argument("export")
     f.add_argument("features")

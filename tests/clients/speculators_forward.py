@@ -161,6 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     proposals = model.config.speculators_config.proposal_methods
     steps = args.steps or proposals[0].speculative_tokens
     report["steps"] = steps
+    flags = (
+        "norm_before_residual",
+        "norm_before_fc",
+        "fc_norm",
+        "norm_output",
+    )  # EAGLE-3.1's, as speculators read them
+    report["config_flags"] = {flag: getattr(model.config, flag, None) for flag in flags}
     bad = report["missing"] or report["differ_from_file"] or report["nan"]
     if bad and not args.allow_missing:
         print(json.dumps(report))

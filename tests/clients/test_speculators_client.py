@@ -9,6 +9,10 @@ verifier, which speculators 0.9 reads on every load), and tests/clients/speculat
 ``SpeculatorModel.from_pretrained``, refuses it when a tensor the forward uses did not come from the file, and runs
 ``Eagle3DraftModel.forward`` for K TTT steps on the target's features. Our side is ``Eagle3Drafter.unroll`` with the
 data tokens fed at steps i > 0 and zeros past the end of the row, which is what speculators feeds.
+
+Each norm flag of EAGLE-3.1 (module.py: norm_before_residual, norm_before_fc, fc_norm, norm_output), alone and
+together, is exported and run the same way: speculators builds its ``input_norm`` / ``fc_norm`` modules from the
+flags our export writes, reads their weights from the file, and its logits match ours at every TTT step.
 """
 
 from __future__ import annotations
@@ -39,6 +43,15 @@ AUX = (1, 2, 3)  # distinct ids: speculators rejects repeated layer ids (and def
 
 pytestmark = opt_in("speculators")
 
+FLAGS = {
+    "plain": {},
+    "norm_before_residual": {"norm_before_residual": True},
+    "norm_before_fc": {"norm_before_fc": True},
+    "fc_norm": {"fc_norm": True},
+    "norm_output": {"norm_output": True},
+    "eagle3.1": {"norm_before_residual": True, "fc_norm": True, "norm_output": True},
+}
+
 
 @pytest.fixture(scope="session")
 def client_python() -> Path:
@@ -46,9 +59,11 @@ def client_python() -> Path:
     return venv_python("speculators", SPECULATORS)
 
 
-@pytest.fixture(scope="module")
-def case(tmp_path_factory) -> dict:
-    """A random drafter over a tiny Llama target, its speculators export, the features file and our logits."""
+@pytest.fixture(scope="module", params=list(FLAGS))
+def case(request, tmp_path_factory) -> dict:
+    """A random drafter (with the param's norm flags) over a tiny Llama target, its speculators export, the features
+    file and our logits."""
+    flags = FLAGS[request.param]
     root = tmp_path_factory.mktemp("speculators_client")
     torch.manual_seed(0)
     target_config = LlamaConfig(
@@ -57,7 +72,7 @@ def case(tmp_path_factory) -> dict:
     )  # fmt: skip
     target = LlamaForCausalLM(target_config).eval()
     target.save_pretrained(str(root / "target"))  # the verifier: speculators reads its config and weights
-    drafter = Eagle3Drafter(Eagle3Config.from_target(target_config, draft_vocab_size=96, aux_layers=AUX))
+    drafter = Eagle3Drafter(Eagle3Config.from_target(target_config, draft_vocab_size=96, aux_layers=AUX, **flags))
     for p in drafter.parameters():  # non-trivial norms too
         nn.init.normal_(p, std=0.3)
     drafter.set_vocab_map(*build_vocab_map(torch.randint(0, 100, (256,)), 96))
@@ -83,7 +98,7 @@ def case(tmp_path_factory) -> dict:
         },
         str(features),
     )
-    return {"export": export, "features": features, "ours": ours, "root": root}
+    return {"export": export, "features": features, "ours": ours, "root": root, "flags": flags}
 
 
 @pytest.mark.parametrize("attn", ["simple_flex_attention", "eager"])
@@ -102,6 +117,8 @@ def test_speculators_reads_our_logits(client_python, case, attn):
     assert not report["differ_from_file"] and not report["nan"] and not report["unused"], report
     assert done.returncode == 0, done.stderr[-4000:]
     assert report["steps"] == K, f"the export's speculative_tokens is {report['steps']}, trained with {K} TTT steps"
+    for flag, on in case["flags"].items():
+        assert report["config_flags"][flag] is on, f"speculators read {flag}={report['config_flags'][flag]}"
     theirs = load_file(str(out))
     for i, ours in enumerate(case["ours"]):
         # float32 on both sides: observed differences ~1e-6 for logits of magnitude ~3

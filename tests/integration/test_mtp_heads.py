@@ -64,7 +64,11 @@ def test_finetuning_logs_tau_and_exports_a_plain_model_with_heads(finetuned, tin
     for name in ("model.safetensors", "mtp_heads.safetensors"):
         a, b = load_file(model_dir / name), load_file(out / name)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
-    assert json.loads((out / "mtp_heads.json").read_text())["agreement"] is not None
+    settings = json.loads((out / "mtp_heads.json").read_text())
+    assert settings["agreement"] is not None
+    # the recipe keeps the model close to the target it started from: recorded, with the original's fingerprint
+    assert settings["fine_tuned_from"] == str(tiny_target) and settings["target_kl_weight"] == 1.0
+    assert set(torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["frozen_models"]) == {"original"}
     assert load_export(out).num_heads == 3
     # draftsmith eval of the checkpoint against the exported model: greedy identical to the model alone (eval
     # refuses any difference), then sampling; the tree is tested in tests/unit/test_mtp_heads_drafting.py
@@ -72,9 +76,13 @@ def test_finetuning_logs_tau_and_exports_a_plain_model_with_heads(finetuned, tin
     prompts.write_text("".join(json.dumps({"input_ids": list(range(5 + i, 25 + i))}) + "\n" for i in range(2)))
     args = ["--target", str(model_dir), "--drafter", str(run / "checkpoints" / "last.ckpt"), "--prompts", str(prompts),
             "--max_new_tokens", "16", "--out", str(tmp_path / "eval")]  # fmt: skip
-    assert eval_main([*args, "--k", "2"]) == 0, capsys.readouterr().err
+    assert eval_main([*args, "--k", "2", "--original_target", str(tiny_target)]) == 0, capsys.readouterr().err
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     assert report["greedy"][0]["identical"] and report["sampling"][0]["tau"] >= 1.0
+    drift = report["original_target"]  # the changed model beside the one it was fine-tuned from
+    assert drift["original_path"] == str(tiny_target) and drift["target"]["loop_share"] == report["loops"]["share"]
+    assert drift["tokens"] == 38 and drift["original"]["heldout_loss"] != drift["target"]["heldout_loss"]
+    assert "changed target against its original" in (tmp_path / "eval" / "report.md").read_text()
     assert draftsmith(["eval", *args, "--k", "3"]) == 2
     assert "drafts at most 2 tokens per round" in capsys.readouterr().err
 

@@ -265,3 +265,35 @@ def test_a_methods_drafting_options_reach_eval_and_the_training_callback_as_data
     fit = parse_recipe([method.recipe], ["--trainer.callbacks", json.dumps(callbacks)])
     (spec,) = [c for c in fit.trainer.callbacks if c.class_path.endswith("SpeculativeEvalCallback")]
     assert ProposerOptions(**vars(spec.init_args.options)) == expected
+
+
+def test_a_changed_target_is_evaluated_and_reported_beside_the_recipes_target(tmp_path, monkeypatch):
+    """A method whose eval target is not the recipe's: eval gets ``--original_target`` the recipe's target (read back
+    by eval's own parser), and the row gives the loop share and held-out loss as ``original -> changed``."""
+    text = BASE.replace("target: t", f"target: t\nout: {tmp_path / 'out'}") + '    eval_target: "{export}"\n'
+    text = text.replace("evaluation: {prompts: p.jsonl}", "evaluation: {prompts: p.jsonl, heldout: h.jsonl}")
+    config = read_config(write_recipe(tmp_path, text))
+    comparison = Comparison(config, "compare.yaml")
+    stages: dict[str, list[str]] = {}
+    monkeypatch.setattr(comparison, "_run_stage", lambda stage, args, log: stages.setdefault(stage, args))
+    for method in config.methods:
+        stages.clear()
+        comparison.evaluate(method, comparison.folder(method))
+        parsed = eval_parser().parse_args(stages["eval"][1:])
+        changed = method.name == "kd"
+        assert (parsed.original_target, parsed.heldout) == (("t", "h.jsonl") if changed else (None, None))
+    kd = tmp_path / "out" / "methods" / "kd"
+    (kd / "eval").mkdir(parents=True)
+    report = _eval_report({2: 1.5}, {2: 1.1})
+    report["original_target"] = {
+        "original_path": "t", "tokens": 40, "original": {"heldout_loss": 3.5, "loop_share": 0.3},
+        "target": {"heldout_loss": 3.75, "loop_share": 0.5},
+    }  # fmt: skip
+    (kd / "eval" / "report.json").write_text(json.dumps(report))
+    write_report(config, tmp_path / "out")
+    rows = {row["method"]: row for row in json.loads((tmp_path / "out" / "report.json").read_text())["rows"]}
+    assert rows["kd"]["target_changed"] and rows["kd"]["original_loop_share"] == 0.3
+    assert rows["kd"]["heldout_loss"] == 3.75 and rows["kd"]["original_heldout_loss"] == 3.5
+    assert "original_loop_share" not in rows["lookup"]
+    markdown = (tmp_path / "out" / "report.md").read_text()
+    assert "| 30% -> 50% | yes | 3.500 -> 3.750 |" in markdown and "on h.jsonl" in markdown

@@ -19,6 +19,7 @@ from trainer.decoding.evaluate import SpeculativeMismatchError, check_identity
 from trainer.decoding.generate import GenerationResult
 from trainer.decoding.options import ProposerOptions, field_help, options_from_arguments
 from trainer.decoding.proposers import BaseProposer, PromptLookupProposer
+from trainer.errors import UsageError
 from trainer.methods.draft_model import kind as hf_causal_lm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -63,6 +64,30 @@ def test_eval_writes_report(saved, drafter: str, capsys) -> None:
     assert "tau" in (out / "report.md").read_text()
     assert (out / "acceptance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "best K" in capsys.readouterr().out
+
+
+def test_eval_sweeps_thresholds_side_by_side_and_refuses_them_without_estimate(saved, tmp_path, capsys) -> None:
+    """``--accept_threshold 0,0.3``: one report, each K at each threshold with its drafts per round (the greedy
+    output checked identical at each); a drafter without an acceptance estimate is refused, naming the flag."""
+    out = tmp_path / "thresholds"
+    argv = ["--target", str(saved / "target"), "--prompts", str(saved / "prompts.jsonl"), "--dtype", "float64"]
+    argv += ["--k", "2,4", "--max_new_tokens", "10", "--temperature", "0"]
+    assert main([*argv, "--drafter", str(saved / "draft"), "--accept_threshold", "0,0.3", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["accept_thresholds"] == [0.0, 0.3]
+    assert [(e["accept_threshold"], e["k"]) for e in report["greedy"]] == [(0.0, 2), (0.0, 4), (0.3, 2), (0.3, 4)]
+    for e in report["greedy"]:
+        assert e["identical"] and 0 <= e["drafts_per_round"] <= e["k"]
+    fixed, cut = report["greedy"][1], report["greedy"][3]
+    assert cut["drafts_per_round"] < fixed["drafts_per_round"]  # a random draft model is rarely confident
+    markdown = (out / "report.md").read_text()
+    assert "## Draft length by predicted acceptance" in markdown and "| 4 | 0.3 |" in markdown
+    assert "threshold 0.3" in capsys.readouterr().out
+    refused = ["--drafter", "prompt-lookup", "--accept_threshold", "0.2", "--out", str(tmp_path / "no")]
+    assert draftsmith(["eval", *argv, *refused]) == 2
+    err = capsys.readouterr().err
+    assert "--accept_threshold 0.2: the drafter prompt-lookup (PromptLookupProposer) gives no estimate" in err
+    assert not (tmp_path / "no").exists()
 
 
 def test_eval_rejects_bad_inputs(saved, tmp_path, capsys) -> None:
@@ -126,6 +151,11 @@ def test_the_drafting_flags_are_the_fields_of_proposer_options(tmp_path) -> None
         options_from_arguments(parser.parse_args(base + ["--tree_choices", str(tmp_path / "missing.json")]))
     with pytest.raises(ValueError, match="tree_nodes >= 1"):
         options_from_arguments(parser.parse_args(base + ["--tree_nodes", "0"]))
+    # thresholds of dynamic draft length: one options each, inside every exit layer of a sweep
+    swept = options_from_arguments(parser.parse_args(base + ["--exit_layer", "1,2", "--accept_threshold", "0,0.25"]))
+    assert [(o.exit_layer, o.accept_threshold) for o in swept] == [(1, 0.0), (1, 0.25), (2, 0.0), (2, 0.25)]
+    with pytest.raises(UsageError, match="accept_threshold must be in \\[0, 1\\], got 1.5"):
+        options_from_arguments(parser.parse_args(base + ["--accept_threshold", "0.2,1.5"]))
 
 
 def test_what_eval_asks_a_proposer_has_its_defaults_in_one_place(saved, tmp_path, capsys) -> None:
@@ -197,6 +227,19 @@ def test_callback_logs_tau_every_n_steps(tmp_path) -> None:
     assert module.training  # restored after the evaluation
 
 
+def test_callback_drafts_with_the_threshold_of_its_options() -> None:
+    """``options: {accept_threshold: X}`` reaches the engine (greedy output still checked identical) and the drafts
+    per round are logged; a threshold no draft of this random student reaches leaves plain decoding."""
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    values = {}
+    for threshold in (1e-9, 1.0):
+        options = ProposerOptions(accept_threshold=threshold)
+        callback = SpeculativeEvalCallback(prompts=prompts, k=3, max_new_tokens=10, options=options)
+        values[threshold] = callback.evaluate(DraftModule())
+    assert values[1e-9]["spec_eval/drafts_per_round"] > 2.0  # nearly every round drafts 3 (not the prefill)
+    assert values[1.0]["spec_eval/drafts_per_round"] == 0.0 and values[1.0]["spec_eval/tau"] == 1.0
+
+
 class TrainedTargetModule(DraftModule):
     """A module whose target trains too (as Medusa-2 and LayerSkip fine-tunes do), at a rate that changes its greedy
     output from step to step."""
@@ -236,7 +279,7 @@ def test_measured_speedup_is_the_median_of_side_by_side_ratios(monkeypatch) -> N
     calls = []
     seconds = {"alone": [4.0, 6.0, 9.0], "drafter": [2.0, 2.0, 3.0]}  # per prompt: ratios 2, 3, 3
 
-    def fake_run_prompts(target, proposer, prompts, k, max_new_tokens, temperature, eos, seed):
+    def fake_run_prompts(target, proposer, prompts, k, max_new_tokens, temperature, eos, seed, threshold):
         who = "alone" if isinstance(proposer, NoProposer) else "drafter"
         index = prompts[0][0]
         calls.append((index, who))

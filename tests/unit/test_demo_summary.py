@@ -51,3 +51,23 @@ def test_lightnings_srun_hint_is_shown_only_inside_a_slurm_job(in_slurm_job) -> 
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]
     assert ("srun" in done.stderr) == in_slurm_job
+
+
+def test_a_stage_stopped_by_a_signal_ends_the_demo_with_its_status(tmp_path, monkeypatch, capsys) -> None:
+    """A SIGTERM during the target's fit saves last.ckpt and stops the demo there (status 143), instead of training
+    the student on a half-trained target and writing a summary as if the stage had finished."""
+    from types import SimpleNamespace
+
+    import trainer.demo as demo
+    from trainer.preemption import PreemptionCheckpoint
+
+    stopped = PreemptionCheckpoint()
+    stopped.stopped_by = 15
+    trainer = SimpleNamespace(callbacks=[stopped], global_step=3, callback_metrics={})
+    monkeypatch.setattr(demo, "DraftsmithCLI", lambda args: SimpleNamespace(trainer=trainer))
+    summary = tmp_path / "summary.json"
+    with pytest.raises(SystemExit) as stop:
+        demo._fit("tiny_target.yaml", 10, summary, tmp_path / "checkpoints")
+    assert stop.value.code == 143 and not summary.exists()
+    said = capsys.readouterr().err
+    assert "tiny_target.yaml stage stopped on signal 15 at step 3" in said and "rerun `draftsmith demo`" in said

@@ -19,16 +19,19 @@ from trainer.methods.eagle3.module import (
 from trainer.methods.eagle3.vocab_map import build_vocab_map, count_label_tokens
 
 
-def small_config(vocab: int = 50, draft_vocab: int = 20, aux=(1, 2, 3), target_hidden: int = 12) -> Eagle3Config:
+def small_config(
+    vocab: int = 50, draft_vocab: int = 20, aux=(1, 2, 3), target_hidden: int = 12, **flags: bool
+) -> Eagle3Config:
     return Eagle3Config(
         hidden_size=16, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        vocab_size=vocab, draft_vocab_size=draft_vocab, target_hidden_size=target_hidden, aux_layers=aux,
+        vocab_size=vocab, draft_vocab_size=draft_vocab, target_hidden_size=target_hidden, aux_layers=aux, **flags,
     )  # fmt: skip
 
 
-def small_drafter(seed: int = 0, target_hidden: int = 12) -> tuple[Eagle3Drafter, nn.Embedding]:
+def small_drafter(seed: int = 0, target_hidden: int = 12, **flags: bool) -> tuple[Eagle3Drafter, nn.Embedding]:
+    """A random float64 drafter (norms too) with a vocabulary map, and an embedding; ``flags``: the norm options."""
     torch.manual_seed(seed)
-    cfg = small_config(target_hidden=target_hidden)
+    cfg = small_config(target_hidden=target_hidden, **flags)
     drafter = Eagle3Drafter(cfg).double()
     for p in drafter.parameters():  # non-trivial norms too
         nn.init.normal_(p, std=0.3)
@@ -75,20 +78,27 @@ def test_ttt_step0_is_a_plain_forward():
     torch.testing.assert_close(first, plain)
 
 
+ALL_FLAGS = {"norm_before_residual": True, "fc_norm": True, "norm_output": True}
+
+
+@pytest.mark.parametrize("flags", [{}, ALL_FLAGS], ids=["eagle3", "eagle3.1"])
 @pytest.mark.parametrize("data_tokens", [False, True])
-def test_every_ttt_step_equals_cached_chain_drafting(data_tokens):
-    """Element t at step i of the unroll is exactly what chain drafting computes after committing 0..t."""
-    drafter, embedding = small_drafter(1)
+def test_every_ttt_step_equals_cached_chain_drafting(data_tokens, flags):
+    """Element t at step i of the unroll is exactly what chain drafting computes after committing 0..t (with the
+    EAGLE-3.1 norm flags too: norm_output feeds the same post-norm feature in training and in drafting)."""
+    drafter, embedding = small_drafter(1, **flags)
     B, S, K = 1, 8, 4
     fused = torch.randn(B, S, 16, dtype=torch.float64)
     stream = torch.randint(0, 50, (B, S + K + 1))
     tokens = stream[:, 1 : S + 1]
     unrolled = list(drafter.unroll(embedding, fused, tokens, K, stream if data_tokens else None))
+    # RMSNorm computes in float32 (Llama's): with norm_output the fed-back features carry its rounding (~1e-7)
+    tol = {"rtol": 1e-6, "atol": 1e-6} if flags else {}
     for t in range(S):
         pos = torch.arange(t + 1)[None]
         out, logits, past = drafter(embedding(tokens[:, : t + 1]), fused[:, : t + 1], pos)
         feat, logit = out[:, -1:], logits[:, -1]
-        torch.testing.assert_close(unrolled[0][:, t], logit)
+        torch.testing.assert_close(unrolled[0][:, t], logit, **tol)
         for i in range(1, K):
             if data_tokens:
                 token = stream[:, t + 1 + i]
@@ -97,7 +107,7 @@ def test_every_ttt_step_equals_cached_chain_drafting(data_tokens):
             feat, step_logits, (k, v) = drafter(embedding(token[:, None]), feat, torch.tensor([[t + i]]), past)
             past = (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
             logit = step_logits[:, -1]
-            torch.testing.assert_close(unrolled[i][:, t], logit)
+            torch.testing.assert_close(unrolled[i][:, t], logit, **tol)
 
 
 def test_vocab_map_counts_trained_labels_and_breaks_ties_by_id():

@@ -52,11 +52,18 @@ def naive_ttt_loss(objective: Eagle3, ids: torch.Tensor, loss_mask: torch.Tensor
     return total, [hits[i] / counts[i] for i in range(K)]
 
 
-@pytest.mark.parametrize("ttt_inputs", ["data", "predicted"])
-def test_ttt_loss_equals_chain_drafting_scored_position_by_position(ttt_inputs, tmp_path):
+EAGLE31 = {"norm_before_residual": True, "fc_norm": True, "norm_output": True}
+
+
+@pytest.mark.parametrize(
+    ("ttt_inputs", "flags"),
+    [("data", {}), ("predicted", {}), ("data", EAGLE31), ("predicted", {"norm_before_fc": True, "norm_output": True})],
+)
+def test_ttt_loss_equals_chain_drafting_scored_position_by_position(ttt_inputs, flags, tmp_path):
+    """With the EAGLE-3.1 flags too: training feeds each step what drafting feeds (post-norm with norm_output)."""
     tiny_llama(tmp_path / "target", tied=False)
     objective = Eagle3(str(tmp_path / "target"), draft_vocab_size=32, target_layers=[0, 1, 2], ttt_steps=K,
-                       ttt_inputs=ttt_inputs)  # fmt: skip
+                       ttt_inputs=ttt_inputs, **flags)  # fmt: skip
     g = torch.Generator().manual_seed(1)
     rows = torch.randint(0, 64, (2, 11), generator=g)  # [B, S + 1]
     objective.build_vocab_map(rows.numpy(), (rows > 4).numpy())

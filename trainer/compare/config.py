@@ -103,6 +103,8 @@ class Evaluation:
         training_evals: tau is also measured this many times during each fit (SpeculativeEvalCallback on
             ``callback_prompts`` prompts at the method's largest K), for the tau-against-training-tokens plot; 0: off.
         callback_prompts: prompts of those measurements.
+        heldout: jsonl of held-out text (such as the corpus' held-out file) the held-out loss of a changed target and
+            of the recipe's target is measured on (eval's ``--heldout``); None: the prompts.
         device: eval's ``--device`` (and ``draftsmith generate``'s for regenerated data).
         dtype: eval's ``--dtype``: float32, float64, bfloat16 or float16.
     """
@@ -116,6 +118,7 @@ class Evaluation:
     repeats: int = 1
     training_evals: int = 3
     callback_prompts: int = 4
+    heldout: str | None = None
     device: str = "auto"
     dtype: str = "float32"
 

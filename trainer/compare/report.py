@@ -76,6 +76,11 @@ def method_row(config: CompareConfig, method: Method, root: Path) -> dict:
     if report:
         sampling = {entry["k"]: entry for entry in report["sampling"]}
         row["loop_share"] = report["loops"]["share"]
+        drift = report.get("original_target")
+        if drift:  # a changed target beside the recipe's target, the model it was fine-tuned from
+            row["heldout_loss"] = drift["target"]["heldout_loss"]
+            row["original_heldout_loss"] = drift["original"]["heldout_loss"]
+            row["original_loop_share"] = drift["original"]["loop_share"]
         row["per_k"] = [
             {
                 "k": g["k"],
@@ -133,6 +138,14 @@ def _fmt(value, spec: str = ".2f", missing: str = "-") -> str:
     return missing if value is None else format(value, spec)
 
 
+def _beside(row: dict, key: str, spec: str) -> str:
+    """A changed target's figure after its original's (``original -> changed``), else the figure alone."""
+    original = row.get(f"original_{key}")
+    if original is None:
+        return _fmt(row.get(key), spec)
+    return f"{_fmt(original, spec)} -> {_fmt(row.get(key), spec)}"
+
+
 def render_markdown(report: dict) -> str:
     """The report's tables, with the budget and the machine named above them."""
     setup, machine = report["setup"], report["machine"]
@@ -144,11 +157,13 @@ def render_markdown(report: dict) -> str:
         f"otherwise; seed {setup['seed']}. Evaluation: "
         f"{setup['prompts']} held-out prompts, {setup['max_new_tokens']} new tokens each, greedy and sampling at "
         f"T = {setup['temperature']}, speedups side by side ({setup['repeats']} pass(es)). Compare wall time "
-        f"{report['seconds']:.0f} s.",
+        f"{report['seconds']:.0f} s. Loop share: of the greedy output of the target each method is verified against; "
+        "for a changed target `original -> changed`, with its held-out loss (nats per token, on "
+        f"{setup.get('heldout') or 'the prompts'}) the same way.",
         "",
         "| method | kind | parameters | extra serving MiB | training | tokens | time (s) | loop share | target "
-        "changed | export formats |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "changed | held-out loss | export formats |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["rows"]:
         training = row.get("training") or {}
@@ -156,8 +171,8 @@ def render_markdown(report: dict) -> str:
         lines.append(
             f"| {row['method']} | {row.get('kind', '-')} | {_fmt(row.get('parameters'), ',')} | "
             f"{_fmt(row.get('extra_mib'), '.2f')} | {row['budget']} | {_fmt(training.get('tokens'), ',.0f')} | "
-            f"{_fmt(training.get('seconds'), '.0f')} | {_fmt(row.get('loop_share'), '.0%')} | "
-            f"{'yes' if row['target_changed'] else 'no'} | {formats or '-'} |"
+            f"{_fmt(training.get('seconds'), '.0f')} | {_beside(row, 'loop_share', '.0%')} | "
+            f"{'yes' if row['target_changed'] else 'no'} | {_beside(row, 'heldout_loss', '.3f')} | {formats or '-'} |"
         )
     lines += [
         "",
@@ -203,6 +218,7 @@ def write_report(config: CompareConfig, out: Path, stability: Path | None = None
             "max_new_tokens": evaluation.max_new_tokens,
             "temperature": evaluation.temperature,
             "repeats": evaluation.repeats,
+            "heldout": evaluation.heldout,
         },
         "machine": describe_machine(config.machine),
         "seconds": sum(seconds),

@@ -12,7 +12,9 @@ only does what is missing (an interrupted fit resumes from its ``last.ckpt``):
 4. the drafter's footprint: its parameters, and the bytes of those the target does not already hold (what serving it
    adds to the target's weights);
 5. ``draftsmith eval`` on the same held-out prompts for every method: tau greedy and sampling, inside and outside the
-   target's loops, acceptance per position, drafting cost, side-by-side measured and projected speedup.
+   target's loops, acceptance per position, drafting cost, side-by-side measured and projected speedup; for a method
+   that changed its target, also that target's held-out loss and loop share beside the recipe's target
+   (``--original_target``).
 
 Every stage runs in its own process with its output in a log beside its results. A method whose stage fails is
 reported with the log's last lines and the others go on; the next run retries it. Then ``OUT/report.json``,
@@ -130,8 +132,10 @@ class Comparison:
         self.out.mkdir(parents=True, exist_ok=True)
         if not (Path(self.config.target) / "config.json").is_file():
             raise CompareConfigError(f"{self.recipe}: target {self.config.target!r} is not a model folder")
-        if not Path(self.config.evaluation.prompts).is_file():
-            raise CompareConfigError(f"{self.recipe}: evaluation.prompts {self.config.evaluation.prompts!r} not found")
+        for key in ("prompts", "heldout"):
+            path = getattr(self.config.evaluation, key)
+            if path is not None and not Path(path).is_file():
+                raise CompareConfigError(f"{self.recipe}: evaluation.{key} {path!r} not found")
         self.check_methods()
         data = self.config.data
         if data.regenerate is not None:
@@ -304,6 +308,9 @@ class Comparison:
             "--seed", str(self.config.seed), "--device", evaluation.device, "--dtype", evaluation.dtype,
             "--out", str(folder.eval), *option_arguments(method.options, folder.root),
         ]  # fmt: skip
+        if method.eval_target != "{target}":  # a changed target: measured beside the recipe's target, its original
+            args += ["--original_target", self.config.target]
+            args += ["--heldout", evaluation.heldout] if evaluation.heldout else []
         self.say(f"{method.name}: eval, K = {', '.join(map(str, ks))}")
         self._run_stage("eval", args, folder.root / "eval.log")
 

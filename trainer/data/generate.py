@@ -23,23 +23,30 @@ output is written as atomically renamed part files in ``OUTPUT.parts/`` and comb
 local model folder or hub id (a misspelled path) is an error that leaves no output and no meta file. Sampling is
 seeded per chunk from ``seed`` and the chunk's first record, so a run resumed at a chunk boundary samples as a
 straight one would on the same hardware (greedy decoding always matches).
+
+With ``server`` (a running vLLM, SGLang or ``transformers serve``), the replies come from the server's
+OpenAI-compatible API instead (:mod:`trainer.data.server_client`): ``concurrency`` records in flight, the server's
+chat template, the same output, chunks and resume rule. The model it serves is checked against ``target`` before
+anything is written, and the meta file records the server and model.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
+from trainer.data.server_client import OpenAIClient, RecordReply, ServerRegenerator, ordered_map, served_model
 from trainer.data.tokenizer import load_tokenizer
 from trainer.errors import DataError, PathError, TokenizerError, UsageError
 from trainer.target import resolve_dtype
@@ -52,13 +59,27 @@ META_VERSION = 1
 @dataclass
 class GenerateStats:
     """What a run did: records in the output, records written now, replies (assistant turns or completions)
-    generated and how many were cut at max_new_tokens."""
+    generated and how many were cut at max_new_tokens, the tokens generated (EOS included) and the records with an
+    empty reply (indices into the input)."""
 
     records: int
     written: int
     turns: int
     truncated: int
     seconds: float
+    tokens: int = 0
+    empty: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Chunk:
+    """Regenerated records and what making them took (replies, cut ones, tokens, indices with an empty reply)."""
+
+    records: list[dict[str, Any]]
+    turns: int
+    truncated: int
+    tokens: int
+    empty: list[int]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -211,8 +232,9 @@ class Regenerator:
         self.model, self.tokenizer, self.config, self.batch_size = model, tokenizer, config, batch_size
         self.device = next(model.parameters()).device
 
-    def replies(self, conversations: list[list[dict[str, str]]]) -> list[tuple[str, bool]]:
-        """(reply text, cut at max_new_tokens) for each conversation (each ends before the reply)."""
+    def replies(self, conversations: list[list[dict[str, str]]]) -> list[tuple[str, bool, int]]:
+        """(reply text, cut at max_new_tokens, tokens generated) for each conversation (each ends before the
+        reply)."""
         return self.continue_tokens(
             [
                 list(
@@ -224,13 +246,14 @@ class Regenerator:
             ]
         )
 
-    def completions(self, prompts: list[str]) -> list[tuple[str, bool]]:
-        """(continuation text, cut at max_new_tokens) for each plain-text prompt."""
+    def completions(self, prompts: list[str]) -> list[tuple[str, bool, int]]:
+        """(continuation text, cut at max_new_tokens, tokens generated) for each plain-text prompt."""
         return self.continue_tokens([list(self.tokenizer(p)["input_ids"]) for p in prompts])
 
-    def continue_tokens(self, token_lists: list[list[int]]) -> list[tuple[str, bool]]:
-        """(generated text, cut at max_new_tokens) for each prompt given as token ids."""
-        out: list[tuple[str, bool]] = []
+    def continue_tokens(self, token_lists: list[list[int]]) -> list[tuple[str, bool, int]]:
+        """(generated text, cut at max_new_tokens, tokens generated with the EOS) for each prompt given as token
+        ids."""
+        out: list[tuple[str, bool, int]] = []
         eos = self.config.eos_token_id
         for start in range(0, len(token_lists), self.batch_size):
             prompts = token_lists[start : start + self.batch_size]
@@ -246,16 +269,17 @@ class Regenerator:
             for row in seqs[:, ids.shape[1] :].tolist():
                 cut = row.index(eos) if eos in row else len(row)
                 text = self.tokenizer.decode(row[:cut], skip_special_tokens=True)
-                out.append((text, cut == len(row)))
+                out.append((text, cut == len(row), min(cut + 1, len(row))))
         return out
 
 
 def regenerate_records(
-    records: list[dict[str, Any]], regenerator: Regenerator, messages_field: str, source: str
-) -> tuple[list[dict[str, Any]], int, int]:
-    """The records with every assistant turn replaced in order; returns (records, turns, truncated turns)."""
+    records: list[dict[str, Any]], regenerator: Regenerator, messages_field: str, source: str, first: int = 0
+) -> Chunk:
+    """The records (input indices from ``first``) with every assistant turn replaced in order."""
     convs = [list(_check_messages(r, messages_field, f"{source} record")) for r in records]
-    turns = truncated = 0
+    turns = truncated = tokens = 0
+    empty: set[int] = set()
     depth = 0
     while True:
         # conversations that have an assistant turn after `depth` earlier ones: regenerate that turn in one batch
@@ -267,22 +291,26 @@ def regenerate_records(
         if not todo:
             break
         replies = regenerator.replies([convs[i][:j] for i, j in todo])
-        for (i, j), (text, cut) in zip(todo, replies, strict=True):
+        for (i, j), (text, cut, n) in zip(todo, replies, strict=True):
             convs[i][j] = {**convs[i][j], "content": text}
-            truncated += int(cut)
+            truncated, tokens = truncated + int(cut), tokens + n
+            if not text.strip():
+                empty.add(first + i)
         turns += len(todo)
         depth += 1
-    return [{**r, messages_field: c} for r, c in zip(records, convs, strict=True)], turns, truncated
+    new = [{**r, messages_field: c} for r, c in zip(records, convs, strict=True)]
+    return Chunk(new, turns, truncated, tokens, sorted(empty))
 
 
 def complete_records(
-    records: list[dict[str, Any]], regenerator: Regenerator, prompt_field: str, source: str
-) -> tuple[list[dict[str, Any]], int, int]:
-    """The records with ``text`` = prompt + the target's continuation; returns (records, completions, cut ones)."""
+    records: list[dict[str, Any]], regenerator: Regenerator, prompt_field: str, source: str, first: int = 0
+) -> Chunk:
+    """The records (input indices from ``first``) with ``text`` = prompt + the target's continuation."""
     prompts = [_check_prompt(r, prompt_field, f"{source} record") for r in records]
     done = regenerator.completions(prompts)
-    out = [{**r, "text": p + text} for r, p, (text, _) in zip(records, prompts, done, strict=True)]
-    return out, len(done), sum(int(cut) for _, cut in done)
+    out = [{**r, "text": p + text} for r, p, (text, _, _) in zip(records, prompts, done, strict=True)]
+    empty = [first + i for i, (text, _, _) in enumerate(done) if not text.strip()]
+    return Chunk(out, len(done), sum(int(cut) for _, cut, _ in done), sum(n for _, _, n in done), empty)
 
 
 def _check_prompt(record: dict[str, Any], field: str, where: str) -> str:
@@ -310,28 +338,48 @@ def regenerate(
     max_records: int | None = None,
     trust_remote_code: bool = False,
     progress: bool = True,
+    server: str | None = None,
+    model: str | None = None,
+    concurrency: int = 8,
+    api_key_env: str | None = None,
+    timeout: float = 600.0,
+    retries: int = 6,
+    retry_wait: float = 1.0,
+    allow_model_mismatch: bool = False,
 ) -> GenerateStats:
     """Regenerates the assistant turns of a chat data set with ``target``.
 
     Args:
         target: the target, an HF causal LM directory or hub id with its tokenizer (and chat template) beside it.
+            With ``server``: the target the data is for, checked against the model the server serves.
         input: the chat data set: .jsonl, .json or .parquet records holding a message list.
         output: where the regenerated records go: .jsonl or .parquet (resumed when it exists).
         messages_field: key of the message list ({"role", "content"} dicts) in each record.
         prompt_field: completion mode: the key of a plain-text prompt in each record; the output adds ``text``,
             the prompt and the target's continuation (no chat template; for base models). None: chat mode.
-        batch_size: prompts per generate call.
+        batch_size: prompts per generate call (in-process only).
         chunk_size: records written (and fsynced) at a time; the unit of resumption.
         max_new_tokens: longest reply, in tokens; longer replies are cut there.
         temperature: sampling temperature; 0 decodes greedily.
         top_p: nucleus sampling threshold (1 keeps every token); used only when sampling.
-        top_k: keep only the k most likely tokens (0 keeps every token); used only when sampling.
-        seed: seeds the sampling of each chunk.
-        dtype: the target's weights dtype (float32, bfloat16, float16).
-        device: "auto" (cuda when available), "cpu", "cuda" or "cuda:N".
+        top_k: keep only the k most likely tokens (0 keeps every token); used only when sampling (with
+            ``server``, sent only when set: vLLM and SGLang take it, ``transformers serve`` refuses it).
+        seed: seeds the sampling of each chunk (with ``server``: of each request).
+        dtype: the target's weights dtype (float32, bfloat16, float16; in-process only).
+        device: "auto" (cuda when available), "cpu", "cuda" or "cuda:N" (in-process only).
         max_records: regenerate only the first N records.
-        trust_remote_code: allow custom modelling code in the target directory (off by default).
-        progress: show a progress bar.
+        trust_remote_code: allow custom modelling code in the target directory (off by default; in-process only).
+        progress: show a progress bar (records/s and tokens/s).
+        server: the base URL of a running OpenAI-compatible server (vLLM, SGLang, ``transformers serve``), such
+            as ``http://localhost:8000``: replies come from its API instead of an in-process target.
+        model: with ``server``, the model name to request; None: the one model the server lists.
+        concurrency: with ``server``, requests in flight at once.
+        api_key_env: with ``server``, the environment variable holding its API key (None: no key sent).
+        timeout: with ``server``, seconds one request may take before it is retried.
+        retries: with ``server``, how many times a request is tried again after a connection error, a timeout,
+            HTTP 429 or 5xx, before the run ends (finished chunks stay written; a rerun resumes).
+        retry_wait: with ``server``, the first pause between tries in seconds; it doubles at each try (up to 30).
+        allow_model_mismatch: with ``server``, accept a served model whose name is not the target's.
     """
     started = time.perf_counter()
     settings = {
@@ -347,6 +395,7 @@ def regenerate(
             raise UsageError(f"generate: {key}={value} is out of range")
     if not 0.0 < top_p <= 1.0:
         raise UsageError(f"generate: top_p={top_p} must lie in (0, 1]")
+    _check_server_options(server, model, concurrency, api_key_env, timeout, retries, retry_wait)
     out_path = Path(output)
     writer = _Writer(out_path)
     records = read_records(input)
@@ -360,6 +409,10 @@ def regenerate(
         else:
             _check_prompt(record, prompt_field, f"{input} record {n}")
 
+    client = None
+    if server is not None:  # asked before anything is written: a wrong URL, key or model leaves no output
+        client = OpenAIClient(server, api_key_env, timeout, retries, retry_wait)
+        model = served_model(client, model, target, allow_model_mismatch)
     stat = Path(input).stat()
     meta = {
         "version": META_VERSION,
@@ -373,12 +426,15 @@ def regenerate(
         "records": len(records),
         **{k: v for k, v in settings.items() if k != "batch_size"},
     }
+    if client is not None:  # which server answered (its URL may change between resumed runs) and which model
+        meta.update(server_model=model, servers=[client.base])
     meta_path = out_path.with_name(out_path.name + ".meta.json")
     # Nothing is written before the target loads: a target that does not load leaves no output and no meta file.
     done = writer.done(repair=False) if meta_path.is_file() else 0
     if meta_path.is_file():
         previous = json.loads(meta_path.read_text())
-        changed = sorted(k for k in meta.keys() | previous.keys() if meta.get(k) != previous.get(k))
+        meta["servers"] = list(dict.fromkeys([*previous.get("servers", []), *meta.get("servers", [])])) or None
+        changed = sorted(k for k in meta.keys() | previous.keys() if k != "servers" and meta.get(k) != previous.get(k))
         if changed:
             raise UsageError(
                 f"{output} was started with other settings ({', '.join(changed)} differ, see {meta_path}): "
@@ -389,16 +445,97 @@ def regenerate(
     if done > len(records):
         raise DataError(f"{output} holds {done} records but {input} only {len(records)}")
 
+    if client is None:
+        chunks = _in_process_chunks(
+            records, done, target, input, messages_field, prompt_field, batch_size, chunk_size, max_new_tokens,
+            temperature, top_p, top_k, seed, dtype, device, trust_remote_code,
+        )  # fmt: skip
+    else:
+        regenerator = ServerRegenerator(client, model, max_new_tokens, temperature, top_p, top_k, seed, input)
+        chunks = _server_chunks(records, done, regenerator, messages_field, prompt_field, chunk_size, concurrency)
+    first = next(chunks, None)  # in-process: the target has loaded
+    if meta_path.is_file():
+        done = writer.done()  # now cuts a partial last line (the count is the same)
+    else:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+    _write_meta(meta_path, {k: v for k, v in meta.items() if k != "servers" or v})
+
+    stats = GenerateStats(len(records), 0, 0, 0, 0.0)
+    bar = _progress(len(records), done, progress)
+    try:
+        for start, chunk in chunks if first is None else itertools.chain([first], chunks):
+            writer.write(chunk.records, start)
+            stats.written += len(chunk.records)
+            stats.turns, stats.truncated = stats.turns + chunk.turns, stats.truncated + chunk.truncated
+            stats.tokens += chunk.tokens
+            stats.empty += chunk.empty
+            if bar is not None:
+                bar.update(len(chunk.records))
+                bar.set_postfix_str(f"{stats.tokens / max(time.perf_counter() - started, 1e-9):.1f} tokens/s")
+    finally:
+        if bar is not None:
+            bar.close()
+    writer.finish()
+    if stats.empty:
+        shown = ", ".join(str(i) for i in stats.empty[:20]) + (", ..." if len(stats.empty) > 20 else "")
+        log.warning("%s: %d records got an empty reply: records %s of %s", output, len(stats.empty), shown, input)
+    stats.seconds = time.perf_counter() - started
+    return stats
+
+
+def _check_server_options(
+    server: str | None,
+    model: str | None,
+    concurrency: int,
+    api_key_env: str | None,
+    timeout: float,
+    retries: int,
+    retry_wait: float,
+) -> None:
+    if concurrency < 1:
+        raise UsageError(f"generate: --concurrency {concurrency} must be at least 1")
+    if not timeout > 0:
+        raise UsageError(f"generate: --timeout {timeout} must be a positive number of seconds")
+    if retries < 0:
+        raise UsageError(f"generate: --retries {retries} must be 0 or more")
+    if retry_wait < 0:
+        raise UsageError(f"generate: --retry_wait {retry_wait} must be 0 or more seconds")
+    if server is None:
+        for flag, value in (("--model", model), ("--api_key_env", api_key_env)):
+            if value is not None:
+                raise UsageError(f"generate: {flag} {value!r} needs --server (the in-process target has no name)")
+
+
+def _write_meta(path: Path, meta: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def _in_process_chunks(
+    records: list[dict[str, Any]],
+    done: int,
+    target: str,
+    input: str,
+    messages_field: str,
+    prompt_field: str | None,
+    batch_size: int,
+    chunk_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    seed: int,
+    dtype: str,
+    device: str,
+    trust_remote_code: bool,
+) -> Iterator[tuple[int, Chunk]]:
+    """(first record, chunk) for every chunk still to write, from the target loaded here."""
     tokenizer, model = load_target(target, dtype, trust_remote_code, needs_chat_template=prompt_field is None)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     model = model.to(device)
     model.eval()
-    if meta_path.is_file():
-        done = writer.done()  # now cuts a partial last line (the count is the same)
-    else:
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        meta_path.write_text(json.dumps(meta, indent=1) + "\n")
     sample = temperature > 0
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
@@ -411,24 +548,42 @@ def regenerate(
         use_cache=True,
     )
     regenerator = Regenerator(model, tokenizer, config, batch_size)
-
-    turns = truncated = written = 0
-    bar = _progress(len(records), done, progress)
     for start, end in _chunks(done, len(records), chunk_size):
         chunk = records[start:end]
         torch.manual_seed(_seed_of(seed, start))
         if prompt_field is None:
-            new, n_turns, n_cut = regenerate_records(chunk, regenerator, messages_field, input)
+            yield start, regenerate_records(chunk, regenerator, messages_field, input, start)
         else:
-            new, n_turns, n_cut = complete_records(chunk, regenerator, prompt_field, input)
-        writer.write(new, start)
-        turns, truncated, written = turns + n_turns, truncated + n_cut, written + len(new)
-        if bar is not None:
-            bar.update(len(new))
-    if bar is not None:
-        bar.close()
-    writer.finish()
-    return GenerateStats(len(records), written, turns, truncated, time.perf_counter() - started)
+            yield start, complete_records(chunk, regenerator, prompt_field, input, start)
+
+
+def _server_chunks(
+    records: list[dict[str, Any]],
+    done: int,
+    regenerator: ServerRegenerator,
+    messages_field: str,
+    prompt_field: str | None,
+    chunk_size: int,
+    concurrency: int,
+) -> Iterator[tuple[int, Chunk]]:
+    """(first record, chunk) for every chunk still to write, from ``concurrency`` requests in flight (across chunk
+    boundaries); a chunk is handed on once all of its records are back."""
+
+    def one(i: int) -> RecordReply:
+        if prompt_field is None:
+            return regenerator.chat_record(records[i], i, messages_field)
+        return regenerator.completion_record(records[i], i, prompt_field)
+
+    results = ordered_map(one, range(done, len(records)), concurrency, window=max(2 * concurrency, chunk_size))
+    try:
+        for start, end in _chunks(done, len(records), chunk_size):
+            parts = [next(results) for _ in range(start, end)]
+            yield start, Chunk(
+                [p.record for p in parts], sum(p.turns for p in parts), sum(p.truncated for p in parts),
+                sum(p.tokens for p in parts), [start + n for n, p in enumerate(parts) if p.empty],
+            )  # fmt: skip
+    finally:
+        results.close()
 
 
 def load_target(target: str, dtype: str, trust_remote_code: bool, needs_chat_template: bool) -> tuple[Any, Any]:
@@ -485,16 +640,17 @@ def _progress(total: int, done: int, enabled: bool):
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=done, unit="record", desc="generate")
+    return tqdm(total=total, initial=done, unit="record", desc="generate", smoothing=0.1)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``draftsmith generate [--config generate.yaml] --target DIR --input IN --output OUT [options]``."""
+    """``draftsmith generate [--config generate.yaml] --target DIR --input IN --output OUT [--server URL] [...]``."""
     from jsonargparse import ActionConfigFile, ArgumentParser
 
     parser = ArgumentParser(
         prog="draftsmith generate",
-        description="Regenerate a data set's assistant turns (or complete its prompts) with the target (resumable).",
+        description="Regenerate a data set's assistant turns (or complete its prompts) with the target, in-process or "
+        "through a serving engine's OpenAI-compatible API (--server); resumable.",
         default_env=False,
     )
     parser.add_argument("--config", action=ActionConfigFile, help="a YAML file with any of the options below")
@@ -503,8 +659,10 @@ def main(argv: list[str] | None = None) -> int:
     kwargs = cfg.as_dict()
     kwargs.pop("config", None)
     stats = regenerate(**kwargs)
+    rate = f"{stats.written / stats.seconds:.2f} records/s, {stats.tokens / stats.seconds:.1f} tokens/s"
     print(
-        f"wrote {stats.written} records ({stats.records} in {kwargs['output']}) in {stats.seconds:.1f} s: "
-        f"{stats.turns} replies generated, {stats.truncated} cut at max_new_tokens"
+        f"wrote {stats.written} records ({stats.records} in {kwargs['output']}) in {stats.seconds:.1f} s ({rate}): "
+        f"{stats.turns} replies generated ({stats.tokens} tokens), {stats.truncated} cut at max_new_tokens, "
+        f"{len(stats.empty)} records with an empty reply"
     )
     return 0

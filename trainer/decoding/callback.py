@@ -73,7 +73,8 @@ class SpeculativeEvalCallback(pl.Callback):
             max_prompts: use at most this many prompts (0: all).
             temperature: 0 measures greedy decoding only; above 0 also speculative sampling at this temperature.
             options: how to draft, as ``draftsmith eval``'s flags say it (``tree``, ``tree_nodes``, ``tree_top_k``,
-                ``rank_temperature``, ``tree_choices``, ``exit_layer``: the layer self-speculative drafters exit at).
+                ``rank_temperature``, ``tree_choices``, ``exit_layer``: the layer self-speculative drafters exit at,
+                ``accept_threshold``: dynamic draft length).
             seed: seed of the sampling mode.
             eos_token_id: token that ends a generation, or None for the full budget.
         """
@@ -136,16 +137,18 @@ class SpeculativeEvalCallback(pl.Callback):
                     self._reference = run_prompts(
                         target, NoProposer(), self.prompts, 1, self.max_new_tokens, 0.0, self.eos_token_id
                     )
+                threshold = self.options.accept_threshold  # dynamic draft length (0: off)
                 greedy = run_prompts(
-                    target, proposer, self.prompts, self.k, self.max_new_tokens, 0.0, self.eos_token_id
-                )
+                    target, proposer, self.prompts, self.k, self.max_new_tokens, 0.0, self.eos_token_id,
+                    accept_threshold=threshold,
+                )  # fmt: skip
                 check_identity(self._reference, greedy, self.k)
                 values.update(self._values(greedy, ""))
                 values["spec_eval/loop_share"] = loop_statistics(self._reference)[0]["share"]
                 if self.temperature > 0:
                     sampled = run_prompts(
                         target, proposer, self.prompts, self.k, self.max_new_tokens, self.temperature,
-                        self.eos_token_id, self.seed,
+                        self.eos_token_id, self.seed, threshold,
                     )  # fmt: skip
                     values.update(self._values(sampled, "_sampling"))
         finally:
@@ -161,6 +164,8 @@ class SpeculativeEvalCallback(pl.Callback):
         }
         for d, rate in enumerate(metrics.acceptance_per_position(rounds, self.k), 1):
             out[f"spec_eval/acceptance{suffix}_{d}"] = rate
+        if self.options.accept_threshold > 0 and rounds:  # dynamic draft length: how many drafts a round verified
+            out[f"spec_eval/drafts_per_round{suffix}"] = sum(r.nodes for r in rounds) / len(rounds)
         return out
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:

@@ -7,6 +7,8 @@ report.md, acceptance.png) gives tau, acceptance per draft position, target forw
 Leviathan's projected speedup, the measured wall-clock speedup, and the share of the target's greedy output that sits
 in loops with tau inside and outside them. The drafting flags (``--tree``, ``--tree_nodes``, ``--exit_layer``...) are
 the fields of :class:`~trainer.decoding.options.ProposerOptions`, which the training callback takes too.
+``--accept_threshold 0,0.2,0.4`` measures dynamic draft length at each threshold with one proposer, side by side in
+one report (a drafter that cannot estimate its acceptance is refused, naming the flag).
 
 Refused in one line before anything is decoded: a drafter export given as ``--target`` (named with its kind and the
 target it names), and a training checkpoint measured against a target other than the one whose fingerprint it
@@ -16,11 +18,13 @@ recorded (unless ``--allow_other_target``); trainer/decoding/evaluate.py holds b
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from trainer.decoding.drift import target_drift
 from trainer.decoding.evaluate import (
     SpeculativeMismatchError,
     evaluate_drafter,
@@ -28,9 +32,9 @@ from trainer.decoding.evaluate import (
     refuse_drafter_as_target,
     resolve_drafter,
 )
-from trainer.decoding.options import add_option_arguments, options_from_arguments, positive_ints
+from trainer.decoding.options import ProposerOptions, add_option_arguments, options_from_arguments, positive_ints
 from trainer.decoding.report import write_report
-from trainer.errors import ModelFolderError, TokenizerError, UserError
+from trainer.errors import ModelFolderError, TokenizerError, UsageError, UserError
 from trainer.flags import ToolParser
 
 
@@ -84,6 +88,21 @@ def build_parser() -> ToolParser:
         help="passes over the prompts, the target alone and with the drafter side by side (the measured speedup is "
         "the median of the per-prompt ratios of all passes)",
     )
+    parser.add_argument(
+        "--original_target",
+        default=None,
+        metavar="DIR",
+        help="for a target a method changed (LayerSkip and parallel-heads fine-tunes, Medusa-2): the model it was "
+        "fine-tuned from (their exports record it as fine_tuned_from); the report gives both models' held-out loss on "
+        "the --heldout text and loop share of their greedy output side by side",
+    )
+    parser.add_argument(
+        "--heldout",
+        default=None,
+        metavar="FILE",
+        help="with --original_target: jsonl of held-out text ('text' documents, such as the corpus' held-out file; "
+        "each cut to the target's context) the two models' held-out loss is measured on (default: the prompts)",
+    )
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda when available)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
     add_option_arguments(parser)
@@ -125,10 +144,22 @@ def main(argv: list[str] | None = None) -> int:
         context = getattr(target.config, "max_position_embeddings", None)
         max_length = context - args.max_new_tokens if context else None
         prompts = load_prompts(args.prompts, tokenizer, max_length, cut=args.prompt_tokens or None)
+        # the thresholds reach the proposer through the engine: one proposer per set of the other options
+        groups: dict[ProposerOptions, list[float]] = {}
+        for options in sweep:
+            groups.setdefault(replace(options, accept_threshold=0.0), []).append(options.accept_threshold)
         proposers = [
             (options, resolve_drafter(args.drafter, target, options, tokenizer, args.target, args.allow_other_target))
-            for options in sweep
+            for options in groups
         ]
+        for options, proposer in proposers:
+            if any(t > 0 for t in groups[options]) and not getattr(proposer, "estimates_acceptance", False):
+                raise UsageError(
+                    f"--accept_threshold {','.join(f'{t:g}' for t in groups[options])}: the drafter "
+                    f"{args.drafter} ({type(proposer).__name__}) gives no estimate of its acceptance to cut drafts by",
+                    hint="drop --accept_threshold (or give 0); eagle3, dflash, medusa, mtp_heads, mtp and draft models "
+                    "estimate it",
+                )
     except UserError:
         raise  # the command's handler: `error:` and `hint:` lines, exit status 2
     except (OSError, ValueError) as err:
@@ -157,13 +188,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote a {len(paths)}-node tree from the heads' measured accuracy to {args.write_tree}")
     eos = target.generation_config.eos_token_id if target.generation_config is not None else None
     eos = tokenizer.eos_token_id if eos is None else eos
+    original, heldout = None, None
+    if args.original_target:
+        try:
+            original, _ = load_target(args.original_target, args.dtype, device)
+            heldout = load_prompts(args.heldout, tokenizer, None, cut=context) if args.heldout else None
+        except UserError:
+            raise
+        except (OSError, ValueError) as err:
+            _error(f"--original_target {args.original_target!r} or --heldout {args.heldout!r}: {err}", err)
+            return 2
     for options, proposer in proposers:
         exit_layer = options.exit_layer
         out = Path(args.out) / f"exit_{exit_layer}" if len(proposers) > 1 else Path(args.out)
         try:
             report = evaluate_drafter(
                 target, proposer, prompts, args.k, args.max_new_tokens, args.temperature, eos, args.seed,
-                args.repeats[0],
+                args.repeats[0], groups[options],
             )  # fmt: skip
         except SpeculativeMismatchError as err:
             print(f"error: {err}", file=sys.stderr)
@@ -173,16 +214,34 @@ def main(argv: list[str] | None = None) -> int:
         )
         if exit_layer is not None:
             report["exit_layer"] = exit_layer
+        if original is not None:
+            report["original_target"] = target_drift(
+                original, target, prompts, args.max_new_tokens, eos, report["loops"]["share"], args.original_target,
+                heldout, args.heldout or "the prompts",
+            )  # fmt: skip
         written = write_report(report, out)
         for entry in report["greedy"]:
             prefix = "" if exit_layer is None else f"E={exit_layer} "
             low, high = entry["measured_speedup_quartiles"]
+            dynamic = (
+                f" threshold {entry['accept_threshold']:g} ({entry['drafts_per_round']:.2f} drafts per round)"
+                if len(groups[options]) > 1 or entry["accept_threshold"] > 0
+                else ""
+            )
             print(
-                f"{prefix}K={entry['k']}: tau {entry['tau']:.3f}, speedup {entry['measured_speedup']:.2f}x measured "
+                f"{prefix}K={entry['k']}{dynamic}: tau {entry['tau']:.3f}, speedup {entry['measured_speedup']:.2f}x "
+                "measured "
                 f"(quartiles {low:.2f}-{high:.2f}), "
                 f"{entry['projected_speedup']:.2f}x projected (c={entry['draft_cost']:.3f})"
             )
         print(f"loop share of the target's output: {report['loops']['share']:.1%}; best K: {report['best_k']}")
+        if original is not None:
+            drift = report["original_target"]
+            print(
+                f"changed target against its original: held-out loss {drift['target']['heldout_loss']:.3f} "
+                f"({drift['original']['heldout_loss']:.3f}), loop share {drift['target']['loop_share']:.1%} "
+                f"({drift['original']['loop_share']:.1%})"
+            )
         print("wrote " + ", ".join(str(p) for p in written))
     return 0
 

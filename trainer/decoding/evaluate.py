@@ -6,6 +6,9 @@ reproduce the target's output token for token (a difference is an error, never a
 speculative sampling at a temperature. :func:`evaluate_drafter` returns tau, acceptance per draft position, target
 forwards, the measured draft cost c, Leviathan's projected speedup, the measured wall-clock speedup, and the share of
 the target's greedy output that sits in loops with tau inside and outside them (trainer/decoding/report.py writes it).
+With several ``accept_thresholds`` (dynamic draft length, trainer/decoding/proposers.py) every K is measured at each
+threshold, the same proposer drafting, and the entries say how many drafts a round verified on average and what
+drafting cost per round, side by side.
 """
 
 from __future__ import annotations
@@ -248,14 +251,26 @@ def run_prompts(
     temperature: float = 0.0,
     eos_token_id: int | list[int] | None = None,
     seed: int = 0,
+    accept_threshold: float = 0.0,
 ) -> list[GenerationResult]:
-    """Decode every prompt (one at a time); sampling uses a generator seeded with ``seed + prompt index``."""
+    """Decode every prompt (one at a time); sampling uses a generator seeded with ``seed + prompt index``;
+    ``accept_threshold`` is the engine's (dynamic draft length, 0: off)."""
     results = []
     for i, prompt in enumerate(prompts):
         generator = torch.Generator(device=target.device).manual_seed(seed + i) if temperature > 0 else None
         ids = torch.tensor(list(prompt), dtype=torch.long, device=target.device)  # [S]
         results.append(
-            speculative_generate(target, ids, proposer, k, max_new_tokens, temperature, eos_token_id, generator)
+            speculative_generate(
+                target,
+                ids,
+                proposer,
+                k,
+                max_new_tokens,
+                temperature,
+                eos_token_id,
+                generator,
+                accept_threshold,
+            )  # fmt: skip
         )
     return results
 
@@ -289,11 +304,13 @@ def run_side_by_side(
     eos_token_id: int | list[int] | None = None,
     seed: int = 0,
     repeats: int = 1,
+    accept_threshold: float = 0.0,
 ) -> tuple[list[GenerationResult], list[GenerationResult], list[float]]:
     """Every prompt decoded by the target alone and with the drafter one right after the other, which of the two goes
     first alternating from prompt to prompt and from pass to pass, over ``repeats`` passes: a load change on a shared
     machine then hits both sides of a ratio alike. Returns the first pass's results of the target alone and with the
-    drafter, and the wall-clock ratio (alone / with the drafter) of every prompt in every pass."""
+    drafter, and the wall-clock ratio (alone / with the drafter) of every prompt in every pass; the drafter decodes
+    with ``accept_threshold``."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     alone, drafted, ratios = [], [], []
@@ -301,9 +318,10 @@ def run_side_by_side(
         for i, prompt in enumerate(prompts):
             pair = {}
             for who in ("alone", "drafter") if (i + repeat) % 2 == 0 else ("drafter", "alone"):
+                alone_ = who == "alone"
                 pair[who] = run_prompts(
-                    target, NoProposer() if who == "alone" else proposer, [prompt], 1 if who == "alone" else k,
-                    max_new_tokens, temperature, eos_token_id, seed + i,
+                    target, NoProposer() if alone_ else proposer, [prompt], 1 if alone_ else k,
+                    max_new_tokens, temperature, eos_token_id, seed + i, 0.0 if alone_ else accept_threshold,
                 )[0]  # fmt: skip
             ratios.append(pair["alone"].total_seconds / pair["drafter"].total_seconds)
             if repeat == 0:
@@ -313,10 +331,15 @@ def run_side_by_side(
 
 
 def summarize(
-    results: Sequence[GenerationResult], baseline: Sequence[GenerationResult], k: int, ratios: Sequence[float]
+    results: Sequence[GenerationResult],
+    baseline: Sequence[GenerationResult],
+    k: int,
+    ratios: Sequence[float],
+    accept_threshold: float = 0.0,
 ) -> dict:
-    """The statistics of one mode and one K, pooled over prompts; the measured speedup is the median of the
-    side-by-side ratios (:func:`run_side_by_side`), with their quartiles as its spread."""
+    """The statistics of one mode, one K and one threshold, pooled over prompts; the measured speedup is the median
+    of the side-by-side ratios (:func:`run_side_by_side`), with their quartiles as its spread. ``drafts_per_round``
+    is the mean number of draft tokens a target forward verified (tree nodes for a tree)."""
     rounds = [r for res in results for r in res.rounds]
     alpha = metrics.acceptance_rate(rounds)
     drafted = sum(r.drafted for r in rounds)
@@ -327,7 +350,9 @@ def summarize(
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0], ratios[0], ratios[0]]
     return {
         "k": k,
+        "accept_threshold": accept_threshold,
         "tau": metrics.tau(rounds),
+        "drafts_per_round": sum(r.nodes for r in rounds) / len(rounds) if rounds else 0.0,
         "acceptance_per_position": metrics.acceptance_per_position(rounds, k),
         "acceptance_rate": alpha,
         "target_forwards": sum(res.target_forwards for res in results),
@@ -364,21 +389,35 @@ def evaluate_drafter(
     eos_token_id: int | list[int] | None = None,
     seed: int = 0,
     repeats: int = 1,
+    accept_thresholds: Sequence[float] = (0.0,),
 ) -> dict:
-    """Greedy and sampling evaluation for every K, each run side by side with the target alone
-    (:func:`run_side_by_side`, ``repeats`` passes); raises :class:`SpeculativeMismatchError` on a greedy mismatch."""
+    """Greedy and sampling evaluation for every K and every threshold of dynamic draft length (``accept_thresholds``,
+    0: off), each run side by side with the target alone
+    (:func:`run_side_by_side`, ``repeats`` passes); the entries of ``greedy`` and ``sampling`` go by threshold, then
+    K. Raises :class:`SpeculativeMismatchError` on a greedy mismatch."""
+    if not accept_thresholds:
+        raise ValueError("accept_thresholds: give at least one threshold (0: off)")
     run_prompts(target, NoProposer(), prompts[:1], 1, min(8, max_new_tokens), 0.0, eos_token_id)  # warm-up
     report: dict = {"greedy": [], "sampling": [], "temperature": temperature, "repeats": repeats}
+    report["accept_thresholds"] = list(accept_thresholds)
     greedy_base, masks = None, None
-    for k in ks:
+    for threshold, k in ((t, k) for t in accept_thresholds for k in ks):
         base, results, ratios = run_side_by_side(
-            target, proposer, prompts, k, max_new_tokens, 0.0, eos_token_id, repeats=repeats
+            target,
+            proposer,
+            prompts,
+            k,
+            max_new_tokens,
+            0.0,
+            eos_token_id,
+            repeats=repeats,
+            accept_threshold=threshold,
         )
         if greedy_base is None:
             greedy_base = base
             report["loops"], masks = loop_statistics(greedy_base)
         check_identity(greedy_base, results, k)
-        entry = summarize(results, base, k, ratios)
+        entry = summarize(results, base, k, ratios, threshold)
         inside, outside = [], []
         for res, mask in zip(results, masks):
             a, b = metrics.split_rounds_by_loop(res.rounds, mask)
@@ -392,15 +431,18 @@ def evaluate_drafter(
             rounds_outside_loops=len(outside),
         )
         report["greedy"].append(entry)
-        log.info("greedy K=%d tau=%.3f speedup=%.2f", k, entry["tau"], entry["measured_speedup"])
+        log.info(
+            "greedy K=%d threshold=%g tau=%.3f speedup=%.2f", k, threshold, entry["tau"], entry["measured_speedup"]
+        )
     if temperature > 0:
-        for k in ks:
+        for threshold, k in ((t, k) for t in accept_thresholds for k in ks):
             base, results, ratios = run_side_by_side(
-                target, proposer, prompts, k, max_new_tokens, temperature, eos_token_id, seed, repeats
-            )
-            report["sampling"].append(summarize(results, base, k, ratios))
+                target, proposer, prompts, k, max_new_tokens, temperature, eos_token_id, seed, repeats, threshold,
+            )  # fmt: skip
+            report["sampling"].append(summarize(results, base, k, ratios, threshold))
     best = max(report["greedy"], key=lambda e: e["measured_speedup"])
     report["best_k"] = best["k"]
+    report["best_accept_threshold"] = best["accept_threshold"]
     report["baseline"] = {
         "target_forwards": sum(r.target_forwards for r in greedy_base),
         "tokens": sum(len(r.tokens) for r in greedy_base),

@@ -10,6 +10,10 @@ The target and its cache live in a :class:`~trainer.decoding.session.TargetSessi
 context: a drafter that is part of the target drafts through the session's first layers, and the verification then
 starts at the layer the drafts' hidden states reached (``DraftTree.verify_layer``), reusing their cache entries.
 
+Dynamic draft length: with ``accept_threshold`` above 0 the proposer (one that ``estimates_acceptance``) stops its
+chain or prunes its tree where the predicted acceptance of a path falls under the threshold, and the engine cuts the
+round's tree by the same rule (:meth:`DraftTree.cut`), so every proposer's rounds hold only the paths worth verifying.
+
 Exactness. The rules are exact; the arithmetic is the target's. A forward over K + 1 tokens and K + 1 one-token
 forwards compute the same logits up to the last bits of floating point (other kernel shapes, other summation order),
 so on a near-tie between the top two logits (a gap of about 1e-6 in float32, far less in float64) the argmax may
@@ -194,6 +198,7 @@ def speculative_generate(
     temperature: float = 0.0,
     eos_token_id: int | list[int] | None = None,
     generator: torch.Generator | None = None,
+    accept_threshold: float = 0.0,
 ) -> GenerationResult:
     """Generate with speculative decoding; lossless: greedy output equals the target's, samples are distributed as it.
 
@@ -207,6 +212,8 @@ def speculative_generate(
         temperature: 0 for greedy verification, otherwise speculative sampling at this temperature.
         eos_token_id: token id(s) that end generation, or ``None``.
         generator: random generator on the target's device (sampling only).
+        accept_threshold: dynamic draft length (0: off): drafts whose path's predicted acceptance is under it are not
+            verified; the proposer must estimate acceptance (``estimates_acceptance``).
     """
     if input_ids.dim() == 2:
         if input_ids.shape[0] != 1:
@@ -216,6 +223,13 @@ def speculative_generate(
         raise ValueError("the prompt is empty")
     if k < 0 or max_new_tokens < 0:
         raise ValueError(f"k and max_new_tokens must be >= 0, got k={k}, max_new_tokens={max_new_tokens}")
+    if not 0.0 <= accept_threshold <= 1.0:
+        raise ValueError(f"accept_threshold must be in [0, 1], got {accept_threshold}")
+    if accept_threshold > 0 and not getattr(proposer, "estimates_acceptance", False):
+        raise ValueError(
+            f"accept_threshold {accept_threshold}: {type(proposer).__name__} gives no acceptance estimate to cut its "
+            "drafts by (dynamic draft length needs a proposer with estimates_acceptance)"
+        )
     eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
     session = target if isinstance(target, TargetSession) else TargetSession(target)
     device = session.device
@@ -244,9 +258,11 @@ def speculative_generate(
             vocab_size=vocab_size,
             hidden_states=hidden,
             session=session,
+            accept_threshold=accept_threshold,
         )
         t0 = time.perf_counter()
         tree = proposer.propose(ctx) if ctx.k > 0 else DraftTree.empty(device)
+        tree = tree.cut(accept_threshold)
         _sync(device)
         t1 = time.perf_counter()
         result.propose_seconds += t1 - t0

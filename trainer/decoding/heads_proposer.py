@@ -6,11 +6,16 @@ verification (``ProposalContext.hidden_states``), so drafting costs the heads an
 guesses the draft at depth ``d + 1``. Greedy verification of either shape is lossless; at a temperature the chain
 samples each head's token from its own distribution (returned for speculative sampling), and a tree's top-k nodes
 are deterministic candidates (one-hot distributions), which keeps sampling exact too.
+
+Dynamic draft length (``ctx.accept_threshold``): every node gets its head's probability of its token (at temperature
+1) as ``confidence`` (a sampled chain draft: its head's top probability), and the engine keeps the nodes whose path
+product is at least the threshold; the heads run once per round, so the cut saves verification, not drafting.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path as FilePath
 
 import torch
@@ -24,7 +29,7 @@ from trainer.decoding.head_tree import (
     tree_from_choices,
 )
 from trainer.decoding.options import write_tree
-from trainer.decoding.proposers import BaseProposer, ProposalContext, draw
+from trainer.decoding.proposers import BaseProposer, ProposalContext, draft_confidence, draw
 from trainer.decoding.tree import DraftTree
 
 TREE_TOP_K = 10  # ranks of every head measured for a written tree
@@ -33,6 +38,8 @@ TREE_TOP_K = 10  # ranks of every head measured for a written tree
 class ParallelHeadsProposer(BaseProposer):
     """Chain or tree drafts from ``num_heads`` heads; subclasses give the heads' logits. ``max_drafts`` is the head
     count; :meth:`write_tree` writes the best tree for a node budget from the heads' accuracy measured on prompts."""
+
+    estimates_acceptance = True
 
     def __init__(self, layer: int, num_heads: int, choices: Sequence[Sequence[int]] | None = None) -> None:
         """
@@ -72,12 +79,24 @@ class ParallelHeadsProposer(BaseProposer):
         logits = self.head_logits(ctx)[:, : ctx.vocab_size]  # [K, V]
         if self.recorded is not None:
             self.recorded.append((ctx.tokens.numel(), logits.detach().float().cpu()))
+        estimate = ctx.accept_threshold > 0
         if self.choices is not None:
             top = logits.topk(min(top_k_needed(self.choices), logits.shape[-1]), dim=-1).indices  # [K, r]
-            return tree_from_choices(self.choices, top, max_depth=ctx.k)
+            tree = tree_from_choices(self.choices, top, max_depth=ctx.k)
+            if not estimate or not tree.num_nodes:
+                return tree
+            heads = tree.depths() - 1  # [N]: the head of every node
+            confidence = draft_confidence(logits[heads], tree.tokens[:, None])[:, 0]  # [N]
+            return replace(tree, confidence=confidence)
         drafts = [draw(logits[d], ctx) for d in range(ctx.k)]  # ([1] token, [V] or None) per head
         probs = torch.stack([p for _, p in drafts]) if ctx.temperature > 0 else None
-        return DraftTree.chain(torch.cat([t for t, _ in drafts]), probs)
+        tokens = torch.cat([t for t, _ in drafts])  # [k]
+        if not estimate:
+            return DraftTree.chain(tokens, probs)
+        sampled = ctx.temperature > 0  # a sampled draft's estimate is its head's top probability, not its token's
+        drafted = logits[: ctx.k]  # [k, V]
+        confidence = draft_confidence(drafted) if sampled else draft_confidence(drafted, tokens[:, None])[:, 0]
+        return DraftTree.chain(tokens, probs, confidence=confidence)
 
 
 def measure_head_accuracy(

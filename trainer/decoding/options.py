@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
+from trainer.errors import UsageError
+
 TreePaths = tuple[tuple[int, ...], ...]
 
 
@@ -56,6 +58,10 @@ class ProposerOptions:
             command line a JSON file of them (``draftsmith eval --write_tree FILE`` writes one).
         exit_layer: self-speculative drafters (early-exit, LayerSkip): the layer the draft exits at; on the command
             line also a sweep such as 1,2,3 (one report each, in OUT/exit_<E>).
+        accept_threshold: dynamic draft length: stop a chain, or prune a tree, where the drafter's predicted
+            chance that the path is accepted (the product of its drafts' probabilities) falls under this value, in
+            [0, 1]; 0 is off (eagle3, dflash, medusa, mtp_heads, mtp, draft models); on the command line also a
+            sweep such as 0,0.1,0.3 (side by side in one report).
     """
 
     tree: bool = False
@@ -64,6 +70,7 @@ class ProposerOptions:
     rank_temperature: float = 0.1
     tree_choices: TreePaths | None = field(default=None, metadata={"file": (read_tree, write_tree)})
     exit_layer: int | None = field(default=None, metadata={"sweep": True})
+    accept_threshold: float = field(default=0.0, metadata={"side_by_side": True})
 
     def __post_init__(self) -> None:
         if self.tree_nodes < 1 or self.tree_top_k < 1 or not self.rank_temperature > 0:
@@ -73,6 +80,11 @@ class ProposerOptions:
             )
         if self.exit_layer is not None and self.exit_layer < 1:
             raise ValueError(f"proposer options: exit_layer must be >= 1, got {self.exit_layer}")
+        if not 0.0 <= self.accept_threshold <= 1.0:  # also refuses NaN
+            raise UsageError(
+                f"proposer options: accept_threshold must be in [0, 1], got {self.accept_threshold}",
+                hint="0 turns dynamic draft length off; 0.1 to 0.5 are usual values",
+            )
         if self.tree_choices is not None:  # lists from a recipe: tuples, so that the options stay hashable
             object.__setattr__(self, "tree_choices", tuple(tuple(int(r) for r in p) for p in self.tree_choices))
 
@@ -115,10 +127,25 @@ def positive_ints(flag: str) -> Callable[[str], list[int]]:
     return parse
 
 
+def floats(flag: str) -> Callable[[str], list[float]]:
+    """An argparse type: numbers separated by commas, errors naming ``flag`` (the range is the options' check)."""
+
+    def parse(text: str) -> list[float]:
+        try:
+            values = [float(x) for x in text.split(",") if x.strip()]
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"{flag} must be numbers separated by commas, got {text!r}") from err
+        if not values:
+            raise argparse.ArgumentTypeError(f"{flag} needs at least one value, got {text!r}")
+        return values
+
+    return parse
+
+
 def add_option_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per field of :class:`ProposerOptions` (``--tree``, ``--tree_nodes``...): its type, its default and
-    its help from the class. A boolean is a switch; a field read from a file takes the file; a swept field takes
-    several values separated by commas."""
+    its help from the class. A boolean is a switch; a field read from a file takes the file; a swept field (one report
+    each) or a field measured side by side (one report) takes several values separated by commas."""
     hints = typing.get_type_hints(ProposerOptions)
     described = field_help()
     group = parser.add_argument_group("drafting options (ProposerOptions)")
@@ -131,26 +158,31 @@ def add_option_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, metavar="FILE", default=None, help=help_)
         elif f.metadata.get("sweep"):
             group.add_argument(flag, type=positive_ints(flag), default=None, metavar="N[,N...]", help=help_)
+        elif f.metadata.get("side_by_side"):
+            group.add_argument(flag, type=floats(flag), default=f.default, metavar="X[,X...]", help=help_)
         else:
             default = f.default if f.default is not MISSING else None
             group.add_argument(flag, type=kind, default=default, help=f"{help_} (default {default})")
 
 
 def options_from_arguments(args: argparse.Namespace) -> list[ProposerOptions]:
-    """The options of parsed arguments (:func:`add_option_arguments`): one per value of a swept field, in order;
-    a file that cannot be read, or a value out of range, raises ValueError."""
+    """The options of parsed arguments (:func:`add_option_arguments`): one per combination of the values of the
+    swept and side-by-side fields, in order (the swept field outermost); a file that cannot be read, or a value out
+    of range, raises ValueError."""
     values: dict[str, object] = {}
-    sweep: tuple[str, list] | None = None
+    several: list[tuple[str, list]] = []
     for f in fields(ProposerOptions):
         value = getattr(args, f.name)
         if "file" in f.metadata and value is not None:
             value = f.metadata["file"][0](value)
-        if f.metadata.get("sweep"):
-            sweep = (f.name, value or [None])
+        if f.metadata.get("sweep") or f.metadata.get("side_by_side"):
+            several.append((f.name, value if isinstance(value, list) else [value]))
             continue
         values[f.name] = value
-    name, swept = sweep if sweep is not None else ("", [None])
-    return [ProposerOptions(**values, **({name: v} if name else {})) for v in swept]
+    combos: list[dict[str, object]] = [{}]
+    for name, swept in several:
+        combos = [{**c, name: v} for c in combos for v in swept]
+    return [ProposerOptions(**values, **c) for c in combos]
 
 
 def option_arguments(options: ProposerOptions, folder: Path) -> list[str]:

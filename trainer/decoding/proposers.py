@@ -10,6 +10,26 @@ its kind, with the :class:`~trainer.decoding.options.ProposerOptions`); drafters
 here with ``@register_proposer("name")`` and a classmethod ``from_options(target, options)`` (``draftsmith eval
 --drafter NAME``): ``none``, ``prompt-lookup`` and ``early-exit`` (the target's own first layers,
 trainer/methods/layerskip/proposer.py).
+
+Dynamic draft length (``ProposerOptions.accept_threshold``, ``draftsmith eval --accept_threshold``). A proposer that
+can predict whether its drafts will be accepted declares ``estimates_acceptance = True`` (the hook; ``False`` in
+:class:`BaseProposer`) and then, whenever ``ctx.accept_threshold > 0``:
+
+- gives every node of its tree a ``confidence`` (``DraftTree.confidence``, ``[N]``): its predicted probability of
+  being accepted given that its parent is. The product along a path is the predicted acceptance of the whole path;
+  the engine keeps the nodes whose path product is at least the threshold (:meth:`DraftTree.cut`: a chain stops,
+  a tree is pruned). A sampled draft's confidence must not depend on the token drawn for it (take it from the
+  distribution, e.g. its top probability): the draft's presence then tells nothing about its value, and speculative
+  sampling stays exact;
+- may stop drafting early, where its cost is (a sequential drafter's next forward): :class:`ChainCut` keeps the running
+  product and says when to stop; what it stops is what the engine would have cut.
+
+The estimate the built-in drafters use is the drafter's own probability, at temperature 1, of the token it drafts
+(greedy, and each node of a tree of top-k candidates); for a sampled draft, the top probability of its distribution,
+whatever was drawn (:func:`draft_confidence`): EAGLE-2's observation that a drafter's confidence tracks its acceptance
+rate, with the cumulative product of the path as the path's estimate. A drafter with a better estimate (a trained
+confidence head) sets the same field from it. With ``accept_threshold`` 0 (the default) nothing is estimated and
+drafting is as before; a threshold given to a proposer that does not estimate is refused by the engine.
 """
 
 from __future__ import annotations
@@ -48,6 +68,8 @@ class ProposalContext:
             output before the final norm.
         session: the target session (its model, its cache, forwards through a slice of layers), for proposers that
             draft with the target's own layers; the cache holds the committed tokens before the round's pending ones.
+        accept_threshold: dynamic draft length: 0 (off), or the least predicted acceptance of a path worth drafting
+            and verifying (see the module docstring); only proposers with ``estimates_acceptance`` get one above 0.
     """
 
     tokens: torch.Tensor
@@ -57,6 +79,7 @@ class ProposalContext:
     vocab_size: int = 0
     hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
     session: TargetSession | None = None
+    accept_threshold: float = 0.0
 
 
 @runtime_checkable
@@ -69,11 +92,14 @@ class Proposer(Protocol):
     deeper than ``ctx.k``. ``check_k(k)``: refuse, before any decoding, ``k`` drafts per round that the proposer
     cannot draft (a ValueError naming ``--k``). ``write_tree(path, target, prompts, max_new_tokens, nodes)``: measure
     the proposer on the prompts and write the best tree of ``nodes`` paths to a file ``--tree_choices`` reads (parallel
-    heads; others refuse). :class:`BaseProposer` holds the defaults of all but ``propose``.
+    heads; others refuse). ``estimates_acceptance``: whether ``propose`` honours ``ctx.accept_threshold`` by giving its
+    tree a ``confidence`` (dynamic draft length, see the module docstring). :class:`BaseProposer` holds the defaults
+    of all but ``propose``.
     """
 
     needs_hidden_states: tuple[int, ...]
     max_drafts: int | None
+    estimates_acceptance: bool
 
     def reset(self) -> None: ...
 
@@ -88,10 +114,13 @@ class Proposer(Protocol):
 
 class BaseProposer:
     """The defaults of the :class:`Proposer` protocol, in one place: no hidden states, no bound on the drafts per
-    round, no state to forget, any ``k`` up to ``max_drafts``, and no tree to write."""
+    round, no state to forget, any ``k`` up to ``max_drafts``, no tree to write, and no acceptance estimate (set
+    ``estimates_acceptance = True`` in a proposer that fills ``DraftTree.confidence`` when ``ctx.accept_threshold >
+    0``)."""
 
     needs_hidden_states: tuple[int, ...] = ()
     max_drafts: int | None = None
+    estimates_acceptance: bool = False
 
     def reset(self) -> None:
         """Stateless by default."""
@@ -119,6 +148,53 @@ def draw(logits: torch.Tensor, ctx: ProposalContext) -> tuple[torch.Tensor, torc
         return logits.argmax()[None], None
     p = probs_from_logits(logits, ctx.temperature)  # [V]
     return torch.multinomial(p, 1, generator=ctx.generator), p
+
+
+def draft_confidence(logits: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """The built-in acceptance estimate from ``[..., V]`` drafter logits: the probability at temperature 1 of
+    ``tokens`` (``[..., r]``: r tokens of every distribution, greedy drafts or top-k candidates) as ``[..., r]``, or
+    without tokens the top probability (a sampled draft's estimate, which must not depend on the token drawn) as
+    ``[...]``; in float32 (float64 logits: float64)."""
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    probs = torch.softmax(logits.to(dtype), dim=-1)  # [..., V]
+    if tokens is None:
+        return probs.amax(dim=-1)
+    return probs.gather(-1, tokens.to(torch.long))  # [..., r]
+
+
+class ChainCut:
+    """The running predicted acceptance of a chain being drafted, for a sequential drafter that stops drafting when
+    it falls under ``ctx.accept_threshold`` (what it stops is what :meth:`DraftTree.cut` would cut)."""
+
+    def __init__(self, threshold: float) -> None:
+        """
+        Args:
+            threshold: ``ctx.accept_threshold`` (0: never stop, and nothing is recorded).
+        """
+        self.threshold = threshold
+        self.product = 1.0
+        self.values: list[torch.Tensor] = []  # the confidence of every admitted draft, each [] (a 0-d tensor)
+
+    @property
+    def active(self) -> bool:
+        """Whether a threshold is set."""
+        return self.threshold > 0
+
+    def admit(self, confidence: torch.Tensor) -> bool:
+        """Whether a next draft of this (0-d) confidence is still worth drafting; records it when it is."""
+        if not self.active:
+            return True
+        product = self.product * float(confidence)
+        if product < self.threshold:
+            return False
+        self.product = product
+        self.values.append(confidence.reshape(()))
+        return True
+
+    def confidence(self) -> torch.Tensor | None:
+        """``[n]`` the confidence of the admitted drafts, for ``DraftTree.chain(..., confidence=...)`` (None when off
+        or when nothing was admitted)."""
+        return torch.stack(self.values) if self.active and self.values else None
 
 
 _REGISTRY: dict[str, type] = {}

@@ -37,7 +37,9 @@ def markdown(report: dict) -> str:
         f"- loops: {_fmt(100 * loops['share'], 1)}% of the target's greedy output sits in a {loops['window']}-token "
         f"window repeating with a period <= {loops['max_period']} ({loops['looped_prompts']} prompts touched); "
         "any drafter that follows a loop scores well there, so tau is also given inside and outside loops",
-        f"- best K by measured greedy speedup: **{report['best_k']}**",
+        f"- best K by measured greedy speedup: **{report['best_k']}**"
+        + (f" (threshold {report.get('best_accept_threshold', 0.0):g})" if _dynamic(report) else ""),
+        *_drift_lines(report.get("original_target")),
         "",
         "tau: mean tokens committed per forward of the target, the bonus token counted (the first forward, also the",
         "prefill, verifies drafts made after the prompt). c: one draft's measured cost relative to a target decoding",
@@ -53,7 +55,8 @@ def markdown(report: dict) -> str:
     ]
     for e in report["greedy"]:
         lines.append(
-            f"| {e['k']} | {_fmt(e['tau'])} | {_fmt(e['tau_in_loops'])} | {_fmt(e['tau_outside_loops'])} "
+            f"| {e['k']}{_threshold_label(e)} | {_fmt(e['tau'])} | {_fmt(e['tau_in_loops'])} "
+            f"| {_fmt(e['tau_outside_loops'])} "
             f"| {_fmt(e['acceptance_rate'])} | {e['target_forwards']} ({e['baseline_target_forwards']}) "
             f"| {_fmt(e['draft_cost'])} | {_fmt(e['projected_speedup'], 2)}x | {_measured(e)} |"
         )
@@ -67,15 +70,73 @@ def markdown(report: dict) -> str:
         ]
         for e in report["sampling"]:
             lines.append(
-                f"| {e['k']} | {_fmt(e['tau'])} | {_fmt(e['acceptance_rate'])} "
+                f"| {e['k']}{_threshold_label(e)} | {_fmt(e['tau'])} | {_fmt(e['acceptance_rate'])} "
                 f"| {e['target_forwards']} ({e['baseline_target_forwards']}) | {_fmt(e['draft_cost'])} "
                 f"| {_fmt(e['projected_speedup'], 2)}x | {_measured(e)} |"
             )
+    lines += _threshold_section(report)
     lines += ["", "## Acceptance per draft position (greedy)", ""]
     for e in report["greedy"]:
         rates = ", ".join(_fmt(a, 2) for a in e["acceptance_per_position"])
-        lines.append(f"- K={e['k']}: {rates}")
+        lines.append(f"- K={e['k']}{_threshold_label(e)}: {rates}")
     return "\n".join(lines) + "\n"
+
+
+def _dynamic(report: dict) -> bool:
+    """Whether the report measured dynamic draft length (a threshold other than 0)."""
+    return any(t > 0 for t in report.get("accept_thresholds", [0.0]))
+
+
+def _threshold_label(entry: dict) -> str:
+    threshold = entry.get("accept_threshold", 0.0)
+    return f", threshold {threshold:g}" if threshold else ""
+
+
+def _threshold_section(report: dict) -> list[str]:
+    """Dynamic draft length side by side: per mode and K, one row per threshold (0: fixed length K)."""
+    if not _dynamic(report):
+        return []
+    lines = [
+        "",
+        "## Draft length by predicted acceptance",
+        "",
+        "Threshold: a path of drafts is verified only while the drafter's predicted chance of its acceptance (the",
+        "product of its drafts' probabilities) stays at or above it; 0 is the fixed draft length K. Drafts per round:",
+        "the mean number of draft tokens one target forward verified. Drafting cost per round: the proposer's time per",
+        "round over a target decoding forward. The projected speedup assumes K drafts every round, so it is left out.",
+    ]
+    for mode in ("greedy", "sampling"):
+        entries = sorted(report[mode], key=lambda e: (e["k"], e.get("accept_threshold", 0.0)))
+        if not entries:
+            continue
+        lines += [
+            "",
+            f"### {mode.capitalize()}" + (f" (temperature {report['temperature']})" if mode == "sampling" else ""),
+            "",
+            "| K | threshold | tau | drafts per round | drafting cost per round | acceptance | measured |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for e in entries:
+            lines.append(
+                f"| {e['k']} | {e.get('accept_threshold', 0.0):g} | {_fmt(e['tau'])} "
+                f"| {_fmt(e['drafts_per_round'], 2)} "
+                f"| {_fmt(e['draft_cost_per_round'])} | {_fmt(e['acceptance_rate'])} | {_measured(e)} |"
+            )
+    return lines
+
+
+def _drift_lines(drift: dict | None) -> list[str]:
+    """The changed target beside the model it was fine-tuned from (``--original_target``), when given."""
+    if not drift:
+        return []
+    new, old = drift["target"], drift["original"]
+    return [
+        f"- changed target against its original `{drift.get('original_path')}`: held-out loss on "
+        f"{drift.get('heldout', 'the prompts')} {_fmt(new['heldout_loss'])} nats per token (original "
+        f"{_fmt(old['heldout_loss'])}, {drift['tokens']} tokens); "
+        f"loop share of the greedy output {_fmt(100 * new['loop_share'], 1)}% (original "
+        f"{_fmt(100 * old['loop_share'], 1)}%)"
+    ]
 
 
 def _measured(entry: dict) -> str:
@@ -95,14 +156,17 @@ def plot(report: dict, path: Path) -> None:
     for mode, style in (("greedy", "-o"), ("sampling", "--s")):
         for e in report[mode]:
             positions = list(range(1, len(e["acceptance_per_position"]) + 1))
-            left.plot(positions, e["acceptance_per_position"], style, label=f"{mode} K={e['k']}")
-        if report[mode]:
-            right.plot([e["k"] for e in report[mode]], [e["tau"] for e in report[mode]], style, label=mode)
+            left.plot(positions, e["acceptance_per_position"], style, label=f"{mode} K={e['k']}{_threshold_label(e)}")
+        for threshold in report.get("accept_thresholds", [0.0]):
+            entries = [e for e in report[mode] if e.get("accept_threshold", 0.0) == threshold]
+            if entries:
+                label = mode + (f" threshold {threshold:g}" if _dynamic(report) else "")
+                right.plot([e["k"] for e in entries], [e["tau"] for e in entries], style, label=label)
     left.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.05), title="Acceptance per draft position")
     left.legend(fontsize=7)
     left.xaxis.set_major_locator(MaxNLocator(integer=True))
     right.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ks = [e["k"] for e in report["greedy"]]
+    ks = sorted({e["k"] for e in report["greedy"]})
     right.plot(ks, [k + 1 for k in ks], ":", color="gray", label="K + 1 (all accepted)")
     right.set(xlabel="K", ylabel="tau (tokens per target forward)", title="tau per K")
     right.legend(fontsize=7)

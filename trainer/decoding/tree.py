@@ -27,6 +27,10 @@ class DraftTree:
             for a proposer that ran the round's tokens through the target's layers ``[0, E)`` itself.
         verify_hidden: with ``verify_layer`` E > 0, ``[m + N, H]`` the hidden states entering layer E of the round's
             pending tokens and of every node, in input order.
+        confidence: ``[N]`` the proposer's predicted probability that node i is accepted given that its parent is
+            (the root's children: unconditionally), or ``None`` (no estimate). The product along a path is the
+            path's predicted acceptance, which :meth:`cut` compares with a threshold (dynamic draft length, see
+            trainer/decoding/proposers.py). A sampled node's value must not depend on the token drawn for it.
     """
 
     tokens: torch.Tensor
@@ -34,6 +38,7 @@ class DraftTree:
     probs: torch.Tensor | None = None
     verify_layer: int = 0
     verify_hidden: torch.Tensor | None = None
+    confidence: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.tokens = self.tokens.to(torch.long).flatten()
@@ -48,6 +53,10 @@ class DraftTree:
             raise ValueError(f"draft probs must be [N={n}, V], got {tuple(self.probs.shape)}")
         if self.verify_layer < 0 or (self.verify_layer > 0) != (self.verify_hidden is not None):
             raise ValueError("verify_hidden is given exactly when verify_layer > 0")
+        if self.confidence is not None:
+            self.confidence = self.confidence.flatten()
+            if self.confidence.numel() != n:
+                raise ValueError(f"a draft tree needs one confidence per node: {n} nodes, {self.confidence.numel()}")
 
     @classmethod
     def chain(
@@ -56,11 +65,12 @@ class DraftTree:
         probs: torch.Tensor | None = None,
         verify_layer: int = 0,
         verify_hidden: torch.Tensor | None = None,
+        confidence: torch.Tensor | None = None,
     ) -> DraftTree:
         """A chain of drafts: node i is the child of node i - 1 (the first one of the root)."""
         tokens = tokens.to(torch.long).flatten()  # [K]
         parents = torch.arange(tokens.numel(), device=tokens.device) - 1  # [K]
-        return cls(tokens, parents, probs, verify_layer, verify_hidden)
+        return cls(tokens, parents, probs, verify_layer, verify_hidden, confidence)
 
     @classmethod
     def empty(cls, device: torch.device | str = "cpu") -> DraftTree:
@@ -104,6 +114,50 @@ class DraftTree:
         for i, parent in enumerate(self.parents.tolist()):
             kids[parent + 1].append(i)
         return kids
+
+    def path_confidence(self) -> torch.Tensor:
+        """``[N]`` the predicted acceptance of the path to every node: the product of ``confidence`` from the root's
+        child down to it (``confidence`` must be set)."""
+        if self.confidence is None:
+            raise ValueError("this draft tree has no confidence")
+        conf = self.confidence.double().clamp(0.0, 1.0).tolist()
+        path = [0.0] * self.num_nodes
+        for i, parent in enumerate(self.parents.tolist()):
+            path[i] = conf[i] * (1.0 if parent < 0 else path[parent])
+        return torch.tensor(path, dtype=torch.float64)
+
+    def cut(self, threshold: float) -> DraftTree:
+        """The nodes whose path's predicted acceptance (:meth:`path_confidence`) is at least ``threshold``: a chain
+        stops before its first draft below it, a tree loses the subtrees below it. The kept nodes are closed under
+        parents (a node never scores above its parent); with sampled nodes (``probs``) a node is also dropped when a
+        sibling before it is, since its distribution took that sibling into account. Unchanged without
+        ``confidence`` or with ``threshold`` 0. Speculative verification of the result stays lossless: a node's
+        presence depends on the drafter's estimates only, never on the token drawn for it."""
+        if self.confidence is None or threshold <= 0 or not self.num_nodes:
+            return self
+        if self.verify_layer > 0:
+            raise ValueError("a tree verified from an inner layer wrote its nodes to the target's cache: not cut here")
+        path = self.path_confidence().tolist()
+        keep = [False] * self.num_nodes
+        sibling_cut: set[int] = set()  # parents with a dropped child
+        for i, parent in enumerate(self.parents.tolist()):
+            keep[i] = (parent < 0 or keep[parent]) and path[i] >= threshold
+            if self.probs is not None and parent in sibling_cut:
+                keep[i] = False
+            if not keep[i]:
+                sibling_cut.add(parent)
+        kept = [i for i in range(self.num_nodes) if keep[i]]
+        if len(kept) == self.num_nodes:
+            return self
+        index = {n: j for j, n in enumerate(kept)}
+        rows = torch.tensor(kept, dtype=torch.long, device=self.tokens.device)  # [N']
+        parents = [index[p] if p >= 0 else -1 for p in self.parents[rows].tolist()]
+        return DraftTree(
+            tokens=self.tokens[rows],
+            parents=torch.tensor(parents, dtype=torch.long, device=self.tokens.device),
+            probs=None if self.probs is None else self.probs[rows.to(self.probs.device)],
+            confidence=self.confidence[rows.to(self.confidence.device)],
+        )
 
     def ancestor_mask(self) -> torch.Tensor:
         """``[N + 1, N + 1]`` boolean, True where input i may attend to input j (j is i or one of its ancestors)."""

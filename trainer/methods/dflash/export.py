@@ -25,6 +25,13 @@ speculators' trainer declares its draft layers ``sliding_attention`` with ``slid
 its ``create_anchor_block_mask_mod`` makes causal inside the block and windowed over the context (module.py reads
 both); ``sample_from_anchor: true`` (the anchor slot drafts the first token) is refused by name.
 
+DSpark format (``speculators_model_type: "dspark"``, ``DSparkSpeculator``: speculators 0.9 ``models/dspark``): the
+speculators DFlash format plus its four fields, ``markov_rank``, ``markov_head_type``, ``enable_confidence_head`` and
+``confidence_head_with_markov``, and the heads' weights under speculators' names (heads.py); ``sample_from_anchor``
+is written false (DSpark's default is true: the anchor slot drafting the first token, which draftsmith does not
+implement, so a DSpark folder without the key is refused by name). The z-lab and speculators DFlash writers refuse a
+drafter with heads (their readers have no field for them) and name this format.
+
 The z-lab format has no field for a block's causal attention: a z-lab folder whose ``layer_types`` make a layer
 sliding is refused by name, and so is a drafter with sliding layers given to its writer.
 
@@ -47,6 +54,25 @@ from trainer.methods.dflash.module import FULL, LAYER_TYPES, SLIDING, DFlashConf
 
 ZLAB_ARCHITECTURES = ["DFlashDraftModel"]
 SPECULATORS_ARCHITECTURES = ["DFlashSpeculator"]
+DSPARK_ARCHITECTURES = ["DSparkSpeculator"]
+HEAD_KEYS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
+DSPARK_DEFAULTS = {
+    "markov_rank": 256,
+    "markov_head_type": "vanilla",
+    "enable_confidence_head": True,
+    "confidence_head_with_markov": True,
+}  # speculators' DSparkSpeculatorConfig defaults, for a file that leaves a key out
+
+
+def _refuse_heads(c: DFlashConfig, fmt: str) -> None:
+    if c.dspark:
+        raise ModelFolderError(
+            f"the {fmt} format has no field for DSpark's heads (markov_rank {c.markov_rank}, enable_confidence_head "
+            f"{c.enable_confidence_head}): its readers would not load them",
+            hint="write it with --format dspark",
+        )
+
+
 Reading = Literal["vllm", "sglang", "dflash"]
 
 
@@ -83,6 +109,7 @@ def save_zlab(drafter: DFlashDrafter, out_dir: str, dtype: torch.dtype | None = 
     """Write the z-lab checkpoint (``DFlashDraftModel``: SGLang, vLLM, ``DFlashDraftModel.from_pretrained``); a
     drafter with sliding-window layers is refused (the format has no field for their causal block)."""
     c = drafter.config
+    _refuse_heads(c, "z-lab dflash")
     if not c.all_full:
         raise ModelFolderError(
             f"layer_types {list(c.layer_types or [])} (sliding_window {c.sliding_window}, sliding_window_non_causal "
@@ -113,8 +140,10 @@ def save_speculators(
     verifier: str,
     verifier_architectures: list[str] | None = None,
     dtype: torch.dtype | None = None,
+    dspark: bool = False,
 ) -> Path:
-    """Write the speculators-format checkpoint (``DFlashSpeculator``).
+    """Write the speculators-format checkpoint (``DFlashSpeculator``), or with ``dspark`` speculators' DSpark format
+    (``DSparkSpeculator``, the heads' fields and weights beside).
 
     Args:
         drafter: the drafter.
@@ -122,16 +151,20 @@ def save_speculators(
         verifier: the target's directory or hub id (speculators rebuilds the embedding and lm_head from it).
         verifier_architectures: the target config's ``architectures``.
         dtype: the weights' dtype in the file (default: the drafter's).
+        dspark: write the DSpark format (else a drafter with heads is refused).
     """
     if not verifier:
         raise ValueError("the speculators format names its verifier (the target): none given")
     c = drafter.config
+    if not dspark:
+        _refuse_heads(c, "dflash-speculators")
+    algorithm = "dspark" if dspark else "dflash"
     dtype_name = str(dtype or drafter.fc.weight.dtype).removeprefix("torch.")
     config = {
-        "architectures": SPECULATORS_ARCHITECTURES,
-        "speculators_model_type": "dflash",
+        "architectures": DSPARK_ARCHITECTURES if dspark else SPECULATORS_ARCHITECTURES,
+        "speculators_model_type": algorithm,
         "speculators_config": {
-            "algorithm": "dflash",
+            "algorithm": algorithm,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": c.block_size - 1}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures or [])},
@@ -144,6 +177,7 @@ def save_speculators(
         "mask_token_id": c.mask_token_id,
         "sliding_window_non_causal": bool(c.sliding_window_non_causal),
         "sample_from_anchor": False,
+        **({key: getattr(c, key) for key in HEAD_KEYS} if dspark else {}),
         "num_target_layers": c.num_target_layers,
         "dtype": dtype_name,
         "torch_dtype": dtype_name,
@@ -317,15 +351,17 @@ def load_zlab(path: str, reading: Reading = "vllm") -> DFlashDrafter:
     return _consume(drafter, tensors, path)
 
 
-def load_speculators(path: str) -> DFlashDrafter:
-    """Read a speculators export by its rules (speculators' ``DFlashSpeculatorConfig`` and ``DFlashDraftModel``):
-    the layer config under ``transformer_layer_config``, layer ids in ``aux_hidden_state_layer_ids`` (HF indices), a
-    full-vocabulary draft (no vocabulary map), ``target_hidden_size`` None or the layers' width, the layers' attention
-    (``layer_types``, ``sliding_window``, ``sliding_window_non_causal``), and ``sample_from_anchor`` false."""
-    config, tensors = read_folder(path, "a DFlash export")
-    if config.get("speculators_model_type") != "dflash":
+def load_speculators(path: str, model_type: Literal["dflash", "dspark"] = "dflash") -> DFlashDrafter:
+    """Read a speculators export by its rules (speculators' ``DFlashSpeculatorConfig`` and ``DFlashDraftModel``, or
+    with ``model_type`` dspark ``DSparkSpeculatorConfig`` and ``DSparkDraftModel``): the layer config under
+    ``transformer_layer_config``, layer ids in ``aux_hidden_state_layer_ids`` (HF indices), a full-vocabulary draft
+    (no vocabulary map), ``target_hidden_size`` None or the layers' width, the layers' attention (``layer_types``,
+    ``sliding_window``, ``sliding_window_non_causal``), ``sample_from_anchor`` false (DSpark's default is true), and
+    DSpark's head fields with speculators' defaults for those left out."""
+    config, tensors = read_folder(path, f"a {model_type} export")
+    if config.get("speculators_model_type") != model_type:
         raise ModelFolderError(
-            f"{path}: speculators_model_type {config.get('speculators_model_type')!r}, expected 'dflash'"
+            f"{path}: speculators_model_type {config.get('speculators_model_type')!r}, expected {model_type!r}"
         )
     raw = config.get("transformer_layer_config")
     if not isinstance(raw, dict):
@@ -341,11 +377,12 @@ def load_speculators(path: str) -> DFlashDrafter:
             path, "target_hidden_size", config["target_hidden_size"],
             f"speculators' fc reads hidden states of the layers' width, {layer['hidden_size']}",
         )  # fmt: skip
-    if config.get("sample_from_anchor", False) is not False:
+    from_anchor = config.get("sample_from_anchor", model_type == "dspark")  # absent: DSpark's default is true
+    if from_anchor is not False:
         raise _refuse(
-            path, "sample_from_anchor", config["sample_from_anchor"],
-            "the anchor slot drafting the first token is not implemented by draftsmith's DFlash proposer (slots "
-            "1..b-1 draft)",
+            path, "sample_from_anchor", from_anchor,
+            f"{'(absent: speculators DSpark default) ' if 'sample_from_anchor' not in config else ''}the anchor slot "
+            "drafting the first token is not implemented by draftsmith's DFlash proposer (slots 1..b-1 draft)",
         )  # fmt: skip
     layers = config.get("aux_hidden_state_layer_ids")
     if layers is None:
@@ -367,6 +404,8 @@ def load_speculators(path: str) -> DFlashDrafter:
             hint="run from the folder the verifier path is relative to, or add num_target_layers to config.json",
         )
     attention = _attention(layer, config.get("sliding_window_non_causal", False), path, "transformer_layer_config")
+    if model_type == "dspark":
+        attention.update({key: config.get(key, default) for key, default in DSPARK_DEFAULTS.items()})
     drafter = DFlashDrafter(_config(layer, layers, depth, block, config.get("mask_token_id"), path, attention))
     return _consume(drafter, tensors, path)
 

@@ -1,7 +1,8 @@
 """Drafter kind ``dflash``: a block-diffusion drafter over the target's hidden states (module.py).
 
-Exported in the z-lab format (``dflash``: SGLang, vLLM and the z-lab ``dflash`` package, ``DFlashDraftModel``) or the
-speculators format (``dflash-speculators``: ``DFlashSpeculator``); drafted one block per round as a chain, or as a
+Exported in the z-lab format (``dflash``: SGLang, vLLM and the z-lab ``dflash`` package, ``DFlashDraftModel``), the
+speculators format (``dflash-speculators``: ``DFlashSpeculator``) or, with DSpark's heads (heads.py), speculators'
+DSpark format (``dspark``: ``DSparkSpeculator``); drafted one block per round as a chain, or as a
 DDTree with ``--tree`` (proposer.py), through the target's own embedding and lm_head.
 
 A folder is recognised as the speculators format by its ``speculators_model_type`` first: speculators' own
@@ -40,6 +41,11 @@ def make_record(config: DFlashConfig, target: str | None, target_architectures: 
     )
 
 
+def is_dspark(config: dict) -> bool:
+    """A speculators DSpark config (``speculators_model_type: "dspark"``)."""
+    return config.get("speculators_model_type") == "dspark"
+
+
 def is_speculators(config: dict) -> bool:
     """A speculators DFlash config (``speculators_model_type: "dflash"``), whatever its ``architectures``."""
     return config.get("speculators_model_type") == "dflash"
@@ -66,10 +72,16 @@ def load_speculators(folder: Path) -> tuple[DFlashDrafter, DrafterRecord]:
     return drafter, make_record(drafter.config, verifier or None, [])
 
 
-def write_speculators(drafter: DFlashDrafter, record: DrafterRecord, out_dir: Path) -> Path:
+def load_dspark(folder: Path) -> tuple[DFlashDrafter, DrafterRecord]:
+    drafter = formats.load_speculators(str(folder), "dspark")
+    verifier = ((folder_config(folder).get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    return drafter, make_record(drafter.config, verifier or None, [])
+
+
+def write_speculators(drafter: DFlashDrafter, record: DrafterRecord, out_dir: Path, dspark: bool = False) -> Path:
     if not record.target:
         raise ValueError("the speculators format names the verifier: the drafter record lacks its target")
-    return formats.save_speculators(drafter, str(out_dir), record.target, record.target_architectures)
+    return formats.save_speculators(drafter, str(out_dir), record.target, record.target_architectures, dspark=dspark)
 
 
 def proposer(drafter: DFlashDrafter, record: DrafterRecord, target: PreTrainedModel, options: ProposerOptions):
@@ -99,4 +111,12 @@ SPECULATORS = ExportFormat(
     recognise=lambda folder: is_speculators(folder_config(folder)),
 )
 
-register_kind(DrafterKind(name=KIND, build=build, formats=(ZLAB, SPECULATORS), proposer=proposer))
+DSPARK = ExportFormat(
+    name="dspark",
+    description="DFlash with DSpark's Markov and confidence heads, speculators' DSpark format (DSparkSpeculator)",
+    write=lambda drafter, record, out: write_speculators(drafter, record, out, dspark=True),
+    load=load_dspark,
+    recognise=lambda folder: is_dspark(folder_config(folder)),
+)
+
+register_kind(DrafterKind(name=KIND, build=build, formats=(ZLAB, SPECULATORS, DSPARK), proposer=proposer))

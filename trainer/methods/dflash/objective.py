@@ -29,13 +29,17 @@ token is an id the tokenizer does not use (module.py ``check_mask_token``), reco
 config and every export; a special token accepted there is also refused when the training data contains it.
 
 Logged per step: the loss, ``acc_k`` (slot k's argmax equals its label token, or the target's argmax with soft
-labels) and ``block_tau`` (1 + the leading slots of a block that are right, over the blocks: the teacher-forced
-accepted length of one block).
+labels), ``prefix_k`` (slots 1..k of a block all right, over the blocks whose slots 1..k are all trained: the
+teacher-forced counterpart of ``draftsmith eval``'s acceptance per draft position, had every position been a round's
+root) and ``block_tau`` (1 + the leading slots of a block that are right, over the blocks: the teacher-forced
+accepted length of one block); with DSpark's confidence head also ``confidence_loss``, ``confidence_abs_error``,
+``confidence_pred_mean`` and ``accept_rate`` (heads.py).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Literal
 
 import numpy as np
@@ -48,6 +52,7 @@ from trainer.block_attention import Impl
 from trainer.errors import RecipeError, UserError
 from trainer.losses import kl_from_log_probs
 from trainer.methods.dflash import kind as dflash_kind
+from trainer.methods.dflash.heads import check_heads
 from trainer.methods.dflash.module import (
     DFlashConfig,
     DFlashDrafter,
@@ -90,6 +95,11 @@ class DFlash(DraftObjective):
         trust_remote_code: bool = False,
         seed: int = 0,
         target_signals: TargetSignals = "online",
+        markov_rank: int = 0,
+        markov_head_type: str = "vanilla",
+        enable_confidence_head: bool = False,
+        confidence_head_with_markov: bool = False,
+        confidence_head_alpha: float = 1.0,
         optim: Optim = Optim(),
     ) -> None:
         """
@@ -116,6 +126,13 @@ class DFlash(DraftObjective):
             seed: seed of the drafter's initialisation and of the anchors.
             target_signals: "online" runs the target in every step; "shards" reads its hidden states of
                 ``target_layers`` (and top-k next tokens, for soft labels) from a ShardDataModule, never building it.
+            markov_rank: DSpark's Markov logit-bias head (heads.py): its rank r, slot k biased by the token before
+                its own (the draft of slot k - 1 when drafting); 0: none (plain DFlash). speculators uses 256.
+            markov_head_type: the Markov head's variant: "vanilla" (speculators' "gated" and "rnn" are refused).
+            enable_confidence_head: DSpark's confidence head, predicting each slot's acceptance probability.
+            confidence_head_with_markov: the confidence head also reads the previous token's Markov embedding (needs
+                both heads).
+            confidence_head_alpha: the confidence head's binary cross entropy is added to the loss times this.
             optim: optimizer and learning-rate schedule.
         """
         super().__init__(optim)
@@ -126,12 +143,22 @@ class DFlash(DraftObjective):
             )
         if block_size < 2:
             raise RecipeError(f"model.block_size={block_size}: a block needs the anchor and at least one mask slot")
-        self.labels, self.attention = labels, attention
+        if confidence_head_alpha < 0:
+            raise RecipeError(f"model.confidence_head_alpha={confidence_head_alpha} must be >= 0")
+        heads = dict(
+            markov_rank=markov_rank, markov_head_type=markov_head_type, enable_confidence_head=enable_confidence_head,
+            confidence_head_with_markov=confidence_head_with_markov,
+        )  # fmt: skip
+        try:
+            check_heads(markov_rank, markov_head_type, enable_confidence_head, confidence_head_with_markov)
+        except ValueError as err:
+            raise RecipeError(f"model.{err}") from err
+        self.labels, self.attention, self.confidence_alpha = labels, attention, float(confidence_head_alpha)
         self.max_anchors, self.loss_chunk_size, self.seed = max_anchors, loss_chunk_size, seed
         frozen = self.load_target(target, target_signals, target_dtype, trust_remote_code)
         torch.manual_seed(seed)
         if init_from is not None:
-            self.drafter = self.drafter_from_checkpoint(init_from, dflash_kind.KIND)
+            self.drafter = with_heads(self.drafter_from_checkpoint(init_from, dflash_kind.KIND), heads, init_from)
         else:
             L = frozen.num_layers
             layers = list(target_layers) if target_layers else list(default_target_layers(L, context_layers))
@@ -149,7 +176,7 @@ class DFlash(DraftObjective):
             except ValueError as err:  # the check names model.mask_token_id: a recipe value
                 raise RecipeError(str(err)) from err
             config = DFlashConfig.from_target(frozen.config, num_draft_layers, layers, block_size, mask)
-            config.vocab_size = rows
+            config = replace(config, vocab_size=rows, **heads)
             self.drafter = DFlashDrafter(config)
         self.drafter.to(resolve_dtype(drafter_dtype))
         b = self.drafter.config.block_size
@@ -158,6 +185,7 @@ class DFlash(DraftObjective):
             raise RecipeError(f"model.gamma={gamma} must be > 0")
         decay = torch.exp(-torch.arange(b - 1, dtype=torch.float32) / self.gamma)  # slot k = 1..b-1
         self.register_buffer("decay", decay / decay.sum(), persistent=False)  # normalised over the block
+        self.register_buffer("conf_decay", decay, persistent=False)  # the confidence loss's weights, as speculators'
 
     def trainable_module(self) -> nn.Module:
         return self.drafter
@@ -245,16 +273,37 @@ class DFlash(DraftObjective):
         weights = self.decay.to(ids.device)[None, None, :].expand_as(positions)  # [B, N, b - 1]
         idx = selected.flatten().nonzero()[:, 0]  # [n]
         flat_rows, flat_pos = rows.flatten()[idx], safe.flatten()[idx]  # [n] each
-        per_slot, hits = self._slot_losses(slots.flatten(0, 2)[idx], ids, batch, final, flat_rows, flat_pos)
+        if drafter.config.dspark and self.weights_are_sharded():
+            raise RecipeError(
+                "model.markov_rank / enable_confidence_head: DSpark's heads are read outside the drafter's forward, "
+                "which FSDP2 and ZeRO-3 shard; train them with DDP or on one device"
+            )
+        slot_out = self._slot_losses(slots.flatten(0, 2)[idx], ids, batch, final, flat_rows, flat_pos)
+        per_slot, hits, bce, accept, confidence = slot_out  # [n] each (the last three empty without that head)
         w = weights.flatten()[idx]  # [n]
         loss = (per_slot * w).sum() / w.sum() if idx.numel() else slots.sum() * 0.0
+        metrics: dict[str, torch.Tensor] = {}
+        if drafter.confidence_head is not None and idx.numel():
+            slot_of = torch.arange(b - 1, device=ids.device).expand(B, N, b - 1).flatten()[idx]  # [n]: k - 1
+            confidence_loss = (bce * self.conf_decay.to(ids.device)[slot_of]).sum() / idx.numel()
+            loss = loss + self.confidence_alpha * confidence_loss
+            metrics["confidence_loss"] = confidence_loss.detach()
+            metrics["confidence_abs_error"] = (confidence - accept).abs().mean()
+            metrics["confidence_pred_mean"] = confidence.mean()
+            metrics["accept_rate"] = accept.mean()
         with torch.no_grad():
             right = torch.zeros(B * N * (b - 1), dtype=torch.bool, device=ids.device)
             right[idx] = hits
             right = right.view(B, N, b - 1)
             counts = selected.sum((0, 1)).clamp(min=1)  # [b - 1]
-            metrics = {f"acc_{k + 1}": right[:, :, k].sum() / counts[k] for k in range(b - 1)}
-            leading = right.long().cumprod(-1).sum(-1).float() + 1.0  # [B, N]
+            metrics.update({f"acc_{k + 1}": right[:, :, k].sum() / counts[k] for k in range(b - 1)})
+            prefix = right.long().cumprod(-1)  # [B, N, b - 1]: slots 1..k all right
+            full = keep[:, :, None] & selected.long().cumprod(-1).bool()  # [B, N, b - 1]: slots 1..k all trained
+            metrics.update(
+                {f"prefix_{k + 1}": (prefix[:, :, k] * full[:, :, k]).sum() / full[:, :, k].sum().clamp(min=1)
+                 for k in range(b - 1)}
+            )  # fmt: skip
+            leading = prefix.sum(-1).float() + 1.0  # [B, N]
             metrics["block_tau"] = (leading * keep).sum() / keep.sum().clamp(min=1)
         return loss, metrics
 
@@ -266,34 +315,56 @@ class DFlash(DraftObjective):
         final: torch.Tensor | None,
         rows: torch.Tensor,
         positions: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-slot losses [n] float32 and right-argmax flags [n] of the selected slots.
+    ) -> tuple[torch.Tensor, ...]:
+        """Per-slot losses [n] float32 and right-argmax flags [n] of the selected slots, and with a confidence head
+        its binary cross entropies [n], the slots' analytical acceptance rates [n] and the predicted ones [n].
 
         hidden: [n, H] the slots' outputs; rows, positions: [n] the batch row and position of each slot's token.
         Soft and argmax labels come from the target's distribution at ``position - 1`` (online: from ``final``
-        [B, S, H]; shards: the batch's top-k), hard ones are the token itself. Chunks of ``loss_chunk_size`` slots,
-        each checkpointed.
+        [B, S, H]; shards: the batch's top-k), hard ones are the token itself; the Markov head reads the token at
+        ``position - 1``. Chunks of ``loss_chunk_size`` slots, each checkpointed.
         """
         head = self.target.lm_head_weight.detach()  # [V, H]
-        labels = ids[rows, positions]  # [n]
-        losses, hits = [], []
+        labels, prev = ids[rows, positions], ids[rows, positions - 1]  # [n] each
+        teacher_needed = self.labels != "hard" or self.drafter.confidence_head is not None
+        outputs: list[tuple[torch.Tensor, ...]] = []
         for start in range(0, hidden.shape[0], self.loss_chunk_size):
             part = slice(start, start + self.loss_chunk_size)
             extra: tuple[torch.Tensor, ...] = ()
-            if self.labels != "hard" and final is not None:
+            if teacher_needed and final is not None:
                 extra = (final[rows[part], positions[part] - 1],)  # [C, H] the target's normed hidden states
-            elif self.labels != "hard":
+            elif teacher_needed:
                 topk = batch["teacher_topk_ids"][rows[part], positions[part] - 1].long()  # [C, k]
                 extra = (topk, batch["teacher_topk_logprobs"][rows[part], positions[part] - 1].float())
-            loss, hit = checkpoint(self._chunk, hidden[part], head, labels[part], *extra, use_reentrant=False)
-            losses.append(loss)
-            hits.append(hit)
-        empty = hidden.new_zeros(0, dtype=torch.float32)
-        return (torch.cat(losses) if losses else empty), (torch.cat(hits) if hits else empty.bool())
+            outputs.append(
+                checkpoint(self._chunk, hidden[part], head, labels[part], prev[part], *extra, use_reentrant=False)
+            )
+        if not outputs:
+            empty = hidden.new_zeros(0, dtype=torch.float32)
+            return empty, empty.bool(), empty, empty, empty
+        return tuple(torch.cat(parts) for parts in zip(*outputs))
 
-    def _chunk(self, hidden, head, labels, *teacher) -> tuple[torch.Tensor, torch.Tensor]:
-        """Losses [C] and right-argmax flags [C] of one chunk of slots."""
+    def _chunk(self, hidden, head, labels, prev, *teacher) -> tuple[torch.Tensor, ...]:
+        """Losses [C], right-argmax flags [C] and the confidence head's terms (:meth:`_slot_losses`) of one chunk."""
         logits = (hidden @ head.t().to(hidden.dtype)).float()  # [C, V]
+        logits, confidence = self.drafter.apply_heads(hidden, logits, prev)  # [C, V] Markov-biased, [C] or None
+        loss, hit = self._label_loss(logits.float(), head, labels, *teacher)
+        if confidence is None:
+            empty = loss.new_zeros(0)
+            return loss, hit, empty, empty, empty
+        with torch.no_grad():
+            q = torch.softmax(logits.float(), dim=-1)  # [C, V]
+            if len(teacher) == 1:  # online: the target's whole distribution at temperature 1
+                p = torch.softmax((teacher[0] @ head.t().to(teacher[0].dtype)).float(), dim=-1)  # [C, V]
+                accept = torch.minimum(q, p).sum(-1)  # [C]: 1 - TV(q, p)
+            else:  # shards: the stored top-k probabilities (the overlap over those ids, a lower bound)
+                topk, logprobs = teacher
+                accept = torch.minimum(q.gather(-1, topk), logprobs.exp()).sum(-1)  # [C]
+        bce = F.binary_cross_entropy_with_logits(confidence.float(), accept, reduction="none")  # [C]
+        return loss, hit, bce, accept, torch.sigmoid(confidence.detach().float())
+
+    def _label_loss(self, logits, head, labels, *teacher) -> tuple[torch.Tensor, torch.Tensor]:
+        """Losses [C] and right-argmax flags [C] of slots' logits [C, V] against their labels (head: [V, H])."""
         log_q = torch.log_softmax(logits, dim=-1)  # [C, V]
         guess = logits.detach().argmax(-1)  # [C]
         if self.labels == "argmax":  # the target's choice (online: from its hidden states; shards: the stored top-1)
@@ -323,3 +394,28 @@ class DFlash(DraftObjective):
     def drafter_record(self):
         architectures = getattr(self.target.config, "architectures", None) or []
         return dflash_kind.make_record(self.drafter.config, self.target_path, architectures)
+
+
+def with_heads(drafter: DFlashDrafter, heads: dict, init_from: str) -> DFlashDrafter:
+    """The drafter of ``init_from`` with the recipe's DSpark heads (``heads``: the config's head fields): unchanged
+    when they are its own, else a drafter of its shape with those heads: the backbone's weights copied, a head of the
+    same shape kept, new or reshaped heads from their initialisation, heads the recipe leaves out dropped (warned)."""
+    config = drafter.config
+    if all(getattr(config, key) == value for key, value in heads.items()):
+        return drafter
+    rebuilt = DFlashDrafter(replace(config, **heads)).to(drafter.fc.weight.dtype)
+    fresh = rebuilt.state_dict()
+    heads_only = ("markov_head.", "confidence_head.")
+    old = drafter.state_dict()
+    kept = {k: v for k, v in old.items() if not k.startswith(heads_only) or (k in fresh and fresh[k].shape == v.shape)}
+    missing, _ = rebuilt.load_state_dict(kept, strict=False)
+    stray = [k for k in missing if not k.startswith(heads_only)]
+    if stray:  # cannot happen for a drafter of the same shape: a bug, not a user error
+        raise RuntimeError(f"model.init_from {init_from!r}: weights {stray} do not carry over")
+    dropped = sorted(k for k in old if k not in kept or k not in fresh)
+    if dropped:
+        log.warning(
+            "model.init_from %s: DSpark head weights %s dropped (the recipe's heads: %s)", init_from, dropped, heads
+        )
+    log.info("model.init_from %s: DSpark heads set to %s (weights %s start untrained)", init_from, heads, missing)
+    return rebuilt

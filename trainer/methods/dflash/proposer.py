@@ -18,6 +18,19 @@ Diffusion Draft Trees") from the per-slot top-k of the same forward: a node at d
 it. The target verifies the tree with tree attention; at a temperature the tree is verified by speculative sampling
 with deterministic (one-hot) candidates, which stays lossless.
 
+With DSpark's heads (heads.py) the block is resolved left to right after the forward: slot ``k``'s logits gain the
+Markov bias of the token drafted at slot ``k - 1`` (the root for slot 1), so a chain's draft at slot k is the argmax,
+or a sample, of its biased logits, and the returned distribution of a sampled draft is the one it was drawn from given
+the drafts before it (speculative sampling stays lossless); a DDTree node's children are ranked by the biased logits
+of their slot given the node's token. The confidence head's predicted acceptance of each drafted slot of the last
+chain is :meth:`DFlashProposer.slot_acceptance`.
+
+Dynamic draft length (``ctx.accept_threshold`` above 0, trainer/decoding/proposers.py): both proposers estimate
+acceptance (``estimates_acceptance``) and give every draft a ``confidence``, its predicted acceptance given that its
+parent is accepted: a chain's from the confidence head when the drafter has one (it reads the slot's output and the
+token before it, never the draft itself), else the drafter's probability at temperature 1 of its draft (of its top
+token for a sampled draft); a DDTree node's from the drafter's probability of its token after its parent.
+
 Drafting cost: ``blocks`` and ``draft_seconds`` count the drafter forwards (context extension included) of every
 round since construction, so ``draft_seconds / blocks`` is the measured cost of one block.
 
@@ -41,6 +54,8 @@ from trainer.methods.dflash.module import KV, DFlashDrafter
 class DFlashProposer(BaseProposer):
     """DFlash chain drafting: one block per round."""
 
+    estimates_acceptance = True  # dynamic draft length: the confidence head, else the drafter's probability
+
     def __init__(self, drafter: DFlashDrafter, embedding: torch.Tensor, lm_head: torch.Tensor) -> None:
         """
         Args:
@@ -56,10 +71,19 @@ class DFlashProposer(BaseProposer):
         self.past: list[KV] | None = None  # per layer (k, v) [1, nkv, C, D] of the committed context
         self.blocks = 0
         self.draft_seconds = 0.0
+        self.slot_hidden: torch.Tensor | None = None  # [b - 1, H] the last block's slot outputs (DSpark's heads)
+        self.last_acceptance: torch.Tensor | None = None  # [k] predicted acceptance of the last chain's slots
 
     def reset(self) -> None:
         """A new sequence: drop the context cache (the cost counters keep counting)."""
         self.past = None
+        self.last_acceptance = None
+
+    def slot_acceptance(self) -> torch.Tensor | None:
+        """The confidence head's predicted acceptance probability of each draft of the last chain proposed, [k]
+        float32 in [0, 1] (slot 1 first; each the probability that the target accepts that draft given the drafts
+        before it), or None: no confidence head, or no chain proposed yet in this sequence."""
+        return self.last_acceptance
 
     def cached(self) -> int:
         return 0 if self.past is None else self.past[0][0].shape[2]
@@ -97,21 +121,66 @@ class DFlashProposer(BaseProposer):
         ids = drafter.block_ids(tokens[-1:])[None]  # [1, b]: the root, then mask ids
         embeds = F.embedding(ids, self.embedding).to(drafter.fc.weight.dtype)  # [1, b, H]
         out = drafter.draft(embeds, torch.arange(T - 1, T - 1 + b, device=device)[None], self.past)  # [1, b, H]
+        self.slot_hidden = out[0, 1:]  # [b - 1, H]
         logits = out[0, 1:] @ self.lm_head.t().to(out.dtype)  # [b - 1, V]
         self._sync()
         self.blocks += 1
         self.draft_seconds += time.perf_counter() - started
         return logits
 
+    def slot_heads(self, slot: int, prev: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slot ``slot`` (0-based among the drafts) of the last block given the token before it (``prev``, a [1]
+        id): its Markov-biased logits [V] and its confidence logit [1] (NaN without that head)."""
+        hidden = self.slot_hidden[slot : slot + 1]  # [1, H]
+        biased, confidence = self.drafter.apply_heads(hidden, logits[slot : slot + 1].to(hidden.dtype), prev)
+        return biased[0], (confidence if confidence is not None else hidden.new_full((1,), float("nan")))
+
     @torch.no_grad()
     def propose(self, ctx: ProposalContext) -> DraftTree:
-        """The first ``ctx.k`` slots of the block as a chain."""
+        """The first ``ctx.k`` slots of the block as a chain (resolved left to right with a Markov head); with
+        ``ctx.accept_threshold`` above 0 each draft carries its predicted acceptance (``DraftTree.confidence``)."""
         logits = self.block_logits(ctx)[: ctx.k]  # [k, V]
-        if ctx.temperature <= 0:
-            return DraftTree.chain(logits.argmax(-1))
-        probs = torch.softmax(logits.float() / ctx.temperature, dim=-1)  # [k, V]
-        tokens = torch.multinomial(probs, 1, generator=ctx.generator)[:, 0]  # [k]: one independent draw per slot
-        return DraftTree.chain(tokens, probs)
+        config = self.drafter.config
+        self.last_acceptance = None
+        if config.dspark:
+            tokens, probs, logits, heads = self._resolve(ctx, logits)  # [k], [k, V] or None, [k, V], [k] or None
+            if heads is not None:
+                self.last_acceptance = torch.sigmoid(heads.float())  # [k]
+        elif ctx.temperature <= 0:
+            tokens, probs = logits.argmax(-1), None  # [k]
+        else:
+            probs = torch.softmax(logits.float() / ctx.temperature, dim=-1)  # [k, V]
+            tokens = torch.multinomial(probs, 1, generator=ctx.generator)[:, 0]  # [k]: one independent draw per slot
+        if getattr(ctx, "accept_threshold", 0.0) <= 0:
+            return DraftTree.chain(tokens, probs)
+        confidence = self.last_acceptance
+        if confidence is None:  # the drafter's own probability of its draft (of its top token for a sampled one)
+            p = torch.softmax(logits.float(), dim=-1)  # [k, V] at temperature 1
+            confidence = p.amax(-1) if probs is not None else p.gather(-1, tokens[:, None])[:, 0]  # [k]
+        return DraftTree.chain(tokens, probs, confidence=confidence)
+
+    def _resolve(self, ctx: ProposalContext, logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """DSpark's heads on the block: the drafts slot after slot (each Markov bias from the draft before), then the
+        confidence head on all slots at once. Returns ([k] drafts, [k, V] the distributions they were drawn from (None
+        when greedy), [k, V] the Markov-biased logits, [k] the confidence logits (None without that head))."""
+        markov = self.drafter.markov_head
+        prev = ctx.tokens[-1:]  # [1]: slot 1 follows the root
+        drafted, dists = [], []
+        for slot in range(logits.shape[0]):
+            row = logits[slot]  # [V]
+            if markov is not None:
+                row = row + markov.bias(markov.prev_embeddings(prev))[0].to(row.dtype)  # [V]
+            if ctx.temperature <= 0:
+                prev = row.argmax()[None]  # [1]
+            else:
+                dists.append(torch.softmax(row.float() / ctx.temperature, dim=-1))  # [V]: drawn from, given prev
+                prev = torch.multinomial(dists[-1], 1, generator=ctx.generator)  # [1]
+            drafted.append(prev)
+        tokens = torch.cat(drafted)  # [k]
+        prevs = torch.cat([ctx.tokens[-1:], tokens[:-1]])  # [k]: the token before each draft
+        hidden = self.slot_hidden[: tokens.numel()]  # [k, H]
+        rows, heads = self.drafter.apply_heads(hidden, logits.to(hidden.dtype), prevs)  # [k, V], [k] or None
+        return tokens, (torch.stack(dists) if dists else None), rows, heads
 
 
 class DFlashTreeProposer(DFlashProposer):
@@ -146,25 +215,45 @@ class DFlashTreeProposer(DFlashProposer):
     def propose(self, ctx: ProposalContext) -> DraftTree:
         """The ``budget`` most probable prefixes of depth at most ``ctx.k``, best first."""
         logits = self.block_logits(ctx)[: ctx.k]  # [k, V]
-        log_p = torch.log_softmax(logits.float() / self.rank_temperature, dim=-1)  # [k, V]
-        top = torch.topk(log_p, min(self.top_k, log_p.shape[-1]), dim=-1)
-        scores, ids = top.values.tolist(), top.indices.tolist()  # [k][top_k]
-        depth, width = len(scores), len(scores[0])
+        self.last_acceptance = None
+        markov = self.drafter.config.markov_rank > 0
+        width = min(self.top_k, logits.shape[-1])
+        ranked: dict[tuple[int, int], tuple[list[float], list[int], list[float]]] = {}
+
+        def children(d: int, prev: int) -> tuple[list[float], list[int], list[float]]:
+            """The best ``width`` tokens of slot ``d`` after token ``prev`` (any token without a Markov head): their
+            scores at ``rank_temperature``, ids, and probabilities at temperature 1 (their acceptance estimates)."""
+            key = (d, prev if markov else -1)
+            if key not in ranked:
+                row = self.slot_heads(d, torch.tensor([prev], device=logits.device), logits)[0] if markov else logits[d]
+                top = torch.topk(torch.log_softmax(row.float() / self.rank_temperature, dim=-1), width)
+                p = torch.softmax(row.float(), dim=-1)[top.indices]  # [width]
+                ranked[key] = (top.values.tolist(), top.indices.tolist(), p.tolist())
+            return ranked[key]
+
+        depth, root = logits.shape[0], int(ctx.tokens[-1])
         tokens: list[int] = []
         parents: list[int] = []
-        # heap entries: (-score, tie-break, depth (0-based slot), rank, parent node, parent's score)
-        heap = [(-scores[0][0], 0, 0, 0, -1, 0.0)]
+        confidence: list[float] = []
+        # heap entries: (-score, tie-break, depth (0-based slot), rank, parent node, parent's score, parent's token)
+        heap = [(-children(0, root)[0][0], 0, 0, 0, -1, 0.0, root)]
         counter = 1
         while heap and len(tokens) < self.budget:
-            neg, _, d, r, parent, base = heapq.heappop(heap)
-            tokens.append(ids[d][r])
+            neg, _, d, r, parent, base, prev = heapq.heappop(heap)
+            scores, ids, probs = children(d, prev)
+            tokens.append(ids[r])
             parents.append(parent)
+            confidence.append(probs[r])
             node, score = len(tokens) - 1, -neg
             if r + 1 < width:  # the next sibling
-                heapq.heappush(heap, (-(base + scores[d][r + 1]), counter, d, r + 1, parent, base))
+                heapq.heappush(heap, (-(base + scores[r + 1]), counter, d, r + 1, parent, base, prev))
                 counter += 1
             if d + 1 < depth:  # the first child
-                heapq.heappush(heap, (-(score + scores[d + 1][0]), counter, d + 1, 0, node, score))
+                heapq.heappush(heap, (-(score + children(d + 1, ids[r])[0][0]), counter, d + 1, 0, node, score, ids[r]))
                 counter += 1
         device = ctx.tokens.device
-        return DraftTree(torch.tensor(tokens, device=device), torch.tensor(parents, device=device))
+        tokens_t, parents_t = torch.tensor(tokens, device=device), torch.tensor(parents, device=device)
+        if getattr(ctx, "accept_threshold", 0.0) <= 0:
+            return DraftTree(tokens_t, parents_t)
+        estimate = torch.tensor(confidence, dtype=torch.float32, device=device)  # [N]: the drafter's probabilities
+        return DraftTree(tokens_t, parents_t, confidence=estimate)

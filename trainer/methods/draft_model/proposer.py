@@ -1,4 +1,10 @@
-"""Drafting with a separate HF causal LM (a distilled draft model): autoregressive drafts with its own KV cache."""
+"""Drafting with a separate HF causal LM (a distilled draft model): autoregressive drafts with its own KV cache.
+
+Dynamic draft length (``ctx.accept_threshold``): before each draft the model's probability (at temperature 1) of its
+argmax (the greedy draft; for a sampled draft the same top probability, which does not depend on the draw) joins the
+chain's running product, and drafting stops, saving the model's next forwards, once the product falls under the
+threshold (:class:`~trainer.decoding.proposers.ChainCut`).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,7 @@ import torch
 from transformers import PreTrainedModel
 
 from trainer.decoding.cache import new_cache, truncate_cache
-from trainer.decoding.proposers import BaseProposer, ProposalContext, draw
+from trainer.decoding.proposers import BaseProposer, ChainCut, ProposalContext, draft_confidence, draw
 from trainer.decoding.tree import DraftTree
 
 
@@ -17,6 +23,8 @@ class DraftModelProposer(BaseProposer):
     the committed tokens, so accepted drafts are not recomputed. Its logits are cut (or padded with -inf) to the
     target's vocabulary.
     """
+
+    estimates_acceptance = True
 
     def __init__(self, model: PreTrainedModel) -> None:
         """
@@ -59,9 +67,16 @@ class DraftModelProposer(BaseProposer):
         truncate_cache(self.cache, common)
         del self.cached[common:]
         drafts, probs = [], []
+        cut = ChainCut(ctx.accept_threshold)
         feed = tokens[common:]  # [T - common]
         for _ in range(ctx.k):
-            feed, p = draw(self._logits(feed, ctx.vocab_size), ctx)
+            logits = self._logits(feed, ctx.vocab_size)  # [V]
+            if cut.active and not cut.admit(draft_confidence(logits)):
+                break
+            feed, p = draw(logits, ctx)
             drafts.append(feed)
             probs.append(p)
-        return DraftTree.chain(torch.cat(drafts), torch.stack(probs) if ctx.temperature > 0 else None)
+        if not drafts:
+            return DraftTree.empty(tokens.device)
+        probs_ = torch.stack(probs) if ctx.temperature > 0 else None
+        return DraftTree.chain(torch.cat(drafts), probs_, confidence=cut.confidence())

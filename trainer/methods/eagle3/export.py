@@ -15,6 +15,13 @@ it from the file and keeps uninitialised memory when it is missing: drafts at ta
 that way), the TTT steps as ``speculative_tokens``, and the norm flags written explicitly; the native format carries
 no embedding (SGLang and vLLM use the target's). tests/clients/ runs the speculators library itself on the export.
 
+Norm flags (module.py, EAGLE-3.1): the speculators format writes all four as trained (``norm_before_residual``,
+``norm_before_fc`` with ``input_norm.weight``, ``fc_norm`` with ``fc_norm.{j}.weight``, ``norm_output``), under
+speculators 0.9's names. The native format writes ``norm_before_residual`` and ``norm_before_fc`` (with
+``input_norm.weight``), the two flags the native ``LlamaForCausalLMEagle3`` loaders read from config.json; it refuses
+a drafter trained with ``fc_norm`` or ``norm_output``, which those loaders have no key for (they would draft with
+another network without a word): such a drafter is exported as ``eagle3-speculators``.
+
 The loaders follow each engine's naming rules: they map every tensor of the file to a drafter parameter, and fail
 when a tensor is not consumed, a parameter is missing, a shape differs, or the layer ids disagree between the two
 conventions.
@@ -26,8 +33,11 @@ from pathlib import Path
 
 import torch
 
+from trainer.errors import ModelFolderError, UsageError
 from trainer.export.files import cpu_tensors, read_folder, write_folder
-from trainer.methods.eagle3.module import Eagle3Config, Eagle3Drafter
+from trainer.methods.eagle3.module import NORM_FLAGS, Eagle3Config, Eagle3Drafter, flag_weight_mismatch
+
+NATIVE_FLAGS = ("norm_before_residual", "norm_before_fc")  # what the native format's loaders read
 
 
 def _layer_keys(config: Eagle3Config) -> dict:
@@ -49,8 +59,16 @@ def _layer_keys(config: Eagle3Config) -> dict:
 
 
 def save_native(drafter: Eagle3Drafter, out_dir: str, dtype: torch.dtype | None = None) -> Path:
-    """Write the native EAGLE-3 checkpoint (SGLang and vLLM ``LlamaForCausalLMEagle3``)."""
+    """Write the native EAGLE-3 checkpoint (SGLang and vLLM ``LlamaForCausalLMEagle3``); a drafter trained with a
+    norm flag the native loaders cannot read (``fc_norm``, ``norm_output``) is refused naming it."""
     c = drafter.config
+    for flag in NORM_FLAGS:
+        if flag not in NATIVE_FLAGS and getattr(c, flag):
+            raise UsageError(
+                f"the native eagle3 format cannot express {flag}: true (its loaders have no such key and would draft "
+                "with another network)",
+                hint="export it with --format eagle3-speculators",
+            )
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
         **_layer_keys(c),
@@ -58,12 +76,57 @@ def save_native(drafter: Eagle3Drafter, out_dir: str, dtype: torch.dtype | None 
         "target_hidden_size": c.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(c.aux_layers),
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in c.aux_layers]},
+        **{flag: getattr(c, flag) for flag in NATIVE_FLAGS},
         "torch_dtype": str(dtype or drafter.fc.weight.dtype).removeprefix("torch."),
     }
     tensors = cpu_tensors(drafter)
     if dtype is not None:
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     return write_folder(out_dir, config, tensors)
+
+
+def speculators_config(
+    drafter: Eagle3Drafter,
+    model_type: str,
+    verifier: str,
+    speculative_tokens: int,
+    verifier_architectures: list[str] | None,
+    dtype: torch.dtype | None,
+) -> dict:
+    """The config.json of the speculators format for ``model_type`` (``eagle3``, or ``peagle`` with its own keys
+    added by the caller), after the checks both share."""
+    c = drafter.config
+    if not verifier:
+        raise ValueError("the speculators format names its verifier (the target): none given")
+    if c.hidden_size != c.target_hidden_size:
+        raise ValueError(
+            f"the speculators format needs the drafter's width ({c.hidden_size}) to be the target's "
+            f"({c.target_hidden_size}); use the native eagle3 format"
+        )
+    if len(set(c.aux_layers)) != len(c.aux_layers):
+        raise ValueError(f"the speculators format refuses repeated target layer ids: {list(c.aux_layers)}")
+    if speculative_tokens < 1:
+        raise ValueError(f"speculative_tokens must be >= 1, got {speculative_tokens}")
+    dtype_name = str(dtype or drafter.fc.weight.dtype).removeprefix("torch.")
+    architecture = {"eagle3": "Eagle3Speculator", "peagle": "PEagleSpeculator"}[model_type]
+    return {
+        "architectures": [architecture],
+        "speculators_model_type": model_type,
+        "speculators_config": {
+            "algorithm": model_type,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures or [])},
+        },
+        "transformer_layer_config": _layer_keys(c),
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(c.aux_layers),
+        # as trained, all explicit: vLLM assumes norm_before_residual true when it is missing
+        **c.flags(),
+        "dtype": dtype_name,
+        "torch_dtype": dtype_name,
+    }
 
 
 def save_speculators(
@@ -89,41 +152,9 @@ def save_speculators(
         dtype: the weights' dtype in the file (default: the drafter's).
     """
     c = drafter.config
-    if not verifier:
-        raise ValueError("the speculators format names its verifier (the target): none given")
-    if c.hidden_size != c.target_hidden_size:
-        raise ValueError(
-            f"the speculators format needs the drafter's width ({c.hidden_size}) to be the target's "
-            f"({c.target_hidden_size}); use the native eagle3 format"
-        )
-    if len(set(c.aux_layers)) != len(c.aux_layers):
-        raise ValueError(f"the speculators format refuses repeated target layer ids: {list(c.aux_layers)}")
     if tuple(embedding.shape) != (c.vocab_size, c.hidden_size):
         raise ValueError(f"the target embedding is {tuple(embedding.shape)}, expected {(c.vocab_size, c.hidden_size)}")
-    if speculative_tokens < 1:
-        raise ValueError(f"speculative_tokens must be >= 1, got {speculative_tokens}")
-    dtype_name = str(dtype or drafter.fc.weight.dtype).removeprefix("torch.")
-    config = {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures or [])},
-        },
-        "transformer_layer_config": _layer_keys(c),
-        "draft_vocab_size": c.draft_vocab_size,
-        "target_hidden_size": c.target_hidden_size,
-        "eagle_aux_hidden_state_layer_ids": list(c.aux_layers),
-        # explicit: vLLM assumes norm_before_residual true when it is missing; the others are speculators' defaults
-        "norm_before_residual": False,
-        "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
-        "dtype": dtype_name,
-        "torch_dtype": dtype_name,
-    }
+    config = speculators_config(drafter, "eagle3", verifier, speculative_tokens, verifier_architectures, dtype)
     tensors = {k.replace("midlayer.", "layers.0.", 1): v for k, v in cpu_tensors(drafter).items()}
     tensors["embed_tokens.weight"] = embedding.detach().cpu().to(drafter.fc.weight.dtype).contiguous()
     if dtype is not None:
@@ -134,7 +165,20 @@ def save_speculators(
 # ---- loaders -----------------------------------------------------------------------------------------------------
 
 
-def _config(layer: dict, top: dict, aux_layers: list[int], where: str) -> Eagle3Config:
+def _flags(config: dict, names: tuple[str, ...], where: str) -> dict[str, bool]:
+    """The norm flags of a config.json (absent: false), refused unless booleans."""
+    out = {}
+    for name in names:
+        value = config.get(name, False)
+        if not isinstance(value, bool):
+            raise ModelFolderError(f"{where}: config.json {name} must be true or false, got {value!r}")
+        out[name] = value
+    return out
+
+
+def _config(layer: dict, top: dict, aux_layers: list[int], where: str, flags: dict[str, bool]) -> Eagle3Config:
+    if flags.get("norm_before_fc") and flags.get("fc_norm"):
+        raise ModelFolderError(f"{where}: config.json sets both norm_before_fc and fc_norm (mutually exclusive)")
     try:
         rope = layer.get("rope_parameters") or {"rope_type": "default", "rope_theta": layer["rope_theta"]}
         return Eagle3Config(
@@ -150,6 +194,7 @@ def _config(layer: dict, top: dict, aux_layers: list[int], where: str) -> Eagle3
             rms_norm_eps=layer["rms_norm_eps"],
             rope_parameters=rope,
             max_position_embeddings=layer["max_position_embeddings"],
+            **flags,
         )
     except KeyError as err:
         raise ValueError(f"{where}: config.json lacks the key {err.args[0]!r}") from err
@@ -160,6 +205,10 @@ def _consume(drafter: Eagle3Drafter, tensors: dict[str, torch.Tensor], rename, w
     floats = {t.dtype for t in tensors.values() if t.is_floating_point()}
     if len(floats) == 1:
         drafter.to(floats.pop())  # the file's precision
+    renamed = [rename(name) for name in tensors]
+    problem = flag_weight_mismatch(drafter.config, [n for n in renamed if n])
+    if problem:
+        raise ModelFolderError(f"{where}: the weights disagree with config.json: {problem}")
     expected = drafter.state_dict()
     loaded: dict[str, torch.Tensor] = {}
     unconsumed = []
@@ -198,7 +247,10 @@ def load_native(path: str) -> Eagle3Drafter:
         raise ValueError(f"{path}: SGLang layer ids {sglang_ids} (outputs) disagree with vLLM's {vllm_ids} (inputs)")
     if config.get("num_hidden_layers") != 1:
         raise ValueError(f"{path}: num_hidden_layers must be 1, got {config.get('num_hidden_layers')}")
-    drafter = Eagle3Drafter(_config(config, config, vllm_ids, path))
+    for flag in NORM_FLAGS:
+        if flag not in NATIVE_FLAGS and config.get(flag):
+            raise ModelFolderError(f"{path}: {flag} is not a key of the native format (the engines would ignore it)")
+    drafter = Eagle3Drafter(_config(config, config, vllm_ids, path, _flags(config, NATIVE_FLAGS, path)))
     return _consume(drafter, tensors, lambda name: name, path)
 
 
@@ -207,12 +259,13 @@ def load_speculators(path: str) -> Eagle3Drafter:
     config, tensors = read_folder(path, "an EAGLE-3 export")
     if config.get("speculators_model_type") != "eagle3":
         raise ValueError(f"{path}: speculators_model_type {config.get('speculators_model_type')!r}, expected 'eagle3'")
-    if config.get("norm_before_residual") is not False:
-        raise ValueError(f"{path}: norm_before_residual must be written as false for this drafter")
+    if not isinstance(config.get("norm_before_residual"), bool):
+        raise ModelFolderError(f"{path}: norm_before_residual must be written (vLLM assumes true when it is missing)")
     layer = config.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise ValueError(f"{path}: transformer_layer_config must be a dict")
-    drafter = Eagle3Drafter(_config(layer, config, config["eagle_aux_hidden_state_layer_ids"], path))
+    flags = _flags(config, NORM_FLAGS, path)
+    drafter = Eagle3Drafter(_config(layer, config, config["eagle_aux_hidden_state_layer_ids"], path, flags))
 
     embedding = tensors.pop("embed_tokens.weight", None)
     c = drafter.config

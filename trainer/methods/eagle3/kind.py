@@ -3,6 +3,9 @@
 Exported natively (``eagle3``: SGLang and vLLM ``LlamaForCausalLMEagle3``) or in the speculators format
 (``eagle3-speculators``: vLLM ``Eagle3Speculator``); drafted as a chain, or as an EAGLE-2 dynamic tree with
 ``--tree``, by proposer.py on the target's input embedding.
+
+This folder's second kind, ``peagle`` (P-EAGLE: the same drafter drafting K tokens in one forward), is registered by
+peagle_kind.py, imported at the end of this module (the registry imports one ``kind`` module per method folder).
 """
 
 from __future__ import annotations
@@ -11,12 +14,14 @@ from pathlib import Path
 
 from transformers import PreTrainedModel
 
+from trainer.checkpoints.reading import sub_state_dict
 from trainer.decoding.options import ProposerOptions
+from trainer.errors import CheckpointError
 from trainer.export.files import folder_config
 from trainer.methods.eagle3 import export as formats
-from trainer.methods.eagle3.module import Eagle3Config, Eagle3Drafter
+from trainer.methods.eagle3.module import Eagle3Config, Eagle3Drafter, flag_weight_mismatch
 from trainer.methods.eagle3.proposer import Eagle3Proposer, Eagle3TreeProposer
-from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
+from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, load_components, register_kind
 from trainer.target import EMBEDDING_NAMES, load_target_tensors
 
 KIND = "eagle3"
@@ -55,6 +60,15 @@ def record_of(drafter: Eagle3Drafter, target: str | None = None, draft_tokens: i
 def build(record: DrafterRecord) -> Eagle3Drafter:
     """An initialised drafter of the record's shape."""
     return Eagle3Drafter(Eagle3Config(**record.config))
+
+
+def load_weights(drafter: Eagle3Drafter, record: DrafterRecord, state: dict, where: str) -> None:
+    """A training checkpoint's weights, refused naming the norm flag when they disagree with the record's flags."""
+    names = sub_state_dict(state, record.components.get("drafter", "drafter.")).keys()
+    problem = flag_weight_mismatch(drafter.config, names)
+    if problem:
+        raise CheckpointError(f"{where}: the drafter's weights disagree with its recorded config: {problem}")
+    load_components(drafter, record, state, where)
 
 
 def load_native(folder: Path) -> tuple[Eagle3Drafter, DrafterRecord]:
@@ -114,4 +128,8 @@ SPECULATORS = ExportFormat(
     recognise=lambda folder: folder_config(folder).get("speculators_model_type") == "eagle3",
 )
 
-register_kind(DrafterKind(name=KIND, build=build, formats=(NATIVE, SPECULATORS), proposer=proposer))
+register_kind(
+    DrafterKind(name=KIND, build=build, formats=(NATIVE, SPECULATORS), proposer=proposer, load_weights=load_weights)
+)
+
+from trainer.methods.eagle3 import peagle_kind  # noqa: E402, F401  registers the second kind of this folder: peagle

@@ -7,6 +7,13 @@ and the embedding of token ``t + 1`` (the target's frozen embedding, passed in b
 the residual is the un-normalised ``h``. The output ``o`` (before the final norm) is the feature fed to the next step;
 ``lm_head(norm(o))`` gives logits over the reduced draft vocabulary, mapped to target ids by ``d2t``.
 
+EAGLE-3.1 options (speculators 0.9 ``Eagle3SpeculatorConfig``; all off by default, so older checkpoints load
+unchanged): ``norm_before_residual`` takes the residual after ``hidden_norm``; ``norm_before_fc`` normalises the
+concatenated target states with one RMSNorm (``input_norm``) before ``fc``; ``fc_norm`` normalises each target state
+with its own RMSNorm (``fc_norm.{j}``) before the concatenation (exclusive with ``norm_before_fc``); ``norm_output``
+feeds the post-norm output ``norm(o)`` to the next step (and ``lm_head`` reads it directly), so the features' magnitude
+does not drift with depth. :meth:`Eagle3Drafter.outputs` applies ``norm_output`` for both training and drafting.
+
 Parameter names follow the native EAGLE-3 checkpoint (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``,
 ``t2d``), so the native export is the state dict itself. Attention is computed outside the layer's projections so
 that training-time test (:func:`ttt_attention`) and cached drafting (:func:`masked_attention`) share the weights.
@@ -15,7 +22,7 @@ that training-time test (:func:`ttt_attention`) and cached drafting (:func:`mask
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -54,6 +61,11 @@ class Eagle3Config:
         rms_norm_eps: epsilon of every RMSNorm.
         rope_parameters: the target's rotary settings (HF ``rope_parameters``: rope_theta, rope_type, scaling).
         max_position_embeddings: the longest position the rotary embedding is built for.
+        norm_before_residual: the layer's residual is ``hidden_norm(h)`` instead of ``h``.
+        norm_before_fc: one RMSNorm (``input_norm``) over the concatenated target states before ``fc``.
+        fc_norm: one RMSNorm per target state (``fc_norm.{j}``) before the concatenation (EAGLE-3.1); exclusive with
+            ``norm_before_fc``.
+        norm_output: the next step is fed ``norm(o)`` instead of ``o``, and ``lm_head`` reads it (EAGLE-3.1).
     """
 
     hidden_size: int
@@ -68,9 +80,16 @@ class Eagle3Config:
     rms_norm_eps: float = 1e-6
     rope_parameters: dict = field(default_factory=lambda: {"rope_theta": 10000.0, "rope_type": "default"})
     max_position_embeddings: int = 4096
+    norm_before_residual: bool = False
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
 
     def __post_init__(self) -> None:
         self.aux_layers = tuple(int(i) for i in self.aux_layers)
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("norm_before_fc and fc_norm are mutually exclusive (one norm of the concatenation, or one "
+                             "per target state)")  # fmt: skip
         if not self.aux_layers:
             raise ValueError("Eagle3Config.aux_layers: at least one target layer is needed")
         if not 0 < self.draft_vocab_size <= self.vocab_size:
@@ -79,8 +98,14 @@ class Eagle3Config:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
 
     @classmethod
-    def from_target(cls, target_config, draft_vocab_size: int, aux_layers: Sequence[int] | None = None) -> Eagle3Config:
-        """The usual drafter of a target: its widths, heads and rotary settings, one layer."""
+    def from_target(
+        cls, target_config, draft_vocab_size: int, aux_layers: Sequence[int] | None = None, **flags: bool
+    ) -> Eagle3Config:
+        """The usual drafter of a target: its widths, heads and rotary settings, one layer; ``flags`` are the norm
+        options (:data:`NORM_FLAGS`)."""
+        unknown = sorted(set(flags) - set(NORM_FLAGS))
+        if unknown:
+            raise TypeError(f"unknown norm flags {unknown}; known: {list(NORM_FLAGS)}")
         get = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         heads = get.num_attention_heads
         head_dim = getattr(get, "head_dim", None) or get.hidden_size // heads
@@ -99,7 +124,12 @@ class Eagle3Config:
             rms_norm_eps=getattr(get, "rms_norm_eps", 1e-6),
             rope_parameters=rope,
             max_position_embeddings=getattr(get, "max_position_embeddings", 4096),
+            **{k: bool(v) for k, v in flags.items()},
         )
+
+    def flags(self) -> dict[str, bool]:
+        """The norm options, by name (:data:`NORM_FLAGS`)."""
+        return {name: bool(getattr(self, name)) for name in NORM_FLAGS}
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -122,6 +152,9 @@ class Eagle3Config:
             hidden_act="silu",
             tie_word_embeddings=False,
         )
+
+
+NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 
 class Attention(nn.Module):
@@ -170,9 +203,11 @@ class MidLayer(nn.Module):
         return q, k, v
 
     def finish(self, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """hidden: [B, S, H] the residual; attn: [B, nh, S, D] attention output -> the layer output [B, S, H]."""
+        """hidden: [B, S, H] the layer's input features; attn: [B, nh, S, D] attention output -> the layer output
+        [B, S, H]. The residual is ``hidden`` (``hidden_norm(hidden)`` with ``norm_before_residual``)."""
         B, _, S, _ = attn.shape
-        h = hidden + self.self_attn.o_proj(attn.transpose(1, 2).reshape(B, S, -1))  # [B, S, H]
+        residual = self.hidden_norm(hidden) if self.config.norm_before_residual else hidden  # [B, S, H]
+        h = residual + self.self_attn.o_proj(attn.transpose(1, 2).reshape(B, S, -1))  # [B, S, H]
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -228,7 +263,8 @@ class Eagle3Drafter(nn.Module):
     """The drafter: ``fc`` fuses target features, ``midlayer`` drafts, ``lm_head`` predicts the reduced vocabulary.
 
     Buffers ``d2t`` (int64 [draft_vocab]: target id minus draft id) and ``t2d`` (bool [vocab]: target id is in the
-    draft vocabulary) are part of the state dict, so the mapping travels with every checkpoint.
+    draft vocabulary) are part of the state dict, so the mapping travels with every checkpoint. ``input_norm``
+    (``norm_before_fc``) and ``fc_norm`` (``fc_norm``) exist only with their flag, under speculators' names.
     """
 
     def __init__(self, config: Eagle3Config) -> None:
@@ -239,7 +275,12 @@ class Eagle3Drafter(nn.Module):
         super().__init__()
         self.config = config
         c = config
-        self.fc = nn.Linear(len(c.aux_layers) * c.target_hidden_size, c.hidden_size, bias=False)
+        n = len(c.aux_layers)
+        self.input_norm = RMSNorm(n * c.target_hidden_size, c.rms_norm_eps) if c.norm_before_fc else None
+        self.fc_norm = (
+            nn.ModuleList([RMSNorm(c.target_hidden_size, c.rms_norm_eps) for _ in range(n)]) if c.fc_norm else None
+        )
+        self.fc = nn.Linear(n * c.target_hidden_size, c.hidden_size, bias=False)
         self.midlayer = MidLayer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
@@ -272,15 +313,25 @@ class Eagle3Drafter(nn.Module):
         """aux_hidden: one [..., Ht] per aux layer, in ``config.aux_layers`` order -> fused features [..., H]."""
         if len(aux_hidden) != len(self.config.aux_layers):
             raise ValueError(f"expected {len(self.config.aux_layers)} target hidden states, got {len(aux_hidden)}")
-        return self.fc(torch.cat(list(aux_hidden), dim=-1).to(self.fc.weight.dtype))
+        dtype = self.fc.weight.dtype
+        if self.fc_norm is not None:
+            aux_hidden = [norm(h.to(dtype)) for norm, h in zip(self.fc_norm, aux_hidden)]  # [..., Ht] each
+        x = torch.cat(list(aux_hidden), dim=-1).to(dtype)  # [..., n Ht]
+        if self.input_norm is not None:
+            x = self.input_norm(x)
+        return self.fc(x)
 
     def rope(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [B, S] -> cos, sin [B, S, D]."""
         return self.rotary(hidden, positions)
 
-    def logits(self, out: torch.Tensor) -> torch.Tensor:
-        """out: [..., H] layer output -> [..., Vd] draft-vocabulary logits."""
-        return self.lm_head(self.norm(out))
+    def outputs(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """out: [..., H] layer output -> (the feature fed to the next step [..., H], draft logits [..., Vd]).
+
+        Without ``norm_output`` the feature is ``out`` and the logits ``lm_head(norm(out))``; with it both read the
+        post-norm ``norm(out)`` (EAGLE-3.1)."""
+        normed = self.norm(out)  # [..., H]
+        return (normed if self.config.norm_output else out), self.lm_head(normed)
 
     def forward(
         self,
@@ -301,7 +352,8 @@ class Eagle3Drafter(nn.Module):
                 elements after all of ``past``.
 
         Returns:
-            out [B, N, H] (the feature for the next step), logits [B, N, Vd], and the new elements' (k, v).
+            out [B, N, H] (the feature for the next step, post-norm with ``norm_output``), logits [B, N, Vd], and the
+            new elements' (k, v).
         """
         cos, sin = self.rope(hidden, positions)
         q, k, v = self.midlayer.qkv(embeds, hidden, cos, sin)  # [B, nh, N, D], [B, nkv, N, D] x2
@@ -311,8 +363,8 @@ class Eagle3Drafter(nn.Module):
             allowed = torch.ones(N, M + N, dtype=torch.bool, device=hidden.device).tril(M)  # [N, M + N]
         keys = k if past is None else torch.cat([past[0], k], dim=2)  # [B, nkv, M + N, D]
         values = v if past is None else torch.cat([past[1], v], dim=2)
-        out = self.midlayer.finish(hidden, masked_attention(q, keys, values, allowed))  # [B, N, H]
-        return out, self.logits(out), (k, v)
+        out, logits = self.outputs(self.midlayer.finish(hidden, masked_attention(q, keys, values, allowed)))
+        return out, logits, (k, v)
 
     def ttt_step(
         self,
@@ -341,8 +393,8 @@ class Eagle3Drafter(nn.Module):
         embeds = embedding(tokens).to(hidden.dtype)  # [B, S, H]
         cos, sin = self.rope(hidden, positions)
         q, k, v = self.midlayer.qkv(embeds, hidden, cos, sin)
-        out = self.midlayer.finish(hidden, ttt_attention(q, [*keys, k], [*values, v], impl))  # [B, S, H]
-        return out, self.logits(out), k, v
+        out, logits = self.outputs(self.midlayer.finish(hidden, ttt_attention(q, [*keys, k], [*values, v], impl)))
+        return out, logits, k, v
 
     def unroll(
         self,
@@ -379,3 +431,26 @@ class Eagle3Drafter(nn.Module):
                 tokens = self.to_target_ids(logits.detach().argmax(-1))  # [B, S]
             else:
                 tokens = data_tokens[:, i + 2 : i + 2 + S]  # [B, S]
+
+
+def flag_weights(config: Eagle3Config) -> dict[str, list[str]]:
+    """The state-dict names each norm flag adds (flags without weights are absent)."""
+    return {
+        "norm_before_fc": ["input_norm.weight"],
+        "fc_norm": [f"fc_norm.{j}.weight" for j in range(len(config.aux_layers))],
+    }
+
+
+def flag_weight_mismatch(config: Eagle3Config, names: Iterable[str]) -> str | None:
+    """Why the weight ``names`` (state-dict names of the drafter) disagree with ``config``'s norm flags, naming the
+    flag, or None when they agree."""
+    names = set(names)
+    for flag, needed in flag_weights(config).items():
+        present = [n for n in needed if n in names]
+        stray = sorted(n for n in names if n.split(".")[0] == needed[0].split(".")[0] and n not in needed)
+        if getattr(config, flag) and (len(present) != len(needed) or stray):
+            missing = [n for n in needed if n not in names]
+            return f"{flag} is true but the weights {'lack ' + str(missing) if missing else 'hold ' + str(stray)}"
+        if not getattr(config, flag) and (present or stray):
+            return f"{flag} is false but the weights hold {present + stray} (trained with {flag}: true?)"
+    return None

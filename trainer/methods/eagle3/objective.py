@@ -85,6 +85,10 @@ class Eagle3(DraftObjective):
         target_signals: TargetSignals = "online",
         recompute: bool = True,
         attention: Impl = "dense",
+        norm_before_residual: bool = False,
+        norm_before_fc: bool = False,
+        fc_norm: bool = False,
+        norm_output: bool = False,
         optim: Optim = Optim(),
     ) -> None:
         """
@@ -116,6 +120,14 @@ class Eagle3(DraftObjective):
                 the step holds 1.4x the memory K = 1 holds for backward instead of 5.9x (bench/bench_eagle3_ttt.py).
             attention: the TTT attention: "dense" (mask-aware, the default), "flex" (flex attention, CUDA) or "auto"
                 (flex on CUDA, dense elsewhere).
+            norm_before_residual: the drafter layer's residual is its normed input features (``hidden_norm(h)``)
+                instead of the raw ones (speculators' ``norm_before_residual``).
+            norm_before_fc: one RMSNorm over the concatenated target hidden states before ``fc`` (speculators'
+                ``norm_before_fc``, gpt-oss style); exclusive with fc_norm.
+            fc_norm: one RMSNorm per target hidden state before the concatenation and ``fc`` (EAGLE-3.1, speculators'
+                ``fc_norm``); exclusive with norm_before_fc.
+            norm_output: feed the post-norm drafter output to the next TTT step and drafting step, and to ``lm_head``
+                (EAGLE-3.1 against attention drift, speculators' ``norm_output``).
             optim: optimizer and learning-rate schedule.
         """
         super().__init__(optim)
@@ -127,13 +139,29 @@ class Eagle3(DraftObjective):
         self.ttt_steps, self.step_decay, self.labels, self.ttt_inputs = ttt_steps, step_decay, labels, ttt_inputs
         self.recompute, self.attention = recompute, attention
         frozen = self.load_target(target, target_signals, target_dtype, trust_remote_code)
+        flags = {
+            "norm_before_residual": norm_before_residual,
+            "norm_before_fc": norm_before_fc,
+            "fc_norm": fc_norm,
+            "norm_output": norm_output,
+        }
+        if norm_before_fc and fc_norm:
+            raise RecipeError("model.norm_before_fc and model.fc_norm are mutually exclusive: set one of them")
         torch.manual_seed(seed)
         self.vocab_fixed = init_from is not None
         if init_from is not None:
             self.drafter = self.drafter_from_checkpoint(init_from, eagle3_kind.KIND)
+            trained = self.drafter.config.flags()
+            for name, asked in flags.items():
+                if trained[name] != asked:
+                    raise RecipeError(
+                        f"model.{name} is {str(asked).lower()} but model.init_from {init_from!r} was trained with "
+                        f"{name}: {str(trained[name]).lower()}",
+                        hint=f"set model.{name}: {str(trained[name]).lower()} to fine-tune this drafter",
+                    )
             log.info("EAGLE-3 drafter, its shape and its vocabulary map loaded from %s", init_from)
         else:
-            config = Eagle3Config.from_target(frozen.config, draft_vocab_size, target_layers)
+            config = Eagle3Config.from_target(frozen.config, draft_vocab_size, target_layers, **flags)
             config.vocab_size = frozen.vocab_size
             for i in config.aux_layers:
                 if not 0 <= i <= frozen.num_layers:

@@ -20,6 +20,12 @@ and high sibling ones, so at temperature 1 the budget goes to width. On the tiny
 temperature 1 and 5.00 at 0.1 (4.78 at 0.3, 4.85 at 0.5; the chain's 3.86), on an 8-layer one 3.79 against 6.04
 (README, EAGLE-3).
 
+Dynamic draft length (``ctx.accept_threshold``): a node's estimate is the drafter's probability (at temperature 1) of
+its token (a sampled draft: the top probability of the distribution it is drawn from), a path's the product of its
+nodes'. The chain stops drafting, and the tree stops expanding, where it falls under the threshold, which saves the
+drafter's forwards as well as the target's verification of unlikely drafts; the tree keeps its ``budget`` best nodes
+among those above it.
+
 ``draftsmith eval --drafter PATH [--tree]``: PATH is a native or speculators export, or a training checkpoint (the
 drafter kind ``eagle3``, kind.py).
 """
@@ -28,13 +34,15 @@ from __future__ import annotations
 
 import torch
 
-from trainer.decoding.proposers import BaseProposer, ProposalContext
+from trainer.decoding.proposers import BaseProposer, ChainCut, ProposalContext, draft_confidence
 from trainer.decoding.tree import DraftTree
 from trainer.methods.eagle3.module import Eagle3Drafter
 
 
 class _Eagle3Base(BaseProposer):
     """Shared state: the drafter, the target's embedding and the drafter's cache of committed positions."""
+
+    estimates_acceptance = True
 
     def __init__(self, drafter: Eagle3Drafter, embedding: torch.nn.Module) -> None:
         """
@@ -108,7 +116,10 @@ class _Eagle3Base(BaseProposer):
         T = ctx.tokens.numel()
         drafts, probs = [], []
         round_kv = None
+        cut = ChainCut(ctx.accept_threshold)
         for depth in range(1, ctx.k + 1):
+            if cut.active and not cut.admit(draft_confidence(logits)):  # the argmax's probability
+                break
             if ctx.temperature > 0:
                 p_draft = torch.softmax(logits.float() / ctx.temperature, dim=-1)  # [Vd]
                 d = torch.multinomial(p_draft, 1, generator=ctx.generator)  # [1]
@@ -127,7 +138,9 @@ class _Eagle3Base(BaseProposer):
                 kv if round_kv is None else (torch.cat([round_kv[0], kv[0]], 2), torch.cat([round_kv[1], kv[1]], 2))
             )
             logits = step_logits[0]
-        return DraftTree.chain(torch.cat(drafts), torch.stack(probs) if probs else None)
+        if not drafts:
+            return DraftTree.empty(ctx.tokens.device)
+        return DraftTree.chain(torch.cat(drafts), torch.stack(probs) if probs else None, confidence=cut.confidence())
 
 
 class Eagle3Proposer(_Eagle3Base):
@@ -185,22 +198,32 @@ class Eagle3TreeProposer(_Eagle3Base):
         score: list[float] = []
         depth: list[int] = []
         entry: list[int] = []
+        conf: list[float] = []  # probability of the node's token (the acceptance estimate)
+        path: list[float] = []  # product of conf from the root's child down to the node
+        threshold = ctx.accept_threshold
 
-        def add_children(par: int, base: float, log_p: torch.Tensor, d: int) -> list[int]:
+        def add_children(par: int, base: float, logits_: torch.Tensor, d: int) -> list[int]:
+            log_p = torch.log_softmax(logits_.float() / rank, -1)  # [Vd]
             top = torch.topk(log_p, min(self.top_k, log_p.numel()))
             ids = self.drafter.to_target_ids(top.indices).tolist()
+            p1 = draft_confidence(logits_, top.indices).tolist() if threshold > 0 else [1.0] * len(ids)
             new = []
-            for t, s in zip(ids, top.values.tolist()):
+            for t, s, c in zip(ids, top.values.tolist(), p1):
                 tok.append(t), parent.append(par), score.append(base + s), depth.append(d), entry.append(-1)
+                conf.append(c), path.append(c * (1.0 if par < 0 else path[par]))
                 new.append(len(tok) - 1)
             return new
 
         rank = self.rank_temperature
-        candidates = add_children(-1, 0.0, torch.log_softmax(logits.float() / rank, -1), 1)
+        candidates = add_children(-1, 0.0, logits, 1)
         feats = {-1: feat}  # node -> [1, 1, H] output feature of its entry (-1: the root's)
         round_kv = None
         for d in range(1, ctx.k):
-            frontier = sorted(candidates, key=lambda n: -score[n])[: self.top_k]
+            # a node under the threshold is cut, and its children would be too: it is not expanded
+            alive = [n for n in candidates if path[n] >= threshold]
+            frontier = sorted(alive, key=lambda n: -score[n])[: self.top_k]
+            if not frontier:
+                break
             M = 0 if round_kv is None else round_kv[0].shape[2]
             ancestors = torch.zeros(len(frontier), M, dtype=torch.bool, device=device)  # [N, M]
             for row, node in enumerate(frontier):
@@ -214,22 +237,25 @@ class Eagle3TreeProposer(_Eagle3Base):
             round_kv = (
                 kv if round_kv is None else (torch.cat([round_kv[0], kv[0]], 2), torch.cat([round_kv[1], kv[1]], 2))
             )
-            log_p = torch.log_softmax(step_logits.float() / rank, -1)  # [N, Vd]
             candidates = []
             for row, node in enumerate(frontier):
                 entry[node] = M + row
                 feats[node] = out[:, row : row + 1]
-                candidates += add_children(node, score[node], log_p[row], d + 1)
-        # keep the best `budget` nodes; ties favour shallower nodes, so a parent always precedes its children
-        ranked = sorted(range(len(tok)), key=lambda n: (-score[n], depth[n], n))
+                candidates += add_children(node, score[node], step_logits[row], d + 1)  # step_logits [N, Vd]
+        # keep the best `budget` nodes (above the threshold); ties favour shallower nodes, so a parent always precedes
+        # its children
+        ranked = sorted((n for n in range(len(tok)) if path[n] >= threshold), key=lambda n: (-score[n], depth[n], n))
         chosen: set[int] = set()
         for n in ranked:
             if len(chosen) == self.budget:
                 break
             if parent[n] < 0 or parent[n] in chosen:
                 chosen.add(n)
+        if not chosen:
+            return DraftTree.empty(device)
         order = sorted(chosen, key=lambda n: (depth[n], n))
         index = {n: i for i, n in enumerate(order)}
         tokens = torch.tensor([tok[n] for n in order], dtype=torch.long, device=device)
         parents = torch.tensor([index[parent[n]] if parent[n] >= 0 else -1 for n in order], device=device)
-        return DraftTree(tokens=tokens, parents=parents)
+        confidence = torch.tensor([conf[n] for n in order], dtype=torch.float64) if threshold > 0 else None
+        return DraftTree(tokens=tokens, parents=parents, confidence=confidence)

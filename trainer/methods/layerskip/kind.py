@@ -24,8 +24,17 @@ KIND = "layerskip"
 MARKER = "layerskip.json"
 
 
-def make_record(model: PreTrainedModel, tokenizer: str | None, exits: list[int], p_max: float, dropout_scale: str):
-    """The record of a model trained with early exits at ``exits`` and layer dropout up to ``p_max``."""
+def make_record(
+    model: PreTrainedModel,
+    tokenizer: str | None,
+    exits: list[int],
+    p_max: float,
+    dropout_scale: str,
+    fine_tuned_from: str | None = None,
+    target_kl_weight: float = 0.0,
+):
+    """The record of a model trained with early exits at ``exits`` and layer dropout up to ``p_max``; a fine-tune
+    records the model it started from (``fine_tuned_from``, the original target) and the weight of its KL to it."""
     return DrafterRecord(
         kind=KIND,
         config={
@@ -33,6 +42,8 @@ def make_record(model: PreTrainedModel, tokenizer: str | None, exits: list[int],
             "early_exit_layers": list(exits),
             "p_max": p_max,
             "dropout_scale": dropout_scale,
+            "fine_tuned_from": fine_tuned_from,
+            "target_kl_weight": float(target_kl_weight),
         },
         components={"model": "net.model."},
         target_vocab_size=int(model.config.vocab_size),

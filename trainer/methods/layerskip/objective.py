@@ -15,6 +15,13 @@ Training (Elhoushi et al. 2024; torchtune's names):
   ``sqrt_l``, ``inv_l``). Curricula (deterministic in the step): ``none`` (every exit), ``rotational`` (exit index
   ``i`` is enabled when ``i % period == step % period``) and ``gradual`` (exits enabled from the last layer down,
   all of them after ``curriculum_steps``). Every exit's logits are computed in chunks of positions and freed.
+- keeping the model's outputs (``target_kl_weight``, fine-tuning): the loss gains ``target_kl_weight *
+  KL(p_original || q_model)``, the forward KL from a frozen copy of the model as it was loaded to the model's own
+  next-token distribution (the last layer's, under the step's layer dropout), averaged over the trained positions,
+  chunked like the exits' losses and logged as ``target_kl``. The copy is declared with ``track_frozen`` (as
+  ``original``: checkpoints keep its fingerprint, never its weights) and kept out of the module tree. Trained on the
+  target's own greedy completions without it, the fine-tune drifts towards repeating itself
+  (docs/methods/layerskip.md).
 
 Pre-training a fresh Llama from a tokenizer (``tokenizer`` with ``target_config`` overrides), or fine-tuning any HF
 Llama-like model in full (``target``). The model is saved as a plain HF checkpoint (drafter kind ``layerskip``: a
@@ -39,7 +46,7 @@ from trainer.decoding.session import slice_refusal
 from trainer.errors import ModelFolderError, RecipeError
 from trainer.export.hf import export_student
 from trainer.llama import new_llama_config
-from trainer.losses import chunked_cross_entropy
+from trainer.losses import chunked_cross_entropy, fused_kd_loss, kd_loss
 from trainer.methods.layerskip import kind as layerskip_kind
 from trainer.objective import DraftObjective, Optim, causal_lm_flops_per_token, derived_seed
 from trainer.registry import DrafterRecord
@@ -126,24 +133,35 @@ class LayerSkipLM(nn.Module):
         layers: list[int],
         scales: list[float],
         whole_logits: bool = False,
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The scaled sum of the exits' cross entropies and each of them; ``layers`` ends with the last layer.
+        original: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
+        """The scaled sum of the exits' cross entropies, each of them, and the last layer's KL from the original.
 
         ids, labels: [B, S]; keep: [B, L] bool or None; whole_logits: project through the lm_head module at once
-        (under ZeRO-3 its weight is a partition outside the module's forward) instead of in chunks of positions."""
+        (under ZeRO-3 its weight is a partition outside the module's forward) instead of in chunks of positions;
+        original: the frozen original's final normed hidden states [B, S, Ho], its lm_head weight [V, Ho] and the
+        positions [B, S] bool: the third value is then ``KL(p_original || q_model)`` of the model's own output (the
+        last layer's) averaged over those positions, else None."""
         states = self.run_layers(ids, keep, layers[:-1])
         norm, head = self.model.get_decoder().norm, self.model.get_output_embeddings()
-        total, losses = 0.0, []
+        total, losses, kl = 0.0, [], None
         for layer, scale in zip(layers, scales):
             normed = norm(states[layer])  # [B, S, H]
+            last = original is not None and layer == layers[-1]
             if whole_logits:
                 logits = head(normed).float()  # [B, S, V]
                 loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+                if last:
+                    with torch.no_grad():
+                        reference = original[0] @ original[1].t()  # [B, S, V]
+                    kl = kd_loss(logits, reference, original[2], chunk_size=self.chunk_size).loss
             else:
                 loss = chunked_cross_entropy(normed, head.weight, labels, self.chunk_size)
+                if last:
+                    kl = fused_kd_loss(normed, head.weight, *original, chunk_size=self.chunk_size).loss
             total = total + scale * loss
             losses.append(loss)
-        return total, losses
+        return total, losses, kl
 
 
 class LayerSkip(DraftObjective):
@@ -161,6 +179,7 @@ class LayerSkip(DraftObjective):
         curriculum: Literal["none", "rotational", "gradual"] = "none",
         curriculum_period: int = 2,
         curriculum_steps: int = 0,
+        target_kl_weight: float = 0.0,
         loss_chunk_size: int = 256,
         target_dtype: str = "float32",
         export_dir: str | None = None,
@@ -180,6 +199,10 @@ class LayerSkip(DraftObjective):
             curriculum: which exits are enabled at a step: "none" (all), "rotational", "gradual".
             curriculum_period: rotational: one exit in this many is enabled per step, rotating.
             curriculum_steps: gradual: optimizer steps until every exit is enabled.
+            target_kl_weight: fine-tuning: the weight of ``KL(p_original || q_model)``, the forward KL from a frozen
+                copy of ``target`` to the model's own next-token distribution (its last layer's), added to the exits'
+                loss so that the model keeps its outputs (0: off; >= 0). Needs ``target``; the frozen copy costs one
+                more model in memory and its forward in every step.
             loss_chunk_size: positions per chunk of every exit's logits.
             target_dtype: the model's weights dtype (float32, bfloat16).
             export_dir: where the model (HF checkpoint, tokenizer, layerskip.json) is saved at the end of fit.
@@ -198,11 +221,20 @@ class LayerSkip(DraftObjective):
                 f"model.curriculum_period must be >= 1 and curriculum_steps >= 0, got {curriculum_period}, "
                 f"{curriculum_steps}"
             )
+        if not target_kl_weight >= 0.0:
+            raise RecipeError(f"model.target_kl_weight must be >= 0, got {target_kl_weight}")
+        if target_kl_weight > 0 and target is None:
+            raise RecipeError(
+                f"model.target_kl_weight={target_kl_weight} keeps a fine-tuned model close to the model it started "
+                "from: it needs model.target (a fresh model has no original); set it to 0"
+            )
         torch.manual_seed(seed)
         if target is not None:
             hf = AutoModelForCausalLM.from_pretrained(
                 target, dtype=resolve_dtype(target_dtype), trust_remote_code=trust_remote_code
             )
+            if target_kl_weight > 0:  # the frozen original: out of the module tree, its fingerprint in checkpoints
+                self.load_target(target, "online", target_dtype, trust_remote_code, record_as="original")
             self.tokenizer_path: str | None = target
         elif tokenizer is not None:
             config = new_llama_config(AutoTokenizer.from_pretrained(tokenizer), target_config or {}, "target_config")
@@ -231,6 +263,7 @@ class LayerSkip(DraftObjective):
         self.exit_scale, self.curriculum = exit_scale, curriculum
         self.curriculum_period, self.curriculum_steps = curriculum_period, curriculum_steps
         self.export_dir, self.seed = export_dir, seed
+        self.target_kl_weight = target_kl_weight
         self._micro = 0
 
     @property
@@ -282,8 +315,16 @@ class LayerSkip(DraftObjective):
         if self.training:
             keep = self.keep_mask(ids.shape[0], self.global_step, self._micro).to(ids.device)  # [B, L]
         whole_logits = self.weights_are_sharded() and self.device_mesh is None  # ZeRO-3: the head through its module
-        total, losses = self.net(ids, labels, keep, layers, exit_scales(layers, self.exit_scale), whole_logits)
+        original = None
+        if self.target_kl_weight > 0:
+            frozen = self.target_on(self.device)
+            original = (frozen.final_hidden(ids), frozen.lm_head_weight, batch["loss_mask"].bool())  # [B, S, H]...
+        scales = exit_scales(layers, self.exit_scale)
+        total, losses, kl = self.net(ids, labels, keep, layers, scales, whole_logits, original)
         metrics = {f"exit_{layer}": loss.detach() for layer, loss in zip(layers, losses)}
+        if kl is not None:
+            total = total + self.target_kl_weight * kl
+            metrics["target_kl"] = kl.detach()
         if keep is not None:
             metrics["kept_layers"] = keep.float().sum(1).mean()
         return total, metrics
@@ -291,7 +332,10 @@ class LayerSkip(DraftObjective):
     def flops_per_token(self) -> float:
         dense = causal_lm_flops_per_token(self.model, self.data_seq_len())
         head = 2.0 * self.model.get_output_embeddings().weight.numel()
-        return 3.0 * (dense + head * len(self.exits))  # every enabled exit adds a projection to the vocabulary
+        flops = 3.0 * (dense + head * len(self.exits))  # every enabled exit adds a projection to the vocabulary
+        if self.target_kl_weight > 0:  # the original's forward and projection, the model's output projected again
+            flops += dense + head + 3.0 * head
+        return flops
 
     # ---- what the model is ---------------------------------------------------------------------------------------
     def speculative_eval_target(self) -> PreTrainedModel:
@@ -300,8 +344,9 @@ class LayerSkip(DraftObjective):
     def drafter_record(self) -> DrafterRecord:
         hp = self.hparams
         return layerskip_kind.make_record(
-            self.model, self.tokenizer_path, exits=self.exits, p_max=hp.p_max, dropout_scale=hp.dropout_scale
-        )
+            self.model, self.tokenizer_path, exits=self.exits, p_max=hp.p_max, dropout_scale=hp.dropout_scale,
+            fine_tuned_from=self.target_path, target_kl_weight=self.target_kl_weight,
+        )  # fmt: skip
 
     def on_train_end(self) -> None:
         if self.export_dir:

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from trainer.errors import ModelFolderError
 from trainer.export.files import WEIGHTS, cpu_tensors, read_folder, write_folder
 from trainer.methods.medusa.module import MedusaConfig, MedusaDrafter
 
@@ -97,10 +98,11 @@ def _drafter(config: MedusaConfig, folder: Path, tensors: dict[str, torch.Tensor
     unused = sorted(set(tensors) - set(expected))
     missing = sorted(set(expected) - set(tensors))
     if unused or missing:
-        raise ValueError(f"{where}: tensors not consumed {unused}, weights missing {missing}")
+        raise ModelFolderError(f"{where}: tensors not consumed {unused}, weights missing {missing}")
     for name, tensor in tensors.items():
         if tensor.shape != expected[name].shape:
-            raise ValueError(f"{where}: {name} has shape {tuple(tensor.shape)}, expected {tuple(expected[name].shape)}")
+            want = tuple(expected[name].shape)
+            raise ModelFolderError(f"{where}: {name} has shape {tuple(tensor.shape)}, expected {want}")
     drafter.heads.to(next(iter(tensors.values())).dtype)
     drafter.heads.load_state_dict(tensors, strict=True)
     return drafter
@@ -118,7 +120,7 @@ def vllm_config_keys(config: dict) -> dict:
         elif "num" in key and "layers" in key:
             name = "num_hidden_layers"
         if name in origin:
-            raise ValueError(f"config keys {origin[name]!r} and {key!r} both become {name!r} in vLLM")
+            raise ModelFolderError(f"config keys {origin[name]!r} and {key!r} both become {name!r} in vLLM")
         origin[name] = key
         out[name] = value
     return out
@@ -131,10 +133,10 @@ def load_vllm(path: str, num_speculative_tokens: int | None = None) -> MedusaDra
     raw, tensors = read_folder(folder, "a Medusa export", VLLM_WEIGHTS)
     config = vllm_config_keys(raw)
     if config.get("architectures") != ["MedusaModel"]:
-        raise ValueError(f"{path}: architectures {config.get('architectures')}, expected ['MedusaModel']")
+        raise ModelFolderError(f"{path}: architectures {config.get('architectures')}, expected ['MedusaModel']")
     for key in ("hidden_size", "vocab_size", "num_heads", "num_hidden_layers"):
         if key not in config:
-            raise ValueError(f"{path}: config.json lacks {key!r} (vLLM would use a default that fits no target)")
+            raise ModelFolderError(f"{path}: config.json lacks {key!r} (vLLM would use a default that fits no target)")
     heads = num_speculative_tokens or int(config["num_heads"])
     medusa = MedusaConfig(
         hidden_size=int(config["hidden_size"]), vocab_size=int(config["vocab_size"]), num_heads=heads,
@@ -149,11 +151,11 @@ def load_tgi(path: str) -> MedusaDrafter:
     folder = Path(path)
     config, tensors = read_folder(folder, "a Medusa export", TGI_WEIGHTS)
     if "architectures" in config:
-        raise ValueError(f"{path}: config.json has 'architectures', with which TGI disables Medusa speculation")
+        raise ModelFolderError(f"{path}: config.json has 'architectures', with which TGI disables Medusa speculation")
     heads, layers = int(config["medusa_num_heads"]), int(config["medusa_num_layers"])
     out = next((t for n, t in tensors.items() if n == f"0.{layers}.weight"), None)
     if out is None:
-        raise ValueError(f"{path}: no output layer 0.{layers}.weight for medusa_num_layers={layers}")
+        raise ModelFolderError(f"{path}: no output layer 0.{layers}.weight for medusa_num_layers={layers}")
     renamed = {}
     for name, tensor in tensors.items():
         h, rest = name.split(".", 1)

@@ -41,6 +41,7 @@ from torch import nn
 from transformers.core_model_loading import revert_weight_conversion
 
 from trainer.data.vocab import TOKENIZER_FILES, load_tokenizer_if_present
+from trainer.errors import CheckpointError, ModelFolderError, UsageError
 from trainer.methods.mtp.module import LAYOUTS, NEXTN_MODEL_TYPES, MTPConfig, MTPDrafter, text_config, trunk_parts
 from trainer.methods.mtp.record import make_record
 from trainer.registry import DrafterRecord
@@ -98,17 +99,17 @@ def load_block(config: MTPConfig, block: nn.Module, prefix: str, tensors: dict[s
         flat = param.detach().clone().flatten()
         for ckpt_name, index in revert_weight_conversion(skeleton, probe).items():
             if ckpt_name not in tensors:
-                raise ValueError(f"{where}: tensor {ckpt_name} is missing (the block's {name})")
+                raise ModelFolderError(f"{where}: tensor {ckpt_name} is missing (the block's {name})")
             source = tensors[ckpt_name]
             if tuple(source.shape) != tuple(index.shape):
-                raise ValueError(
+                raise ModelFolderError(
                     f"{where}: tensor {ckpt_name} has shape {tuple(source.shape)}, the block needs {tuple(index.shape)}"
                 )
             flat[index.flatten()] = source.flatten().to(flat.dtype)
             filled[index.flatten()] = True
             consumed.add(ckpt_name)
         if not bool(filled.all()):
-            raise ValueError(f"{where}: the block's {name} is not fully covered by the checkpoint's tensors")
+            raise ModelFolderError(f"{where}: the block's {name} is not fully covered by the checkpoint's tensors")
         param.data.copy_(flat.view(param.shape))  # state_dict tensors share storage with the parameters
     return consumed
 
@@ -121,7 +122,7 @@ def _check_conventions(config: MTPConfig, layout: str) -> None:
     want = LAYOUTS[layout]
     have = (config.trunk_hidden, config.step_hidden, config.zero_first_position)
     if have != (want.trunk_hidden, want.step_hidden, want.zero_first_position):
-        raise ValueError(
+        raise UsageError(
             f"the {layout} layout is served with trunk_hidden={want.trunk_hidden}, step_hidden={want.step_hidden}, "
             f"zero_first_position={want.zero_first_position}; these modules were trained with trunk_hidden="
             f"{config.trunk_hidden}, step_hidden={config.step_hidden}, zero_first_position="
@@ -135,7 +136,7 @@ def _trunk_source(drafter: MTPDrafter, record: DrafterRecord, scratch: Path) -> 
         drafter.trunk.save_pretrained(scratch, safe_serialization=True)
         return str(scratch)
     if not record.target:
-        raise ValueError("the drafter record names no target and holds no trunk: nothing to write the model from")
+        raise CheckpointError("the drafter record names no target and holds no trunk: nothing to write the model from")
     return record.target
 
 
@@ -163,7 +164,7 @@ def _write_model(
     out.mkdir(parents=True, exist_ok=True)
     N = drafter.mtp.num_trunk_layers
     if record.target and drafter.trunk is None and Path(record.target).resolve() == out.resolve():
-        raise ValueError(f"--out {out} is the target's own folder: write the export elsewhere")
+        raise UsageError(f"--out {out} is the target's own folder: write the export elsewhere")
     with tempfile.TemporaryDirectory() as scratch:
         source = _trunk_source(drafter, record, Path(scratch))
         files: dict[Path, list[str]] = {}
@@ -224,7 +225,7 @@ def write_nextn(drafter: MTPDrafter, record: DrafterRecord, out: Path) -> Path:
     config = drafter.config
     model_type = text_config(config.trunk_config()).model_type
     if model_type not in NEXTN_MODEL_TYPES:
-        raise ValueError(
+        raise UsageError(
             f"the NextN layout is loaded for DeepSeek-V3-architecture models ({', '.join(sorted(NEXTN_MODEL_TYPES))})"
             f"; this trunk is model_type {model_type!r}: write --format qwen3-next (the mtp.* layout) or hf"
         )
@@ -254,7 +255,7 @@ def write_qwen3_next(drafter: MTPDrafter, record: DrafterRecord, out: Path) -> P
     for k, layer in enumerate(layers):
         for ours in QWEN3_NEXT_SHARED.values():
             if not torch.equal(getattr(layer, ours).weight, getattr(first, ours).weight):
-                raise ValueError(
+                raise UsageError(
                     f"the Qwen3-Next layout stores one fc, input norms and final norm for all MTP layers; module {k}'s "
                     f"{ours} differs from module 0's ({len(layers)} modules trained with their own)"
                 )
@@ -314,7 +315,7 @@ def _trunk_dict(source: str) -> dict:
     from transformers import AutoConfig
 
     if "model_type" not in _read_config(source):
-        raise ValueError(f"{source}: config.json has no model_type")
+        raise ModelFolderError(f"{source}: config.json has no model_type")
     return json.loads(json.dumps(AutoConfig.from_pretrained(source).to_dict(), default=str))
 
 
@@ -341,7 +342,7 @@ def load_nextn(folder: Path | str) -> tuple[MTPDrafter, DrafterRecord]:
     spec = [m for m in _tensor_names(source) if is_mtp_tensor(m, N)]
     found = sorted({i for i in map(_layer_index, spec) if i is not None})
     if n < 1 or found != list(range(N, N + n)):
-        raise ValueError(
+        raise ModelFolderError(
             f"{source}: NextN layers stored at index {found}, but num_hidden_layers is {N} and "
             f"num_nextn_predict_layers {n}: the NextN layers must be stored as layers {list(range(N, N + n))} (the "
             "first at index num_hidden_layers)"
@@ -362,7 +363,7 @@ def load_nextn(folder: Path | str) -> tuple[MTPDrafter, DrafterRecord]:
         consumed |= load_block(mtp_config, layer.block, prefix, block, source)
     left = sorted(set(tensors) - consumed)
     if left:
-        raise ValueError(f"{source}: NextN tensors not consumed by the loader: {left[:8]}")
+        raise ModelFolderError(f"{source}: NextN tensors not consumed by the loader: {left[:8]}")
     return drafter, _loaded_record(drafter, source)
 
 
@@ -387,11 +388,11 @@ def load_qwen3_next(folder: Path | str) -> tuple[MTPDrafter, DrafterRecord]:
     spec = [m for m in _tensor_names(source) if m.startswith("mtp.")]
     indices = sorted({int(m.split(".")[2]) for m in spec if m.startswith("mtp.layers.")})
     if n < 1 or indices != list(range(n)):
-        raise ValueError(f"{source}: mtp.layers {indices} stored, but config {key} is {n} (layers 0..{n - 1})")
+        raise ModelFolderError(f"{source}: mtp.layers {indices} stored, but config {key} is {n} (layers 0..{n - 1})")
     mtp_config = MTPConfig(depth=n, trunk=trunk, layout="qwen3_next", **asdict(LAYOUTS["qwen3_next"]))
     tensors = _read(source, spec)
     if "mtp.fc.weight" not in tensors:
-        raise ValueError(f"{source}: tensor mtp.fc.weight is missing")
+        raise ModelFolderError(f"{source}: tensor mtp.fc.weight is missing")
     drafter = MTPDrafter(mtp_config).to(tensors["mtp.fc.weight"].dtype)  # the stored precision
     consumed: set[str] = set()
     for k, layer in enumerate(drafter.mtp.layers):
@@ -403,16 +404,16 @@ def load_qwen3_next(folder: Path | str) -> tuple[MTPDrafter, DrafterRecord]:
         )
     left = sorted(set(tensors) - consumed)
     if left:
-        raise ValueError(f"{source}: mtp tensors not consumed by the loader: {left[:8]}")
+        raise ModelFolderError(f"{source}: mtp tensors not consumed by the loader: {left[:8]}")
     return drafter, _loaded_record(drafter, source)
 
 
 def _copy(param: torch.Tensor, tensors: dict[str, torch.Tensor], name: str, source: str) -> str:
     """Copy checkpoint tensor ``name`` into ``param``; returns the name."""
     if name not in tensors:
-        raise ValueError(f"{source}: tensor {name} is missing")
+        raise ModelFolderError(f"{source}: tensor {name} is missing")
     if tuple(tensors[name].shape) != tuple(param.shape):
-        raise ValueError(
+        raise ModelFolderError(
             f"{source}: tensor {name} has shape {tuple(tensors[name].shape)}, expected {tuple(param.shape)}"
         )
     with torch.no_grad():

@@ -20,17 +20,25 @@ With a tree (greedy verification), the chain's per-depth top-``tree_top_k`` toke
 probabilities at ``rank_temperature`` (a node's token is its depth's candidate, computed along the argmax chain, as
 for Medusa heads); at a temperature a sampled chain is drafted instead.
 
+Dynamic draft length (``ctx.accept_threshold``): before each step the modules' probability (at temperature 1) of the
+step's argmax (the greedy draft; for a sampled one the same top probability, which does not depend on the draw) joins
+the chain's running product, and drafting stops, saving the next modules' forwards, once it falls under the threshold.
+A tree node's estimate is the probability of its token at its depth; a node's path product is at most the argmax
+chain's at the same depth, so the tree is built from the depths the chain reached and then cut by the engine.
+
 Engines refuse a number of speculative tokens that is above the module count and not a multiple of it (vLLM checks
 ``num_speculative_tokens % n_predict``); :meth:`MTPProposer.check_k` does too.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
 from trainer.decoding.head_tree import tree_for_budget, tree_from_choices
-from trainer.decoding.proposers import BaseProposer, ProposalContext, draw
+from trainer.decoding.proposers import BaseProposer, ChainCut, ProposalContext, draft_confidence, draw
 from trainer.decoding.session import FINAL_PRENORM
 from trainer.decoding.tree import DraftTree
 from trainer.methods.mtp.module import MTPModules
@@ -47,6 +55,8 @@ def check_draft_count(k: int, depth: int) -> None:
 
 class MTPProposer(BaseProposer):
     """Chain or tree drafts from MTP modules sharing the target's embedding and lm_head."""
+
+    estimates_acceptance = True
 
     def __init__(
         self,
@@ -165,10 +175,13 @@ class MTPProposer(BaseProposer):
         tree = self.tree and ctx.temperature <= 0
         T = ctx.tokens.numel()
         stream = ctx.tokens  # committed tokens, then the drafts
-        drafts, probs, tops, top_p = [], [], [], []
+        drafts, probs, tops, top_p, top_conf = [], [], [], [], []
+        cut = ChainCut(ctx.accept_threshold)
         logits = self._logits(0, out, ctx.vocab_size)
         prev = self.pending[1][:, :0] if self.depth > 1 else None  # module j - 1's draft outputs (handed over)
         for j in range(ctx.k):
+            if cut.active and not cut.admit(draft_confidence(logits)):  # the argmax's probability
+                break
             token, p = draw(logits, ctx)  # [1], [V] or None
             drafts.append(token)
             probs.append(p)
@@ -176,6 +189,8 @@ class MTPProposer(BaseProposer):
                 r = min(self.tree_top_k, logits.numel())
                 tops.append(logits.topk(r).indices)
                 top_p.append(torch.softmax(logits.float() / self.rank_temperature, -1).topk(r).values)
+                if cut.active:
+                    top_conf.append(draft_confidence(logits, tops[-1]))  # [r]
             if j + 1 == ctx.k:
                 break
             stream = torch.cat([stream, token])
@@ -195,7 +210,16 @@ class MTPProposer(BaseProposer):
                 positions = torch.full((1, 1), T - 2 + step, device=stream.device)
                 out = self.modules.run(module, feats, self.embedding(token[None]), positions, self.cache)
             logits = self._logits(module, out, ctx.vocab_size)
+        if not drafts:
+            return DraftTree.empty(ctx.tokens.device)
         if tree:
             paths = tree_for_budget(torch.stack(top_p), self.tree_nodes)
-            return tree_from_choices(paths, torch.stack(tops), max_depth=ctx.k)
-        return DraftTree.chain(torch.cat(drafts), torch.stack(probs) if ctx.temperature > 0 else None)
+            built = tree_from_choices(paths, torch.stack(tops), max_depth=ctx.k)
+            if not cut.active:
+                return built
+            ranks = [p[-1] for p in paths if len(p) <= ctx.k]  # the nodes, in the order tree_from_choices adds them
+            depths = built.depths() - 1  # [N]
+            confidence = torch.stack(top_conf)[depths, torch.tensor(ranks, device=depths.device)]  # [N]
+            return replace(built, confidence=confidence)
+        probs_ = torch.stack(probs) if ctx.temperature > 0 else None
+        return DraftTree.chain(torch.cat(drafts), probs_, confidence=cut.confidence())

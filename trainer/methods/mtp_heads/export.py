@@ -18,7 +18,9 @@ A folder written by :func:`save` holds
        "shared": ["model.norm", "lm_head"],   # every head's output goes through the model's final norm and lm_head
        "predicts": "head i at position t predicts token t + 1 + i",
        "agreement": [[...], ...] or null,    # [n - 1][R] measured top-k agreement of the extra heads (see below)
-       "agreement_count": N}                  # positions it was measured on (0: never)
+       "agreement_count": N,                  # positions it was measured on (0: never)
+       "fine_tuned_from": "DIR" or null,      # the model the fine-tune started from (the original target)
+       "target_kl_weight": w}                 # the weight of the KL that kept the model close to it (0: none)
 
   ``agreement[i - 1][r]``: how often the rank-``r`` token of head ``i`` at position ``t`` was head 0's argmax at
   position ``t + i`` on held-out data (what greedy self-speculative decoding verifies); trees are built from it.
@@ -36,6 +38,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from trainer.errors import ModelFolderError
 from trainer.export.hf import save_hf
 from trainer.methods.mtp_heads.module import MTPHeads
 
@@ -58,11 +61,18 @@ def heads_state_dict(heads: MTPHeads, state_dict: dict[str, torch.Tensor] | None
 
 
 def save(
-    heads: MTPHeads, out_dir: str | Path, tokenizer_from: str | None, state_dict: dict[str, torch.Tensor] | None = None
+    heads: MTPHeads,
+    out_dir: str | Path,
+    tokenizer_from: str | None,
+    state_dict: dict[str, torch.Tensor] | None = None,
+    fine_tuned_from: str | None = None,
+    target_kl_weight: float = 0.0,
 ) -> Path:
     """Write the model (HF checkpoint, tokenizer from ``tokenizer_from`` when found) and the extra heads beside it.
 
     ``state_dict``: the module's full state dict when its own parameters are shards (FSDP2, ZeRO-3).
+    ``fine_tuned_from``, ``target_kl_weight``: the model a fine-tune started from and the weight of its KL to it,
+    recorded in ``mtp_heads.json`` (``draftsmith eval --original_target`` compares the two models).
     """
     path = Path(out_dir)
     model_state = None
@@ -86,6 +96,8 @@ def save(
         "agreement": None if agreement is None else [[round(float(x), 6) for x in row] for row in agreement],
         "agreement_top_k": int(heads.agreement.shape[1]),
         "agreement_count": float(heads.agreement_count) if agreement is not None else 0.0,
+        "fine_tuned_from": fine_tuned_from,
+        "target_kl_weight": float(target_kl_weight),
     }
     (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return path
@@ -96,12 +108,12 @@ def read_config(folder: Path) -> dict:
     path = Path(folder) / CONFIG_FILE
     config = json.loads(path.read_text())
     if config.get("format") != FORMAT or config.get("version") != VERSION:
-        raise ValueError(
+        raise ModelFolderError(
             f"{path}: format {config.get('format')!r} version {config.get('version')!r}, expected {FORMAT!r} version "
             f"{VERSION}"
         )
     if not isinstance(config.get("num_heads"), int) or config["num_heads"] < 1:
-        raise ValueError(f"{path}: num_heads must be a positive integer, got {config.get('num_heads')!r}")
+        raise ModelFolderError(f"{path}: num_heads must be a positive integer, got {config.get('num_heads')!r}")
     return config
 
 
@@ -126,7 +138,7 @@ def load(folder: str | Path, dtype: torch.dtype | None = None) -> MTPHeads:
     heads = MTPHeads(model, config["num_heads"], head_init="copy", accuracy_top_k=top_k)
     where = folder / CONFIG_FILE
     if config.get("head_class") != type(heads.head(0)).__name__ or config.get("hidden_state") != heads.hidden_layer:
-        raise ValueError(
+        raise ModelFolderError(
             f"{where}: heads of class {config.get('head_class')!r} reading hidden state {config.get('hidden_state')}, "
             f"the model in {folder} has {type(heads.head(0)).__name__} and reads {heads.hidden_layer}"
         )
@@ -134,10 +146,10 @@ def load(folder: str | Path, dtype: torch.dtype | None = None) -> MTPHeads:
     expected = heads_state_dict(heads)
     missing, extra = sorted(set(expected) - set(stored)), sorted(set(stored) - set(expected))
     if missing or extra:
-        raise ValueError(f"{folder / WEIGHTS_FILE}: missing {missing[:5]}, unexpected {extra[:5]} head tensors")
+        raise ModelFolderError(f"{folder / WEIGHTS_FILE}: missing {missing[:5]}, unexpected {extra[:5]} head tensors")
     for key, value in stored.items():
         if tuple(value.shape) != tuple(expected[key].shape):
-            raise ValueError(
+            raise ModelFolderError(
                 f"{folder / WEIGHTS_FILE}: {key} has shape {tuple(value.shape)}, the model needs "
                 f"{tuple(expected[key].shape)}"
             )
@@ -146,7 +158,7 @@ def load(folder: str | Path, dtype: torch.dtype | None = None) -> MTPHeads:
     if config.get("agreement") is not None:
         agreement = torch.tensor(config["agreement"], dtype=torch.float64)
         if tuple(agreement.shape) != tuple(heads.agreement.shape):
-            raise ValueError(
+            raise ModelFolderError(
                 f"{where}: agreement of shape {tuple(agreement.shape)}, expected {tuple(heads.agreement.shape)}"
             )
         heads.agreement.copy_(agreement.to(heads.agreement))

@@ -33,7 +33,14 @@ from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, register_
 KIND = "mtp_heads"
 
 
-def make_record(heads: MTPHeads, component: str, target: str | None, tokenizer: str | None) -> DrafterRecord:
+def make_record(
+    heads: MTPHeads,
+    component: str,
+    target: str | None,
+    tokenizer: str | None,
+    fine_tuned_from: str | None = None,
+    target_kl_weight: float = 0.0,
+) -> DrafterRecord:
     """The record of a model trained with parallel heads.
 
     Args:
@@ -41,6 +48,8 @@ def make_record(heads: MTPHeads, component: str, target: str | None, tokenizer: 
         component: its attribute name in the training module (the state-dict prefix without the dot).
         target: where the trained model is saved (it is its own target), when known.
         tokenizer: the tokenizer directory, when known.
+        fine_tuned_from: the model a fine-tune started from (the original target), None for a fresh model.
+        target_kl_weight: the weight of the KL that kept the model close to that original (0: none).
     """
     config = heads.model.config
     return DrafterRecord(
@@ -49,6 +58,8 @@ def make_record(heads: MTPHeads, component: str, target: str | None, tokenizer: 
             "num_heads": heads.num_heads,
             "agreement_top_k": int(heads.agreement.shape[1]),
             "model_config": config.to_dict(),
+            "fine_tuned_from": fine_tuned_from,
+            "target_kl_weight": float(target_kl_weight),
         },
         components={component: component + "."},
         target=target,
@@ -85,14 +96,20 @@ def load_weights(module: MTPHeads, record: DrafterRecord, state: dict, where: st
 
 def write(module: MTPHeads, record: DrafterRecord, out_dir: Path) -> Path:
     """The model as an HF checkpoint with its tokenizer, the heads beside it (export.py)."""
-    return formats.save(module, out_dir, record.tokenizer)
+    settings = record.config
+    return formats.save(
+        module, out_dir, record.tokenizer, None, settings.get("fine_tuned_from"), settings.get("target_kl_weight", 0.0)
+    )
 
 
 def load(folder: Path) -> tuple[MTPHeads, DrafterRecord]:
     """An exported folder; the record's target and tokenizer are the folder itself."""
     module = formats.load(folder)
     tokenizer = str(folder) if (folder / "tokenizer_config.json").is_file() else None
-    return module, make_record(module, "mtp", str(folder), tokenizer)
+    settings = formats.read_config(folder)
+    return module, make_record(
+        module, "mtp", str(folder), tokenizer, settings.get("fine_tuned_from"), settings.get("target_kl_weight", 0.0)
+    )
 
 
 def same_model(heads: MTPHeads, target: PreTrainedModel) -> bool:

@@ -25,6 +25,14 @@ Three ways to run the heads' backward (:data:`HEAD_BACKWARDS`), all giving the n
 - ``naive``: plain autograd, every head's full logits alive until backward (the reference, and the benchmark's
   baseline).
 
+Keeping the model's own outputs (``original``): when the model trains, its next-token distribution (trunk + head 0)
+can be held close to a frozen copy of the model it started from, ``KL(p_original || q_head0)`` per position (forward
+KL, the original's distribution first), averaged over the positions of a mask and returned beside the heads' loss
+(:attr:`HeadsOutput.target_kl`; the objective weighs it). The logits are chunked over positions as every
+full-vocabulary loss is (``trainer.losses.fused_kd_loss``): sequential backward and evaluation run head 0's layer and
+norm once more through autograd and project a chunk of positions at a time; ``checkpoint`` and ``naive`` take head 0's
+logits through the modules' own forwards (under activation checkpointing for ``checkpoint``) and ``kd_loss`` on them.
+
 Drafting (:meth:`MTPHeads.draft_logits`): the extra heads read ``z`` of the committed positions from the target session;
 each keeps its own KV cache over them. See proposer.py.
 """
@@ -45,7 +53,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
 from trainer.decoding.session import slice_refusal
-from trainer.losses import cross_entropy_with_grads
+from trainer.losses import cross_entropy_with_grads, fused_kd_loss, kd_loss
 
 HEAD_BACKWARDS = ("sequential", "checkpoint", "naive")
 IGNORE_INDEX = -100
@@ -87,6 +95,8 @@ class HeadsOutput:
         agreement: ``[n - 1, R]`` evaluation only: how often the rank-r token of extra head i at position t is head 0's
             argmax at position t + i (the token greedy self-speculative decoding verifies), else None.
         agreement_count: positions counted in ``agreement`` (per extra head), else None.
+        target_kl: ``KL(p_original || q_head0)`` averaged over the original's mask (scalar float32, differentiable in
+            training) when ``original`` was given, else None; not part of ``loss``.
     """
 
     loss: torch.Tensor
@@ -94,6 +104,22 @@ class HeadsOutput:
     head_accuracy: torch.Tensor | None = None
     agreement: torch.Tensor | None = None
     agreement_count: torch.Tensor | None = None
+    target_kl: torch.Tensor | None = None
+
+
+@dataclass
+class Original:
+    """The frozen original model head 0 is kept close to: its final normed hidden states and lm_head.
+
+    Attributes:
+        hidden: ``[B, S, Ho]`` the original's final normed hidden states on the batch (constants).
+        lm_head_weight: ``[V, Ho]`` its output projection (constant).
+        mask: ``[B, S]`` bool, the positions the KL is averaged over.
+    """
+
+    hidden: torch.Tensor
+    lm_head_weight: torch.Tensor
+    mask: torch.Tensor
 
 
 class MTPHeads(nn.Module):
@@ -198,6 +224,7 @@ class MTPHeads(nn.Module):
         chunk_size: int | None = 256,
         weights: Sequence[float] | None = None,
         measure: bool = False,
+        original: Original | None = None,
     ) -> HeadsOutput:
         """The heads' loss on a batch (module docstring). Without grad mode (validation) the heads run one at a time,
         their logits a chunk at a time, whatever ``backward`` says.
@@ -209,6 +236,7 @@ class MTPHeads(nn.Module):
             chunk_size: positions per chunk of the logits (sequential backward and evaluation).
             weights: ``w_i`` per head (default all 1).
             measure: in evaluation, also the heads' accuracies and the extra heads' agreement with head 0.
+            original: also ``target_kl``, head 0's KL from this frozen original (module docstring).
         """
         if backward not in HEAD_BACKWARDS:
             raise ValueError(f"backward={backward!r} is not one of {HEAD_BACKWARDS}")
@@ -222,11 +250,14 @@ class MTPHeads(nn.Module):
         per_head = [head_labels(labels, i) for i in range(n)]
         params = [p for p in self.parameters() if p.requires_grad]
         if not torch.is_grad_enabled() or not (z.requires_grad or params):
-            return self._evaluate(z, inputs, per_head, weights, chunk_size, measure)
+            out = self._evaluate(z, inputs, per_head, weights, chunk_size, measure)
+            out.target_kl = None if original is None else self.target_kl(z, inputs, original, "sequential", chunk_size)
+            return out
+        kl = None if original is None else self.target_kl(z, inputs, original, backward, chunk_size)
         if backward == "sequential":
             plan = _Plan(self, inputs, per_head, weights, chunk_size)
             loss, losses = _SequentialHeads.apply(plan, z, *plan.params)
-            return HeadsOutput(loss=loss, head_losses=losses)
+            return HeadsOutput(loss=loss, head_losses=losses, target_kl=kl)
         losses = []
         for i in range(n):
             if backward == "checkpoint":
@@ -234,7 +265,34 @@ class MTPHeads(nn.Module):
             else:
                 losses.append(self._head_loss(i, z, inputs, per_head[i]))
         loss = sum(w * loss_i for w, loss_i in zip(weights, losses))
-        return HeadsOutput(loss=loss, head_losses=torch.stack([x.detach() for x in losses]))
+        return HeadsOutput(loss=loss, head_losses=torch.stack([x.detach() for x in losses]), target_kl=kl)
+
+    def target_kl(
+        self, z: torch.Tensor, inputs: HeadInputs, original: Original, backward: str, chunk_size: int | None
+    ) -> torch.Tensor:
+        """``KL(p_original || q_head0)`` averaged over ``original.mask``, from the trunk output ``z`` ``[B, S, H]``.
+
+        ``sequential`` (and evaluation): head 0's layer and the norm through autograd, the logits of both models a
+        chunk of positions at a time (``fused_kd_loss``, which reads the lm_head weight: whole parameters only);
+        ``checkpoint`` and ``naive``: head 0's logits through the modules' forwards, checkpointed for ``checkpoint``."""
+        if backward == "sequential" or not torch.is_grad_enabled():
+            normed = self.model.get_decoder().norm(self.head(0)(z, **inputs.kwargs()))  # [B, S, H]
+            return fused_kd_loss(
+                normed, self.model.lm_head.weight, original.hidden, original.lm_head_weight, original.mask,
+                chunk_size=chunk_size,
+            ).loss  # fmt: skip
+        if backward == "checkpoint":
+            return checkpoint(self._target_kl_modules, z, inputs, original, chunk_size, use_reentrant=False)
+        return self._target_kl_modules(z, inputs, original, chunk_size)
+
+    def _target_kl_modules(
+        self, z: torch.Tensor, inputs: HeadInputs, original: Original, chunk_size: int | None
+    ) -> torch.Tensor:
+        """:meth:`target_kl` from head 0's full logits through the modules' own forwards (sharded weights)."""
+        logits = self.head_logits(0, z, inputs)  # [B, S, V]
+        with torch.no_grad():
+            reference = original.hidden @ original.lm_head_weight.t()  # [B, S, V]
+        return kd_loss(logits, reference, original.mask, chunk_size=chunk_size).loss
 
     def _head_loss(self, i: int, z: torch.Tensor, inputs: HeadInputs, labels: torch.Tensor) -> torch.Tensor:
         """Mean cross entropy of head ``i`` from its full logits, widened to float32 (0 when it has no label)."""

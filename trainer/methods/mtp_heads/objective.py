@@ -21,6 +21,13 @@ by default (CausalLMPretraining's), overridden key by key (recipes/quickstart/mt
 (``target``): an existing HF model whose extra heads start as copies of its last layer (``head_init``); ``train:
 heads`` freezes the model and trains the extra heads only (the model's outputs then never change).
 
+Keeping the model's outputs (``target_kl_weight``, fine-tuning with ``train: all``): the loss gains
+``target_kl_weight * KL(p_original || q_model)``, the forward KL from a frozen copy of the model as it was loaded
+(``target``) to the model's own next-token distribution (trunk + head 0), averaged over the trained positions and
+logged as ``target_kl``. The copy is declared with ``track_frozen`` (as ``original``: checkpoints keep its fingerprint,
+never its weights) and kept out of the module tree. Trained on the target's own greedy completions without it, the
+fine-tune drifts towards repeating itself (docs/methods/mtp-heads.md).
+
 Validation also measures every head's accuracy (``val/acc_head{i}``) and how often extra head i's top-k tokens hold
 head 0's argmax i positions later (``val/agree_head{i}``, top 1): the last measurement is kept in the module and
 exported, and the drafting tree for a node budget is built from it. At the end of fit the model is written to
@@ -43,7 +50,7 @@ from trainer.errors import RecipeError
 from trainer.llama import new_llama_config
 from trainer.methods.mtp_heads import export as mtp_export
 from trainer.methods.mtp_heads import kind as mtp_kind
-from trainer.methods.mtp_heads.module import MTPHeads
+from trainer.methods.mtp_heads.module import MTPHeads, Original
 from trainer.objective import DraftObjective, Optim, causal_lm_flops_per_token, count_params
 from trainer.registry import DrafterRecord
 from trainer.target import resolve_dtype
@@ -97,6 +104,7 @@ class ParallelMTPHeads(DraftObjective):
         train: Literal["all", "heads"] = "all",
         head_backward: Literal["auto", "sequential", "checkpoint", "naive"] = "auto",
         heads_lr_multiplier: float = 1.0,
+        target_kl_weight: float = 0.0,
         loss_chunk_size: int = 256,
         target_dtype: str = "float32",
         export_dir: str | None = None,
@@ -120,6 +128,10 @@ class ParallelMTPHeads(DraftObjective):
                 (per-head activation checkpointing, for ZeRO-3 and FSDP2), "naive" (every head's logits alive),
                 or "auto": checkpoint when the weights are sharded, else sequential.
             heads_lr_multiplier: the extra heads' learning rate as a multiple of ``optim.lr``.
+            target_kl_weight: fine-tuning with ``train: all``: the weight of ``KL(p_original || q_model)``, the
+                forward KL from a frozen copy of ``target`` to the model's next-token distribution, added to the
+                heads' loss so that the model keeps its outputs (0: off; >= 0). Needs ``target``; the frozen copy
+                costs one more model in memory and its forward in every step.
             loss_chunk_size: positions per chunk of a head's logits.
             target_dtype: the weights' dtype (float32, bfloat16, float16, float64).
             export_dir: where the model (HF checkpoint and tokenizer) and its heads are written at the end of fit.
@@ -139,6 +151,14 @@ class ParallelMTPHeads(DraftObjective):
             raise RecipeError(f"model.loss_chunk_size must be >= 1, got {loss_chunk_size}")
         if train not in ("all", "heads") or head_backward not in ("auto", "sequential", "checkpoint", "naive"):
             raise RecipeError(f"model.train={train!r} or model.head_backward={head_backward!r} is not a known value")
+        if not target_kl_weight >= 0.0:
+            raise RecipeError(f"model.target_kl_weight must be >= 0, got {target_kl_weight}")
+        if target_kl_weight > 0 and (target is None or train != "all"):
+            raise RecipeError(
+                f"model.target_kl_weight={target_kl_weight} keeps a fine-tuned model close to the model it started "
+                "from: it needs model.target and train: all (a fresh model has no original, and train: heads never "
+                "changes the model); set it to 0"
+            )
         torch_dtype = resolve_dtype(target_dtype) if target_dtype != "float64" else torch.float64
         if target is not None:
             if target_config:
@@ -148,6 +168,10 @@ class ParallelMTPHeads(DraftObjective):
             hf_model = AutoModelForCausalLM.from_pretrained(
                 target, dtype=torch_dtype, trust_remote_code=trust_remote_code
             )
+            if target_kl_weight > 0:  # the frozen original: out of the module tree, its fingerprint in checkpoints
+                read_as = "float32" if torch_dtype == torch.float64 else target_dtype
+                self.load_target(target, "online", read_as, trust_remote_code, record_as="original")
+                self.target.to(torch_dtype)
             self.tokenizer_path = tokenizer or target
             self.tokenizer = load_tokenizer_if_present(self.tokenizer_path)
         else:
@@ -166,6 +190,7 @@ class ParallelMTPHeads(DraftObjective):
         self.head_weights = head_weights
         self.train_mode, self.head_backward, self.heads_lr_multiplier = train, head_backward, heads_lr_multiplier
         self.loss_chunk_size, self.export_dir = loss_chunk_size, export_dir
+        self.target_kl_weight = target_kl_weight
         self._agreement: list[torch.Tensor] = []
 
     def trainable_module(self) -> nn.Module:
@@ -202,15 +227,28 @@ class ParallelMTPHeads(DraftObjective):
             chunk_size=self.loss_chunk_size,
             weights=self.head_weights,
             measure=measure,
+            original=self.original(batch),
         )
         metrics = {f"loss_head{i}": out.head_losses[i].float() for i in range(self.mtp.num_heads)}
+        loss = out.loss.float()
+        if out.target_kl is not None:
+            loss = loss + self.target_kl_weight * out.target_kl
+            metrics["target_kl"] = out.target_kl.detach()
         if out.head_accuracy is not None:
             metrics.update({f"acc_head{i}": out.head_accuracy[i] for i in range(self.mtp.num_heads)})
         if out.agreement is not None and out.agreement.numel():
             self._agreement.append(torch.cat([out.agreement, out.agreement_count[:, None]], dim=1).cpu())
             rates = out.agreement[:, 0] / out.agreement_count.clamp(min=1)
             metrics.update({f"agree_head{i + 1}": rates[i].float() for i in range(rates.numel())})
-        return out.loss.float(), metrics
+        return loss, metrics
+
+    def original(self, batch: dict[str, torch.Tensor]) -> Original | None:
+        """The frozen original's final normed hidden states on the batch (``target_kl_weight > 0``), else None."""
+        if self.target_kl_weight <= 0:
+            return None
+        frozen = self.target_on(self.device)
+        ids = batch["input_ids"]  # [B, S]
+        return Original(frozen.final_hidden(ids), frozen.lm_head_weight, batch["loss_mask"].bool())
 
     def on_validation_epoch_start(self) -> None:
         self._agreement = []
@@ -223,12 +261,20 @@ class ParallelMTPHeads(DraftObjective):
         self._agreement = []
 
     def flops_per_token(self) -> float:
-        return 3.0 * mtp_flops_per_token(self.mtp, self.data_seq_len())
+        flops = 3.0 * mtp_flops_per_token(self.mtp, self.data_seq_len())
+        if self.target_kl_weight > 0:  # the original's forward, head 0 and both projections once more
+            model = self.mtp.model
+            unembedding = 2.0 * model.lm_head.weight.numel()
+            flops += causal_lm_flops_per_token(model, self.data_seq_len()) + unembedding
+            flops += 3.0 * (2.0 * count_params(self.mtp.head(0)) + unembedding)
+        return flops
 
     # ---- what was trained --------------------------------------------------------------------------------------------
     def drafter_record(self) -> DrafterRecord:
         """Kind ``mtp_heads``: the model with its heads, its own target (at ``export_dir`` once written)."""
-        return mtp_kind.make_record(self.mtp, "mtp", self.export_dir, self.tokenizer_path)
+        return mtp_kind.make_record(
+            self.mtp, "mtp", self.export_dir, self.tokenizer_path, self.target_path, self.target_kl_weight
+        )
 
     def speculative_eval_target(self) -> PreTrainedModel:
         """The model being trained: with parallel heads the model drafts for itself.
@@ -259,5 +305,7 @@ class ParallelMTPHeads(DraftObjective):
 
     @rank_zero_only
     def _save(self, state: dict[str, torch.Tensor] | None) -> None:
-        path = mtp_export.save(self.mtp, self.export_dir, self.tokenizer_path, state)
+        path = mtp_export.save(
+            self.mtp, self.export_dir, self.tokenizer_path, state, self.target_path, self.target_kl_weight
+        )
         log.info("model and %d heads saved to %s", self.mtp.num_heads, path)

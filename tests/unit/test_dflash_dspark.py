@@ -1,0 +1,267 @@
+"""DSpark's heads on a DFlash drafter (trainer/methods/dflash/heads.py): the loss against a naive reference (each
+block drafted alone, the Markov bias of the data's previous token, the confidence head's cross entropy against
+1 - TV of the draft and target distributions), chain and tree drafting lossless and resolved left to right, the
+``dspark`` export reloaded with identical logits, and bad input refused naming the value."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.helpers import tiny_llama
+from tests.unit.test_dflash_objective import V, save_target
+from trainer.decoding.generate import speculative_generate
+from trainer.decoding.proposers import NoProposer, ProposalContext
+from trainer.errors import ModelFolderError, RecipeError
+from trainer.methods.dflash import export as formats
+from trainer.methods.dflash import kind as dflash_kind
+from trainer.methods.dflash.module import DFlashConfig, DFlashDrafter
+from trainer.methods.dflash.objective import DFlash
+from trainer.methods.dflash.proposer import DFlashProposer, DFlashTreeProposer
+
+HEADS = dict(markov_rank=6, enable_confidence_head=True, confidence_head_with_markov=True)
+
+
+def naive_dspark_loss(objective: DFlash, ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[float, float]:
+    """(total loss, confidence loss): the hard-label slot losses with the Markov bias of the data's previous token,
+    weighted exp(-(k - 1) / gamma) and normalised by the weights, plus alpha times the confidence head's BCE against
+    sum_v min(q_v, p_v), weighted exp(-(k - 1) / gamma) and averaged over the slots."""
+    drafter, target = objective.drafter, objective.target
+    c = drafter.config
+    b, (B, S) = c.block_size, ids.shape
+    trained = F.pad(loss_mask[:, :-1], (1, 0), value=False)
+    anchors, keep = objective.anchors(trained, "train")
+    out = target.model(ids, output_hidden_states=True)
+    head, embedding = target.lm_head_weight, objective.embedding_weight()
+    w1, w2 = drafter.markov_head.markov_w1.weight, drafter.markov_head.markov_w2.weight  # [V, r] each
+    proj = drafter.confidence_head.proj
+    total = weights = bce = 0.0
+    n = 0
+    for r in range(B):
+        context = drafter.context([out.hidden_states[i][r : r + 1] for i in c.target_layers])
+        for j in range(anchors.shape[1]):
+            if not keep[r, j]:
+                continue
+            a = int(anchors[r, j])
+            past = drafter.context_kv(context[:, :a], torch.arange(a)[None])
+            block = torch.tensor([[int(ids[r, a])] + [c.mask_token_id] * (b - 1)])
+            slots = drafter.draft(F.embedding(block, embedding), torch.arange(a, a + b)[None], past)[0]  # [b, H]
+            for k in range(1, b):
+                p = a + k
+                if p >= S or not trained[r, p]:
+                    continue
+                prev = int(ids[r, p - 1])
+                logits = slots[k] @ head.t() + w2 @ w1[prev]  # [V]
+                w = math.exp(-(k - 1) / objective.gamma)
+                total += w * float(F.cross_entropy(logits[None], ids[r, p][None]))
+                weights += w
+                accept = torch.minimum(logits.softmax(-1), out.logits[r, p - 1].softmax(-1)).sum()
+                confidence = proj.weight[0] @ torch.cat([slots[k], w1[prev]]) + proj.bias[0]
+                bce += w * float(F.binary_cross_entropy_with_logits(confidence, accept))
+                n += 1
+    confidence_loss = bce / n
+    return total / weights + objective.confidence_alpha * confidence_loss, confidence_loss
+
+
+def test_the_loss_equals_blocks_drafted_alone_with_the_heads(tmp_path):
+    save_target(tmp_path / "target")
+    objective = DFlash(
+        str(tmp_path / "target"), num_draft_layers=1, target_layers=[1, 3], block_size=4, mask_token_id=V - 1,
+        max_anchors=3, labels="hard", loss_chunk_size=4, confidence_head_alpha=0.7, **HEADS,
+    )  # fmt: skip
+    for p in objective.drafter.parameters():
+        nn.init.normal_(p, std=0.3)
+    ids = torch.randint(0, V - 1, (2, 11), generator=torch.Generator().manual_seed(1))
+    loss_mask = torch.ones(2, 11, dtype=torch.bool)
+    loss_mask[0, :4] = False
+    with torch.no_grad():
+        loss, metrics = objective.compute_loss({"input_ids": ids, "loss_mask": loss_mask})
+        expected, confidence_loss = naive_dspark_loss(objective, ids, loss_mask)
+    torch.testing.assert_close(float(loss), expected, rtol=1e-5, atol=0)
+    torch.testing.assert_close(float(metrics["confidence_loss"]), confidence_loss, rtol=1e-5, atol=0)
+    assert 0.0 < float(metrics["accept_rate"]) < 1.0 and 0.0 < float(metrics["confidence_pred_mean"]) < 1.0
+    loss, _ = objective.compute_loss({"input_ids": ids, "loss_mask": loss_mask})
+    loss.backward()  # both heads train (the confidence head's features are not detached, as in speculators)
+    heads = (objective.drafter.markov_head.markov_w1, objective.drafter.markov_head.markov_w2)
+    assert all(m.weight.grad.abs().sum() > 0 for m in (*heads, objective.drafter.confidence_head.proj))
+
+
+def setup(seed: int = 0, **heads) -> tuple[nn.Module, DFlashDrafter]:
+    target = tiny_llama(seed, vocab=128, layers=4)  # float64, eval
+    config = DFlashConfig.from_target(target.config, 2, (1, 3), block_size=5, mask_token_id=127)
+    config = DFlashConfig(**{**config.to_dict(), **(heads or HEADS)})
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(config)
+    for p in drafter.parameters():
+        nn.init.normal_(p, std=0.3)
+    return target, drafter.to(torch.float64).eval()
+
+
+def test_chains_and_trees_are_lossless_and_resolve_the_markov_bias_left_to_right(one_thread):
+    target, drafter = setup()
+    embedding, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    prompt = torch.randint(0, 127, (11,), generator=torch.Generator().manual_seed(0))
+    alone = speculative_generate(target, prompt, NoProposer(), k=0, max_new_tokens=30).tokens
+    chain = DFlashProposer(drafter, embedding, head)
+    for proposer in (chain, DFlashTreeProposer(drafter, embedding, head, top_k=3, budget=10)):
+        assert speculative_generate(target, prompt, proposer, k=4, max_new_tokens=30).tokens == alone
+    # one round by hand: slot k's draft is the argmax of its logits plus the bias of slot k - 1's draft
+    hidden = {i: torch.randn(6, 32, dtype=torch.float64) for i in drafter.config.target_layers}
+    chain.reset()
+    tokens = torch.tensor([5, 9, 17, 4, 60, 33, 2])
+    drafts = chain.propose(ProposalContext(tokens=tokens, k=4, vocab_size=128, hidden_states=hidden)).tokens
+    base = chain.slot_hidden @ head.t()  # [b - 1, V]
+    w1, w2 = drafter.markov_head.markov_w1.weight, drafter.markov_head.markov_w2.weight
+    prev, expected, confidence = int(tokens[-1]), [], []
+    for k in range(4):
+        logits = base[k] + w2 @ w1[prev]
+        features = torch.cat([chain.slot_hidden[k], w1[prev]])
+        confidence.append(
+            torch.sigmoid(drafter.confidence_head.proj.weight[0] @ features + drafter.confidence_head.proj.bias[0])
+        )
+        prev = int(logits.argmax())
+        expected.append(prev)
+    assert drafts.tolist() == expected
+    torch.testing.assert_close(chain.slot_acceptance().double(), torch.stack(confidence), rtol=1e-5, atol=1e-6)
+    plain = (base[:4].argmax(-1)).tolist()
+    assert plain != expected  # the heads change the drafts of these random weights (else the check above is void)
+
+
+def test_sampled_chains_return_the_distributions_given_the_drafts_before(one_thread):
+    target, drafter = setup(1)
+    embedding, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    proposer = DFlashProposer(drafter, embedding, head)
+    prompt = torch.randint(0, 127, (9,), generator=torch.Generator().manual_seed(1))
+    result = speculative_generate(target, prompt, proposer, 4, 20, temperature=0.8, generator=torch.Generator())
+    assert len(result.tokens) == 20
+    hidden = {i: torch.randn(3, 32, dtype=torch.float64) for i in drafter.config.target_layers}
+    proposer.reset()
+    tokens = torch.tensor([3, 8, 1, 44])
+    ctx = ProposalContext(tokens, 4, 0.8, torch.Generator().manual_seed(3), 128, hidden)
+    tree = proposer.propose(ctx)
+    base = proposer.slot_hidden @ head.t()
+    w1, w2 = drafter.markov_head.markov_w1.weight, drafter.markov_head.markov_w2.weight
+    prev = int(tokens[-1])
+    for k in range(4):  # each distribution is slot k's biased softmax after the draft before it
+        expected = torch.softmax((base[k] + w2 @ w1[prev]) / 0.8, dim=-1)
+        torch.testing.assert_close(tree.probs[k].double(), expected, rtol=1e-5, atol=1e-7)
+        prev = int(tree.tokens[k])
+
+
+@pytest.mark.parametrize("heads", [HEADS, dict(markov_rank=3), dict(enable_confidence_head=True)])
+def test_the_dspark_export_reloads_with_identical_logits(heads, tmp_path):
+    target, drafter = setup(2, **heads)
+    drafter = drafter.float()
+    record = dflash_kind.make_record(drafter.config, "some/target", ["LlamaForCausalLM"])
+    folder = dflash_kind.DSPARK.write(drafter, record, tmp_path / "dspark")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["speculators_model_type"] == "dspark" and config["architectures"] == ["DSparkSpeculator"]
+    assert config["sample_from_anchor"] is False
+    for key in formats.HEAD_KEYS:
+        assert config[key] == getattr(drafter.config, key)
+    assert dflash_kind.DSPARK.recognise(folder) and not dflash_kind.SPECULATORS.recognise(folder)
+    again, again_record = dflash_kind.DSPARK.load(folder)
+    assert again_record.target == "some/target" and again.config == drafter.config
+    embedding = target.get_input_embeddings().weight.float()
+    x = F.embedding(torch.tensor([[7, 127, 127, 127, 127]]), embedding)
+    past = drafter.context_kv(torch.randn(1, 6, 32), torch.arange(6)[None])
+    prev = torch.tensor([[7, 3, 9, 11, 2]])
+    with torch.no_grad():
+        outs = [d.draft(x, torch.arange(6, 11)[None], past) for d in (drafter, again)]
+        heads_out = [d.apply_heads(o, o @ embedding.t(), prev) for d, o in zip((drafter, again), outs)]
+    assert torch.equal(heads_out[0][0], heads_out[1][0])
+    if drafter.confidence_head is not None:
+        assert torch.equal(heads_out[0][1], heads_out[1][1])
+    # the formats without fields for the heads refuse them, naming the one to use
+    for fmt in (dflash_kind.ZLAB, dflash_kind.SPECULATORS):
+        with pytest.raises(ModelFolderError, match="no field for DSpark's heads") as err:
+            fmt.write(drafter, record, tmp_path / fmt.name)
+        assert "--format dspark" in (err.value.hint or "")
+
+
+def test_bad_input_is_refused_naming_the_value(tok, tmp_path):
+    save_target(tmp_path / "target")
+    path = str(tmp_path / "target")
+    options = dict(num_draft_layers=1, block_size=4, mask_token_id=V - 1)
+    with pytest.raises(RecipeError, match=r"model.markov_rank=-1 must be an integer >= 0"):
+        DFlash(path, markov_rank=-1, **options)
+    with pytest.raises(RecipeError, match=r"model.markov_head_type='gated' is not implemented.*use 'vanilla'"):
+        DFlash(path, markov_rank=4, markov_head_type="gated", **options)
+    with pytest.raises(RecipeError, match=r"model.confidence_head_with_markov=True needs enable_confidence_head"):
+        DFlash(path, markov_rank=0, enable_confidence_head=True, confidence_head_with_markov=True, **options)
+    with pytest.raises(RecipeError, match=r"model.confidence_head_alpha=-1.0 must be >= 0"):
+        DFlash(path, enable_confidence_head=True, confidence_head_alpha=-1.0, **options)
+    # DSpark of a target whose embedding has no row the tokenizer leaves unused: the mask token must be named
+    save_target(tmp_path / "full", vocab=len(tok), tokenizer=tok)
+    with pytest.raises(RecipeError, match=r"mask_token_id is not set and the target's embedding has no row past"):
+        DFlash(str(tmp_path / "full"), num_draft_layers=1, **HEADS)
+    # a DSpark folder: speculators' other head types, and its default sample_from_anchor (true), refused by name
+    _, drafter = setup(0)
+    record = dflash_kind.make_record(drafter.config, "t", [])
+    folder = dflash_kind.DSPARK.write(drafter.float(), record, tmp_path / "dspark")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "markov_head_type": "rnn"}))
+    with pytest.raises(ModelFolderError, match=r"markov_head_type='rnn' is not implemented"):
+        dflash_kind.DSPARK.load(folder)
+    del config["sample_from_anchor"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelFolderError, match=r"sample_from_anchor true: \(absent: speculators DSpark default\)"):
+        dflash_kind.DSPARK.load(folder)
+
+
+def test_dynamic_draft_length_reads_the_confidence_head(one_thread):
+    """With an acceptance threshold (trainer/decoding/proposers.py, dynamic draft length) the chain carries the
+    confidence head's predictions and the DDTree the drafter's probabilities; decoding stays lossless."""
+    target, drafter = setup(3)
+    embedding, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    chain = DFlashProposer(drafter, embedding, head)
+    tree_proposer = DFlashTreeProposer(drafter, embedding, head, top_k=2, budget=6)
+    assert chain.estimates_acceptance and tree_proposer.estimates_acceptance
+    hidden = {i: torch.randn(6, 32, dtype=torch.float64) for i in drafter.config.target_layers}
+    tokens = torch.tensor([5, 9, 17, 4, 60, 33, 2])
+    tree = chain.propose(ProposalContext(tokens, 4, vocab_size=128, hidden_states=hidden, accept_threshold=0.3))
+    assert torch.equal(tree.confidence, chain.slot_acceptance())
+    tree_proposer.reset()
+    nodes = tree_proposer.propose(
+        ProposalContext(tokens, 4, vocab_size=128, hidden_states=hidden, accept_threshold=0.3)
+    )
+    assert nodes.confidence is not None and ((nodes.confidence > 0) & (nodes.confidence <= 1)).all()
+    prompt = torch.randint(0, 127, (11,), generator=torch.Generator().manual_seed(2))
+    alone = speculative_generate(target, prompt, NoProposer(), k=0, max_new_tokens=24).tokens
+    for proposer in (chain, tree_proposer):
+        result = speculative_generate(target, prompt, proposer, k=4, max_new_tokens=24, accept_threshold=0.3)
+        assert result.tokens == alone
+
+
+def test_prefix_rates_are_the_leading_runs_of_right_slots(tmp_path):
+    """prefix_k: the blocks whose slots 1..k are all right, among those whose slots 1..k are all trained."""
+    save_target(tmp_path / "target")
+    objective = DFlash(str(tmp_path / "target"), num_draft_layers=1, block_size=4, mask_token_id=V - 1, max_anchors=6)
+    ids = torch.randint(0, 8, (2, 20), generator=torch.Generator().manual_seed(0))  # few ids: some slots right
+    loss_mask = torch.ones(2, 20, dtype=torch.bool)
+    with torch.no_grad():
+        _, metrics = objective.compute_loss({"input_ids": ids, "loss_mask": loss_mask})
+    prefix = [float(metrics[f"prefix_{k}"]) for k in (1, 2, 3)]
+    assert prefix[0] == pytest.approx(float(metrics["acc_1"])) and prefix[0] >= prefix[1] >= prefix[2]
+
+
+def test_init_from_a_plain_dflash_adds_the_heads_and_keeps_the_backbone(tmp_path):
+    save_target(tmp_path / "target")
+    path = str(tmp_path / "target")
+    plain = DFlash(path, num_draft_layers=1, target_layers=[1, 3], block_size=4, mask_token_id=V - 1)
+    record = dflash_kind.make_record(plain.drafter.config, path, ["LlamaForCausalLM"])
+    folder = dflash_kind.SPECULATORS.write(plain.drafter, record, tmp_path / "plain")
+    grown = DFlash(path, init_from=str(folder), block_size=4, **HEADS)
+    assert grown.drafter.config.markov_rank == 6 and grown.drafter.config.enable_confidence_head
+    state = grown.drafter.state_dict()
+    for name, tensor in plain.drafter.state_dict().items():
+        assert torch.equal(state[name], tensor), name
+    assert {k for k in state if k not in plain.drafter.state_dict()} == {
+        "markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight",
+        "confidence_head.proj.bias",
+    }  # fmt: skip

@@ -1,0 +1,228 @@
+"""P-EAGLE: COD sampling, the cross-depth mask against its definition (dense and flex), every trained element against
+drafting as the proposer does it, the loss against a naive per-element formula, lossless drafting (greedy identity
+and speculative sampling), K drafts in one forward, the export round trip and the refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers import tiny_llama
+from tests.integration.test_eagle3_offline import tiny_llama as saved_llama
+from trainer.decoding.generate import speculative_generate
+from trainer.decoding.proposers import NoProposer, ProposalContext
+from trainer.errors import ModelFolderError, RecipeError
+from trainer.methods.eagle3.module import Eagle3Config
+from trainer.methods.eagle3.peagle_export import load_peagle, save_peagle
+from trainer.methods.eagle3.peagle_module import PEagleConfig, PEagleDrafter, peagle_mask, peagle_mask_mod
+from trainer.methods.eagle3.peagle_objective import PEagle, cod_sample
+from trainer.methods.eagle3.peagle_proposer import PEagleProposer
+from trainer.methods.eagle3.vocab_map import build_vocab_map
+from trainer.registry import load_drafter, recognise
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def drafter_for(target, seed: int = 0, draft_vocab: int | None = None, **flags) -> PEagleDrafter:
+    """A random float64 P-EAGLE drafter over ``target`` (norms and placeholders non-trivial)."""
+    torch.manual_seed(seed)
+    vocab = target.config.vocab_size
+    base = Eagle3Config.from_target(target.config, draft_vocab or vocab // 2, **flags)
+    drafter = PEagleDrafter(PEagleConfig(**base.to_dict(), mask_token_id=vocab - 1)).double()
+    for name, p in drafter.named_parameters():
+        if "norm" in name:
+            nn.init.normal_(p, mean=1.0, std=0.3)
+    drafter.set_vocab_map(*build_vocab_map(torch.randint(0, 50, (vocab,)), base.draft_vocab_size))
+    return drafter
+
+
+def test_cod_sampling_nests_depths_and_keeps_the_ratio():
+    g = torch.Generator().manual_seed(0)
+    trained = torch.rand(41, generator=g) < 0.8  # label positions 1..41 of 40 elements
+    parts = cod_sample(trained, depths=5, ratio=0.5, floor=0.1, generator=g)
+    base = int(trained[:40].sum())
+    assert torch.equal(parts[0][0], torch.arange(40)) and bool((parts[0][1] == 0).all())
+    for d in range(1, len(parts)):
+        anchors, depth = parts[d]
+        assert bool((depth == d).all())
+        assert set(anchors.tolist()) <= set(parts[d - 1][0].tolist())  # a whole rollout before every placeholder
+        assert all(a + d <= 39 and bool(trained[a + d]) for a in anchors.tolist())
+        candidates = [a for a in parts[d - 1][0].tolist() if a + d <= 39 and trained[a + d]]
+        assert anchors.numel() == min(len(candidates), int(base * max(0.5**d, 0.1)))
+    full = cod_sample(trained, depths=3, ratio=1.0, floor=0.0)  # r = 1: every trained rollout, every depth
+    assert full[1][0].tolist() == [a for a in range(39) if trained[a + 1]]
+
+
+def test_mask_matches_its_definition_and_flex_matches_dense():
+    anchor = torch.tensor([[0, 1, 2, 3, 4, 0, 2, 3, 2, 0], [0, 1, 2, 3, 1, 1, 2, 0, 0, 0]])
+    depth = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1, 2, 3], [0, 0, 0, 0, 1, 2, 1, 0, 0, 0]])
+    valid = torch.tensor([[True] * 10, [True] * 7 + [False] * 3])
+    allowed = peagle_mask(anchor, depth, valid)[:, 0]
+    for b in range(2):
+        for q in range(10):
+            for k in range(10):
+                aq, ak, dq, dk = (int(x) for x in (anchor[b, q], anchor[b, k], depth[b, q], depth[b, k]))
+                rule = (dk == 0 and ak <= aq) or (ak == aq and dk <= dq)
+                expected = (rule and bool(valid[b, q]) and bool(valid[b, k])) or q == k
+                assert bool(allowed[b, q, k]) == expected, (b, q, k)
+    from trainer.block_attention import flex_attention
+    from trainer.methods.eagle3.module import masked_attention
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 10, 8), torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8)
+    flex = flex_attention(q, k, v, peagle_mask_mod(anchor, depth, valid), 2)  # uncompiled on CPU
+    torch.testing.assert_close(flex, masked_attention(q, k, v, peagle_mask(anchor, depth, valid)), rtol=1e-5,
+                               atol=1e-5)  # fmt: skip
+
+
+def objective(tmp_path, **kwargs) -> PEagle:
+    saved_llama(tmp_path / "target", tied=False)  # vocab 64, no tokenizer: mask_token_id must be given
+    return PEagle(str(tmp_path / "target"), draft_vocab_size=32, target_layers=[0, 1, 2], mask_token_id=63, **kwargs)
+
+
+def test_every_trained_element_is_what_drafting_computes_and_the_loss_is_the_naive_one(tmp_path):
+    """Element (a, d) of the parallel pass equals the last logits of a plain forward over entries 0..a and d
+    placeholders (what the proposer runs); the loss is sum_d mean over trained elements of depth d of the soft CE."""
+    obj = objective(tmp_path, num_depths=3, cod_ratio=1.0, step_decay=0.8)
+    rows = torch.randint(0, 60, (2, 10), generator=torch.Generator().manual_seed(1))
+    obj.install_vocab_map([(rows.numpy(), (rows > 3).numpy())])
+    for p in obj.drafter.parameters():
+        nn.init.normal_(p, std=0.3)
+    drafter, target = obj.drafter.double(), obj.target
+    target.model.double()
+    ids, loss_mask = rows[:, :-1], rows[:, 1:] > 3
+    with torch.no_grad():
+        out = target(ids, hidden_layers=drafter.config.aux_layers)
+        aux = torch.cat([h[:, :-1] for h in out.hidden_states], -1).double()  # [B, S - 1, n Ht]
+        probs = torch.softmax(out.logits.index_select(-1, drafter.draft_ids()).double(), -1)
+        anchor, depth, valid = obj.sample(loss_mask)
+        loss, metrics = obj.parallel_loss(ids, loss_mask, aux, probs, out.logits.argmax(-1), anchor, depth, valid)
+        B, S = ids.shape
+        sums, counts = [0.0] * 3, [0] * 3
+        for b in range(B):
+            fused = drafter.fuse([h[b : b + 1, :-1].double() for h in out.hidden_states])  # [1, S - 1, H]
+            for j in range(int(valid[b].sum())):
+                a, d = int(anchor[b, j]), int(depth[b, j])
+                embeds = drafter.embed_tokens(ids[b : b + 1, 1 : a + 2])
+                hidden = fused[:, : a + 1]
+                if d:
+                    pe, ph = drafter.placeholder(d)
+                    embeds, hidden = torch.cat([embeds, pe], 1), torch.cat([hidden, ph], 1)
+                positions = torch.arange(a + 1 + d)[None]
+                _, logits, _ = drafter(embeds, hidden, positions)
+                lp = a + 1 + d
+                if loss_mask[b, lp]:
+                    sums[d] += float(-(probs[b, lp] * torch.log_softmax(logits[0, -1], -1)).sum())
+                    counts[d] += 1
+        expected = sum(0.8**d * sums[d] / counts[d] for d in range(3))
+    assert counts[2] > 0 and int((depth == 2).sum()) > 0
+    torch.testing.assert_close(float(loss), expected, rtol=1e-6, atol=0)
+    assert float(metrics["loss_1"]) == pytest.approx(sums[1] / counts[1], rel=1e-6)
+
+
+def test_recipe_values_are_checked(tmp_path):
+    saved_llama(tmp_path / "target", tied=False)
+    target = str(tmp_path / "target")
+    with pytest.raises(RecipeError, match=r"model.cod_ratio must be in \(0, 1\], got 0"):
+        PEagle(target, cod_ratio=0.0, mask_token_id=63)
+    with pytest.raises(RecipeError, match=r"model.cod_ratio must be in \(0, 1\], got 1.5"):
+        PEagle(target, cod_ratio=1.5, mask_token_id=63)
+    with pytest.raises(RecipeError, match="model.mask_token_id: the target's tokenizer uses every id") as err:
+        PEagle(target, draft_vocab_size=32)
+    assert "set model.mask_token_id" in err.value.hint
+    with pytest.raises(RecipeError, match="model.mask_token_id 64 is not a token id"):
+        PEagle(target, draft_vocab_size=32, mask_token_id=64)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_greedy_drafting_is_lossless_and_one_forward_per_round(seed):
+    target = tiny_llama(seed, 96, layers=4)
+    drafter = drafter_for(target, seed, fc_norm=True)
+    calls, rounds = [], []
+    drafter.register_forward_hook(lambda *_: calls.append(1))
+    proposer = PEagleProposer(drafter)
+    propose = proposer.propose
+    proposer.propose = lambda ctx: rounds.append(ctx.k) or propose(ctx)
+    prompt = torch.randint(0, 95, (12,))
+    alone = speculative_generate(target, prompt, NoProposer(), k=0, max_new_tokens=30)
+    for k in (1, 4):
+        calls.clear(), rounds.clear()
+        spec = speculative_generate(target, prompt, proposer, k=k, max_new_tokens=30)
+        assert spec.tokens == alone.tokens
+        assert len(calls) == len(rounds) and max(rounds) == k  # the whole chain in one drafter forward per round
+
+
+def test_drafts_are_the_depths_argmax_and_sampled_ones_carry_their_distributions():
+    target = tiny_llama(3, 96, layers=4)
+    drafter = drafter_for(target, 3)
+    tokens = torch.randint(0, 95, (15,))
+    with torch.no_grad():
+        out = target(tokens[None, :-1], output_hidden_states=True)
+    hidden = {i: out.hidden_states[i][0] for i in drafter.config.aux_layers}
+    tree = PEagleProposer(drafter).propose(ProposalContext(tokens=tokens, k=3, vocab_size=96, hidden_states=hidden))
+    with torch.no_grad():  # depth d: a plain forward over the committed entries and d placeholders
+        fused = drafter.fuse([hidden[i][None] for i in drafter.config.aux_layers])
+        embeds = drafter.embed_tokens(tokens[1:][None])
+        pe, ph = drafter.placeholder(2)
+        _, logits, _ = drafter(torch.cat([embeds, pe], 1), torch.cat([fused, ph], 1), torch.arange(16)[None])
+    assert torch.equal(tree.tokens, drafter.to_target_ids(logits[0, -3:].argmax(-1)))
+    g = torch.Generator().manual_seed(0)
+    ctx = ProposalContext(tokens=tokens, k=3, temperature=0.7, generator=g, vocab_size=96, hidden_states=hidden)
+    sampled = PEagleProposer(drafter).propose(ctx)
+    assert sampled.is_chain() and sampled.probs.shape == (3, 96)
+    torch.testing.assert_close(sampled.probs.sum(-1), torch.ones(3, dtype=sampled.probs.dtype))
+    assert bool((sampled.probs[:, ~drafter.t2d] == 0).all()) and bool(
+        (sampled.probs[range(3), sampled.tokens] > 0).all()
+    )
+
+
+@pytest.mark.slow
+def test_speculative_sampling_with_peagle_is_distributed_as_the_target():
+    from tests.unit.test_decoding_sampling import chi_square_p, exact_joint
+    from tests.unit.test_decoding_sampling import tiny_llama as sampling_llama
+
+    vocab, length, n = 5, 3, 1200
+    target = sampling_llama(0, vocab, scale=8.0)
+    drafter = drafter_for(target, 1, draft_vocab=4)  # a reduced draft vocabulary: one token never drafted
+    with torch.no_grad():
+        drafter.lm_head.weight.mul_(10.0)  # sharp drafts unlike the target
+    prompt = torch.tensor([1, 2, 3, 0])
+    expected = exact_joint(target, prompt, length, 1.0) * n
+    counts = torch.zeros([vocab] * length)
+    gen = torch.Generator().manual_seed(0)
+    proposer = PEagleProposer(drafter)
+    for _ in range(n):
+        result = speculative_generate(target, prompt, proposer, 2, length, 1.0, generator=gen)
+        counts[tuple(result.tokens)] += 1
+    assert chi_square_p(counts, expected) > 1e-3
+
+
+def test_export_round_trip_and_refusals(tmp_path):
+    target = tiny_llama(4, 96, layers=4)
+    drafter = drafter_for(target, 4, norm_before_fc=True)
+    save_peagle(drafter, str(tmp_path / "export"), verifier="some/target", speculative_tokens=4)
+    kind, fmt = recognise(tmp_path / "export")
+    assert (kind.name, fmt.name) == ("peagle", "peagle-speculators")
+    reloaded, record = load_drafter(str(tmp_path / "export"))
+    assert record.draft_tokens == 4 and reloaded.config == drafter.config
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["speculators_model_type"] == "peagle" and config["architectures"] == ["PEagleSpeculator"]
+    assert config["mask_token_id"] == 95 and config["norm_before_fc"] is True
+    for key, value in drafter.state_dict().items():
+        torch.testing.assert_close(reloaded.state_dict()[key], value, rtol=0, atol=0)
+    tokens = torch.randint(0, 95, (15,))
+    with torch.no_grad():
+        out = target(tokens[None, :-1], output_hidden_states=True)
+    hidden = {i: out.hidden_states[i][0] for i in drafter.config.aux_layers}
+    for model in (drafter, reloaded.double()):
+        ctx = ProposalContext(tokens=tokens, k=4, vocab_size=96, hidden_states=hidden)
+        assert (
+            PEagleProposer(model).propose(ctx).tokens.tolist() == PEagleProposer(drafter).propose(ctx).tokens.tolist()
+        )
+    config["mask_token_id"] = None
+    (tmp_path / "export" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelFolderError, match="mask_token_id must be a token id"):
+        load_peagle(str(tmp_path / "export"))

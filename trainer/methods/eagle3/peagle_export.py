@@ -1,0 +1,71 @@
+"""P-EAGLE export: the speculators format ``peagle`` (speculators 0.9 ``PEagleSpeculatorConfig``), with its loader.
+
+As the EAGLE-3 speculators format (export.py: ``layers.0.*``, the Llama layer config under
+``transformer_layer_config``, the norm flags as trained), with ``speculators_model_type: "peagle"``,
+``architectures: ["PEagleSpeculator"]``, ``mask_token_id``, ``embed_requires_grad: true`` (the embedding is trained),
+and the drafter's own tensors ``embed_tokens.weight`` (its trained embedding, not the target's) and ``mask_hidden``
+[1, 1, n * H] (speculators lists both among the keys it may miss and then keeps uninitialised memory, so both are
+always written). ``speculative_tokens`` is the number of depths trained.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from trainer.errors import ModelFolderError
+from trainer.export.files import cpu_tensors, read_folder, write_folder
+from trainer.methods.eagle3.export import _config, _consume, _flags, speculators_config
+from trainer.methods.eagle3.module import NORM_FLAGS
+from trainer.methods.eagle3.peagle_module import PEagleConfig, PEagleDrafter
+
+
+def save_peagle(
+    drafter: PEagleDrafter,
+    out_dir: str,
+    verifier: str,
+    speculative_tokens: int,
+    verifier_architectures: list[str] | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write the speculators ``peagle`` checkpoint.
+
+    Args:
+        drafter: the drafter.
+        out_dir: the folder to write.
+        verifier: the target's directory or hub id.
+        speculative_tokens: the depths the drafter was trained for (drafts per forward).
+        verifier_architectures: the target config's ``architectures``.
+        dtype: the weights' dtype in the file (default: the drafter's).
+    """
+    config = speculators_config(drafter, "peagle", verifier, speculative_tokens, verifier_architectures, dtype)
+    config["mask_token_id"] = drafter.config.mask_token_id
+    config["embed_requires_grad"] = True
+    tensors = {k.replace("midlayer.", "layers.0.", 1): v for k, v in cpu_tensors(drafter).items()}
+    if dtype is not None:
+        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    return write_folder(out_dir, config, tensors)
+
+
+def load_peagle(path: str) -> PEagleDrafter:
+    """Read a speculators ``peagle`` export: every tensor consumed, none missing (``embed_tokens.weight`` and
+    ``mask_hidden`` included)."""
+    config, tensors = read_folder(path, "a P-EAGLE export")
+    if config.get("speculators_model_type") != "peagle":
+        raise ModelFolderError(f"{path}: speculators_model_type {config.get('speculators_model_type')!r}, not 'peagle'")
+    layer = config.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise ModelFolderError(f"{path}: transformer_layer_config must be a dict")
+    mask_id = config.get("mask_token_id")
+    if not isinstance(mask_id, int):
+        raise ModelFolderError(f"{path}: mask_token_id must be a token id, got {mask_id!r}")
+    base = _config(layer, config, config["eagle_aux_hidden_state_layer_ids"], path, _flags(config, NORM_FLAGS, path))
+    drafter = PEagleDrafter(PEagleConfig(**base.to_dict(), mask_token_id=mask_id))
+
+    def rename(name: str) -> str:
+        if name.startswith("layers.0."):
+            return "midlayer." + name.removeprefix("layers.0.")
+        return "" if name.startswith("midlayer.") else name
+
+    return _consume(drafter, tensors, rename, path)

@@ -1,0 +1,112 @@
+"""P-EAGLE (parallel EAGLE, arXiv 2602.01469): the EAGLE-3 drafter drafting K tokens in one forward.
+
+The network is the EAGLE-3 drafter of module.py (``fc``, one decoder layer, ``norm``, ``lm_head``, the vocabulary map,
+the norm flags), plus two learned placeholders and a trainable input embedding, as speculators 0.9's
+``PEagleDraftModel``:
+
+- ``embed_tokens`` [V, H]: the drafter's own input embedding (initialised from the target's and trained);
+- ``mask_hidden`` [1, 1, n * Ht]: the placeholder of the concatenated target hidden states, fused like real ones
+  (``input_norm`` / ``fc_norm`` then ``fc``);
+- ``config.mask_token_id``: a token id the target never uses, whose (trained) embedding is the placeholder token.
+
+Elements are pairs (anchor ``a``, depth ``d``). Depth 0 is EAGLE-3's element ``a``: the target features of token ``a``
+with the embedding of token ``a + 1``; depth ``d >= 1`` of anchor ``a`` is a placeholder (``mask_hidden``,
+``mask_token_id``) at rotary position ``a + d``. Element (a, d) predicts token ``a + 2 + d``. Element q sees element k
+iff ``k`` is at depth 0 with ``a_k <= a_q`` (the context) or ``k`` is of the same anchor with ``d_k <= d_q`` (its own
+rollout): :func:`peagle_mask`. At drafting time the cache holds the depth-0 elements of every committed position and
+one forward adds the placeholders of the last one: K drafts in one drafter forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from trainer.block_attention import Impl, flex_attention, resolve_impl
+from trainer.methods.eagle3.module import Eagle3Config, Eagle3Drafter, masked_attention
+
+
+@dataclass
+class PEagleConfig(Eagle3Config):
+    """The EAGLE-3 shape plus the placeholder token.
+
+    Attributes:
+        mask_token_id: the placeholder token id (one the target's tokenizer never produces); -1 is unset (refused).
+    """
+
+    mask_token_id: int = -1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} must be a token id in 0..{self.vocab_size - 1}")
+
+
+def peagle_mask(anchor: torch.Tensor, depth: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """anchor, depth: [B, N] (valid: [B, N] bool, False for padding) -> allowed [B, 1, N, N] bool.
+
+    Query q sees key k iff (``d_k == 0`` and ``a_k <= a_q``) or (``a_k == a_q`` and ``d_k <= d_q``); padding keys are
+    hidden and a padding query sees itself only (no empty rows)."""
+    aq, ak = anchor[:, :, None], anchor[:, None, :]  # [B, N, 1], [B, 1, N]
+    dq, dk = depth[:, :, None], depth[:, None, :]
+    allowed = ((dk == 0) & (ak <= aq)) | ((ak == aq) & (dk <= dq))  # [B, N, N]
+    if valid is not None:
+        eye = torch.eye(anchor.shape[1], dtype=torch.bool, device=anchor.device)
+        allowed = (allowed & valid[:, None, :] & valid[:, :, None]) | eye
+    return allowed[:, None]
+
+
+def peagle_mask_mod(anchor: torch.Tensor, depth: torch.Tensor, valid: torch.Tensor):
+    """The flex ``mask_mod`` of :func:`peagle_mask` (anchor, depth, valid: [B, N])."""
+    last = anchor.shape[1] - 1
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        q, k = torch.clamp(q_idx, max=last), torch.clamp(kv_idx, max=last)  # flex may evaluate padded indices
+        aq, ak, dq, dk = anchor[b, q], anchor[b, k], depth[b, q], depth[b, k]
+        rule = ((dk == 0) & (ak <= aq)) | ((ak == aq) & (dk <= dq))
+        return (rule & valid[b, q] & valid[b, k]) | (q_idx == kv_idx)
+
+    return mask_mod
+
+
+class PEagleDrafter(Eagle3Drafter):
+    """The EAGLE-3 drafter with the P-EAGLE placeholders and its own embedding (see the module docstring)."""
+
+    def __init__(self, config: PEagleConfig) -> None:
+        """
+        Args:
+            config: the drafter's shape and placeholder token.
+        """
+        super().__init__(config)
+        c = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.mask_hidden = nn.Parameter(torch.randn(1, 1, len(c.aux_layers) * c.target_hidden_size))
+
+    def placeholder(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(embeds [1, n, H], fused features [1, n, H]) of n placeholder elements."""
+        c = self.config
+        fused = self.fuse(list(self.mask_hidden[0].split(c.target_hidden_size, dim=-1)))  # [1, H]
+        token = torch.full((1, n), c.mask_token_id, dtype=torch.long, device=fused.device)
+        return self.embed_tokens(token).to(fused.dtype), fused[None].expand(1, n, -1)
+
+    def parallel(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        anchor: torch.Tensor,
+        depth: torch.Tensor,
+        valid: torch.Tensor,
+        impl: Impl = "dense",
+    ) -> torch.Tensor:
+        """Training pass over sampled elements: embeds, hidden [B, N, H]; anchor, depth [B, N] long; valid [B, N]
+        bool -> logits [B, N, Vd]. ``impl``: the :func:`peagle_mask` attention, dense (SDPA with the boolean mask)
+        or flex (trainer/block_attention.py, CUDA for training)."""
+        cos, sin = self.rope(hidden, anchor + depth)
+        q, k, v = self.midlayer.qkv(embeds, hidden, cos, sin)  # [B, nh, N, D], [B, nkv, N, D] x2
+        if resolve_impl(impl, q.device, torch.is_grad_enabled() and q.requires_grad) == "flex":
+            attn = flex_attention(q, k, v, peagle_mask_mod(anchor, depth, valid), anchor.shape[0])
+        else:
+            attn = masked_attention(q, k, v, peagle_mask(anchor, depth, valid))
+        return self.outputs(self.midlayer.finish(hidden, attn))[1]

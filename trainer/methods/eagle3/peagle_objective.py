@@ -1,0 +1,266 @@
+"""P-EAGLE: train the EAGLE-3 drafter to draft K tokens in one forward (peagle_module.py), with COD sampling.
+
+Online: the frozen target runs in the training step and gives its logits and the hidden states of the drafter's aux
+layers. Row elements ``a = 0..S-2`` are EAGLE-3's depth-0 elements (features of token ``a``, embedding of token
+``a + 1``); for depths ``d = 1..K-1`` COD sampling (conditional drop, speculators 0.9 ``generate_cod_sample_indices``)
+keeps a random subset of the anchors of depth ``d - 1`` whose label is trained, about ``max(r ** d, floor)`` of the
+row's trained positions, so that every kept placeholder has its whole rollout before it (as at drafting time) and the
+sequence grows by ``1 + r + r^2 + ...`` instead of K. Element (a, d) is trained on the target's distribution over the
+draft vocabulary at position ``a + 1 + d`` (the token ``a + 2 + d``), soft labels renormalised over the draft
+vocabulary, under that position's loss mask; the loss is ``sum_d step_decay ** d * mean_d`` (per-depth means).
+
+The drafter trains its own input embedding (initialised from the target's) and the placeholders ``mask_hidden`` and
+the embedding row of ``mask_token_id``, as speculators' P-EAGLE does; the vocabulary map is counted from the training
+rows in ``setup`` like EAGLE-3's (objective.py), or taken from ``init_from``.
+
+Attention: ``dense`` applies the mask (peagle_module.peagle_mask) through SDPA with a boolean mask over the sampled
+elements of each row (padded to the longest row); ``flex`` (or ``auto`` on CUDA) runs the same mask through flex
+attention. Only online target signals are supported.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from trainer.block_attention import Impl
+from trainer.errors import RecipeError
+from trainer.methods.eagle3 import peagle_kind, vocab_map
+from trainer.methods.eagle3.module import Eagle3Config
+from trainer.methods.eagle3.peagle_module import PEagleConfig, PEagleDrafter
+from trainer.objective import DraftObjective, Optim, causal_lm_flops_per_token, count_params
+from trainer.registry import DrafterRecord
+from trainer.target import resolve_dtype
+
+log = logging.getLogger(__name__)
+
+
+def cod_sample(
+    trained: torch.Tensor, depths: int, ratio: float, floor: float, generator: torch.Generator | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """COD sampling of one row: ``trained`` [n + 1] bool, the loss mask of label positions 1..n+1 of the n elements
+    (``trained[a + d]``: element (a, d) has a trained label). Returns per depth d = 0.. (anchors [m_d], depth d):
+    depth 0 every anchor 0..n-1; depth d a random subset of depth d - 1's anchors with ``a + d <= n - 1`` and a trained
+    label, of size ``int(n_trained * max(ratio ** d, floor))`` (all of them when fewer)."""
+    n = trained.numel() - 1
+    anchors = torch.arange(n, device=trained.device)
+    out = [(anchors, 0)]
+    base = int(trained[:n].sum())
+    for d in range(1, depths):
+        keep = anchors[(anchors + d <= n - 1) & trained[(anchors + d).clamp(max=n)]]
+        size = int(base * max(ratio**d, floor))
+        if size <= 0 or keep.numel() == 0:
+            break
+        if keep.numel() > size:
+            pick = torch.randperm(keep.numel(), generator=generator, device="cpu")[:size].to(keep.device)
+            keep = keep[pick.sort().values]
+        anchors = keep
+        out.append((anchors, d))
+    return [(a, torch.full_like(a, d)) for a, d in out]
+
+
+class PEagle(DraftObjective):
+    """Trains a P-EAGLE drafter (EAGLE-3 drafting K tokens in one forward) against an online frozen target."""
+
+    def __init__(
+        self,
+        target: str,
+        num_depths: int = 4,
+        cod_ratio: float = 0.7,
+        cod_min_ratio: float = 0.2,
+        mask_token_id: int | None = None,
+        draft_vocab_size: int = 32000,
+        target_layers: list[int] | None = None,
+        step_decay: float = 1.0,
+        init_from: str | None = None,
+        target_dtype: str = "float32",
+        drafter_dtype: str = "float32",
+        trust_remote_code: bool = False,
+        seed: int = 0,
+        attention: Impl = "dense",
+        norm_before_residual: bool = False,
+        norm_before_fc: bool = False,
+        fc_norm: bool = False,
+        optim: Optim = Optim(),
+    ) -> None:
+        """
+        Args:
+            target: the target, an HF causal LM directory or hub id.
+            num_depths: K, the tokens drafted in one forward (depths 0..K-1; speculators' ``num_depths``).
+            cod_ratio: r in (0, 1], COD sampling: depth d keeps about ``max(r ** d, cod_min_ratio)`` of the trained
+                positions (1 keeps every one: full parallel training).
+            cod_min_ratio: the floor of the kept share of every depth, in [0, 1].
+            mask_token_id: the placeholder token id, one the target's tokenizer never produces; None takes the first
+                id past the tokenizer (an embedding row the target's padded vocabulary never uses), refused when there
+                is none.
+            draft_vocab_size: size of the reduced draft vocabulary (the most frequent trained tokens).
+            target_layers: the target layers fused by the drafter, in HF hidden_states indices; None uses 2, L // 2,
+                L - 3.
+            step_decay: weight of depth d's mean loss is step_decay ** d.
+            init_from: a training checkpoint or export of a P-EAGLE drafter to start from (weights, shape, vocabulary
+                map and placeholder token).
+            target_dtype: the target's weights dtype.
+            drafter_dtype: the drafter's weights dtype.
+            trust_remote_code: allow custom modelling code in the target directory.
+            seed: seed for the drafter's initialisation and the COD sampling.
+            attention: "dense" (mask-aware SDPA), "flex" (flex attention, CUDA for training) or "auto".
+            norm_before_residual: as EAGLE-3's (the layer's residual is its normed input features).
+            norm_before_fc: as EAGLE-3's (one RMSNorm over the concatenated target states); exclusive with fc_norm.
+            fc_norm: as EAGLE-3's (one RMSNorm per target state, EAGLE-3.1).
+            optim: optimizer and learning-rate schedule.
+        """
+        super().__init__(optim)
+        self.save_hyperparameters(ignore=["optim"])
+        if num_depths < 1:
+            raise RecipeError(f"model.num_depths must be >= 1, got {num_depths}")
+        if not 0.0 < cod_ratio <= 1.0:
+            raise RecipeError(f"model.cod_ratio must be in (0, 1], got {cod_ratio}")
+        if not 0.0 <= cod_min_ratio <= 1.0:
+            raise RecipeError(f"model.cod_min_ratio must be in [0, 1], got {cod_min_ratio}")
+        if not 0.0 < step_decay <= 1.0:
+            raise RecipeError(f"model.step_decay must be in (0, 1], got {step_decay}")
+        if norm_before_fc and fc_norm:
+            raise RecipeError("model.norm_before_fc and model.fc_norm are mutually exclusive: set one of them")
+        self.num_depths, self.cod_ratio, self.cod_min_ratio = num_depths, cod_ratio, cod_min_ratio
+        self.step_decay, self.attention = step_decay, attention
+        frozen = self.load_target(target, "online", target_dtype, trust_remote_code)
+        torch.manual_seed(seed)
+        self.sampler = torch.Generator().manual_seed(seed)
+        flags = {"norm_before_residual": norm_before_residual, "norm_before_fc": norm_before_fc, "fc_norm": fc_norm}
+        self.vocab_fixed = init_from is not None
+        if init_from is not None:
+            self.drafter = self.drafter_from_checkpoint(init_from, peagle_kind.KIND)
+            trained = self.drafter.config.flags()
+            for name, asked in flags.items():
+                if trained[name] != asked:
+                    raise RecipeError(
+                        f"model.{name} is {str(asked).lower()} but model.init_from {init_from!r} was trained with "
+                        f"{name}: {str(trained[name]).lower()}"
+                    )
+        else:
+            mask_id = self._mask_token_id(mask_token_id, frozen.vocab_size)
+            base = Eagle3Config.from_target(frozen.config, draft_vocab_size, target_layers, **flags)
+            base.vocab_size = frozen.vocab_size
+            for i in base.aux_layers:
+                if not 0 <= i <= frozen.num_layers:
+                    raise RecipeError(
+                        f"model.target_layers: {i} is outside the target's hidden_states 0..{frozen.num_layers}"
+                    )
+            self.drafter = PEagleDrafter(PEagleConfig(**base.to_dict(), mask_token_id=mask_id))
+            with torch.no_grad():
+                self.drafter.embed_tokens.weight.copy_(frozen.model.get_input_embeddings().weight.float())
+        self.drafter.to(resolve_dtype(drafter_dtype))
+
+    def _mask_token_id(self, asked: int | None, vocab_size: int) -> int:
+        """The placeholder id: ``asked``, checked, or the first embedding row past the tokenizer."""
+        used = len(self.tokenizer) if self.tokenizer is not None else vocab_size
+        if asked is not None:
+            if not 0 <= asked < vocab_size:
+                raise RecipeError(f"model.mask_token_id {asked} is not a token id of the target (0..{vocab_size - 1})")
+            return asked
+        if used < vocab_size:
+            return used
+        raise RecipeError(
+            f"model.mask_token_id: the target's tokenizer uses every id of its {vocab_size}-token vocabulary, so no "
+            "unused id can serve as P-EAGLE's placeholder",
+            hint="set model.mask_token_id to a token id the data never contains (a reserved or unused special "
+            "token of the tokenizer)",
+        )
+
+    def trainable_module(self) -> nn.Module:
+        return self.drafter
+
+    def setup(self, stage: str) -> None:
+        datamodule = self.attached_datamodule()
+        self.check_data(datamodule, self.target.vocab_size)
+        if self.vocab_fixed:
+            return
+        dataset = getattr(datamodule, "train_dataset", None)
+        if dataset is None or not hasattr(dataset, "ids"):
+            raise RecipeError(
+                "P-EAGLE needs the training rows to count its draft vocabulary: the datamodule has no train_dataset "
+                "with ids and trained arrays (or pass model.init_from)"
+            )
+        rows = ((dataset.ids[i : i + 4096], dataset.trained[i : i + 4096]) for i in range(0, len(dataset.ids), 4096))
+        self.install_vocab_map(rows)
+
+    def install_vocab_map(self, rows) -> None:
+        """Count the trained labels of ``(ids, trained)`` chunks, install the map, copy the target's lm_head rows."""
+        cfg = self.drafter.config
+        counts = vocab_map.count_label_tokens(rows, cfg.vocab_size)  # [V]
+        d2t, t2d = vocab_map.build_vocab_map(counts, cfg.draft_vocab_size)
+        self.drafter.set_vocab_map(d2t.to(self.drafter.d2t.device), t2d.to(self.drafter.t2d.device))
+        with torch.no_grad():
+            head = self.target.lm_head_weight.detach()  # [V, Ht]
+            rows_ = head.index_select(0, self.drafter.draft_ids().to(head.device))  # [Vd, Ht]
+            if rows_.shape == self.drafter.lm_head.weight.shape:
+                self.drafter.lm_head.weight.copy_(rows_)
+
+    def sample(self, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """COD elements of every row, padded: anchor, depth [B, N] long and valid [B, N] bool (loss_mask [B, S])."""
+        rows = []
+        for b in range(loss_mask.shape[0]):
+            parts = cod_sample(loss_mask[b, 1:].cpu(), self.num_depths, self.cod_ratio, self.cod_min_ratio,
+                               self.sampler)  # fmt: skip
+            rows.append((torch.cat([a for a, _ in parts]), torch.cat([d for _, d in parts])))
+        N = max(a.numel() for a, _ in rows)
+        anchor = torch.zeros(len(rows), N, dtype=torch.long)
+        depth = torch.zeros(len(rows), N, dtype=torch.long)
+        valid = torch.zeros(len(rows), N, dtype=torch.bool)
+        for b, (a, d) in enumerate(rows):
+            anchor[b, : a.numel()], depth[b, : a.numel()], valid[b, : a.numel()] = a, d, True
+        device = loss_mask.device
+        return anchor.to(device), depth.to(device), valid.to(device)
+
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, S] each
+        target = self.target_on(ids.device)
+        drafter = self.drafter
+        out = target(ids, hidden_layers=drafter.config.aux_layers)  # logits [B, S, V]
+        aux = torch.cat([h[:, :-1] for h in out.hidden_states], dim=-1)  # [B, S - 1, n Ht]
+        probs = torch.softmax(out.logits.index_select(-1, drafter.draft_ids()).float(), dim=-1)  # [B, S, Vd]
+        anchor, depth, valid = self.sample(loss_mask)  # [B, N] each
+        return self.parallel_loss(ids, loss_mask, aux, probs, out.logits.argmax(-1), anchor, depth, valid)
+
+    def parallel_loss(self, ids, loss_mask, aux, probs, target_argmax, anchor, depth, valid):
+        """The loss of sampled elements. ids, loss_mask, target_argmax: [B, S]; aux: [B, S - 1, n Ht] the
+        concatenated target states; probs: [B, S, Vd] soft labels; anchor, depth, valid: [B, N]."""
+        drafter = self.drafter
+        B, N = anchor.shape
+        first = (depth == 0)[..., None]  # [B, N, 1]
+        real = aux.gather(1, anchor[..., None].expand(B, N, aux.shape[-1]))  # [B, N, n Ht]
+        feats = torch.where(first, real.to(drafter.mask_hidden.dtype), drafter.mask_hidden.expand(B, N, -1))
+        hidden = drafter.fuse(list(feats.split(drafter.config.target_hidden_size, dim=-1)))  # [B, N, H]
+        mask_id = drafter.config.mask_token_id
+        tokens = torch.where(depth == 0, ids.gather(1, (anchor + 1).clamp(max=ids.shape[1] - 1)), mask_id)  # [B, N]
+        embeds = drafter.embed_tokens(tokens).to(hidden.dtype)  # [B, N, H]
+        logits = drafter.parallel(embeds, hidden, anchor, depth, valid, self.attention)  # [B, N, Vd]
+        label = (anchor + 1 + depth).clamp(max=ids.shape[1] - 1)  # [B, N] label positions
+        mask = valid & loss_mask.gather(1, label).bool()  # [B, N]
+        labels = probs.gather(1, label[..., None].expand(B, N, probs.shape[-1]))  # [B, N, Vd]
+        per = -(labels * torch.log_softmax(logits.float(), dim=-1)).sum(-1)  # [B, N]
+        total = logits.new_zeros((), dtype=torch.float32)
+        metrics: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            hits = drafter.to_target_ids(logits.argmax(-1)) == target_argmax.gather(1, label)  # [B, N]
+        for d in range(self.num_depths):
+            m = (mask & (depth == d)).float()
+            if not bool(m.any()):
+                continue
+            loss_d = (per * m).sum() / m.sum()
+            total = total + self.step_decay**d * loss_d
+            metrics[f"loss_{d}"] = loss_d.detach()
+            metrics[f"acc_{d}"] = (hits.float() * m).sum() / m.sum()
+        metrics["elements"] = valid.sum().float() / B
+        return total, metrics
+
+    def flops_per_token(self) -> float:
+        share = sum(max(self.cod_ratio**d, self.cod_min_ratio) for d in range(self.num_depths))
+        drafter = 2.0 * count_params(self.drafter) * share
+        return 3.0 * drafter + causal_lm_flops_per_token(self.target.model, 1024)
+
+    def drafter_record(self) -> DrafterRecord:
+        architectures = getattr(self.target.config, "architectures", None) or []
+        return peagle_kind.make_record(self.drafter.config, self.target_path, architectures, self.num_depths)
