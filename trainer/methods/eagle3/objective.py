@@ -209,15 +209,7 @@ class Eagle3(DraftObjective):
         Every rank computes the same map from the same rows (deterministic; no communication needed).
         """
         cfg = self.drafter.config
-        counts = vocab_map.count_label_tokens(rows, cfg.vocab_size)  # [V]
-        d2t, t2d = vocab_map.build_vocab_map(counts, cfg.draft_vocab_size)
-        self.drafter.set_vocab_map(d2t.to(self.drafter.d2t.device), t2d.to(self.drafter.t2d.device))
-        with torch.no_grad():
-            head = self.target.lm_head_weight.detach()  # [V, Ht]
-            rows_ = head.index_select(0, self.drafter.draft_ids().to(head.device))  # [Vd, Ht]
-            if rows_.shape == self.drafter.lm_head.weight.shape:
-                self.drafter.lm_head.weight.copy_(rows_)
-        share = float(counts[t2d].sum()) / max(1, int(counts.sum()))
+        share = vocab_map.install_vocab_map(self.drafter, self.target.lm_head_weight, rows)
         log.info("EAGLE-3 draft vocabulary: %d of %d tokens, %.3f of the trained labels", cfg.draft_vocab_size,
                  cfg.vocab_size, share)  # fmt: skip
 

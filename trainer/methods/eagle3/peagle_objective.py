@@ -188,15 +188,7 @@ class PEagle(DraftObjective):
 
     def install_vocab_map(self, rows) -> None:
         """Count the trained labels of ``(ids, trained)`` chunks, install the map, copy the target's lm_head rows."""
-        cfg = self.drafter.config
-        counts = vocab_map.count_label_tokens(rows, cfg.vocab_size)  # [V]
-        d2t, t2d = vocab_map.build_vocab_map(counts, cfg.draft_vocab_size)
-        self.drafter.set_vocab_map(d2t.to(self.drafter.d2t.device), t2d.to(self.drafter.t2d.device))
-        with torch.no_grad():
-            head = self.target.lm_head_weight.detach()  # [V, Ht]
-            rows_ = head.index_select(0, self.drafter.draft_ids().to(head.device))  # [Vd, Ht]
-            if rows_.shape == self.drafter.lm_head.weight.shape:
-                self.drafter.lm_head.weight.copy_(rows_)
+        vocab_map.install_vocab_map(self.drafter, self.target.lm_head_weight, rows)
 
     def sample(self, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """COD elements of every row, padded: anchor, depth [B, N] long and valid [B, N] bool (loss_mask [B, S])."""

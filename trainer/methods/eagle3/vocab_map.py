@@ -50,3 +50,22 @@ def vocab_map_from_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The map of a data set's rows: :func:`count_label_tokens` then :func:`build_vocab_map`."""
     return build_vocab_map(count_label_tokens(rows, vocab_size), draft_vocab_size)
+
+
+def install_vocab_map(drafter, target_lm_head: torch.Tensor, rows: Iterable[tuple[np.ndarray, np.ndarray]]) -> float:
+    """Count the trained labels of ``(ids, trained)`` chunks, install the map in ``drafter`` (an EAGLE-3 or P-EAGLE
+    drafter) and copy the target's lm_head rows [V, Ht] of the draft vocabulary into its head when the shapes match.
+
+    Returns:
+        The share of the trained labels the draft vocabulary covers.
+    """
+    cfg = drafter.config
+    counts = count_label_tokens(rows, cfg.vocab_size)  # [V]
+    d2t, t2d = build_vocab_map(counts, cfg.draft_vocab_size)
+    drafter.set_vocab_map(d2t.to(drafter.d2t.device), t2d.to(drafter.t2d.device))
+    with torch.no_grad():
+        head = target_lm_head.detach()  # [V, Ht]
+        rows_ = head.index_select(0, drafter.draft_ids().to(head.device))  # [Vd, Ht]
+        if rows_.shape == drafter.lm_head.weight.shape:
+            drafter.lm_head.weight.copy_(rows_)
+    return float(counts[t2d].sum()) / max(1, int(counts.sum()))
