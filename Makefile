@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_CPU ?= torch==2.13.0
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: venv demo test test-fast lint clean
+.PHONY: venv demo test test-durations test-fast rehearse test-gpu lint clean
 
 venv: $(VENV)/.installed
 
@@ -27,11 +27,33 @@ demo: venv
 	$(BIN)/draftsmith demo
 
 # Two workers (one per core of the machines the suite is sized for), each test file on one worker (its module fixtures
-# built once); the trained session fixtures are built once for both (tests/shared_fixtures.py). TEST_WORKERS=0 runs
-# the suite in one process.
+# built once), the heaviest files first (tests/conftest.py orders them); the trained session fixtures are built once
+# for both (tests/shared_fixtures.py). TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 2
 test: venv
-	$(BIN)/python -m pytest tests -m "not gpu" -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest tests -m "not gpu and not rehearsal" -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
+# Rewrites tests/durations.json (seconds per test file), which orders the files for the workers; rerun after adding
+# or changing a long test.
+test-durations: venv
+	$(BIN)/python -m pytest tests -m "not gpu and not rehearsal" -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		--record-durations
+
+# The real-shape rehearsal of every real-model recipe on CPU (tests/rehearsal/), one case at a time (several GB each;
+# cut targets reused from .cache/rehearsal/targets), then its memory table, docs/benchmarks/rehearsal.md.
+REHEARSAL_RESULTS ?= .cache/rehearsal/results
+rehearse: venv
+	rm -rf $(REHEARSAL_RESULTS)
+	DRAFTSMITH_REHEARSAL_RESULTS=$(REHEARSAL_RESULTS) $(BIN)/python -m pytest tests/rehearsal -q -p no:cacheprovider; \
+	status=$$?; \
+	DRAFTSMITH_REHEARSAL_RESULTS=$(REHEARSAL_RESULTS) $(BIN)/python -m tests.rehearsal.table docs/benchmarks/rehearsal.md "make rehearse"; \
+	exit $$status
+
+# The GPU suite (tests/gpu, marker gpu; skipped without CUDA): every objective for 20 bf16 steps on a real-shape cut
+# target, flex against dense attention, the engine on CUDA, ZeRO-2/3 and FSDP2 with a resume; about 8 minutes on one
+# H200. Prints the summary table and writes gpu_results.json (DRAFTSMITH_GPU_RESULTS).
+test-gpu: venv
+	$(BIN)/python -m pytest tests/gpu -m gpu -q
 
 test-fast: venv
 	$(BIN)/python -m pytest tests -m "not gpu and not slow and not slurm" -q

@@ -1,7 +1,8 @@
 """Runs ``draftsmith`` command lines in fresh processes without paying for the imports each time.
 
 A command line of ``draftsmith`` spends about ten seconds importing torch, Lightning and transformers before it reads
-its arguments. :class:`CliServer` starts one Python process that imports ``trainer.cli`` once, then forks a child per
+its arguments. :class:`CliServer` starts one Python process that imports them once (``trainer.cli``, Lightning,
+transformers' model code, every method's modules), then forks a child per
 command line: the child sets ``sys.argv``, the working folder and the environment, sends its standard output and error
 to a log file, and runs what the console script runs (``sys.exit(trainer.cli.main())``: an uncaught exception prints
 its traceback through ``sys.excepthook`` and exits 1, a ``SystemExit`` exits with its code, the ``atexit`` handlers
@@ -27,6 +28,10 @@ import atexit, json, os, sys
 protocol = os.fdopen(os.dup(1), "w")
 os.dup2(2, 1)  # anything the imports print stays off the protocol
 import trainer.cli
+import trainer.recipe  # Lightning, which every fit imports (the tools do not)
+import transformers.modeling_utils  # what a model's loading imports, five seconds of it
+from trainer.registry import kinds
+kinds()  # every method's module
 
 def run(request):
     os.chdir(request["cwd"])

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +19,37 @@ def pytest_configure(config) -> None:
 
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
+
+
+DURATIONS = Path(__file__).with_name("durations.json")  # seconds per test file, from `make test-durations`
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--record-durations", action="store_true", help=f"write each file's seconds to {DURATIONS.name}")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Under pytest-xdist, the longest test files first: ``make test`` hands out whole files in collection order
+    (``--dist loadfile --no-loadscope-reorder``), so the multi-process fits start at once and the short unit files fill
+    in at the end, instead of one worker running the last long fit while the other waits. The seconds per file come
+    from tests/durations.json (a file missing there counts as a short one); the order inside a file is kept."""
+    if worker_id() is None:
+        return
+    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 1.0))
+
+
+_file_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    _file_seconds[report.nodeid.split("::")[0]] = _file_seconds.get(report.nodeid.split("::")[0], 0.0) + report.duration
+
+
+def pytest_sessionfinish(session) -> None:
+    if session.config.getoption("--record-durations") and worker_id() is None and _file_seconds:
+        ordered = dict(sorted(((k, round(v, 1)) for k, v in _file_seconds.items()), key=lambda kv: -kv[1]))
+        DURATIONS.write_text(json.dumps(ordered, indent=1) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------------------- corpus

@@ -40,10 +40,7 @@ import signal
 import sys
 import time
 
-from lightning.pytorch.utilities.exceptions import SIGTERMException
-
 from trainer.errors import DEBUG_ENV, UserError, debugging, error_report, user_error_in
-from trainer.recipe import DraftsmithCLI
 
 DEBUG_FLAG = "--debug"
 USER_ERROR_STATUS = 2
@@ -108,12 +105,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return _run(args, argv)
-    except SIGTERMException:  # Lightning ends a SIGTERM that no PreemptionCheckpoint acted on with this SystemExit
-        return 128 + signal.SIGTERM
+    except SystemExit as exit_:
+        if _lightning_sigterm(exit_):  # how Lightning ends a SIGTERM that no PreemptionCheckpoint acted on
+            return 128 + signal.SIGTERM
+        raise
     except Exception as err:
         if debugging():
             raise
         return _end(err)
+
+
+def _lightning_sigterm(exit_: SystemExit) -> bool:
+    exceptions = sys.modules.get("lightning.pytorch.utilities.exceptions")  # only a fit imports Lightning
+    return exceptions is not None and isinstance(exit_, exceptions.SIGTERMException)
 
 
 def _run(args: list[str], argv: list[str] | None) -> int:
@@ -124,6 +128,7 @@ def _run(args: list[str], argv: list[str] | None) -> int:
         print(f"draftsmith: unknown command {args[0]!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     from trainer.preemption import exit_status_after_fit
+    from trainer.recipe import DraftsmithCLI  # Lightning is imported for fits only: the tools start seconds sooner
 
     DraftsmithCLI.running_trainer = None
     cli = DraftsmithCLI(args=argv)  # None: LightningCLI reads sys.argv, as its subprocess launchers expect
@@ -232,6 +237,10 @@ def _peer_failed(store, rank: int) -> bool:
 def _stop_local_ranks() -> None:
     """Kills the other local ranks that Lightning's process launcher started, so that none waits in a collective
     for this one (as Lightning does on Ctrl-C)."""
+    if "trainer.recipe" not in sys.modules:  # no fit ran
+        return
+    from trainer.recipe import DraftsmithCLI
+
     trainer = DraftsmithCLI.running_trainer
     launcher = getattr(getattr(trainer, "strategy", None), "launcher", None)
     if launcher is None or not getattr(launcher, "procs", None) or not hasattr(launcher, "kill"):

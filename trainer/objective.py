@@ -42,7 +42,7 @@ from trainer.fingerprint import describe, fingerprint
 from trainer.preemption import PreemptionCheckpoint
 from trainer.registry import DrafterRecord, check_target, load_drafter
 from trainer.strategies import deepspeed_offload_enabled, shard_for_fsdp2
-from trainer.target import FrozenTarget, TargetEmbeddings, check_model_path, model_load_error
+from trainer.target import FrozenTarget, TargetEmbeddings, check_context, check_model_path, model_load_error
 from trainer.throughput import measure_matmul_peak
 
 DEAD_GRADIENT_STEPS = 3
@@ -247,6 +247,7 @@ class DraftObjective(L.LightningModule):
         Returns:
             The set-up ShardDataModule (shards), else None.
         """
+        check_context(self.target_config, getattr(datamodule, "seq_len", None), self.target_path)
         if self.target_signals != "shards":
             check_data_tokenizer(datamodule, name or self.target_path, self.tokenizer, width, vocab_size or width)
             return None
@@ -295,6 +296,7 @@ class DraftObjective(L.LightningModule):
         Raises:
             TokenizerError: the model holds no tokenizer, or the data's differs (named by both folders).
         """
+        check_context(self.target_config, getattr(datamodule, "seq_len", None), self.target_path)
         if self.target_signals == "shards":
             return
         name = self.target_path or getattr(self, "tokenizer_path", None) or self.hparams.get("tokenizer")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import logging
 import os
 import re
 import warnings
@@ -36,8 +37,15 @@ __all__ = ["DraftsmithCLI", "RecipeError", "parse_recipe"]
 # frozen target sits in eval mode inside a training module.
 warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
-if "SLURM_JOB_ID" not in os.environ:  # outside a SLURM allocation Lightning's hint to prepend srun does not apply
-    warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system but is not used")
+
+
+def hide_srun_hint(environ=os.environ) -> None:
+    """Outside a SLURM allocation (no ``SLURM_JOB_ID``) Lightning's hint to prepend ``srun`` does not apply: hide it."""
+    if "SLURM_JOB_ID" not in environ:
+        warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system but is not used")
+
+
+hide_srun_hint()
 
 
 # jsonargparse 4's wording of an unknown init_args key of a subclass: 'Parser key "model": ... Problem with given
@@ -148,8 +156,24 @@ class DraftsmithCLI(LightningCLI):
                 # from those), and `draftsmith export --ckpt .../last.ckpt` would read the stale one. Nothing another
                 # run wrote is overwritten: a fresh run into a folder of checkpoints is refused (run_folder.py).
                 callback._enable_version_counter = False
+        _warn_emulated_bf16(trainer, self._get(self.config_init, "model"))
         DraftsmithCLI.running_trainer = trainer
         return trainer
+
+
+def _warn_emulated_bf16(trainer: Trainer, model: Any) -> None:
+    """Logs once when a CPU run asks for bf16 that this CPU only emulates (trainer/target.py)."""
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    from trainer.target import emulated_bf16_message
+
+    if not isinstance(trainer.accelerator, CPUAccelerator):
+        return
+    hparams = getattr(model, "hparams", {}) or {}
+    dtypes = {f"model.{k}": str(hparams[k]) for k in ("target_dtype", "drafter_dtype") if k in hparams}
+    message = emulated_bf16_message(str(trainer.precision_plugin.precision), dtypes)
+    if message:
+        logging.getLogger(__name__).warning(message)
 
 
 class _Parsed(Exception):

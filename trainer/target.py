@@ -21,9 +21,16 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from trainer.errors import ModelFolderError, PathError, UserError
+from trainer.errors import ModelFolderError, PathError, RecipeError, UserError
 
 log = logging.getLogger(__name__)
+
+try:  # what huggingface_hub's strict dataclasses raise for a config that fails Hugging Face's own validation
+    from huggingface_hub.errors import StrictDataclassError
+
+    CONFIG_VALIDATION_ERRORS: tuple[type[Exception], ...] = (StrictDataclassError,)
+except ImportError:  # older huggingface_hub: the configs raise ValueError
+    CONFIG_VALIDATION_ERRORS = ()
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -45,6 +52,109 @@ def check_model_path(name_or_path: str) -> Path:
             f"target {name_or_path!r}: no such folder", "check the path, or train or download the target first"
         )
     return path
+
+
+# Keys a target's config.json must state: Hugging Face fills a missing one with its class default (a Llama config
+# without hidden_size loads as a 4096-wide model, one without rope_theta with theta 10000), which builds another model
+# than the published one, or a drafter of the wrong shape, without any error.
+SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+ROPE_KEYS = ("rope_theta", "rope_parameters")
+
+
+def check_config_keys(name_or_path: str, config) -> None:
+    """Refuses a local target whose config.json omits a key its model (and the drafters built from it) depend on.
+
+    Checked, on the text part of the config (``text_config`` of a multimodal one): the shape keys (vocabulary, width,
+    layers, heads; a model type's own spelling, e.g. GPT-2's ``n_embd``, counts); for a model with rotary positions,
+    ``rope_theta`` or ``rope_parameters``. (A width the heads do not divide without ``head_dim`` is refused by Hugging
+    Face's own validation, turned into a ModelFolderError by :meth:`FrozenTarget.from_pretrained`.) A hub id is not
+    checked (its file is not read here).
+
+    Args:
+        name_or_path: the target (``model.target``).
+        config: its loaded HF config.
+
+    Raises:
+        ModelFolderError: naming the file and the missing key.
+    """
+    file = Path(name_or_path).expanduser() / "config.json"
+    if not file.is_file():
+        return
+    try:
+        raw = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return  # Hugging Face's own error names the file
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    stated = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    where = f"target {name_or_path!r}: {file}"
+    aliases = getattr(text, "attribute_map", {}) or {}
+    for key in SHAPE_KEYS:
+        if key not in stated and aliases.get(key) not in stated and key not in raw:
+            raise ModelFolderError(
+                f"{where} has no {key}: Hugging Face would build the model with its default "
+                f"({getattr(text, key, None)}), not the published one",
+                hint=f"copy {key} from the model's published config.json",
+            )
+    uses_rope = any(getattr(text, k, None) is not None for k in ROPE_KEYS)
+    if uses_rope and not any(k in stated or k in raw for k in ROPE_KEYS):
+        raise ModelFolderError(
+            f"{where} has no rope_theta (nor rope_parameters): Hugging Face would use its default rotary base, and "
+            "the target and every drafter built from its config (EAGLE-3, DFlash, MTP) would use other positions "
+            "than the published model",
+            hint="copy rope_theta and rope_scaling (or rope_parameters) from the model's published config.json",
+        )
+
+
+def check_context(config, seq_len: int | None, target: str | None) -> None:
+    """Refuses rows longer than the target's context (``max_position_embeddings`` of its config): positions beyond it
+    have no trained rotary or position embedding, and a model with learned positions fails with an index error.
+
+    Args:
+        config: the target's HF config (None: nothing to check, as for a model trained from scratch).
+        seq_len: the data's tokens per row (``data.seq_len``; None or 0: unknown).
+        target: the target's path, for the message.
+
+    Raises:
+        RecipeError: naming ``data.seq_len``, its value, and the target's limit.
+    """
+    if config is None or not seq_len:
+        return
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None)
+    if isinstance(limit, int) and seq_len > limit:
+        raise RecipeError(
+            f"data.seq_len={seq_len} is beyond the context of the target {target!r}: max_position_embeddings={limit} "
+            "in its config.json",
+            hint=f"set data.seq_len to at most {limit}",
+        )
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX); elsewhere PyTorch emulates it."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def emulated_bf16_message(precision: str | None, dtypes: dict[str, str], native: bool | None = None) -> str | None:
+    """The warning for bf16 asked of a CPU without native bf16 (None when there is nothing to say).
+
+    PyTorch runs bf16 on any CPU, converting to float32 per operation: the results are bf16's, several times slower.
+    The run keeps the recipe's precision (its memory is what ``draftsmith plan`` estimates for it); the message names
+    the keys that ask for bf16 and what to set for speed.
+
+    Args:
+        precision: ``trainer.precision``.
+        dtypes: recipe key -> dtype name (``model.target_dtype``...).
+        native: whether the CPU has native bf16 (default: this one's, :func:`cpu_has_native_bf16`).
+    """
+    asked = [f"trainer.precision={precision}"] if str(precision).startswith("bf16") else []
+    asked += [f"{key}={value}" for key, value in dtypes.items() if value == "bfloat16"]
+    if not asked or (cpu_has_native_bf16() if native is None else native):
+        return None
+    return (
+        f"{', '.join(asked)} on a CPU without native bf16 ({torch.backends.cpu.get_cpu_capability()}): PyTorch "
+        "emulates bf16 (same results, several times slower); set trainer.precision: 32-true and float32 dtypes "
+        "for speed"
+    )
 
 
 def model_load_error(name_or_path: str, err: OSError) -> UserError:
@@ -105,6 +215,16 @@ class FrozenTarget(nn.Module):
         a folder Hugging Face cannot load (a config.json that is not JSON...)."""
         path = check_model_path(name_or_path)
         check_safetensors_headers(path, f"target {name_or_path!r}")
+        try:
+            config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        except (ValueError, *CONFIG_VALIDATION_ERRORS) as err:  # refused by its validation (heads that do not divide
+            # the width...)
+            raise ModelFolderError(
+                f"target {name_or_path!r}: its config.json is refused by Hugging Face: {err}"
+            ) from err
+        except OSError as err:
+            raise model_load_error(name_or_path, err) from err
+        check_config_keys(name_or_path, config)  # before any weight is read
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 name_or_path, dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code
@@ -350,6 +470,7 @@ class TargetEmbeddings:
             config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
         except OSError as err:
             raise model_load_error(name_or_path, err) from err
+        check_config_keys(name_or_path, config)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         tied = bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))
         names = {"embedding": EMBEDDING_NAMES} if tied else {"embedding": EMBEDDING_NAMES, "lm_head": LM_HEAD_NAMES}

@@ -34,6 +34,18 @@ ANCHORS = (3, 17, 30)
 pytestmark = opt_in("speculators")
 
 
+def write_features(root: Path, model, name: str) -> tuple[Path, torch.Tensor, tuple]:
+    """The features file speculators' forward reads (the target's hidden states at AUX, the tokens, the anchors) for
+    random tokens, and those tokens and hidden states."""
+    ids = torch.randint(0, V - 1, (1, T), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        hidden = model(ids, output_hidden_states=True).hidden_states
+    path = root / f"{name}.safetensors"
+    tensors = {"hidden_states": torch.cat([hidden[i] for i in AUX], dim=-1), "input_ids": ids}
+    save_file({**{k: v.contiguous() for k, v in tensors.items()}, "anchors": torch.tensor(ANCHORS)}, str(path))
+    return path, ids, hidden
+
+
 @pytest.fixture(scope="session")
 def client_python() -> Path:
     """The speculators client's python (tests/clients/venvs.py)."""
@@ -86,18 +98,7 @@ def test_a_folder_speculators_saved_drafts_what_speculators_drafts(client_python
         assert drafter.config.layer_types == ("sliding_attention",) * 2 and drafter.config.sliding_window == 2048
         assert drafter.config.sliding_window_non_causal is False
 
-    ids = torch.randint(0, V - 1, (1, T), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        hidden = model(ids, output_hidden_states=True).hidden_states
-    features = root / f"features_{name}.safetensors"
-    save_file(
-        {
-            "hidden_states": torch.cat([hidden[i] for i in AUX], dim=-1).contiguous(),
-            "input_ids": ids.contiguous(),
-            "anchors": torch.tensor(ANCHORS),
-        },
-        str(features),
-    )
+    features, ids, hidden = write_features(root, model, f"features_{name}")
     out = root / f"theirs_{name}_{attn}.safetensors"
     report = run(client_python, "forward", str(export), str(features), str(out), "--attn", attn)
     theirs = load_file(str(out))

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from tests.clients.test_speculators_dflash_client import ANCHORS, AUX, BLOCK, SPECULATORS, T, V, run
+from tests.clients.test_speculators_dflash_client import ANCHORS, AUX, BLOCK, SPECULATORS, V, run, write_features
 from tests.clients.test_speculators_dflash_client import target as target  # noqa: F401 (the module's fixture)
 from tests.clients.venvs import client_python as venv_python
 from tests.clients.venvs import opt_in
@@ -54,24 +54,8 @@ def ours(drafter: DFlashDrafter, model, ids: torch.Tensor, hidden) -> tuple[torc
     return torch.cat(logits), torch.cat(confidence)
 
 
-def features(root: Path, model, name: str) -> tuple[Path, torch.Tensor, tuple]:
-    ids = torch.randint(0, V - 1, (1, T), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        hidden = model(ids, output_hidden_states=True).hidden_states
-    path = root / f"dspark_features_{name}.safetensors"
-    save_file(
-        {
-            "hidden_states": torch.cat([hidden[i] for i in AUX], dim=-1).contiguous(),
-            "input_ids": ids.contiguous(),
-            "anchors": torch.tensor(ANCHORS),
-        },
-        str(path),
-    )
-    return path, ids, hidden
-
-
 def compare(client_python, root: Path, export: Path, drafter, model, name: str) -> None:
-    path, ids, hidden = features(root, model, name)
+    path, ids, hidden = write_features(root, model, f"dspark_features_{name}")
     out = root / f"dspark_theirs_{name}.safetensors"
     report = run(client_python, "forward", str(export), str(path), str(out), "--attn", "sdpa")
     assert report["markov"] == "vanilla" and report["confidence_head"] and report["sample_from_anchor"] is False

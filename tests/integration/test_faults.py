@@ -119,7 +119,8 @@ def test_a_signal_saves_last_ckpt_and_exits_non_zero(tiny_corpus, random_target,
     assert _ckpt_step(run / "checkpoints" / "last.ckpt") == SIGNAL_AT
     assert not list((run / "checkpoints").glob("*.tmp"))
     assert _steps(run) == list(range(SIGNAL_AT))
-    _resume_to_the_end(run, tiny_corpus, random_target, SIGNAL_AT)
+    if signum == signal.SIGTERM:  # both signals save the same last.ckpt: one resume shows it runs on to the end
+        _resume_to_the_end(run, tiny_corpus, random_target, SIGNAL_AT)
 
 
 @pytest.mark.slow

@@ -10,7 +10,9 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trainer.data import generate as gen
+from trainer.data.generate_io import ChunkWriter, OutputLock
 from trainer.data.text import TextDataModule
+from trainer.errors import UsageError
 
 pytestmark = pytest.mark.slow
 
@@ -113,7 +115,7 @@ def test_resume_after_a_crash_writes_every_record_once(tiny_target, tiny_corpus,
     assert gen.main(args(tiny_target, src, straight)) == 0
 
     crashed = tmp_path / "crashed.jsonl"
-    original = gen._Writer.write
+    original = ChunkWriter.write
     calls = []
 
     def crash_on_third_chunk(self, chunk, first):
@@ -125,15 +127,15 @@ def test_resume_after_a_crash_writes_every_record_once(tiny_target, tiny_corpus,
             raise KeyboardInterrupt("killed")
         return original(self, chunk, first)
 
-    monkeypatch.setattr(gen._Writer, "write", crash_on_third_chunk)
+    monkeypatch.setattr(ChunkWriter, "write", crash_on_third_chunk)
     with pytest.raises(KeyboardInterrupt):
         gen.main(args(tiny_target, src, crashed))
-    monkeypatch.setattr(gen._Writer, "write", original)
+    monkeypatch.setattr(ChunkWriter, "write", original)
     assert not crashed.read_text().endswith("\n")  # a partial line was left behind
 
     written = []
     monkeypatch.setattr(
-        gen._Writer, "write", lambda self, chunk, first: (written.append(first), original(self, chunk, first))
+        ChunkWriter, "write", lambda self, chunk, first: (written.append(first), original(self, chunk, first))
     )
     assert gen.main(args(tiny_target, src, crashed)) == 0
     assert written[0] == 4  # the two complete chunks were skipped
@@ -182,6 +184,21 @@ def test_completion_mode_appends_the_targets_greedy_continuation(tiny_target, ti
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": ""}])
     with pytest.raises(ValueError, match="bad.jsonl record 0: field 'prompt'"):
         gen.main(args(tiny_target, bad, tmp_path / "o.jsonl", "--prompt_field", "prompt"))
+
+
+def test_a_second_run_writing_the_same_output_stops_at_once(tiny_target, tiny_corpus, tmp_path):
+    src = write_jsonl(tmp_path / "chat.jsonl", conversations(tiny_corpus)[:2])
+    out = tmp_path / "regen.jsonl"
+    other = OutputLock(out)  # the first run, still writing
+    other.acquire()
+    try:
+        with pytest.raises(UsageError, match="another draftsmith generate is writing it"):
+            gen.main(args(tiny_target, src, out))
+        assert not out.exists() and not (tmp_path / "regen.jsonl.meta.json").exists()
+    finally:
+        other.release()
+    assert gen.main(args(tiny_target, src, out)) == 0  # once it has ended
+    assert len(read_jsonl(out)) == 2 and not (tmp_path / "regen.jsonl.lock").exists()
 
 
 def test_a_target_that_does_not_load_writes_nothing(tiny_target, tiny_corpus, tmp_path, monkeypatch):

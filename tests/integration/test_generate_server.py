@@ -13,6 +13,7 @@ import pytest
 from tests.integration.test_generate import conversations, read_jsonl, write_jsonl
 from tests.serving import TransformersServe, require_serving
 from trainer.data import generate as gen
+from trainer.data.generate_io import ChunkWriter
 from trainer.data.server_client import OpenAIClient
 
 pytestmark = pytest.mark.slow
@@ -70,7 +71,7 @@ def test_a_server_killed_mid_run_and_restarted_loses_and_repeats_no_row(
     straight = tmp_path / "straight.jsonl"
     gen.regenerate(**options(tiny_target, src, straight, server=served.url))
 
-    original_chat, original_write = OpenAIClient.chat, gen._Writer.write
+    original_chat, original_write = OpenAIClient.chat, ChunkWriter.write
     calls, written, restarts = [], [], []
 
     def chat(self, model, messages, sampling, where):
@@ -83,7 +84,7 @@ def test_a_server_killed_mid_run_and_restarted_loses_and_repeats_no_row(
 
     monkeypatch.setattr(OpenAIClient, "chat", chat)
     monkeypatch.setattr(
-        gen._Writer, "write", lambda w, chunk, first: (written.append(first), original_write(w, chunk, first))
+        ChunkWriter, "write", lambda w, chunk, first: (written.append(first), original_write(w, chunk, first))
     )
     out = tmp_path / "out.jsonl"
     with caplog.at_level(logging.WARNING, logger="trainer.data.server_client"):

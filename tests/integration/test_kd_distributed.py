@@ -135,6 +135,9 @@ def test_checkpoints_hold_no_teacher_and_resume_exactly(
     fit_two_processes(run, tiny_corpus, tiny_target, strategy, True, stop_at=2)
     checkpoints = [p for p in (run / "checkpoints").iterdir() if p.name.endswith(".ckpt")]
     assert checkpoints and all(frozen_tensors_in(p) == [] for p in checkpoints)
+    if strategy == "fsdp.yaml":  # a distributed checkpoint folder: one shard per rank
+        shards = [sorted(q.name for q in p.glob("*.distcp")) for p in checkpoints]
+        assert all(names == ["__0_0.distcp", "__1_0.distcp"] for names in shards), shards
     fit_two_processes(run, tiny_corpus, tiny_target, strategy, True, resume=True)
     check_same_as_single_process(run, single_process_run)
     # the resumed run wrote its last.ckpt over the one it resumed from (not a last-v1.ckpt beside a stale one)

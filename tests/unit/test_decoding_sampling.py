@@ -159,7 +159,7 @@ def exact_joint(target, prompt: torch.Tensor, length: int, temperature: float) -
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["draft-model", "wrong-rule"])
 def test_engine_samples_are_distributed_as_target(drafter: str) -> None:
-    vocab, length, n, temperature = 4, 3, 1500, 1.0
+    vocab, length, n, temperature = 4, 3, 600, 1.0
     target = tiny_llama(0, vocab, scale=8.0)
     draft = tiny_llama(1, vocab, scale=16.0)  # sharper and different: p unlike q
     prompt = torch.tensor([1, 2, 3, 0])

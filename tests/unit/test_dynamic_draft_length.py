@@ -323,7 +323,7 @@ def test_cutting_on_the_distribution_keeps_sampling_exact(rule: str) -> None:
 def test_engine_samples_are_distributed_as_the_target_with_the_threshold_on() -> None:
     from tests.unit.test_decoding_sampling import exact_joint
 
-    vocab, length, n = 4, 3, 1500
+    vocab, length, n = 4, 3, 600
     target = _scaled(tiny_llama(0, vocab), 8.0)
     draft = _scaled(tiny_llama(1, vocab), 16.0)
     prompt = torch.tensor([1, 2, 3, 0])

@@ -17,6 +17,7 @@ from tests.unit.test_eagle3_drafter import small_config, small_drafter
 from trainer.errors import CheckpointError, ModelFolderError, RecipeError, UsageError
 from trainer.export.files import WEIGHTS
 from trainer.methods.eagle3 import kind as eagle3_kind
+from trainer.methods.eagle3 import records as eagle3_records
 from trainer.methods.eagle3.export import load_native, load_speculators, save_native, save_speculators
 from trainer.methods.eagle3.module import Eagle3Config, Eagle3Drafter
 from trainer.methods.eagle3.objective import Eagle3
@@ -195,14 +196,14 @@ def test_checkpoint_weights_that_disagree_with_the_recorded_flags_are_refused():
     drafter, _ = small_drafter(5, norm_before_fc=True)
     record = eagle3_kind.make_record(drafter.config, "t", [], 3)
     state = {"drafter." + k: v for k, v in drafter.state_dict().items()}
-    eagle3_kind.load_weights(eagle3_kind.build(record), record, dict(state), "x.ckpt")  # agrees: loads
+    eagle3_records.load_weights(eagle3_kind.build(record), record, dict(state), "x.ckpt")  # agrees: loads
     del state["drafter.input_norm.weight"]
     with pytest.raises(CheckpointError, match=r"x.ckpt: .*norm_before_fc is true but the weights lack"):
-        eagle3_kind.load_weights(eagle3_kind.build(record), record, state, "x.ckpt")
+        eagle3_records.load_weights(eagle3_kind.build(record), record, state, "x.ckpt")
     plain = eagle3_kind.make_record(small_config(), "t", [], 3)
     state = {"drafter." + k: v for k, v in drafter.state_dict().items()}
     with pytest.raises(CheckpointError, match="norm_before_fc is false but the weights hold"):
-        eagle3_kind.load_weights(eagle3_kind.build(plain), plain, state, "x.ckpt")
+        eagle3_records.load_weights(eagle3_kind.build(plain), plain, state, "x.ckpt")
 
 
 def test_objective_flags_and_init_from_mismatch(tmp_path):

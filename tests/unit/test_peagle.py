@@ -184,7 +184,7 @@ def test_speculative_sampling_with_peagle_is_distributed_as_the_target():
     from tests.unit.test_decoding_sampling import chi_square_p, exact_joint
     from tests.unit.test_decoding_sampling import tiny_llama as sampling_llama
 
-    vocab, length, n = 5, 3, 1200
+    vocab, length, n = 5, 3, 600
     target = sampling_llama(0, vocab, scale=8.0)
     drafter = drafter_for(target, 1, draft_vocab=4)  # a reduced draft vocabulary: one token never drafted
     with torch.no_grad():

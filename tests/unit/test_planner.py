@@ -24,6 +24,7 @@ TINY = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     tie_word_embeddings=False,
+    rope_theta=10000.0,
 )
 
 
@@ -195,3 +196,151 @@ def test_command_prints_the_table_and_what_fits(capsys):
     assert main(["--config", KD, "--gpus", "1", "--gpu_memory", "lots"]) == 2
     assert "lots" in capsys.readouterr().err
     assert parse_bytes("80GB") == 80 * 1024**3 and parse_bytes("512MiB") == 512 * 1024**2
+
+
+# ---------------------------------------------------------------------------------------------- every method's recipe
+
+QUICKSTART = ROOT / "recipes" / "quickstart"
+# recipes the planner builds from a target alone (mtp_extend and mtp_refresh start from another run's checkpoint;
+# the precompute recipes are not fit recipes)
+BUILDABLE = sorted(
+    p.name
+    for p in QUICKSTART.glob("*.yaml")
+    if "precompute" not in p.name and p.name not in ("mtp_extend.yaml", "mtp_refresh.yaml")
+)
+
+
+@pytest.fixture(scope="module")
+def random_target(tiny_corpus, tmp_path_factory):
+    """A random 4-layer Llama (the quickstart recipes' target layers need 4) with the tiny corpus' tokenizer."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("plan_target")
+    tok = AutoTokenizer.from_pretrained(tiny_corpus.tokenizer_dir)
+    _llama(**dict(TINY, vocab_size=len(tok), num_hidden_layers=4, max_position_embeddings=512)).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def _overrides(recipe: Path, target: Path, tokenizer: str) -> list[str]:
+    from trainer.recipe import parse_recipe
+
+    model = parse_recipe([str(recipe)]).model.init_args
+    out = []
+    if model.get("target"):
+        out += ["--model.init_args.target", str(target)]
+    if "tokenizer" in model and model.get("tokenizer"):
+        out += ["--model.init_args.tokenizer", tokenizer]
+    if "draft_vocab_size" in model:
+        out += ["--model.init_args.draft_vocab_size", "256"]  # the random target has 512 tokens
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", BUILDABLE)
+def test_every_method_counts_what_its_objective_builds(name, random_target, tiny_corpus, one_thread):
+    """The planner's counts (objective built on the meta device) equal the objective built for real from the target's
+    weights: trained parameters and their bytes, frozen elements, for every method's quickstart recipe."""
+    from trainer.planner.build import init_arguments, objective_class
+    from trainer.recipe import parse_recipe
+
+    recipe = QUICKSTART / name
+    overrides = _overrides(recipe, random_target, str(tiny_corpus.tokenizer_dir))
+    seq = 64 if "offline" in name else None
+    plan = plan_from_recipe([str(recipe)], seq=seq, overrides=overrides)
+    parsed = parse_recipe([str(recipe)], overrides).model
+    built = objective_class(parsed.class_path)(**init_arguments(parsed.init_args))
+    trained = [p for p in built.trainable_module().parameters() if p.requires_grad]
+    assert plan.counts.method == type(built).__name__
+    assert plan.counts.trainable == sum(p.numel() for p in trained) > 0
+    assert plan.counts.trainable_bytes == sum(p.numel() * p.element_size() for p in trained)
+    assert plan.activations > 0
+    (ddp, zero1, zero2, zero3) = plan.estimates(2)
+    assert ddp.gradients == plan.counts.trainable_bytes and ddp.optimizer == 2 * plan.counts.trainable_bytes
+    assert zero3.total <= zero2.total <= zero1.total
+
+
+def test_one_process_estimate_follows_lightning_precision():
+    """A CPU fit (one process, DDP row): fp32-built trained weights stay fp32 under bf16-mixed, with AdamW's two
+    moments in their dtype and autocast's bf16 copy; bf16-true casts the module tree (trained and in-tree frozen)."""
+    from trainer.planner import Counts, estimate_counts
+
+    counts = Counts("X", trainable=1000, trainable_bytes=4000, frozen=500, frozen_bytes=1000, frozen_in_tree=100,
+                    frozen_in_tree_bytes=400)  # fmt: skip
+    (mixed,) = estimate_counts(counts, 10, 1, "bf16-mixed")[:1]
+    assert (mixed.drafter_weights, mixed.gradients, mixed.optimizer) == (4000, 4000, 8000)
+    assert mixed.activations == 10 + 2000 and mixed.target_weights == 1000
+    (true,) = estimate_counts(counts, 10, 1, "bf16-true")[:1]
+    assert (true.drafter_weights, true.optimizer, true.activations) == (2000, 4000, 10)
+    assert true.target_weights == (1000 - 400) + 200
+
+
+def test_real_recipes_plan_from_their_published_configs(capsys):
+    """Every real-model recipe plans against its target's published config (tests/fixtures/real_configs)."""
+    configs = ROOT / "tests" / "fixtures" / "real_configs"
+    for recipe in sorted((ROOT / "recipes").glob("*_*.yaml")):
+        key = next(k for k in ("llama31_8b", "qwen3_8b", "qwen3_5_9b") if k in recipe.name)
+        assert main(["--config", str(recipe), "--gpus", "8", "--target_config", str(configs / key), "--cpu"]) == 0
+        out = capsys.readouterr().out
+        assert "| zero2 |" in out and "one CPU process (bf16-mixed)" in out
+
+
+# ------------------------------------------------------------------------------------------------- bad inputs
+
+
+def test_draft_vocabulary_larger_than_the_targets_is_named(tmp_path):
+    target = tmp_path / "t"
+    LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(target)
+    from trainer.errors import RecipeError
+
+    for recipe in ("eagle3.yaml", "peagle.yaml"):
+        with pytest.raises(RecipeError, match=r"model\.draft_vocab_size=600 must be in 1\.\.512"):
+            plan_from_recipe([str(QUICKSTART / recipe)], target_config=str(target),
+                             overrides=["--model.init_args.draft_vocab_size", "600"])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "drop, change, match",
+    [
+        ("rope_parameters", {}, "has no rope_theta"),
+        ("hidden_size", {}, "has no hidden_size"),
+        ("head_dim", {"hidden_size": 66, "num_attention_heads": 4, "num_key_value_heads": 2}, "refused by Hugging"),
+    ],
+)
+def test_target_config_missing_a_key_is_named(tmp_path, drop, change, match):
+    """A config.json without a key Hugging Face would silently default: refused naming the file and key, before any
+    weight is read (the folder holds none)."""
+    from trainer.errors import ModelFolderError
+    from trainer.target import FrozenTarget
+
+    config = LlamaConfig(**TINY).to_dict()
+    config.update(change)
+    config.pop(drop, None)
+    config.pop("rope_theta", None) if drop == "rope_parameters" else None
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelFolderError, match=match) as err:
+        FrozenTarget.from_pretrained(str(tmp_path))
+    assert "config.json" in str(err.value)
+
+
+def test_sequence_beyond_the_targets_context_is_named():
+    from trainer.errors import RecipeError
+    from trainer.target import check_context
+
+    config = LlamaConfig(**TINY, max_position_embeddings=128)
+    check_context(config, 128, "t")
+    with pytest.raises(RecipeError, match=r"data\.seq_len=256 is beyond the context of the target 't': "
+                       r"max_position_embeddings=128"):  # fmt: skip
+        check_context(config, 256, "t")
+
+
+def test_bf16_on_a_cpu_without_native_bf16_is_named_and_kept():
+    """PyTorch emulates bf16 on such CPUs: the run keeps bf16 (the planner's precision) with a warning naming the
+    keys that ask for it; nothing to say on a CPU with native bf16, or without bf16."""
+    from trainer.target import emulated_bf16_message
+
+    dtypes = {"model.target_dtype": "bfloat16", "model.drafter_dtype": "float32"}
+    message = emulated_bf16_message("bf16-mixed", dtypes, native=False)
+    assert "trainer.precision=bf16-mixed, model.target_dtype=bfloat16" in message and "emulates" in message
+    assert emulated_bf16_message("bf16-mixed", dtypes, native=True) is None
+    assert emulated_bf16_message("32-true", {"model.target_dtype": "float32"}, native=False) is None

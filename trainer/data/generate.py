@@ -28,15 +28,15 @@ With ``server`` (a running vLLM, SGLang or ``transformers serve``), the replies 
 OpenAI-compatible API instead (:mod:`trainer.data.server_client`): ``concurrency`` records in flight, the server's
 chat template, the same output, chunks and resume rule. The model it serves is checked against ``target`` before
 anything is written, and the meta file records the server and model.
+
+The in-process replies are target_replies.py's; the record checks, chunks and the durable writer generate_io.py's.
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import logging
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -44,12 +44,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import GenerationConfig
 
+from trainer.data.generate_io import (
+    Chunk,
+    ChunkWriter,
+    OutputLock,
+    check_messages,
+    check_prompt,
+    chunk_ranges,
+    write_meta,
+)
 from trainer.data.server_client import OpenAIClient, RecordReply, ServerRegenerator, ordered_map, served_model
-from trainer.data.tokenizer import load_tokenizer
-from trainer.errors import DataError, PathError, TokenizerError, UsageError
-from trainer.target import resolve_dtype
+from trainer.data.target_replies import Regenerator, complete_records, load_target, regenerate_records, seed_of
+from trainer.errors import DataError, PathError, UsageError
 
 log = logging.getLogger(__name__)
 
@@ -69,21 +77,6 @@ class GenerateStats:
     seconds: float
     tokens: int = 0
     empty: list[int] = field(default_factory=list)
-
-
-@dataclass
-class Chunk:
-    """Regenerated records and what making them took (replies, cut ones, tokens, indices with an empty reply)."""
-
-    records: list[dict[str, Any]]
-    turns: int
-    truncated: int
-    tokens: int
-    empty: list[int]
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Reading and writing records.
 
 
 def read_records(path: str) -> list[dict[str, Any]]:
@@ -117,207 +110,8 @@ def read_records(path: str) -> list[dict[str, Any]]:
     return records
 
 
-def _check_messages(record: dict[str, Any], field: str, where: str) -> list[dict[str, str]]:
-    messages = record.get(field)
-    if not isinstance(messages, list) or not all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
-    ):
-        raise DataError(f"{where}: field {field!r} must be a list of {{'role': str, 'content': str}} messages")
-    return messages
-
-
-def _complete_jsonl_lines(path: Path, repair: bool = True) -> int:
-    """The number of complete records of ``path``; with ``repair``, a partial last line (a crash mid-write) is cut
-    off first, else the file is only read."""
-    if not path.is_file():
-        return 0
-    data = path.read_bytes()
-    end = data.rfind(b"\n") + 1  # 0 when no line is complete
-    if end < len(data) and repair:
-        log.warning("%s: cutting a partial last line of %d bytes (an interrupted write)", path, len(data) - end)
-        with path.open("r+b") as f:
-            f.truncate(end)
-            f.flush()
-            os.fsync(f.fileno())
-    count = 0
-    for n, line in enumerate(data[:end].splitlines(), start=1):
-        try:
-            json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{path}:{n}: not a JSON record; delete the output to start over ({err})") from err
-        count += 1
-    return count
-
-
-class _Writer:
-    """Appends chunks of records durably to a .jsonl file, or as part files later combined into one .parquet."""
-
-    def __init__(self, output: Path) -> None:
-        self.output = output
-        self.parquet = output.suffix.lower() == ".parquet"
-        if not self.parquet and output.suffix.lower() != ".jsonl":
-            raise UsageError(f"{output}: unsupported output type {output.suffix!r} (use .jsonl or .parquet)")
-        self.parts = output.with_name(output.name + ".parts")
-
-    def done(self, repair: bool = True) -> int:
-        """Records already written; with ``repair``, a partial jsonl line or stale parquet part is removed first
-        (without it nothing is written)."""
-        if not self.parquet:
-            return _complete_jsonl_lines(self.output, repair)
-        import pyarrow.parquet as pq
-
-        if self.output.is_file():
-            return pq.read_metadata(self.output).num_rows
-        for stale in self.parts.glob("*.tmp") if self.parts.is_dir() and repair else []:
-            stale.unlink()
-        return sum(pq.read_metadata(f).num_rows for f in sorted(self.parts.glob("part-*.parquet")))
-
-    def write(self, records: list[dict[str, Any]], first: int) -> None:
-        if not self.parquet:
-            blob = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
-            with self.output.open("ab") as f:
-                f.write(blob)
-                f.flush()
-                os.fsync(f.fileno())
-            return
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        self.parts.mkdir(parents=True, exist_ok=True)
-        final = self.parts / f"part-{first:09d}.parquet"
-        tmp = final.with_name(final.name + ".tmp")
-        pq.write_table(pa.Table.from_pylist(records), tmp)
-        os.replace(tmp, final)
-
-    def finish(self) -> None:
-        if not self.parquet or self.output.is_file():
-            return
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        parts = sorted(self.parts.glob("part-*.parquet"))
-        table = pa.concat_tables([pq.read_table(f) for f in parts], promote_options="default")
-        tmp = self.output.with_name(self.output.name + ".tmp")
-        pq.write_table(table, tmp)
-        os.replace(tmp, self.output)
-        for f in parts:
-            f.unlink()
-        self.parts.rmdir()
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Generation.
-
-
-def _seed_of(seed: int, chunk_start: int) -> int:
-    digest = hashlib.sha256(f"{seed}:generate:{chunk_start}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def _left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token lists -> ids [B, P] and attention mask [B, P], right-aligned (P = the longest prompt)."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # [B, P]
-    attention = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, P]
-    for b, p in enumerate(prompts):
-        ids[b, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        attention[b, width - len(p) :] = 1
-    return ids, attention
-
-
-class Regenerator:
-    """Batched replies of a causal LM to chat prompts, rendered with its tokenizer's chat template."""
-
-    def __init__(self, model, tokenizer, config: GenerationConfig, batch_size: int) -> None:
-        self.model, self.tokenizer, self.config, self.batch_size = model, tokenizer, config, batch_size
-        self.device = next(model.parameters()).device
-
-    def replies(self, conversations: list[list[dict[str, str]]]) -> list[tuple[str, bool, int]]:
-        """(reply text, cut at max_new_tokens, tokens generated) for each conversation (each ends before the
-        reply)."""
-        return self.continue_tokens(
-            [
-                list(
-                    self.tokenizer.apply_chat_template(c, tokenize=True, add_generation_prompt=True, return_dict=True)[
-                        "input_ids"
-                    ]
-                )
-                for c in conversations
-            ]
-        )
-
-    def completions(self, prompts: list[str]) -> list[tuple[str, bool, int]]:
-        """(continuation text, cut at max_new_tokens, tokens generated) for each plain-text prompt."""
-        return self.continue_tokens([list(self.tokenizer(p)["input_ids"]) for p in prompts])
-
-    def continue_tokens(self, token_lists: list[list[int]]) -> list[tuple[str, bool, int]]:
-        """(generated text, cut at max_new_tokens, tokens generated with the EOS) for each prompt given as token
-        ids."""
-        out: list[tuple[str, bool, int]] = []
-        eos = self.config.eos_token_id
-        for start in range(0, len(token_lists), self.batch_size):
-            prompts = token_lists[start : start + self.batch_size]
-            if any(not p for p in prompts):
-                raise DataError("generate: a prompt tokenizes to no tokens")
-            ids, attention = _left_padded(prompts, self.config.pad_token_id)  # [B, P] each
-            with torch.no_grad():
-                seqs = self.model.generate(
-                    input_ids=ids.to(self.device),
-                    attention_mask=attention.to(self.device),
-                    generation_config=self.config,
-                )  # [B, P + N]
-            for row in seqs[:, ids.shape[1] :].tolist():
-                cut = row.index(eos) if eos in row else len(row)
-                text = self.tokenizer.decode(row[:cut], skip_special_tokens=True)
-                out.append((text, cut == len(row), min(cut + 1, len(row))))
-        return out
-
-
-def regenerate_records(
-    records: list[dict[str, Any]], regenerator: Regenerator, messages_field: str, source: str, first: int = 0
-) -> Chunk:
-    """The records (input indices from ``first``) with every assistant turn replaced in order."""
-    convs = [list(_check_messages(r, messages_field, f"{source} record")) for r in records]
-    turns = truncated = tokens = 0
-    empty: set[int] = set()
-    depth = 0
-    while True:
-        # conversations that have an assistant turn after `depth` earlier ones: regenerate that turn in one batch
-        todo = []
-        for i, messages in enumerate(convs):
-            positions = [j for j, m in enumerate(messages) if m["role"] == "assistant"]
-            if len(positions) > depth:
-                todo.append((i, positions[depth]))
-        if not todo:
-            break
-        replies = regenerator.replies([convs[i][:j] for i, j in todo])
-        for (i, j), (text, cut, n) in zip(todo, replies, strict=True):
-            convs[i][j] = {**convs[i][j], "content": text}
-            truncated, tokens = truncated + int(cut), tokens + n
-            if not text.strip():
-                empty.add(first + i)
-        turns += len(todo)
-        depth += 1
-    new = [{**r, messages_field: c} for r, c in zip(records, convs, strict=True)]
-    return Chunk(new, turns, truncated, tokens, sorted(empty))
-
-
-def complete_records(
-    records: list[dict[str, Any]], regenerator: Regenerator, prompt_field: str, source: str, first: int = 0
-) -> Chunk:
-    """The records (input indices from ``first``) with ``text`` = prompt + the target's continuation."""
-    prompts = [_check_prompt(r, prompt_field, f"{source} record") for r in records]
-    done = regenerator.completions(prompts)
-    out = [{**r, "text": p + text} for r, p, (text, _, _) in zip(records, prompts, done, strict=True)]
-    empty = [first + i for i, (text, _, _) in enumerate(done) if not text.strip()]
-    return Chunk(out, len(done), sum(int(cut) for _, cut, _ in done), sum(n for _, _, n in done), empty)
-
-
-def _check_prompt(record: dict[str, Any], field: str, where: str) -> str:
-    prompt = record.get(field)
-    if not isinstance(prompt, str) or not prompt:
-        raise DataError(f"{where}: field {field!r} must be a non-empty string prompt")
-    return prompt
 
 
 def regenerate(
@@ -397,7 +191,7 @@ def regenerate(
         raise UsageError(f"generate: top_p={top_p} must lie in (0, 1]")
     _check_server_options(server, model, concurrency, api_key_env, timeout, retries, retry_wait)
     out_path = Path(output)
-    writer = _Writer(out_path)
+    writer = ChunkWriter(out_path)
     records = read_records(input)
     if max_records is not None:
         records = records[:max_records]
@@ -405,9 +199,9 @@ def regenerate(
         raise DataError(f"{input}: no records to regenerate")
     for n, record in enumerate(records):
         if prompt_field is None:
-            _check_messages(record, messages_field, f"{input} record {n}")
+            check_messages(record, messages_field, f"{input} record {n}")
         else:
-            _check_prompt(record, prompt_field, f"{input} record {n}")
+            check_prompt(record, prompt_field, f"{input} record {n}")
 
     client = None
     if server is not None:  # asked before anything is written: a wrong URL, key or model leaves no output
@@ -454,12 +248,32 @@ def regenerate(
         regenerator = ServerRegenerator(client, model, max_new_tokens, temperature, top_p, top_k, seed, input)
         chunks = _server_chunks(records, done, regenerator, messages_field, prompt_field, chunk_size, concurrency)
     first = next(chunks, None)  # in-process: the target has loaded
-    if meta_path.is_file():
-        done = writer.done()  # now cuts a partial last line (the count is the same)
-    else:
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-    _write_meta(meta_path, {k: v for k, v in meta.items() if k != "servers" or v})
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    lock = OutputLock(out_path)
+    lock.acquire()
+    try:
+        if (writer.done(repair=False) if meta_path.is_file() else 0) != done:
+            raise UsageError(f"{output}: another run wrote records while this one started; rerun to resume")
+        if meta_path.is_file():
+            done = writer.done()  # now cuts a partial last line (the count is the same)
+        write_meta(meta_path, {k: v for k, v in meta.items() if k != "servers" or v})
+        return _write_chunks(chunks, first, writer, records, done, output, input, progress, started)
+    finally:
+        lock.release()
 
+
+def _write_chunks(
+    chunks: Iterator[tuple[int, Chunk]],
+    first: tuple[int, Chunk] | None,
+    writer: ChunkWriter,
+    records: list[dict[str, Any]],
+    done: int,
+    output: str,
+    input: str,
+    progress: bool,
+    started: float,
+) -> GenerateStats:
+    """Writes every chunk (``first``, already generated, then the rest) and returns the run's counts."""
     stats = GenerateStats(len(records), 0, 0, 0, 0.0)
     bar = _progress(len(records), done, progress)
     try:
@@ -506,12 +320,6 @@ def _check_server_options(
                 raise UsageError(f"generate: {flag} {value!r} needs --server (the in-process target has no name)")
 
 
-def _write_meta(path: Path, meta: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
 def _in_process_chunks(
     records: list[dict[str, Any]],
     done: int,
@@ -548,9 +356,9 @@ def _in_process_chunks(
         use_cache=True,
     )
     regenerator = Regenerator(model, tokenizer, config, batch_size)
-    for start, end in _chunks(done, len(records), chunk_size):
+    for start, end in chunk_ranges(done, len(records), chunk_size):
         chunk = records[start:end]
-        torch.manual_seed(_seed_of(seed, start))
+        torch.manual_seed(seed_of(seed, start))
         if prompt_field is None:
             yield start, regenerate_records(chunk, regenerator, messages_field, input, start)
         else:
@@ -576,7 +384,7 @@ def _server_chunks(
 
     results = ordered_map(one, range(done, len(records)), concurrency, window=max(2 * concurrency, chunk_size))
     try:
-        for start, end in _chunks(done, len(records), chunk_size):
+        for start, end in chunk_ranges(done, len(records), chunk_size):
             parts = [next(results) for _ in range(start, end)]
             yield start, Chunk(
                 [p.record for p in parts], sum(p.turns for p in parts), sum(p.truncated for p in parts),
@@ -584,55 +392,6 @@ def _server_chunks(
             )  # fmt: skip
     finally:
         results.close()
-
-
-def load_target(target: str, dtype: str, trust_remote_code: bool, needs_chat_template: bool) -> tuple[Any, Any]:
-    """The target's tokenizer and model (on CPU, in eval mode), with errors naming ``target``.
-
-    Args:
-        target: a local model folder (config.json, weights and tokenizer) or a hub id.
-        dtype: the weights dtype (float32, bfloat16, float16).
-        trust_remote_code: allow custom modelling code in the target folder.
-        needs_chat_template: refuse a tokenizer without a chat template (chat mode renders prompts with it).
-
-    Raises:
-        FileNotFoundError: ``target`` is neither a local model folder nor a hub id that loads (a misspelled path),
-            or is a folder without config.json.
-        ValueError: its tokenizer has no EOS token, or no chat template when one is needed.
-    """
-    path = Path(target).expanduser()
-    if path.exists() and not (path / "config.json").is_file():
-        raise PathError(f"target {target!r}: no config.json in that folder (not a model folder)")
-    # "name" or "org/name" may be a hub id; any other path that does not exist is a missing local folder
-    looks_local = target.startswith((".", "/", "~")) or target.count("/") > 1
-    if looks_local and not path.exists():
-        raise PathError(f"target {target!r} is not a local model folder or hub id (no such folder)")
-    try:
-        tokenizer = load_tokenizer(target, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path) if path.exists() else target, dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code
-        )
-    except (OSError, ValueError) as err:
-        if path.exists():
-            raise
-        raise PathError(
-            f"target {target!r} is not a local model folder or hub id (no such folder, and loading it from the hub "
-            f"failed: {err}); check the path, or train or download the target first"
-        ) from err
-    if needs_chat_template and not getattr(tokenizer, "chat_template", None):
-        raise TokenizerError(f"the tokenizer of {target} has no chat template: generate needs one to render prompts")
-    if tokenizer.eos_token_id is None:
-        raise TokenizerError(f"the tokenizer of {target} has no EOS token: replies could not end")
-    return tokenizer, model.eval()
-
-
-def _chunks(done: int, total: int, size: int) -> Iterator[tuple[int, int]]:
-    """(start, end) of the chunks still to write; chunk boundaries are the multiples of ``size``."""
-    start = done
-    while start < total:
-        end = min(total, (start // size + 1) * size)
-        yield start, end
-        start = end
 
 
 def _progress(total: int, done: int, enabled: bool):

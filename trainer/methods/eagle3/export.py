@@ -32,6 +32,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from trainer.errors import ModelFolderError, UsageError
 from trainer.export.files import cpu_tensors, read_folder, write_folder
@@ -155,11 +156,19 @@ def save_speculators(
     if tuple(embedding.shape) != (c.vocab_size, c.hidden_size):
         raise ValueError(f"the target embedding is {tuple(embedding.shape)}, expected {(c.vocab_size, c.hidden_size)}")
     config = speculators_config(drafter, "eagle3", verifier, speculative_tokens, verifier_architectures, dtype)
-    tensors = {k.replace("midlayer.", "layers.0.", 1): v for k, v in cpu_tensors(drafter).items()}
-    tensors["embed_tokens.weight"] = embedding.detach().cpu().to(drafter.fc.weight.dtype).contiguous()
+    embedding = embedding.detach().cpu().to(drafter.fc.weight.dtype).contiguous()
+    return write_folder(out_dir, config, speculators_tensors(drafter, dtype, {"embed_tokens.weight": embedding}))
+
+
+def speculators_tensors(
+    drafter: nn.Module, dtype: torch.dtype | None, extra: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """The drafter's tensors under the speculators names (``midlayer.*`` -> ``layers.0.*``) with ``extra`` added, in
+    ``dtype`` (None: as they are)."""
+    tensors = {k.replace("midlayer.", "layers.0.", 1): v for k, v in cpu_tensors(drafter).items()} | (extra or {})
     if dtype is not None:
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
-    return write_folder(out_dir, config, tensors)
+    return tensors
 
 
 # ---- loaders -----------------------------------------------------------------------------------------------------

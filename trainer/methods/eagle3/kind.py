@@ -14,14 +14,13 @@ from pathlib import Path
 
 from transformers import PreTrainedModel
 
-from trainer.checkpoints.reading import sub_state_dict
 from trainer.decoding.options import ProposerOptions
-from trainer.errors import CheckpointError
 from trainer.export.files import folder_config
 from trainer.methods.eagle3 import export as formats
-from trainer.methods.eagle3.module import Eagle3Config, Eagle3Drafter, flag_weight_mismatch
+from trainer.methods.eagle3 import records
+from trainer.methods.eagle3.module import Eagle3Config, Eagle3Drafter
 from trainer.methods.eagle3.proposer import Eagle3Proposer, Eagle3TreeProposer
-from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, load_components, register_kind
+from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
 from trainer.target import EMBEDDING_NAMES, load_target_tensors
 
 KIND = "eagle3"
@@ -29,32 +28,7 @@ KIND = "eagle3"
 
 def make_record(config: Eagle3Config, target: str, target_architectures: list[str], ttt_steps: int) -> DrafterRecord:
     """The record of a drafter trained against ``target`` with ``ttt_steps`` unrolled steps."""
-    return DrafterRecord(
-        kind=KIND,
-        config=config.to_dict(),
-        components={"drafter": "drafter."},
-        target=target,
-        target_architectures=list(target_architectures or []),
-        target_layers=list(config.aux_layers),
-        target_vocab_size=config.vocab_size,
-        target_hidden_size=config.target_hidden_size,
-        tokenizer=target,
-        draft_tokens=ttt_steps,
-    )
-
-
-def record_of(drafter: Eagle3Drafter, target: str | None = None, draft_tokens: int | None = None) -> DrafterRecord:
-    """The record of a drafter read back from an export (the target known only to the speculators format)."""
-    c = drafter.config
-    return DrafterRecord(
-        kind=KIND,
-        config=c.to_dict(),
-        target=target,
-        target_layers=list(c.aux_layers),
-        target_vocab_size=c.vocab_size,
-        target_hidden_size=c.target_hidden_size,
-        draft_tokens=draft_tokens,
-    )
+    return records.training_record(KIND, config, target, target_architectures, ttt_steps)
 
 
 def build(record: DrafterRecord) -> Eagle3Drafter:
@@ -62,26 +36,14 @@ def build(record: DrafterRecord) -> Eagle3Drafter:
     return Eagle3Drafter(Eagle3Config(**record.config))
 
 
-def load_weights(drafter: Eagle3Drafter, record: DrafterRecord, state: dict, where: str) -> None:
-    """A training checkpoint's weights, refused naming the norm flag when they disagree with the record's flags."""
-    names = sub_state_dict(state, record.components.get("drafter", "drafter.")).keys()
-    problem = flag_weight_mismatch(drafter.config, names)
-    if problem:
-        raise CheckpointError(f"{where}: the drafter's weights disagree with its recorded config: {problem}")
-    load_components(drafter, record, state, where)
-
-
 def load_native(folder: Path) -> tuple[Eagle3Drafter, DrafterRecord]:
     drafter = formats.load_native(str(folder))
-    return drafter, record_of(drafter)
+    return drafter, records.export_record(KIND, drafter.config)
 
 
 def load_speculators(folder: Path) -> tuple[Eagle3Drafter, DrafterRecord]:
     drafter = formats.load_speculators(str(folder))
-    spec = folder_config(folder).get("speculators_config") or {}
-    verifier = (spec.get("verifier") or {}).get("name_or_path")
-    methods = spec.get("proposal_methods") or [{}]
-    return drafter, record_of(drafter, verifier or None, methods[0].get("speculative_tokens"))
+    return drafter, records.export_record(KIND, drafter.config, *records.speculators_verifier(folder))
 
 
 def write_speculators(drafter: Eagle3Drafter, record: DrafterRecord, out_dir: Path) -> Path:
@@ -129,7 +91,9 @@ SPECULATORS = ExportFormat(
 )
 
 register_kind(
-    DrafterKind(name=KIND, build=build, formats=(NATIVE, SPECULATORS), proposer=proposer, load_weights=load_weights)
+    DrafterKind(
+        name=KIND, build=build, formats=(NATIVE, SPECULATORS), proposer=proposer, load_weights=records.load_weights
+    )
 )
 
 from trainer.methods.eagle3 import peagle_kind  # noqa: E402, F401  registers the second kind of this folder: peagle

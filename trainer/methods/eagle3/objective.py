@@ -161,6 +161,7 @@ class Eagle3(DraftObjective):
                     )
             log.info("EAGLE-3 drafter, its shape and its vocabulary map loaded from %s", init_from)
         else:
+            vocab_map.check_draft_vocab(draft_vocab_size, frozen.vocab_size, target)
             config = Eagle3Config.from_target(frozen.config, draft_vocab_size, target_layers, **flags)
             config.vocab_size = frozen.vocab_size
             for i in config.aux_layers:

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from trainer.errors import ModelFolderError
-from trainer.export.files import cpu_tensors, read_folder, write_folder
-from trainer.methods.eagle3.export import _config, _consume, _flags, speculators_config
+from trainer.export.files import read_folder, write_folder
+from trainer.methods.eagle3.export import _config, _consume, _flags, speculators_config, speculators_tensors
 from trainer.methods.eagle3.module import NORM_FLAGS
 from trainer.methods.eagle3.peagle_module import PEagleConfig, PEagleDrafter
 
@@ -29,23 +29,12 @@ def save_peagle(
     verifier_architectures: list[str] | None = None,
     dtype: torch.dtype | None = None,
 ) -> Path:
-    """Write the speculators ``peagle`` checkpoint.
-
-    Args:
-        drafter: the drafter.
-        out_dir: the folder to write.
-        verifier: the target's directory or hub id.
-        speculative_tokens: the depths the drafter was trained for (drafts per forward).
-        verifier_architectures: the target config's ``architectures``.
-        dtype: the weights' dtype in the file (default: the drafter's).
-    """
+    """Write the speculators ``peagle`` checkpoint: the arguments of export.py's ``save_speculators`` less the
+    embedding (the drafter's own is written), ``speculative_tokens`` being the depths trained."""
     config = speculators_config(drafter, "peagle", verifier, speculative_tokens, verifier_architectures, dtype)
     config["mask_token_id"] = drafter.config.mask_token_id
     config["embed_requires_grad"] = True
-    tensors = {k.replace("midlayer.", "layers.0.", 1): v for k, v in cpu_tensors(drafter).items()}
-    if dtype is not None:
-        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
-    return write_folder(out_dir, config, tensors)
+    return write_folder(out_dir, config, speculators_tensors(drafter, dtype))
 
 
 def load_peagle(path: str) -> PEagleDrafter:

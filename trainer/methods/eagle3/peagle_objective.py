@@ -141,6 +141,7 @@ class PEagle(DraftObjective):
                     )
         else:
             mask_id = self._mask_token_id(mask_token_id, frozen.vocab_size)
+            vocab_map.check_draft_vocab(draft_vocab_size, frozen.vocab_size, target)
             base = Eagle3Config.from_target(frozen.config, draft_vocab_size, target_layers, **flags)
             base.vocab_size = frozen.vocab_size
             for i in base.aux_layers:

@@ -15,6 +15,19 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+from trainer.errors import RecipeError
+
+
+def check_draft_vocab(draft_vocab_size: int, target_vocab_size: int, target: str) -> None:
+    """Refuses a draft vocabulary (``model.draft_vocab_size``) larger than the target's output rows, or not positive:
+    a RecipeError naming the key, both sizes and the target."""
+    if not 0 < draft_vocab_size <= target_vocab_size:
+        raise RecipeError(
+            f"model.draft_vocab_size={draft_vocab_size} must be in 1..{target_vocab_size}: the draft vocabulary is a "
+            f"subset of the target {target!r}'s vocabulary of {target_vocab_size} tokens",
+            hint=f"set model.draft_vocab_size to at most {target_vocab_size} (32000 for a 128k-token target)",
+        )
+
 
 def count_label_tokens(rows: Iterable[tuple[np.ndarray, np.ndarray]], vocab_size: int) -> torch.Tensor:
     """Token counts [V] (int64) of the trained labels of ``(ids, trained)`` row pairs ([R, S + 1] each, as in

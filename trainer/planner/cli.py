@@ -42,201 +42,13 @@ from typing import Any
 
 from trainer.errors import DataError, ModelFolderError, RecipeError, UsageError, UserError, debugging, error_report
 from trainer.flags import ToolParser
+from trainer.planner.activations import activation_bytes
+from trainer.planner.build import build_objective, count
+from trainer.planner.shapes import GIB, PRESETS, Counts, Estimate, Shape, estimate_counts
 
-GIB = 1024**3
-STAGES = ("ddp", "zero1", "zero2", "zero3")
-
-# Hub-free shapes (Llama 3 family, from their published config.json files).
-PRESETS: dict[str, dict[str, Any]] = {
-    "llama-3-8b": dict(
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        tie_word_embeddings=False,
-    ),
-    "llama-3-70b": dict(
-        vocab_size=128256,
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        tie_word_embeddings=False,
-    ),
-    "llama-3.2-1b": dict(
-        vocab_size=128256,
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        tie_word_embeddings=True,
-    ),
-}
-
-
-@dataclass(frozen=True)
-class Shape:
-    """The sizes of a decoder-only (Llama-like) causal LM that memory depends on."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    mlp_bias: bool = False
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any], source: str = "config") -> Shape:
-        """From an HF config (a dict, e.g. ``AutoConfig(...).to_dict()``); ``source`` names it in errors."""
-        missing = [
-            k
-            for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-            if config.get(k) is None
-        ]
-        if missing:
-            raise ModelFolderError(f"draftsmith plan: {source} has no {', '.join(missing)} (a decoder-only LM config?)")
-        heads = int(config["num_attention_heads"])
-        hidden = int(config["hidden_size"])
-        kv = config.get("num_key_value_heads")
-        head_dim = config.get("head_dim")
-        return cls(
-            vocab_size=int(config["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(config["intermediate_size"]),
-            num_hidden_layers=int(config["num_hidden_layers"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(kv) if kv is not None else heads,
-            head_dim=int(head_dim) if head_dim is not None else hidden // heads,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=bool(config.get("attention_bias", False)),
-            mlp_bias=bool(config.get("mlp_bias", False)),
-        )
-
-    @property
-    def kv_width(self) -> int:
-        return self.num_key_value_heads * self.head_dim
-
-    @property
-    def q_width(self) -> int:
-        return self.num_attention_heads * self.head_dim
-
-    def layer_parameters(self) -> int:
-        h, i = self.hidden_size, self.intermediate_size
-        attn = h * self.q_width + 2 * h * self.kv_width + self.q_width * h
-        if self.attention_bias:
-            attn += self.q_width + 2 * self.kv_width + h
-        mlp = 3 * h * i + ((2 * i + h) if self.mlp_bias else 0)
-        return attn + mlp + 2 * h  # two RMSNorm weights
-
-    def parameters(self) -> int:
-        """Exact parameter count of the HF Llama implementation with this shape."""
-        embed = self.vocab_size * self.hidden_size
-        head = 0 if self.tie_word_embeddings else embed
-        return embed + self.num_hidden_layers * self.layer_parameters() + self.hidden_size + head
-
-
-def precision_bytes(precision: str) -> tuple[int, int, int]:
-    """(weight and gradient bytes, optimizer bytes per parameter, activation bytes) for a Lightning precision."""
-    p = str(precision)
-    if p in ("32", "32-true", "64", "64-true"):
-        return 4, 8, 4
-    if p in ("bf16-mixed", "16-mixed", "16", "bf16"):
-        return 2, 12, 2  # half-precision model copy, fp32 master weights + two fp32 moments
-    if p in ("bf16-true", "16-true"):
-        return 2, 4, 2  # moments in the parameters' dtype, no master copy
-    raise RecipeError(f"draftsmith plan: unknown trainer.precision {precision!r}")
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """Bytes per GPU of one strategy."""
-
-    stage: str
-    target_weights: int
-    drafter_weights: int
-    gradients: int
-    optimizer: int
-    activations: int
-
-    @property
-    def total(self) -> int:
-        return self.target_weights + self.drafter_weights + self.gradients + self.optimizer + self.activations
-
-
-def drafter_activation_bytes(shape: Shape, batch: int, seq: int, act_bytes: int) -> int:
-    """Tensors the drafter saves for backward: per layer, norms' inputs and outputs, q/k/v/attention output, MLP."""
-    h, i = shape.hidden_size, shape.intermediate_size
-    per_layer = batch * seq * (10 * h + 4 * i + 2 * shape.kv_width)
-    return (shape.num_hidden_layers * per_layer + 2 * batch * seq * h) * act_bytes
-
-
-def target_activation_bytes(shape: Shape, batch: int, seq: int, act_bytes: int) -> int:
-    """The target's forward under no_grad: the residual stream plus one layer's largest transients."""
-    h, i = shape.hidden_size, shape.intermediate_size
-    return batch * seq * (3 * h + 3 * i) * act_bytes
-
-
-def logits_bytes(target: Shape, batch: int, seq: int, chunk: int, act_bytes: int, sharded: bool) -> int:
-    """Chunked float32 logits of both models (a few live copies per chunk), plus whole logits when sharded."""
-    chunked = 6 * min(chunk, batch * seq) * target.vocab_size * 4
-    whole = 2 * batch * seq * target.vocab_size * act_bytes if sharded else 0
-    return chunked + whole
-
-
-def estimate(
-    target: Shape,
-    drafter: Shape,
-    batch: int,
-    seq: int,
-    gpus: int,
-    precision: str = "bf16-mixed",
-    chunk_size: int = 256,
-) -> list[Estimate]:
-    """Bytes per GPU for DDP and ZeRO stages 1-3.
-
-    Args:
-        target: the frozen target's shape.
-        drafter: the trained drafter's shape.
-        batch: sequences per GPU per step.
-        seq: tokens per sequence.
-        gpus: data-parallel world size (all GPUs of all nodes).
-        precision: Lightning's trainer.precision.
-        chunk_size: positions per chunk of the KD loss.
-    """
-    if gpus < 1 or batch < 1 or seq < 1:
-        raise UsageError(f"draftsmith plan: gpus, batch and seq must be positive, got {gpus}, {batch}, {seq}")
-    w, k, a = precision_bytes(precision)
-    target_w = 4 if str(precision) in ("32", "32-true") else 2
-    p_t, p_d = target.parameters(), drafter.parameters()
-    acts = drafter_activation_bytes(drafter, batch, seq, a) + target_activation_bytes(target, batch, seq, a)
-    out = []
-    for stage in STAGES:
-        n = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[stage]
-
-        def shard(x: int, at_stage: int, n: int = n) -> int:
-            return -(-x // gpus) if n >= at_stage else x  # ceil division from that stage on
-
-        gathered_layer = target.layer_parameters() * target_w if n >= 3 else 0
-        out.append(
-            Estimate(
-                stage=stage,
-                target_weights=shard(p_t * target_w, 3) + gathered_layer,
-                drafter_weights=shard(p_d * w, 3),
-                gradients=shard(p_d * w, 2),
-                optimizer=shard(p_d * k, 1),
-                activations=acts + logits_bytes(target, batch, seq, chunk_size, a, sharded=n >= 3),
-            )
-        )
-    return out
-
+# Resident memory of a `draftsmith fit` process before its model is built: 445 MiB measured after importing torch
+# 2.13 (CPU), Lightning, transformers 5.24 and an objective, rounded up for the trainer, tokenizer and data loader.
+CPU_RUNTIME_BYTES = 512 * 1024**2
 
 # ------------------------------------------------------------------------------------------------- recipe reading
 
@@ -261,14 +73,20 @@ def _load_config(source: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Plan:
-    """The inputs of :func:`estimate` read from a recipe."""
+    """What :func:`plan_from_recipe` read from a recipe and counted on its objective built on the meta device."""
 
-    target: Shape
-    drafter: Shape
+    target: Shape | None
+    drafter: Shape | None
     batch: int
     seq: int
     precision: str
-    chunk_size: int
+    chunk_size: int | None
+    counts: Counts
+    activations: int
+
+    def estimates(self, gpus: int) -> list[Estimate]:
+        """Bytes per GPU (per process) for DDP and ZeRO 1-3."""
+        return estimate_counts(self.counts, self.activations, gpus, self.precision)
 
 
 def plan_from_recipe(
@@ -280,7 +98,7 @@ def plan_from_recipe(
     precision: str | None = None,
     overrides: list[str] | tuple[str, ...] = (),
 ) -> Plan:
-    """Read the target, drafter, batch, sequence and precision from a recipe (nothing is instantiated).
+    """Read the target, batch, sequence and precision from a recipe and build its objective on the meta device.
 
     Args:
         configs: recipe YAMLs in --config order.
@@ -293,7 +111,7 @@ def plan_from_recipe(
 
     Raises:
         trainer.recipe.RecipeError: a recipe or override ``draftsmith fit`` would refuse (fit's message).
-        ValueError: a recipe the planner cannot size, or a target config it cannot read.
+        UserError: a recipe the objective refuses, or a target config the planner cannot read.
     """
     from trainer.recipe import parse_recipe
 
@@ -302,24 +120,20 @@ def plan_from_recipe(
         raise RecipeError("draftsmith plan: the recipe has no model")
     model = recipe.model.init_args
     data = recipe.get("data.init_args")
-    model_name = recipe.model.class_path.rsplit(".", 1)[-1]
+    target_dict: dict[str, Any] | None
     if target is not None:
         if target not in PRESETS:
             raise UsageError(f"draftsmith plan: unknown --target {target!r}; presets: {', '.join(PRESETS)}")
-        target_dict = dict(PRESETS[target])
+        target_dict = dict(PRESETS[target], model_type="llama")
         source = f"preset {target}"
     elif target_config is not None:
         target_dict, source = _load_config(target_config), target_config
     elif model.get("target"):
         target_dict, source = _load_config(str(model.target)), str(model.target)
     else:
-        raise RecipeError(
-            f"draftsmith plan: the recipe's model ({model_name}) has no init_args.target; pass --target or "
-            "--target_config"
-        )
-    if model.get("drafter"):
-        drafter_dict = _load_config(str(model.drafter))
-    elif "drafter_config" in model:
+        target_dict, source = None, "none"  # a model trained from scratch (its config is in the recipe)
+    drafter_shape = None
+    if target_dict is not None and "drafter_config" in model and not model.get("drafter"):
         drafter_config = dict(model.drafter_config or {})
         drafter_dict = dict(target_dict)
         for key, value in drafter_config.items():
@@ -328,13 +142,7 @@ def plan_from_recipe(
             drafter_dict[key] = value
         if "hidden_size" in drafter_config and "head_dim" not in drafter_config:
             drafter_dict.pop("head_dim", None)  # follows the new width, as in the HF config
-    else:
-        raise RecipeError(
-            f"draftsmith plan: the recipe's model ({model_name}) has neither init_args.drafter nor "
-            "init_args.drafter_config (the planner covers distilled draft models)"
-        )
-    if "loss_chunk_size" not in model:
-        raise RecipeError(f"draftsmith plan: the recipe's model ({model_name}) has no init_args.loss_chunk_size")
+        drafter_shape = Shape.from_config(drafter_dict, "the drafter config")
     if data is None:
         raise RecipeError("draftsmith plan: the recipe has no data")
     if batch is None:
@@ -346,13 +154,19 @@ def plan_from_recipe(
     if precision is None:
         # trainer.precision's default, None, is 32-true in Lightning's accelerator connector
         precision = recipe.trainer.precision if recipe.trainer.precision is not None else "32-true"
+    chunk = model.get("loss_chunk_size")
+    # a recipe without a target trains a fresh model from its own config: --target/--target_config do not apply
+    objective = build_objective(recipe.model.class_path, model, target_dict if model.get("target") else None)
+    text = None if target_dict is None else target_dict.get("text_config", target_dict)
     return Plan(
-        target=Shape.from_config(target_dict, source),
-        drafter=Shape.from_config(drafter_dict, "the drafter config"),
+        target=Shape.from_config(text, source) if text is not None and model.get("target") else None,
+        drafter=drafter_shape,
         batch=int(batch),
         seq=int(seq),
         precision=str(precision),
-        chunk_size=int(model.loss_chunk_size),
+        chunk_size=None if chunk is None else int(chunk),
+        counts=count(objective),
+        activations=activation_bytes(objective, int(batch), int(seq), str(precision), chunk),
     )
 
 
@@ -408,6 +222,11 @@ def build_parser() -> ToolParser:
     p.add_argument("--seq_len", type=int, help="override data.init_args.seq_len")
     p.add_argument("--precision", help="override trainer.precision")
     p.add_argument(
+        "--cpu",
+        action="store_true",
+        help="also estimate one CPU process (what a CPU fit runs): the DDP row for 1 process plus the runtime's memory",
+    )
+    p.add_argument(
         "fit_args", nargs="*", help="after --: more `draftsmith fit` arguments, e.g. --model.loss_chunk_size 128"
     )
     return p
@@ -421,9 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = plan_from_recipe(
             args.config, args.target, args.target_config, args.batch_size, args.seq_len, args.precision, args.fit_args
         )
-        estimates = estimate(
-            plan.target, plan.drafter, plan.batch, plan.seq, args.gpus, plan.precision, plan.chunk_size
-        )
+        estimates = plan.estimates(args.gpus)
     except UserError as err:
         if debugging():
             raise
@@ -432,8 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as err:  # a config or shards manifest that Hugging Face or json cannot read
         print(f"error: {err}", file=sys.stderr)
         return 2
+    c = plan.counts
     out = [
-        f"target {plan.target.parameters() / 1e9:.3f}B parameters, drafter {plan.drafter.parameters() / 1e6:.1f}M; "
+        f"{c.method}: trained {c.trainable / 1e6:.1f}M parameters, frozen {c.frozen / 1e9:.3f}B elements; "
         f"batch {plan.batch} x seq {plan.seq} per GPU, {plan.precision}, {args.gpus} GPUs of {args.gpu_memory} "
         f"({args.reserve} reserved)",
         "",
@@ -442,5 +260,11 @@ def main(argv: list[str] | None = None) -> int:
     fitting = [e.stage for e in estimates if e.total <= budget]
     out.append("")
     out.append(f"fits: {', '.join(fitting)}" if fitting else "fits: none (reduce the batch, or add GPUs)")
+    if args.cpu:
+        process = plan.estimates(1)[0].total + CPU_RUNTIME_BYTES
+        out.append(
+            f"one CPU process ({plan.precision}): {process / GIB:.2f} GiB peak resident memory "
+            f"({CPU_RUNTIME_BYTES / GIB:.2f} GiB of it the runtime)"
+        )
     print("\n".join(out))
     return 0

@@ -1,0 +1,393 @@
+"""Our trainers beside speculators' own trainers (speculators 0.9) for EAGLE-3.1, P-EAGLE and DFlash: the same
+target, the same data rows in the same order, the same optimizer steps, run at the same time with one thread each,
+then both drafters measured by our engine (``draftsmith eval``) on the same held-out prompts.
+
+    python bench/bench_vs_speculators.py --method eagle3 [--steps 300] [--prompts 15] [--out artifacts/vs_speculators]
+
+``--method`` is ``eagle3`` (EAGLE-3.1: ``fc_norm``, ``norm_output`` and ``norm_before_residual`` on, in both),
+``peagle`` or ``dflash``. Needs the demo's artifacts (the corpus and ``artifacts/tiny_target``) and speculators'
+virtualenv (``.cache/clients/speculators``, which ``DRAFTSMITH_TEST_CLIENTS=1 pytest tests/clients`` installs).
+Steps, each skipped when its output already exists under ``--out`` (delete a file to redo its step):
+
+1. data: ``draftsmith compare``'s training prompts (``trainer.compare.run.training_prompts``: 160 characters of
+   every training file) and the target's greedy completions of them (``draftsmith generate --prompt_field prompt``,
+   160 new tokens), as ``recipes/compare/tiny.yaml`` regenerates its data;
+2. rows: the batches our recipe's data module serves (4 x 257 tokens a step, packed), for ``--steps`` steps, saved
+   once, so that speculators trains on exactly the rows ours does, in the same order (4 documents packed into one
+   sequence a step, as its collate function packs them); the token counts of those rows, from which speculators'
+   own ``parse_vocab_mappings`` builds its d2t/t2d (``token_freq.pt``, as its ``prepare_data`` writes it);
+3. training, both at once with ``OMP_NUM_THREADS=1``: ours is ``draftsmith fit`` of the quickstart recipe
+   (``recipes/quickstart/{eagle3,peagle,dflash}.yaml``) with the steps and data overridden; speculators' is its
+   ``speculators.train`` code (``TrainConfig`` defaults, ``parse_vocab_mappings``, ``build_draft_model``,
+   ``get_trainer_kwargs``, ``Trainer.run_training``) in its own virtualenv, this file run there with ``--side
+   speculators``; the only change to its code path is the data loader, which runs the target on the step's rows
+   (online, as ours does) and hands the hidden states to speculators' ``CollateFn`` (with its ``shift_batch`` for
+   EAGLE-3 and P-EAGLE). Its defaults are kept except what must match: target, data, steps, tokens per step
+   (``total_seq_len`` 4 x 256), the learning-rate schedule (ours: peak lr, warm-up steps, cosine; speculators' cosine
+   decays to 0, ours to 0.1 x lr), draft layers, K / block size, the target layers, the draft vocabulary (1,024
+   tokens for EAGLE-3 and P-EAGLE, the target's for DFlash) and mask token; the loss runs speculators' eager
+   implementation (its fused one needs Triton, a GPU) in float32;
+   DFlash's anchors per step are set to ours (32 per row, 128 per packed step) so that both train the same blocks;
+   P-EAGLE's layer is ours (``--draft-arch llama``, ``norm_before_residual`` off as in our recipe; its defaults are a
+   Qwen3 layer with ``norm_before_residual``); ``sdpa`` attention (its default flex attention has no backward on CPU);
+4. export ours (``eagle3-speculators``, ``peagle-speculators``, ``dflash``); speculators' folder is its own
+   ``save_pretrained``; ``draftsmith eval`` reads both;
+5. ``draftsmith eval`` of both, greedy, on the first ``--prompts`` held-out files (160-character prompts, as
+   ``bench/compare_drafters.py`` cuts them), ``--max-new-tokens`` each, K = 4 (EAGLE-3, P-EAGLE) or 15 (DFlash):
+   tau, acceptance per draft position; training tokens/s: ours the median of ``train/tokens_per_s`` (TensorBoard),
+   speculators' the median time between its optimizer steps (the target forward included, as in ours).
+
+Writes ``OUT/METHOD/vs_speculators.md`` (and prints it), with the ratios ours / speculators'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SPECULATORS_PYTHON = ROOT / ".cache" / "clients" / "speculators" / "bin" / "python"
+PROMPT_CHARS = 160
+ROWS, SEQ = 4, 256  # the quickstart recipes' batch: 4 rows of 256 tokens (257 with the last label)
+TARGET_LAYERS = [1, 2, 3]  # HF hidden_states indices, the recipes' layers
+MASK_TOKEN = 2  # the recipes' mask / placeholder token (<|system|>, absent from the corpus)
+DRAFT_VOCAB = 1024
+METHODS = {
+    # recipe, our export format, drafts per round at eval, our extra fit arguments
+    "eagle3": (
+        "recipes/quickstart/eagle3.yaml",
+        "eagle3-speculators",
+        4,
+        ["--model.init_args.fc_norm", "true", "--model.init_args.norm_output", "true"]
+        + ["--model.init_args.norm_before_residual", "true"],
+    ),
+    "peagle": ("recipes/quickstart/peagle.yaml", "peagle-speculators", 4, []),
+    "dflash": ("recipes/quickstart/dflash.yaml", "dflash", 15, ["--model.init_args.target_layers", "[1,2,3]"]),
+}
+
+
+# ---- the project's side ---------------------------------------------------------------------------------------------
+def run(cmd: list[str], log: Path, python: Path | None = None) -> subprocess.Popen:
+    """Starts ``cmd`` (a ``draftsmith`` subcommand, or a script under ``python``) with one thread, output in ``log``."""
+    if python is None:
+        cmd = [str(Path(sys.executable).parent / "draftsmith"), *cmd[1:]]
+    else:
+        cmd = [str(python), *cmd]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print("$", " ".join(cmd), f"> {log}", flush=True)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def wait(proc: subprocess.Popen, log: Path) -> None:
+    if proc.wait() != 0:
+        sys.exit(f"failed (exit {proc.returncode}), see {log}:\n" + "".join(log.read_text().splitlines(True)[-30:]))
+
+
+def completions(art: Path, data: Path) -> Path:
+    """The target's greedy completions of compare's training prompts (made once)."""
+    sys.path.insert(0, str(ROOT))
+    from trainer.compare.run import training_prompts
+
+    done = data / "train_completions.jsonl"
+    if done.is_file():
+        return done
+    prompts, partial = data / "train_prompts.jsonl", data / "train_completions.partial.jsonl"
+    if not prompts.is_file():
+        training_prompts(art / "corpus" / "train.jsonl", prompts, PROMPT_CHARS, 1, 0)
+    generate = [
+        "draftsmith", "generate", "--target", str(art / "tiny_target"), "--input", str(prompts),
+        "--output", str(partial), "--prompt_field", "prompt", "--max_new_tokens", "160", "--batch_size", "32",
+        "--device", "cpu", "--progress", "false",
+    ]  # fmt: skip
+    wait(run(generate, data / "generate.log"), data / "generate.log")
+    partial.rename(done)
+    return done
+
+
+def save_rows(art: Path, train_file: Path, steps: int, out: Path) -> None:
+    """The rows our data module serves for ``steps`` steps ([steps, 4, 257] token ids, [steps, 4, 257] trained flag
+    of each token as a label) and the token counts of the trained tokens (speculators' ``token_freq.pt``)."""
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from trainer.data.text import TextDataModule
+
+    data = TextDataModule(
+        tokenizer=str(art / "corpus" / "tokenizer"), train_files=[str(train_file)],
+        val_files=[str(art / "corpus" / "heldout.jsonl")], seq_len=SEQ, batch_size=ROWS,
+    )  # fmt: skip
+    data.setup("fit")
+    tokens, trained = [], []
+    while len(tokens) < steps:  # epochs in order, as the trainer reads them
+        for batch in data.train_dataloader():
+            labels = batch["labels"]  # [B, S]
+            last = labels[:, -1:].clamp(min=0)  # [B, 1]
+            tokens.append(torch.cat([batch["input_ids"], last], dim=1))  # [B, S + 1]
+            first = torch.zeros(labels.shape[0], 1, dtype=torch.bool)
+            trained.append(torch.cat([first, batch["loss_mask"].bool()], dim=1))  # [B, S + 1]: token t is a label
+            if len(tokens) == steps:
+                break
+    ids, mask = torch.stack(tokens), torch.stack(trained)  # [steps, B, S + 1]
+    counts = torch.bincount(ids[mask], minlength=data.vocab_size)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save({"input_ids": ids, "loss_mask": mask}, out / "rows.pt")
+    torch.save({int(i): int(c) for i, c in enumerate(counts.tolist()) if c}, out / "token_freq.pt")
+
+
+def fit_cmd(method: str, run_dir: Path, train_file: Path, steps: int, target: Path) -> list[str]:
+    recipe, _, _, extra = METHODS[method]
+    checkpoint = {
+        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+        "init_args": {"dirpath": str(run_dir / "checkpoints"), "save_top_k": 0, "save_last": True},
+    }
+    return [
+        "draftsmith", "fit", "--config", recipe, "--trainer.max_steps", str(steps),
+        "--trainer.default_root_dir", str(run_dir), "--trainer.logger.init_args.save_dir", str(run_dir),
+        "--trainer.callbacks", json.dumps([checkpoint]), "--trainer.limit_val_batches", "0",
+        "--trainer.log_every_n_steps", str(max(1, min(10, steps // 3))), "--model.init_args.target", str(target),
+        "--data.init_args.train_files", json.dumps([str(train_file)]), *extra,
+    ]  # fmt: skip
+
+
+def speculators_cmd(method: str, art: Path, data: Path, out: Path, steps: int, lr: float, warmup: int) -> list[str]:
+    return [
+        str(Path(__file__).resolve()), "--side", "speculators", "--method", method, "--target",
+        str(art / "tiny_target"), "--rows", str(data), "--out", str(out), "--steps", str(steps), "--lr", str(lr),
+        "--warmup", str(warmup),
+    ]  # fmt: skip
+
+
+def recipe_optim(method: str) -> tuple[float, int]:
+    """The recipe's peak learning rate and warm-up steps."""
+    import yaml
+
+    optim = yaml.safe_load((ROOT / METHODS[method][0]).read_text())["model"]["init_args"]["optim"]
+    return float(optim["lr"]), int(optim.get("warmup_steps", 0))
+
+
+def our_tokens_per_s(run_dir: Path) -> float:
+    sys.path.insert(0, str(ROOT))
+    from trainer.compare.fit_logs import read_scalars
+
+    values = read_scalars(run_dir / "tensorboard", ("train/tokens_per_s",)).get("train/tokens_per_s", {})
+    if not values:
+        sys.exit(f"{run_dir}: no train/tokens_per_s logged")
+    return statistics.median(v for s, v in values.items() if s > 0)
+
+
+def evaluate(target: Path, drafter: Path, prompts: Path, k: int, new_tokens: int, out: Path) -> dict:
+    if not (out / "report.json").is_file():
+        cmd = [
+            "draftsmith", "eval", "--target", str(target), "--drafter", str(drafter), "--prompts", str(prompts),
+            "--k", str(k), "--max_new_tokens", str(new_tokens), "--temperature", "0", "--out", str(out),
+        ]  # fmt: skip
+        wait(run(cmd, out.with_suffix(".log")), out.with_suffix(".log"))
+    return json.loads((out / "report.json").read_text())["greedy"][0]
+
+
+def main_project(args: argparse.Namespace) -> int:
+    art, out = Path(args.artifacts), Path(args.out)
+    target = art / "tiny_target"
+    if not (target / "config.json").is_file():
+        sys.exit(f"{target} not found: run `make demo` first")
+    if not SPECULATORS_PYTHON.is_file():
+        sys.exit(f"{SPECULATORS_PYTHON} not found: run `DRAFTSMITH_TEST_CLIENTS=1 pytest tests/clients` once")
+    train_file = completions(art, out / "data")
+    method_dir = out / args.method
+    rows = method_dir / "rows"
+    if not (rows / "rows.pt").is_file():
+        save_rows(art, train_file, args.steps, rows)
+    ours_run, theirs_dir = method_dir / "ours", method_dir / "speculators"
+    lr, warmup = recipe_optim(args.method)
+    procs, started, seconds_file = {}, time.perf_counter(), method_dir / "fit_seconds.json"
+    if not (ours_run / "checkpoints" / "last.ckpt").is_file():
+        procs["ours"] = run(fit_cmd(args.method, ours_run, train_file, args.steps, target), method_dir / "fit_ours.log")
+    if not (theirs_dir / "drafter" / "config.json").is_file():
+        cmd = speculators_cmd(args.method, art, rows, theirs_dir, args.steps, lr, warmup)
+        procs["speculators"] = run(cmd, method_dir / "fit_speculators.log", python=SPECULATORS_PYTHON)
+    seconds = json.loads(seconds_file.read_text()) if seconds_file.is_file() else {}
+    for name, proc in procs.items():
+        wait(proc, method_dir / f"fit_{name}.log")
+        seconds[name] = round(time.perf_counter() - started)  # both started together
+    seconds_file.write_text(json.dumps(seconds))
+
+    _, fmt, k, _ = METHODS[args.method]
+    export = method_dir / "ours_export"
+    if not (export / "config.json").is_file():
+        cmd = ["draftsmith", "export", "--ckpt", str(ours_run / "checkpoints" / "last.ckpt"), "--out", str(export)]
+        wait(run([*cmd, "--format", fmt], method_dir / "export.log"), method_dir / "export.log")
+    heldout = out / "heldout_prompts.jsonl"
+    lines = (art / "corpus" / "heldout.jsonl").read_text().splitlines()[: args.prompts]
+    heldout.write_text("".join(json.dumps({"prompt": json.loads(x)["text"][:PROMPT_CHARS]}) + "\n" for x in lines))
+    ours = evaluate(target, export, heldout, k, args.max_new_tokens, method_dir / "eval_ours")
+    theirs = evaluate(target, theirs_dir / "drafter", heldout, k, args.max_new_tokens, method_dir / "eval_speculators")
+    ours_tps = our_tokens_per_s(ours_run)
+    theirs_tps = json.loads((theirs_dir / "throughput.json").read_text())["tokens_per_s"]
+
+    def row(label: str, greedy: dict, tps: float) -> str:
+        acc = ", ".join("-" if a is None else f"{a:.2f}" for a in greedy["acceptance_per_position"])
+        return f"| {label} | {greedy['tau']:.3f} | {acc} | {tps:.0f} |"
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return "-" if a is None or not b else f"{a / b:.2f}x"
+
+    acc_ratio = ", ".join(
+        ratio(a, b) for a, b in zip(ours["acceptance_per_position"], theirs["acceptance_per_position"], strict=False)
+    )
+    table = "\n".join(
+        [
+            f"{args.method}: {args.steps} optimizer steps of 4 x 256 tokens each, side by side with one thread each "
+            f"(wall clock: ours {seconds.get('ours', '?')} s, speculators {seconds.get('speculators', '?')} s); "
+            f"greedy, K = {k}, {args.prompts} held-out prompts of {PROMPT_CHARS} characters, {args.max_new_tokens} "
+            "new tokens each.",
+            "",
+            "| trainer | tau | acceptance per draft position | training tokens/s |",
+            "|---|---|---|---|",
+            row("draftsmith", ours, ours_tps),
+            row("speculators 0.9", theirs, theirs_tps),
+            f"| ours / speculators | {ours['tau'] / theirs['tau']:.2f}x | {acc_ratio} | {ours_tps / theirs_tps:.2f}x |",
+        ]
+    )
+    (method_dir / "vs_speculators.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+# ---- speculators' side (runs in its own virtualenv) -----------------------------------------------------------------
+def main_speculators(args: argparse.Namespace) -> int:
+    """speculators' own training code on our rows: its ``TrainConfig`` defaults with what must match overridden."""
+    import speculators.train.distributed as distributed
+    import torch
+    from speculators.model import SpeculatorModel
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.cli import build_draft_model, parse_vocab_mappings, set_seed
+    from speculators.train.config import TrainConfig
+    from speculators.train.data import CollateFn
+    from speculators.train.trainer import Trainer, TrainerConfig
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    distributed._local_rank = "cpu"  # its single-process path moves the model to `local_rank` (a CUDA index)
+    torch.accelerator.synchronize = lambda *a, **k: None  # its step timer synchronizes an accelerator; none here
+    rows = torch.load(Path(args.rows) / "rows.pt")
+    ids, trained = rows["input_ids"][: args.steps], rows["loss_mask"][: args.steps]  # [steps, B, S + 1]
+    shift = args.method in ("eagle3", "peagle")
+    per_step = ids.shape[1] * (ids.shape[2] - 1 if shift else ids.shape[2])
+    argv = [
+        "--speculator-type", args.method, "--verifier-name-or-path", args.target, "--data-path", args.rows,
+        "--target-layer-ids", *map(str, TARGET_LAYERS),
+        "--total-seq-len", str(per_step), "--hidden-states-dtype", "float32", "--loss-implementation", "eager",
+        "--lr", str(args.lr), "--muon-lr", str(args.lr), "--scheduler-type", "cosine",
+        "--scheduler-warmup-steps", str(args.warmup), "--max-steps", str(args.steps), "--epochs", "1",
+        "--save-path", str(Path(args.out) / "checkpoints"), "--num-workers", "0",
+        "--draft-attn-impl", "sdpa",  # its default, simple_flex_attention, has no backward on CPU
+    ]  # fmt: skip
+    if shift:  # EAGLE-3 and P-EAGLE draft over ours' reduced vocabulary; DFlash over the target's (both trainers)
+        argv += ["--draft-vocab-size", str(DRAFT_VOCAB)]
+    if args.method == "eagle3":  # EAGLE-3.1 as ours runs it: fc_norm (not norm_before_fc), norm_output
+        argv += ["--ttt-steps", "3", "--fc-norm", "--no-norm-before-fc", "--norm-output", "--norm-before-residual"]
+    elif args.method == "peagle":
+        argv += ["--num-depths", "4", "--mask-token-id", str(MASK_TOKEN), "--draft-arch", "llama"]
+        argv += ["--no-norm-before-residual"]
+    else:
+        argv += ["--num-layers", "2", "--block-size", "16", "--mask-token-id", str(MASK_TOKEN)]
+        argv += ["--max-anchors", str(32 * ids.shape[1])]
+    cfg = TrainConfig.resolve(argv)
+    flat = argparse.Namespace(**cfg.flatten())
+    set_seed(flat.seed, flat.deterministic_cuda)
+    d2t, t2d, draft_vocab_size = parse_vocab_mappings(flat)
+    model_class = SpeculatorModel.registry[flat.speculator_type]
+    draft = build_draft_model(flat, model_class, t2d, d2t, draft_vocab_size)
+    train_kwargs, _ = model_class.get_trainer_kwargs(**vars(flat))
+
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    captured: dict[str, torch.Tensor] = {}
+    target.model.norm.register_forward_pre_hook(lambda _m, inp: captured.__setitem__("last", inp[0]))
+    hidden = int(target.config.hidden_size)
+    collate = CollateFn(
+        per_step, hidden, len(TARGET_LAYERS), torch.float32, shift_batch if shift else None
+    )  # speculators' own packing
+
+    def step_batch(items: list[int]) -> dict:
+        (step,) = items
+        with torch.no_grad():
+            out = target(ids[step], output_hidden_states=True)  # [B, S + 1, ...]
+        aux = torch.cat([out.hidden_states[i] for i in TARGET_LAYERS], dim=-1)  # [B, S + 1, 3 H]
+        samples = []
+        for b in range(ids.shape[1]):
+            n = ids.shape[2]
+            samples.append(
+                {
+                    "hidden_states": aux[b],  # [S + 1, 3 H]
+                    "input_ids": ids[step, b],  # [S + 1]
+                    "verifier_last_hidden_states": captured["last"][b],  # [S + 1, H]: pre-norm, as vLLM gives it
+                    "loss_mask": trained[step, b],  # [S + 1]
+                    "lengths": torch.tensor([n]),
+                    "position_ids": torch.arange(n),
+                }
+            )
+        return collate(samples)
+
+    loader = torch.utils.data.DataLoader(list(range(ids.shape[0])), batch_size=1, collate_fn=step_batch)
+    trainer_config = TrainerConfig(
+        num_epochs=flat.epochs, save_path=flat.save_path, lr=flat.lr, resume_from_checkpoint=False,
+        train_call_kwargs=train_kwargs, optimizer=flat.optimizer, weight_decay=flat.weight_decay,
+        muon_lr=flat.muon_lr, muon_momentum=flat.muon_momentum, muon_weight_decay=flat.muon_weight_decay,
+        muon_ns_steps=flat.muon_ns_steps, muon_adjust_lr_fn=flat.muon_adjust_lr_fn,
+        scheduler_type=flat.scheduler_type, scheduler_warmup_steps=flat.scheduler_warmup_steps,
+        scheduler_warmup_ratio=flat.scheduler_warmup_ratio, scheduler_total_steps=flat.scheduler_total_steps,
+        scheduler_num_cosine_cycles=flat.scheduler_num_cosine_cycles, checkpoint_freq=flat.checkpoint_freq,
+        save_best=flat.save_best, hidden_states_dtype=torch.float32, log_freq=10, max_steps=flat.max_steps,
+    )  # fmt: skip
+    trainer = Trainer(draft, trainer_config, loader, None)
+    stamps: list[float] = []
+    step_schedulers = trainer._schedulers_step
+
+    def timed() -> None:
+        step_schedulers()
+        stamps.append(time.perf_counter())
+
+    trainer._schedulers_step = timed
+    trainer.run_training()
+    draft.save_pretrained(str(Path(args.out) / "drafter"))  # float32 (its checkpointer writes bfloat16)
+    intervals = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    result = {
+        "tokens_per_s": ids.shape[1] * (ids.shape[2] - 1) / statistics.median(intervals),
+        "tokens_per_s_mean": ids.shape[1] * (ids.shape[2] - 1) / statistics.mean(intervals),
+        "step_seconds": intervals,
+        "steps": len(stamps),
+        "optimizer": flat.optimizer,
+        "train_call_kwargs": {k: str(v) for k, v in train_kwargs.items()},
+        "config": {k: v for k, v in vars(flat).items() if isinstance(v, (int, float, str, bool, list, type(None)))},
+    }
+    (Path(args.out) / "throughput.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: result[k] for k in ("tokens_per_s", "steps", "optimizer")}))
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--method", choices=sorted(METHODS), required=True)
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps of each trainer")
+    parser.add_argument("--artifacts", default="artifacts", help="where `make demo` left the corpus and the target")
+    parser.add_argument("--out", default="artifacts/vs_speculators", help="output folder (done steps are skipped)")
+    parser.add_argument("--prompts", type=int, default=15, help="held-out prompts in the evaluation")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="output tokens per evaluation prompt")
+    parser.add_argument("--side", choices=["project", "speculators"], default="project", help=argparse.SUPPRESS)
+    parser.add_argument("--target", help=argparse.SUPPRESS)
+    parser.add_argument("--rows", help=argparse.SUPPRESS)
+    parser.add_argument("--lr", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--warmup", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    return main_speculators(args) if args.side == "speculators" else main_project(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,287 @@
+"""Shapes and the ZeRO accounting of ``draftsmith plan``: the sizes of a Llama-like causal LM (:class:`Shape`, exact
+parameter counts of the HF implementation), the bytes per parameter of a precision, and the bytes per GPU of one
+trained and one frozen model under DDP and ZeRO 1, 2 and 3 (:func:`estimate`, :func:`estimate_counts`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from trainer.errors import ModelFolderError, RecipeError, UsageError
+
+GIB = 1024**3
+STAGES = ("ddp", "zero1", "zero2", "zero3")
+
+# Hub-free shapes (Llama 3 family, from their published config.json files).
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama-3-8b": dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+    ),
+    "llama-3-70b": dict(
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+    ),
+    "llama-3.2-1b": dict(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The sizes of a decoder-only (Llama-like) causal LM that memory depends on."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], source: str = "config") -> Shape:
+        """From an HF config (a dict, e.g. ``AutoConfig(...).to_dict()``); ``source`` names it in errors."""
+        missing = [
+            k
+            for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+            if config.get(k) is None
+        ]
+        if missing:
+            raise ModelFolderError(f"draftsmith plan: {source} has no {', '.join(missing)} (a decoder-only LM config?)")
+        heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        kv = config.get("num_key_value_heads")
+        head_dim = config.get("head_dim")
+        return cls(
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(config["intermediate_size"]),
+            num_hidden_layers=int(config["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(kv) if kv is not None else heads,
+            head_dim=int(head_dim) if head_dim is not None else hidden // heads,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=bool(config.get("attention_bias", False)),
+            mlp_bias=bool(config.get("mlp_bias", False)),
+        )
+
+    @property
+    def kv_width(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def q_width(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    def layer_parameters(self) -> int:
+        h, i = self.hidden_size, self.intermediate_size
+        attn = h * self.q_width + 2 * h * self.kv_width + self.q_width * h
+        if self.attention_bias:
+            attn += self.q_width + 2 * self.kv_width + h
+        mlp = 3 * h * i + ((2 * i + h) if self.mlp_bias else 0)
+        return attn + mlp + 2 * h  # two RMSNorm weights
+
+    def parameters(self) -> int:
+        """Exact parameter count of the HF Llama implementation with this shape."""
+        embed = self.vocab_size * self.hidden_size
+        head = 0 if self.tie_word_embeddings else embed
+        return embed + self.num_hidden_layers * self.layer_parameters() + self.hidden_size + head
+
+
+def precision_bytes(precision: str) -> tuple[int, int, int]:
+    """(weight and gradient bytes, optimizer bytes per parameter, activation bytes) for a Lightning precision."""
+    p = str(precision)
+    if p in ("32", "32-true", "64", "64-true"):
+        return 4, 8, 4
+    if p in ("bf16-mixed", "16-mixed", "16", "bf16"):
+        return 2, 12, 2  # half-precision model copy, fp32 master weights + two fp32 moments
+    if p in ("bf16-true", "16-true"):
+        return 2, 4, 2  # moments in the parameters' dtype, no master copy
+    raise RecipeError(f"draftsmith plan: unknown trainer.precision {precision!r}")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes per GPU of one strategy."""
+
+    stage: str
+    target_weights: int
+    drafter_weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.target_weights + self.drafter_weights + self.gradients + self.optimizer + self.activations
+
+
+def drafter_activation_bytes(shape: Shape, batch: int, seq: int, act_bytes: int) -> int:
+    """Tensors the drafter saves for backward: per layer, norms' inputs and outputs, q/k/v/attention output, MLP."""
+    h, i = shape.hidden_size, shape.intermediate_size
+    per_layer = batch * seq * (10 * h + 4 * i + 2 * shape.kv_width)
+    return (shape.num_hidden_layers * per_layer + 2 * batch * seq * h) * act_bytes
+
+
+def target_activation_bytes(shape: Shape, batch: int, seq: int, act_bytes: int) -> int:
+    """The target's forward under no_grad: the residual stream plus one layer's largest transients."""
+    h, i = shape.hidden_size, shape.intermediate_size
+    return batch * seq * (3 * h + 3 * i) * act_bytes
+
+
+def logits_bytes(target: Shape, batch: int, seq: int, chunk: int, act_bytes: int, sharded: bool) -> int:
+    """Chunked float32 logits of both models (a few live copies per chunk), plus whole logits when sharded."""
+    chunked = 6 * min(chunk, batch * seq) * target.vocab_size * 4
+    whole = 2 * batch * seq * target.vocab_size * act_bytes if sharded else 0
+    return chunked + whole
+
+
+def estimate(
+    target: Shape,
+    drafter: Shape,
+    batch: int,
+    seq: int,
+    gpus: int,
+    precision: str = "bf16-mixed",
+    chunk_size: int = 256,
+) -> list[Estimate]:
+    """Bytes per GPU for DDP and ZeRO stages 1-3.
+
+    Args:
+        target: the frozen target's shape.
+        drafter: the trained drafter's shape.
+        batch: sequences per GPU per step.
+        seq: tokens per sequence.
+        gpus: data-parallel world size (all GPUs of all nodes).
+        precision: Lightning's trainer.precision.
+        chunk_size: positions per chunk of the KD loss.
+    """
+    if gpus < 1 or batch < 1 or seq < 1:
+        raise UsageError(f"draftsmith plan: gpus, batch and seq must be positive, got {gpus}, {batch}, {seq}")
+    w, k, a = precision_bytes(precision)
+    target_w = 4 if str(precision) in ("32", "32-true") else 2
+    p_t, p_d = target.parameters(), drafter.parameters()
+    acts = drafter_activation_bytes(drafter, batch, seq, a) + target_activation_bytes(target, batch, seq, a)
+    out = []
+    for stage in STAGES:
+        n = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[stage]
+
+        def shard(x: int, at_stage: int, n: int = n) -> int:
+            return -(-x // gpus) if n >= at_stage else x  # ceil division from that stage on
+
+        gathered_layer = target.layer_parameters() * target_w if n >= 3 else 0
+        out.append(
+            Estimate(
+                stage=stage,
+                target_weights=shard(p_t * target_w, 3) + gathered_layer,
+                drafter_weights=shard(p_d * w, 3),
+                gradients=shard(p_d * w, 2),
+                optimizer=shard(p_d * k, 1),
+                activations=acts + logits_bytes(target, batch, seq, chunk_size, a, sharded=n >= 3),
+            )
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class Counts:
+    """What a built objective holds (:mod:`trainer.planner.build`), in elements and in bytes as built.
+
+    Attributes:
+        method: the objective's class name.
+        trainable: parameters the optimizer trains (``trainable_module()``, ``requires_grad``).
+        trainable_bytes: their bytes in the dtype the objective builds them in (``drafter_dtype``...).
+        frozen: elements of every other tensor the objective holds (targets, frozen copies, frozen parts of the
+            drafter such as a copied embedding, buffers).
+        frozen_bytes: their bytes as built (``target_dtype``...).
+        frozen_in_tree: the part of ``frozen`` inside the objective's module tree: cast by a ``*-true`` precision
+            and by DeepSpeed, partitioned by ZeRO-3 (a target kept out of the tree is neither).
+        frozen_in_tree_bytes: their bytes as built.
+        largest_layer_bytes: the largest frozen decoder layer, which ZeRO-3 gathers whole.
+    """
+
+    method: str
+    trainable: int
+    trainable_bytes: int
+    frozen: int
+    frozen_bytes: int
+    frozen_in_tree: int
+    frozen_in_tree_bytes: int
+    largest_layer_bytes: int = 0
+
+
+HALF_TRUE = ("bf16-true", "16-true")
+MIXED = ("bf16-mixed", "16-mixed", "16", "bf16")
+
+
+def estimate_counts(counts: Counts, activations: int, gpus: int, precision: str) -> list[Estimate]:
+    """Bytes per GPU (per process) of a built objective for DDP and ZeRO 1-3.
+
+    DDP (and a single process: ``gpus=1``, what a CPU fit runs) follows Lightning's precision plugins: the trained
+    weights stay in the dtype the objective built them in (cast to half by ``*-true``), their gradients and AdamW's two
+    moments have that dtype, and ``*-mixed`` autocast keeps a half copy of every trained weight for backward. ZeRO
+    stages follow DeepSpeed (the ZeRO paper's accounting): half weights and gradients, fp32 master weights and moments
+    (12 bytes) under mixed precision.
+
+    Args:
+        counts: what the objective holds.
+        activations: the step's activation bytes (:mod:`trainer.planner.activations`).
+        gpus: data-parallel processes.
+        precision: Lightning's trainer.precision.
+    """
+    if gpus < 1:
+        raise UsageError(f"draftsmith plan: gpus must be positive, got {gpus}")
+    p = str(precision)
+    precision_bytes(p)  # an unknown precision is refused
+    per = counts.trainable_bytes / max(counts.trainable, 1)  # bytes per trained parameter as built
+    if p in HALF_TRUE:
+        per = 2
+    outside = counts.frozen_bytes - counts.frozen_in_tree_bytes  # kept out of the module tree: as built
+    frozen_ddp = outside + (2 * counts.frozen_in_tree if p in HALF_TRUE else counts.frozen_in_tree_bytes)
+    trained = int(counts.trainable * per)
+    autocast_copies = 2 * counts.trainable if p in MIXED and per > 2 else 0
+    out = [Estimate("ddp", frozen_ddp, trained, trained, 2 * trained, activations + autocast_copies)]
+    w, k, _ = precision_bytes(p)
+    for n, stage in ((1, "zero1"), (2, "zero2"), (3, "zero3")):
+
+        def shard(x: int, at_stage: int, n: int = n) -> int:
+            return -(-x // gpus) if n >= at_stage else x  # ceil division from that stage on
+
+        in_tree = 2 * counts.frozen_in_tree if w == 2 else counts.frozen_in_tree_bytes  # DeepSpeed casts to half
+        frozen = outside + shard(in_tree, 3) + (counts.largest_layer_bytes if n >= 3 else 0)
+        out.append(
+            Estimate(
+                stage=stage,
+                target_weights=frozen,
+                drafter_weights=shard(counts.trainable * w, 3),
+                gradients=shard(counts.trainable * w, 2),
+                optimizer=shard(counts.trainable * k, 1),
+                activations=activations,
+            )
+        )
+    return out
