@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -141,7 +142,7 @@ def save_rows(art: Path, train_file: Path, steps: int, out: Path) -> None:
     torch.save({int(i): int(c) for i, c in enumerate(counts.tolist()) if c}, out / "token_freq.pt")
 
 
-def fit_cmd(method: str, run_dir: Path, train_file: Path, steps: int, target: Path) -> list[str]:
+def fit_cmd(method: str, run_dir: Path, train_file: Path, steps: int, target: Path, more: str = "") -> list[str]:
     recipe, _, _, extra = METHODS[method]
     checkpoint = {
         "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
@@ -152,7 +153,7 @@ def fit_cmd(method: str, run_dir: Path, train_file: Path, steps: int, target: Pa
         "--trainer.default_root_dir", str(run_dir), "--trainer.logger.init_args.save_dir", str(run_dir),
         "--trainer.callbacks", json.dumps([checkpoint]), "--trainer.limit_val_batches", "0",
         "--trainer.log_every_n_steps", str(max(1, min(10, steps // 3))), "--model.init_args.target", str(target),
-        "--data.init_args.train_files", json.dumps([str(train_file)]), *extra,
+        "--data.init_args.train_files", json.dumps([str(train_file)]), *extra, *shlex.split(more),
     ]  # fmt: skip
 
 
@@ -208,7 +209,8 @@ def main_project(args: argparse.Namespace) -> int:
     lr, warmup = recipe_optim(args.method)
     procs, started, seconds_file = {}, time.perf_counter(), method_dir / "fit_seconds.json"
     if not (ours_run / "checkpoints" / "last.ckpt").is_file():
-        procs["ours"] = run(fit_cmd(args.method, ours_run, train_file, args.steps, target), method_dir / "fit_ours.log")
+        cmd = fit_cmd(args.method, ours_run, train_file, args.steps, target, args.fit_args)
+        procs["ours"] = run(cmd, method_dir / "fit_ours.log")
     if not (theirs_dir / "drafter" / "config.json").is_file():
         cmd = speculators_cmd(args.method, art, rows, theirs_dir, args.steps, lr, warmup)
         procs["speculators"] = run(cmd, method_dir / "fit_speculators.log", python=SPECULATORS_PYTHON)
@@ -219,6 +221,7 @@ def main_project(args: argparse.Namespace) -> int:
     seconds_file.write_text(json.dumps(seconds))
 
     _, fmt, k, _ = METHODS[args.method]
+    fmt = args.export_format or fmt
     export = method_dir / "ours_export"
     if not (export / "config.json").is_file():
         cmd = ["draftsmith", "export", "--ckpt", str(ours_run / "checkpoints" / "last.ckpt"), "--out", str(export)]
@@ -246,7 +249,7 @@ def main_project(args: argparse.Namespace) -> int:
             f"{args.method}: {args.steps} optimizer steps of 4 x 256 tokens each, side by side with one thread each "
             f"(wall clock: ours {seconds.get('ours', '?')} s, speculators {seconds.get('speculators', '?')} s); "
             f"greedy, K = {k}, {args.prompts} held-out prompts of {PROMPT_CHARS} characters, {args.max_new_tokens} "
-            "new tokens each.",
+            "new tokens each." + (f" Ours with `{args.fit_args}`." if args.fit_args else ""),
             "",
             "| trainer | tau | acceptance per draft position | training tokens/s |",
             "|---|---|---|---|",
@@ -380,6 +383,8 @@ def main() -> int:
     parser.add_argument("--out", default="artifacts/vs_speculators", help="output folder (done steps are skipped)")
     parser.add_argument("--prompts", type=int, default=15, help="held-out prompts in the evaluation")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="output tokens per evaluation prompt")
+    parser.add_argument("--fit-args", default="", help="more `draftsmith fit` arguments for our side, one string")
+    parser.add_argument("--export-format", help="our export format (default: the method's; dspark for DSpark heads)")
     parser.add_argument("--side", choices=["project", "speculators"], default="project", help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
     parser.add_argument("--rows", help=argparse.SUPPRESS)

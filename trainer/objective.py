@@ -53,9 +53,12 @@ TargetSignals = Literal["online", "shards"]
 
 @dataclass(frozen=True)
 class Optim:
-    """AdamW with linear warm-up and a decay to ``min_lr_ratio * lr``.
+    """AdamW (or Muon for the hidden matrices) with linear warm-up and a decay to ``min_lr_ratio * lr``.
 
     Args:
+        name: ``adamw``, or ``muon``: Muon for the 2-D hidden matrices and AdamW for vectors, embeddings and output
+            heads (trainer/muon.py; speculators 0.9's default), one learning rate for both (Muon's update scaled to
+            AdamW's RMS). Not under DeepSpeed, whose flat partitions Muon cannot orthogonalise.
         lr: peak learning rate.
         weight_decay: decoupled weight decay, applied to matrices only (not to norms or biases).
         betas: Adam's (beta1, beta2).
@@ -63,8 +66,10 @@ class Optim:
         warmup_steps: optimizer steps of linear warm-up from 0.
         decay: shape of the schedule after warm-up, over ``trainer.max_steps``.
         min_lr_ratio: the final learning rate as a fraction of ``lr``.
+        muon_momentum: Muon's Nesterov momentum (``name: muon``).
     """
 
+    name: Literal["adamw", "muon"] = "adamw"
     lr: float = 3e-4
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
@@ -72,6 +77,7 @@ class Optim:
     warmup_steps: int = 0
     decay: Literal["cosine", "linear", "constant"] = "cosine"
     min_lr_ratio: float = 0.1
+    muon_momentum: float = 0.95
 
 
 def derived_seed(*parts: object) -> int:
@@ -396,6 +402,36 @@ class DraftObjective(L.LightningModule):
         return [(self.trainable_module(), 1.0)]
 
     def configure_optimizers(self):
+        optimizer = self._muon_optimizer() if self.optim.name == "muon" else self._adamw_optimizer()
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self._schedule(optimizer), "interval": "step"}}
+
+    def _muon_optimizer(self) -> torch.optim.Optimizer:
+        from trainer.muon import MuonWithAdamW, split_for_muon
+
+        if self._trainer is not None and "deepspeed" in type(self.trainer.strategy).__name__.lower():
+            raise RecipeError(
+                "model.init_args.optim.name: muon cannot run under DeepSpeed (it flattens the parameters into 1-D "
+                "partitions; Muon orthogonalises matrices): use DDP or FSDP2, or optim.name: adamw"
+            )
+        muon_groups, adamw_groups = [], []
+        for module, multiplier in self.lr_groups():
+            muon, matrices, vectors = split_for_muon(module)
+            lr = self.optim.lr * multiplier
+            muon_groups.append({"params": muon, "weight_decay": self.optim.weight_decay, "lr": lr})
+            adamw_groups.append({"params": matrices, "weight_decay": self.optim.weight_decay, "lr": lr})
+            adamw_groups.append({"params": vectors, "weight_decay": 0.0, "lr": lr})
+        muon_groups = [g for g in muon_groups if g["params"]]
+        adamw_groups = [g for g in adamw_groups if g["params"]]
+        if not muon_groups or not adamw_groups:
+            raise RecipeError(
+                f"model.init_args.optim.name: muon: the trained module has {'no' if not muon_groups else 'only'} "
+                "2-D hidden matrices (Muon trains those, AdamW the rest): use optim.name: adamw"
+            )
+        return MuonWithAdamW(
+            muon_groups, adamw_groups, betas=self.optim.betas, eps=self.optim.eps, momentum=self.optim.muon_momentum
+        )
+
+    def _adamw_optimizer(self) -> torch.optim.Optimizer:
         groups = []
         for module, multiplier in self.lr_groups():
             decay = [p for p in module.parameters() if p.requires_grad and p.ndim >= 2]
@@ -412,6 +448,10 @@ class DraftObjective(L.LightningModule):
             optimizer = DeepSpeedCPUAdam(groups, lr=self.optim.lr, betas=self.optim.betas, eps=self.optim.eps)
         else:
             optimizer = torch.optim.AdamW(groups, lr=self.optim.lr, betas=self.optim.betas, eps=self.optim.eps)
+        return optimizer
+
+    def _schedule(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        """Warm-up and decay (``optim``) over the run's optimizer steps."""
         total = self.trainer.max_steps if self.trainer.max_steps and self.trainer.max_steps > 0 else 0
         if total <= 0:
             estimated = self.trainer.estimated_stepping_batches  # inf when only trainer.max_time bounds the run
@@ -422,8 +462,7 @@ class DraftObjective(L.LightningModule):
                     "trainer.max_steps, or optim.decay: constant"
                 )
             total = 0 if math.isinf(estimated) else int(estimated)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, self.optim, total))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, self.optim, total))
 
     def on_fit_start(self) -> None:
         dtype = next(self.trainable_module().parameters()).dtype

@@ -1,5 +1,9 @@
 """``draftsmith compare`` end to end on the test target: shared regenerated data, a trained method, a drafter without
-weights and a broken method; then a rerun that skips what is done."""
+weights and a broken method; then a rerun that skips what is done.
+
+Each stage (generate, fit, export, eval) runs in a fresh process as ``draftsmith compare`` runs it, forked from a
+process that has imported torch, Lightning and transformers once (tests/cli_server.py) rather than started anew: the
+seven stages would otherwise spend about a minute importing."""
 
 from __future__ import annotations
 
@@ -9,13 +13,34 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.cli_server import CliServer
 from tests.recipe_runs import RECIPES, TINY_STUDENT
+from trainer.compare.run import Comparison, StageFailed
 from trainer.compare.run import main as compare_main
 
 pytestmark = pytest.mark.slow
 
 
-def test_compare_trains_measures_reports_and_resumes(tiny_corpus, tiny_target, tmp_path, capsys):
+@pytest.fixture
+def forked_stages(monkeypatch):
+    """Comparison's stages run as ``draftsmith ARGS`` in children of one :class:`CliServer`: the same command line,
+    environment, working folder, log (command first) and failure as ``Comparison._run_stage``'s own process."""
+    with CliServer() as server:
+
+        def run_stage(self: Comparison, stage: str, args: list[str], log: Path) -> None:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            output = log.with_name(log.name + ".part")
+            result = server.run(args, output, cwd=Path.cwd(), env=self.env, timeout=900)
+            log.write_text("$ draftsmith " + " ".join(args) + "\n" + output.read_text(errors="replace"))
+            output.unlink()
+            if result.status != 0:
+                raise StageFailed(stage, f"draftsmith {args[0]} exited with status {result.status}", log)
+
+        monkeypatch.setattr(Comparison, "_run_stage", run_stage)
+        yield
+
+
+def test_compare_trains_measures_reports_and_resumes(tiny_corpus, tiny_target, tmp_path, capsys, forked_stages):
     prompts = tmp_path / "prompts.jsonl"
     texts = [json.loads(line)["text"] for line in Path(tiny_corpus.heldout_file).read_text().splitlines()[:2]]
     prompts.write_text("".join(json.dumps({"prompt": t[:120]}) + "\n" for t in texts))

@@ -1,4 +1,4 @@
-"""The KD recipe in 2 processes on CPU through the real ``draftsmith fit``: DDP, DeepSpeed ZeRO-2 and ZeRO-3.
+"""The KD recipe in 2 processes on CPU through the real ``draftsmith fit``: DDP, DeepSpeed ZeRO-1 and ZeRO-3, FSDP2.
 
 Each rank takes its slice of every global batch (trainer/data/sampler.py), and the KD loss is a mean over equally many
 positions per rank, so 2 ranks of batch 2 follow the same trajectory as 1 process of batch 4: same global batches,
@@ -91,7 +91,7 @@ def check_same_as_single_process(run: Path, single: Path) -> None:
 
 @pytest.mark.parametrize(
     ("strategy", "torchrun_style"),
-    [("ddp.yaml", False), ("deepspeed_zero2.yaml", True)],
+    [("ddp.yaml", False), ("deepspeed_zero1.yaml", True)],
 )
 def test_kd_recipe_in_two_processes_matches_one_process(
     strategy, torchrun_style, single_process_run, tiny_corpus, tiny_target, tmp_path, torch_extensions_dir
@@ -102,6 +102,20 @@ def test_kd_recipe_in_two_processes_matches_one_process(
     checkpoints = [p for p in (run / "checkpoints").iterdir() if p.name.endswith(".ckpt")]
     assert checkpoints and all(frozen_tensors_in(p) == [] for p in checkpoints)  # the student and its optimizer only
     check_same_as_single_process(run, single_process_run)
+    if strategy == "deepspeed_zero1.yaml":  # ZeRO-1's checkpoint folder converts to the student the fit exported
+        check_export_is_the_student(run)
+
+
+def check_export_is_the_student(run: Path) -> None:
+    """``draftsmith export`` of the sharded last.ckpt gives, bit for bit, the student the fit's end exported."""
+    ckpt = run / "checkpoints" / "last.ckpt"
+    assert ckpt.is_dir(), "a DeepSpeed checkpoint is a directory of shards"
+    assert export_main(["--ckpt", str(ckpt), "--out", str(run / "exported")]) == 0
+    a = load_file(run / "student" / "model.safetensors")
+    b = load_file(run / "exported" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=0, atol=0)
 
 
 def frozen_tensors_in(ckpt: Path) -> list[str]:
@@ -120,8 +134,8 @@ def frozen_tensors_in(ckpt: Path) -> list[str]:
     return [k for k in FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata if "teacher" in k]
 
 
-# ZeRO-1 shares DeepSpeed's checkpoint code with ZeRO-2 (resumed in tests/integration/test_strategies.py, with ZeRO-1's
-# fit and conversion); ZeRO-3 partitions the frozen teacher too, and FSDP2 writes distributed checkpoint folders.
+# ZeRO-1 shares DeepSpeed's checkpoint code with ZeRO-2 (resumed in tests/integration/test_strategies.py); ZeRO-3
+# partitions the frozen teacher too, and FSDP2 writes distributed checkpoint folders.
 @pytest.mark.parametrize("strategy", ["fsdp.yaml", "deepspeed_zero3.yaml"])
 def test_checkpoints_hold_no_teacher_and_resume_exactly(
     strategy, single_process_run, tiny_corpus, tiny_target, tmp_path, torch_extensions_dir
@@ -142,13 +156,5 @@ def test_checkpoints_hold_no_teacher_and_resume_exactly(
     check_same_as_single_process(run, single_process_run)
     # the resumed run wrote its last.ckpt over the one it resumed from (not a last-v1.ckpt beside a stale one)
     assert sorted(p.name for p in (run / "checkpoints").glob("last*")) == ["last.ckpt"]
-    if strategy != "deepspeed_zero3.yaml":
-        return
-    ckpt = run / "checkpoints" / "last.ckpt"
-    assert ckpt.is_dir(), "a DeepSpeed checkpoint is a directory of shards"
-    assert export_main(["--ckpt", str(ckpt), "--out", str(run / "exported")]) == 0
-    a = load_file(run / "student" / "model.safetensors")
-    b = load_file(run / "exported" / "model.safetensors")
-    assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(b[key], a[key], rtol=0, atol=0)
+    if strategy == "deepspeed_zero3.yaml":
+        check_export_is_the_student(run)

@@ -24,8 +24,8 @@ from trainer.slurm import main as slurm_main
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 TASKS = 2
-MAX_STEPS = 30
-EVERY_N = 10
+MAX_STEPS = 12
+EVERY_N = 5  # periodic checkpoints at steps 5 and 10; the USR1 one at step 7 is none of them
 JOB_TIMEOUT = 900  # seconds; generous for a loaded 2-core machine
 
 
@@ -109,7 +109,7 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_same_weights(
     run.mkdir()
     wait = {
         "class_path": "tests.slurm_cluster.WaitAtStep",
-        "init_args": {"step": 13, "marker": str(run / "waiting"), "release": str(run / "release")},
+        "init_args": {"step": 7, "marker": str(run / "waiting"), "release": str(run / "release")},
     }
     override = kd_job_override(run, tiny_corpus, tiny_target, MAX_STEPS, EVERY_N, batch_size=2, extra_callbacks=(wait,))
     job_id = _submit(run, override, "kd-preempted")
@@ -118,9 +118,9 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_same_weights(
         state = cluster.job_info(job_id).get("JobState")
         log = run / "logs" / f"kd-preempted-{job_id}.out"
         assert state in ("PENDING", "RUNNING", "CONFIGURING"), log.read_text()[-4000:] if log.exists() else state
-        assert time.monotonic() < deadline, "the job never reached step 13"
+        assert time.monotonic() < deadline, "the job never reached step 7"
         time.sleep(0.2)
-    # both ranks wait at step 13: the time limit is near
+    # both ranks wait at step 7: the time limit is near
     cluster.command(["scancel", "--signal=USR1", job_id])
     time.sleep(1.0)
     (run / "release").touch()
@@ -131,7 +131,7 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_same_weights(
     assert "restart 0 on" in log and "restart 1 on" in log  # --open-mode=append kept the first run's output
     assert "preemption: saved" in log and "requeued SLURM job" in log
     assert "Restoring states from the checkpoint path" in log and "last.ckpt" in log
-    # steps 0-12 ran before the requeue, 13-29 after it, on the batches of the uninterrupted job
+    # steps 0-6 ran before the requeue, 7-11 after it, on the batches of the uninterrupted job
     assert recorded_batches(run) == recorded_batches(reference)
     a, b = load_file(reference / "student" / "model.safetensors"), load_file(run / "student" / "model.safetensors")
     assert a.keys() == b.keys()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -20,8 +21,9 @@ def main(argv: list[str]) -> int:
     reference = {k: v.detach() for k, v in trained.state_dict().items()}
     failed = False
     for folder in folders:
-        from pathlib import Path
-
+        if Path(folder).name == "hf" and record.kind == "mtp":  # the target without its modules: a plain HF model
+            print(json.dumps(plain_model(Path(folder))), flush=True)
+            continue
         kind, fmt = recognise(Path(folder))
         module, loaded_record = fmt.load(Path(folder))
         state = module.state_dict()
@@ -35,6 +37,17 @@ def main(argv: list[str]) -> int:
         print(json.dumps(report), flush=True)
         del module, state
     return 1 if failed else 0
+
+
+def plain_model(folder: Path) -> dict:
+    """The MTP kind's ``hf`` export, the trunk without its modules, read as transformers reads a target: it loads
+    and holds no ``mtp`` tensor."""
+    from transformers import AutoModelForCausalLM
+
+    state = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    mtp = [k for k in state if ".mtp." in f".{k}" or k.startswith("mtp")]
+    assert not mtp, f"{folder}: the plain model holds MTP tensors {mtp[:3]}"
+    return {"folder": str(folder), "kind": "plain HF model (transformers)", "format": "hf", "tensors": len(state)}
 
 
 if __name__ == "__main__":

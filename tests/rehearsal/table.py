@@ -16,14 +16,16 @@ INTRO = " ".join(
     """Every real-model recipe run through the real CLI on its target's real shapes: the published config.json
 (tests/fixtures/real_configs/) with the layer count cut, random weights, the real tokenizer size and special token ids
 (tests/real_shapes.py). Per recipe: `draftsmith fit` with the recipe's objective, data settings, loss chunking,
-vocabulary and strategy on one CPU process, {steps} optimizer steps of one {seq}-token chat sequence in the recipe's
-precision (bf16-mixed, the target frozen in bf16); `draftsmith export` in every format the method writes, each read
+vocabulary and strategy on one CPU process, {steps} optimizer steps of one {seq}-token chat sequence, in the recipe's
+precision (bf16-mixed, the target frozen in bf16) on a CPU that computes bf16 natively and in float32 throughout
+elsewhere (the precision column; PyTorch emulates bf16 there, one conversion per operation, and a real-width fit of two
+steps did not finish in an hour); `draftsmith export` in every format the method writes, each read
 back by its loader and compared with the checkpoint's weights; `draftsmith eval` on two prompts (greedy output
 identical to the target's, which eval checks); `draftsmith plan` on the same recipe and overrides, with the cut
 target's config (`--target_config`) and one GPU. Peak RSS: the fit process's maximum resident set (wait4).
 Cases and overrides: tests/rehearsal/cases.py.""".split()
 )
-MACHINE = "2-core CPU, shared, no GPU (no native bf16 instructions: bf16 matmuls are emulated)"
+MACHINE = "2-core CPU, no GPU, no native bf16 instructions"
 
 
 def _ratio(plan: float | None, measured: float | None) -> str:
@@ -48,6 +50,10 @@ def _failed(result: dict) -> str:
     return "not reached"
 
 
+def _precision(result: dict) -> str:
+    return {"fp32": "float32", "recipe": "bf16-mixed"}.get(result.get("precision", "recipe"), "-")
+
+
 def _planner(plan: dict | None) -> str:
     if not plan:
         return "not run"
@@ -62,9 +68,9 @@ def render(results: list[dict], command: str) -> str:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     rows = [
-        "| recipe | cut target | strategy | changed for this machine | fit CPU s | peak RSS GiB | planner GiB | "
-        "planner / measured | exports read back | eval | case CPU s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| recipe | cut target | strategy | precision | changed for this machine | fit CPU s | peak RSS GiB | "
+        "planner GiB | planner / measured | exports read back | eval | case CPU s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         fit = r.get("fit") or {}
@@ -73,9 +79,11 @@ def render(results: list[dict], command: str) -> str:
         status = "greedy identical" if r.get("ok") else _failed(r)
         status += f" ({r['note']})" if r.get("note") else ""
         exports = ", ".join(r.get("exports", [])) or "-"
+        for fmt, why in (r.get("refused_exports") or {}).items():
+            exports += f"; {fmt} refused: {why.replace('|', '/')}"
         rows.append(
             f"| `{r['recipe']}` | {r['model']}, {r['layers']} layers{_params(r)} | "
-            f"{(r.get('strategy') or 'recipe').removesuffix('.yaml')} | {r.get('changes') or '-'} | "
+            f"{(r.get('strategy') or 'recipe').removesuffix('.yaml')} | {_precision(r)} | {r.get('changes') or '-'} | "
             f"{fit.get('cpu_s', '-')} | {measured if measured is not None else '-'} | {_planner(plan)} | "
             f"{_ratio(plan.get('estimate_gib'), measured)} | {exports} | {status} | {_cpu(r):.0f} |"
         )

@@ -274,3 +274,21 @@ def test_the_model_refuses_the_data_tokenizer_before_anything_is_tokenized(tmp_p
 def test_every_error_here_is_a_user_error():
     for cls in (CheckpointError, DataError, ModelFolderError, PathError, TokenizerError):
         assert issubclass(cls, UserError)
+
+
+def test_an_export_onto_a_full_disk_is_named_and_leaves_no_partial_file(tmp_path, monkeypatch):
+    """safetensors reports a full disk as its own SafetensorError (no OSError): the export names the file and says
+    what to do, and removes the partial file, which would otherwise read as a truncated export."""
+    from safetensors import SafetensorError
+
+    import trainer.export.files as files
+
+    def full_disk(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\0" * 64)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(files, "save_file", full_disk)
+    with pytest.raises(PathError, match=r"model\.safetensors: could not be written .*No space left") as err:
+        files.write_folder(tmp_path / "out", {"a": 1}, {"w": torch.zeros(2)})
+    assert err.value.hint and "--out" in err.value.hint
+    assert list((tmp_path / "out").iterdir()) == []

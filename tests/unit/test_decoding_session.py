@@ -130,3 +130,20 @@ def test_a_family_the_session_does_not_slice_runs_through_its_own_forward() -> N
         speculative_generate(session, prompt, EarlyExitProposer(1), 4, 5)
     with pytest.raises(ValueError, match="sliding"):
         TargetSession(model, sliced=True)
+
+
+def test_a_target_with_recurrent_layers_is_refused_by_name():
+    """Qwen3.5's linear-attention layers keep a recurrent state that cutting the cache cannot take back: a session on
+    such a target is refused, naming the layer type, before anything is drafted (found by the real-shape rehearsal)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainer.errors import ModelFolderError
+
+    config = AutoConfig.for_model(
+        "qwen3_5_text", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ModelFolderError, match=r"linear_attention layers \(layer 0 first, model_type 'qwen3_5_text'\)"):
+        TargetSession(model)

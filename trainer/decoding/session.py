@@ -31,6 +31,7 @@ from transformers import PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 
 from trainer.decoding.cache import compact_cache, new_cache
+from trainer.errors import ModelFolderError
 
 FINAL_PRENORM = -1
 """Hidden-state key of the last layer's output before the final norm (HF's ``hidden_states[L]`` is after it)."""
@@ -58,6 +59,25 @@ def slice_refusal(model: PreTrainedModel) -> str | None:
     if missing or not hasattr(model, "lm_head"):
         return f"{type(model).__name__} lacks {', '.join(missing or ['lm_head'])}"
     return None
+
+
+RECURRENT_LAYER_TYPES = ("linear_attention", "mamba", "conv")
+"""``layer_types`` whose cache is a recurrent state rather than one entry per position."""
+
+
+def check_rollback(config) -> None:
+    """Refuses a target with recurrent layers (Qwen3.5's and Qwen3-Next's linear attention, Mamba): the engine takes a
+    rejected draft back by cutting every layer's cache to the accepted prefix, which a recurrent state, updated in
+    place, cannot be; such a target needs its state saved before each verification, which the engine does not do."""
+    types = list(getattr(config, "layer_types", None) or [])
+    recurrent = sorted({t for t in types if t in RECURRENT_LAYER_TYPES})
+    if recurrent:
+        first = next(i for i, t in enumerate(types) if t in RECURRENT_LAYER_TYPES)
+        raise ModelFolderError(
+            f"the target's layer_types hold {', '.join(recurrent)} layers (layer {first} first, model_type "
+            f"{getattr(config, 'model_type', '?')!r}): speculative decoding takes rejected drafts back by cutting the "
+            "cache, which a recurrent state cannot be; draftsmith's engine does not draft for such targets yet"
+        )
 
 
 @dataclass
@@ -90,6 +110,7 @@ class TargetSession:
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.config = config
         self.num_layers = int(config.num_hidden_layers)
+        check_rollback(config)
         self.refusal = slice_refusal(model)
         if sliced and self.refusal is not None:
             raise ValueError(f"the target's layers cannot be run one slice at a time: {self.refusal}")

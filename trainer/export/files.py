@@ -26,7 +26,13 @@ def write_folder(out_dir: str | Path, config: dict, tensors: dict[str, torch.Ten
     """``config.json`` and the ``weights`` safetensors file in ``out_dir`` (created when missing)."""
     path = Path(out_dir)
     path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / weights), metadata={"format": "pt"})
+    try:
+        save_file(tensors, str(path / weights), metadata={"format": "pt"})
+    except SafetensorError as err:  # safetensors reports a full disk or an I/O error as its own error, not OSError
+        (path / weights).unlink(missing_ok=True)  # a partial file would read as a truncated export
+        raise PathError(
+            f"{path / weights}: could not be written ({err})", "free space on its disk, or choose another --out"
+        ) from err
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path
 

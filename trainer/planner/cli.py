@@ -17,18 +17,24 @@ What is counted, per GPU, for N GPUs (the ZeRO paper's accounting, Adam/AdamW):
   partitions every parameter of the module (the frozen target included) and gathers one layer at a time;
 * drafter weights: P_d x w (w = 4 for 32-true, 2 for bf16/16 precisions); divided by N under ZeRO-3;
 * gradients: P_d x w; divided by N under ZeRO-2 and 3;
-* optimizer states: P_d x K, K = 8 (two fp32 moments) plus 4 for the fp32 master weights under mixed precision;
-  divided by N under ZeRO-1, 2 and 3;
+* optimizer states: P_d x K, K = 8 (two fp32 moments) plus 4 for the fp32 master weights under mixed precision, and
+  under every ZeRO stage (DeepSpeed keeps an fp32 master copy of its partition even of an fp32 model); divided by N
+  under ZeRO-1, 2 and 3;
+* buffers: AdamW's step temporary (torch's foreach update takes the square root of every second moment into new
+  tensors: one copy of the parameters it updates, P_d x 4 / N under ZeRO); DeepSpeed's fp32 gradient of the
+  optimizer's partition (P_d x 4 / N), and under ZeRO-1 and 2 its two gradient buckets of ``reduce_bucket_size``
+  (Lightning's 2e8 elements; fp32 under ZeRO-1, the gradients' dtype under ZeRO-2);
 * activations: the drafter's tensors saved for backward, B x S x (10 H + 4 I + 2 H_kv) x a bytes per layer (a = 4 for
   32-true, else 2; fused attention, no S x S scores) plus its embeddings; the target's largest transient layer under
   no_grad; and the logits: chunked float32 logits of both models (``chunk_size`` positions) for DDP/ZeRO-1/2, plus
   both [B, S, V] logit tensors in the model dtype under ZeRO-3 (the KD objective takes the logits from the forward
   when the output weight is sharded).
 
-Not counted: the framework's own buffers (DeepSpeed bucket sizes, NCCL workspaces, allocator fragmentation, CUDA
-context), usually 1 to 4 GB per GPU; ``--reserve`` subtracts an allowance (default 3 GB) from the GPU memory before
-deciding what fits. tests/unit/test_planner.py checks the parameter, gradient and optimizer counts exactly and the
-activation estimate against tensors measured on CPU for the tiny recipes.
+Not counted: NCCL workspaces, allocator fragmentation and the CUDA context, usually 1 to 3 GB per GPU; ``--reserve``
+subtracts an allowance (default 3 GB) from the GPU memory before deciding what fits. tests/unit/test_planner.py checks
+the parameter, gradient and optimizer counts exactly and the activation estimate against tensors measured on CPU for
+the tiny recipes; ``make rehearse`` compares the estimate of one CPU process (``--cpu``, the row of the recipe's
+strategy) with the peak of real-width fits (docs/benchmarks/rehearsal.md).
 """
 
 from __future__ import annotations
@@ -83,6 +89,7 @@ class Plan:
     chunk_size: int | None
     counts: Counts
     activations: int
+    stage: str = "ddp"  # the row of the recipe's trainer.strategy: zero1-3 for DeepSpeed, else ddp
 
     def estimates(self, gpus: int) -> list[Estimate]:
         """Bytes per GPU (per process) for DDP and ZeRO 1-3."""
@@ -167,7 +174,22 @@ def plan_from_recipe(
         chunk_size=None if chunk is None else int(chunk),
         counts=count(objective),
         activations=activation_bytes(objective, int(batch), int(seq), str(precision), chunk),
+        stage=strategy_stage(recipe.trainer.get("strategy")),
     )
+
+
+def strategy_stage(strategy: Any) -> str:
+    """The estimate row of a recipe's ``trainer.strategy``: ``zeroN`` for DeepSpeed (a class path naming DeepSpeed, its
+    ``init_args.stage``, Lightning's default 2; or a ``deepspeed_stage_N`` name), else ``ddp`` (DDP, and FSDP2 in one
+    process, hold what DDP holds)."""
+    if isinstance(strategy, str):
+        match = re.fullmatch(r"deepspeed(?:_stage_(\d))?(?:_offload)?", strategy)
+        return f"zero{match.group(1) or 2}" if match else "ddp"
+    class_path = str(strategy.get("class_path", "")) if hasattr(strategy, "get") else ""
+    if "deepspeed" not in class_path.lower():
+        return "ddp"
+    stage = (strategy.get("init_args") or {}).get("stage", 2)
+    return f"zero{stage}"
 
 
 def _seq_len(data: Any) -> int:
@@ -199,10 +221,10 @@ def parse_bytes(text: str) -> int:
 def markdown_table(estimates: list[Estimate], budget: int) -> str:
     """A markdown table of the estimates (GiB, or MiB for small runs), with a 'fits' column against ``budget``."""
     unit, scale = ("GiB", GIB) if max(e.total for e in estimates) >= GIB else ("MiB", 1024**2)
-    header = f"| strategy | target {unit} | drafter | grads | optimizer | activations | total {unit} | fits |"
-    rows = [header, "|" + "---|" * 8]
+    header = f"| strategy | target {unit} | drafter | grads | optimizer | activations | buffers | total {unit} | fits |"
+    rows = [header, "|" + "---|" * 9]
     for e in estimates:
-        cells = [e.target_weights, e.drafter_weights, e.gradients, e.optimizer, e.activations, e.total]
+        cells = [e.target_weights, e.drafter_weights, e.gradients, e.optimizer, e.activations, e.buffers, e.total]
         fits = "yes" if e.total <= budget else "no"
         rows.append(f"| {e.stage} | " + " | ".join(f"{c / scale:.1f}" for c in cells) + f" | {fits} |")
     return "\n".join(rows)
@@ -261,9 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     out.append("")
     out.append(f"fits: {', '.join(fitting)}" if fitting else "fits: none (reduce the batch, or add GPUs)")
     if args.cpu:
-        process = plan.estimates(1)[0].total + CPU_RUNTIME_BYTES
+        row = next(e for e in plan.estimates(1) if e.stage == plan.stage)
+        process = row.total + CPU_RUNTIME_BYTES
         out.append(
-            f"one CPU process ({plan.precision}): {process / GIB:.2f} GiB peak resident memory "
+            f"one CPU process ({plan.precision}, {plan.stage}): {process / GIB:.2f} GiB peak resident memory "
             f"({CPU_RUNTIME_BYTES / GIB:.2f} GiB of it the runtime)"
         )
     print("\n".join(out))

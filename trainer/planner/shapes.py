@@ -135,10 +135,40 @@ class Estimate:
     gradients: int
     optimizer: int
     activations: int
+    buffers: int = 0  # AdamW's step temporaries, and DeepSpeed's gradient partition and buckets (zero_buffer_bytes)
 
     @property
     def total(self) -> int:
-        return self.target_weights + self.drafter_weights + self.gradients + self.optimizer + self.activations
+        parts = (self.target_weights, self.drafter_weights, self.gradients, self.optimizer, self.activations)
+        return sum(parts) + self.buffers
+
+
+ZERO_OPTIMIZER_BYTES = 12
+"""Optimizer bytes per trained parameter under every ZeRO stage and precision: DeepSpeed's optimizer keeps an fp32
+master copy of its partition (a clone even when the model is fp32) beside AdamW's two fp32 moments."""
+REDUCE_BUCKET_ELEMENTS = 200_000_000
+"""Lightning's DeepSpeedStrategy ``reduce_bucket_size``: the gradient bucket, allocated twice (``overlap_comm`` and
+``contiguous_gradients`` are on by default) in ZeRO-1 and ZeRO-2 at every backward."""
+
+
+def zero_buffer_bytes(trained: int, stage: int, gpus: int, grad_bytes: int) -> int:
+    """DeepSpeed's buffers beyond the ZeRO paper's accounting, per process, for ``trained`` parameters: the fp32
+    gradient of the optimizer's partition (``single_partition_of_fp32_groups[i].grad``, 4 bytes a parameter over
+    ``gpus``), AdamW's step temporary over that partition (:func:`adamw_step_bytes`), and for stages 1 and 2 the two
+    gradient buckets of :data:`REDUCE_BUCKET_ELEMENTS` (fp32 for ZeRO-1, the gradients' dtype for ZeRO-2; a CPU
+    process touches no more of a bucket than the gradients fill)."""
+    fp32_partition = -(-trained * 4 // gpus)
+    if stage >= 3:
+        return fp32_partition + adamw_step_bytes(fp32_partition)
+    bucket_bytes = 4 if stage == 1 else grad_bytes
+    return fp32_partition + adamw_step_bytes(fp32_partition) + 2 * min(REDUCE_BUCKET_ELEMENTS, trained) * bucket_bytes
+
+
+def adamw_step_bytes(parameter_bytes: int) -> int:
+    """The temporary of one AdamW step over parameters of ``parameter_bytes``: torch's foreach implementation takes
+    the square root of every second moment into new tensors (``_foreach_sqrt``) before the update, one copy of the
+    parameters' size alive at the step's peak."""
+    return parameter_bytes
 
 
 def drafter_activation_bytes(shape: Shape, batch: int, seq: int, act_bytes: int) -> int:
@@ -201,8 +231,9 @@ def estimate(
                 target_weights=shard(p_t * target_w, 3) + gathered_layer,
                 drafter_weights=shard(p_d * w, 3),
                 gradients=shard(p_d * w, 2),
-                optimizer=shard(p_d * k, 1),
+                optimizer=shard(p_d * k, 1) if stage == "ddp" else shard(p_d * ZERO_OPTIMIZER_BYTES, 1),
                 activations=acts + logits_bytes(target, batch, seq, chunk_size, a, sharded=n >= 3),
+                buffers=adamw_step_bytes(p_d * 4) if stage == "ddp" else zero_buffer_bytes(p_d, n, gpus, w),
             )
         )
     return out
@@ -245,8 +276,8 @@ def estimate_counts(counts: Counts, activations: int, gpus: int, precision: str)
     DDP (and a single process: ``gpus=1``, what a CPU fit runs) follows Lightning's precision plugins: the trained
     weights stay in the dtype the objective built them in (cast to half by ``*-true``), their gradients and AdamW's two
     moments have that dtype, and ``*-mixed`` autocast keeps a half copy of every trained weight for backward. ZeRO
-    stages follow DeepSpeed (the ZeRO paper's accounting): half weights and gradients, fp32 master weights and moments
-    (12 bytes) under mixed precision.
+    stages follow DeepSpeed: half weights and gradients under mixed precision, fp32 master weights and moments (12
+    bytes) under every precision, and DeepSpeed's buffers (:func:`zero_buffer_bytes`).
 
     Args:
         counts: what the objective holds.
@@ -265,8 +296,12 @@ def estimate_counts(counts: Counts, activations: int, gpus: int, precision: str)
     frozen_ddp = outside + (2 * counts.frozen_in_tree if p in HALF_TRUE else counts.frozen_in_tree_bytes)
     trained = int(counts.trainable * per)
     autocast_copies = 2 * counts.trainable if p in MIXED and per > 2 else 0
-    out = [Estimate("ddp", frozen_ddp, trained, trained, 2 * trained, activations + autocast_copies)]
-    w, k, _ = precision_bytes(p)
+    out = [
+        Estimate(
+            "ddp", frozen_ddp, trained, trained, 2 * trained, activations + autocast_copies, adamw_step_bytes(trained)
+        )
+    ]
+    w, _, _ = precision_bytes(p)
     for n, stage in ((1, "zero1"), (2, "zero2"), (3, "zero3")):
 
         def shard(x: int, at_stage: int, n: int = n) -> int:
@@ -280,8 +315,9 @@ def estimate_counts(counts: Counts, activations: int, gpus: int, precision: str)
                 target_weights=frozen,
                 drafter_weights=shard(counts.trainable * w, 3),
                 gradients=shard(counts.trainable * w, 2),
-                optimizer=shard(counts.trainable * k, 1),
+                optimizer=shard(counts.trainable * ZERO_OPTIMIZER_BYTES, 1),
                 activations=activations,
+                buffers=zero_buffer_bytes(counts.trainable, n, gpus, w),
             )
         )
     return out
