@@ -408,7 +408,7 @@ class DraftObjective(L.LightningModule):
     def _muon_optimizer(self) -> torch.optim.Optimizer:
         from trainer.muon import MuonWithAdamW, split_for_muon
 
-        if self._trainer is not None and "deepspeed" in type(self.trainer.strategy).__name__.lower():
+        if self._trainer is not None and isinstance(self.trainer.strategy, DeepSpeedStrategy):
             raise RecipeError(
                 "model.init_args.optim.name: muon cannot run under DeepSpeed (it flattens the parameters into 1-D "
                 "partitions; Muon orthogonalises matrices): use DDP or FSDP2, or optim.name: adamw"

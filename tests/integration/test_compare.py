@@ -15,7 +15,7 @@ import yaml
 
 from tests.cli_server import CliServer
 from tests.recipe_runs import RECIPES, TINY_STUDENT
-from trainer.compare.run import Comparison, StageFailed
+from trainer.compare.run import Comparison
 from trainer.compare.run import main as compare_main
 
 pytestmark = pytest.mark.slow
@@ -24,19 +24,17 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def forked_stages(monkeypatch):
     """Comparison's stages run as ``draftsmith ARGS`` in children of one :class:`CliServer`: the same command line,
-    environment, working folder, log (command first) and failure as ``Comparison._run_stage``'s own process."""
+    environment and working folder as ``Comparison._run_command``'s own process, the output in the stage's log."""
     with CliServer() as server:
 
-        def run_stage(self: Comparison, stage: str, args: list[str], log: Path) -> None:
-            log.parent.mkdir(parents=True, exist_ok=True)
-            output = log.with_name(log.name + ".part")
-            result = server.run(args, output, cwd=Path.cwd(), env=self.env, timeout=900)
-            log.write_text("$ draftsmith " + " ".join(args) + "\n" + output.read_text(errors="replace"))
-            output.unlink()
-            if result.status != 0:
-                raise StageFailed(stage, f"draftsmith {args[0]} exited with status {result.status}", log)
+        def run_command(self: Comparison, args: list[str], output) -> int:
+            part = Path(output.name + ".part")
+            result = server.run(args, part, cwd=Path.cwd(), env=self.env, timeout=900)
+            output.write(part.read_text(errors="replace"))
+            part.unlink()
+            return result.status
 
-        monkeypatch.setattr(Comparison, "_run_stage", run_stage)
+        monkeypatch.setattr(Comparison, "_run_command", run_command)
         yield
 
 

@@ -109,15 +109,12 @@ def test_groups_of_one_kind_only_are_refused():
         MuonWithAdamW([], [{"params": [nn.Parameter(torch.zeros(2))], "lr": 0.1}])
 
 
-class CPUDeepSpeedStrategy:  # the name is what the objective looks at
-    pass
-
-
 def test_an_objective_builds_it_and_deepspeed_refuses_it():
     from types import SimpleNamespace
 
     from trainer.errors import RecipeError
     from trainer.objective import DraftObjective, Optim
+    from trainer.strategies import CPUDeepSpeedStrategy
 
     class Objective(DraftObjective):
         def __init__(self) -> None:
@@ -131,6 +128,6 @@ def test_an_objective_builds_it_and_deepspeed_refuses_it():
     objective._trainer = SimpleNamespace(strategy=object())
     optimizer = objective._muon_optimizer()
     assert isinstance(optimizer, MuonWithAdamW) and [g["lr"] for g in optimizer.param_groups] == [0.01] * 3
-    objective._trainer = SimpleNamespace(strategy=CPUDeepSpeedStrategy())
+    objective._trainer = SimpleNamespace(strategy=object.__new__(CPUDeepSpeedStrategy))  # a DeepSpeedStrategy
     with pytest.raises(RecipeError, match="optim.name: muon cannot run under DeepSpeed"):
         objective._muon_optimizer()

@@ -31,6 +31,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import IO
 
 from trainer.compare.config import CompareConfig, CompareConfigError, Method, fill_placeholders, read_config
 from trainer.decoding.options import option_arguments
@@ -316,16 +317,20 @@ class Comparison:
 
     # ---- helpers ---------------------------------------------------------------------------------------------
     def _run_stage(self, stage: str, args: list[str], log: Path) -> None:
-        """``draftsmith ARGS`` in a process of its own (this Python's), its output in ``log``."""
+        """``draftsmith ARGS`` in a process of its own, its command line and output in ``log``."""
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("w") as handle:
             handle.write("$ draftsmith " + " ".join(args) + "\n")
             handle.flush()
-            status = subprocess.run(
-                [sys.executable, "-m", "trainer.cli", *args], stdout=handle, stderr=subprocess.STDOUT, env=self.env
-            ).returncode
+            status = self._run_command(args, handle)
         if status != 0:
             raise StageFailed(stage, f"draftsmith {args[0]} exited with status {status}", log)
+
+    def _run_command(self, args: list[str], output: IO[str]) -> int:
+        """``draftsmith ARGS`` in a fresh process (this Python's), standard output and error to ``output``; its exit
+        status."""
+        command = [sys.executable, "-m", "trainer.cli", *args]
+        return subprocess.run(command, stdout=output, stderr=subprocess.STDOUT, env=self.env).returncode
 
     def say(self, text: str) -> None:
         print(f"[compare {time.strftime('%H:%M:%S')}] {text}", flush=True)
