@@ -1,15 +1,17 @@
-"""Training-time test cost against the unrolled steps K: step time and memory of an EAGLE-3 training step, with and
-without recomputing the earlier TTT steps in backward (``model.recompute``).
+"""Training-time test cost against the drafted tokens K: step time and memory of an EAGLE-3 training step, with and
+without recomputing the earlier TTT steps in backward (``model.recompute``), beside P-EAGLE drafting the same K in one
+parallel pass (``num_depths`` K, COD sampling at the recipe's 0.7 / 0.2 and with every element kept, ``cod_ratio`` 1).
 
     .venv/bin/python bench/bench_eagle3_ttt.py [--hidden 256] [--layers 4] [--vocab 8192] [--seq-len 256] [--batch 2]
 
-A random Llama target of the given shape is saved to a temporary directory; for K = 1, 3, 7, each with
-``recompute`` off and on, one forward and backward of the EAGLE-3 objective is timed (median of a few, the
-configurations taking turns so that load changes hit all alike) and its memory measured once under the profiler:
-``held``, the bytes allocated during the forward pass and still alive when backward starts (what the step keeps for
-backward: saved activations, and with recomputation each step's inputs and outputs), and ``peak``, the highest
-allocation above the start during forward and backward (on CUDA, the allocator's own peak). Printed as ratios to
-K = 1 without recomputation (K = 1 recomputes nothing either way: its only step is the last one).
+A random Llama target of the given shape is saved to a temporary directory; for K = 1, 3, 7, each configuration's
+forward and backward is timed (median of a few, the configurations taking turns so that load changes hit all alike)
+and its memory measured once under the profiler: ``held``, the bytes allocated during the forward pass and still alive
+when backward starts (what the step keeps for backward: saved activations, and with recomputation each step's inputs
+and outputs), and ``peak``, the highest allocation above the start during forward and backward (on CUDA, the
+allocator's own peak). Printed as ratios to EAGLE-3 at K = 1 without recomputation (K = 1 recomputes nothing either
+way: its only step is the last one). COD sampling draws its elements anew each step: P-EAGLE's times are a median over
+draws, its memory one draw.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainer.methods.eagle3.objective import Eagle3
+from trainer.methods.eagle3.peagle_objective import PEagle
+
+COD = {"cod 0.7/0.2": (0.7, 0.2), "cod 1": (1.0, 1.0)}  # P-EAGLE's configurations: (cod_ratio, cod_min_ratio)
 
 
 def memory(step_forward, device: torch.device) -> tuple[int, int]:
@@ -77,18 +82,26 @@ def main() -> None:
         ids = torch.randint(0, args.vocab, (args.batch, args.seq_len), device=device)
         batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.bool)}
         rows = np.random.default_rng(0).integers(0, args.vocab, (64, args.seq_len + 1))
-        objectives = {}
+        objectives: dict[tuple[str, int, str], Eagle3 | PEagle] = {}
         for recompute in (False, True):
             for k in (1, 3, 7):
                 objective = Eagle3(target_dir, draft_vocab_size=args.draft_vocab, ttt_steps=k, recompute=recompute)
                 objective.build_vocab_map(rows, np.ones_like(rows, dtype=bool))
-                objectives[(k, recompute)] = objective.to(device)
+                objectives[("eagle3", k, "recompute" if recompute else "no recompute")] = objective.to(device)
+        for name, (ratio, floor) in COD.items():
+            for k in (1, 3, 7):
+                objective = PEagle(
+                    target_dir, num_depths=k, cod_ratio=ratio, cod_min_ratio=floor, mask_token_id=args.vocab - 1,
+                    draft_vocab_size=args.draft_vocab,
+                )  # fmt: skip
+                objective.install_vocab_map([(rows, np.ones_like(rows, dtype=bool))])
+                objectives[("peagle", k, name)] = objective.to(device)
 
-        def step(objective: Eagle3) -> None:
+        def step(objective: Eagle3 | PEagle) -> None:
             loss, _ = objective.compute_loss(batch)
             loss.backward()
 
-        times: dict[tuple[int, bool], list[float]] = {key: [] for key in objectives}
+        times: dict[tuple[str, int, str], list[float]] = {key: [] for key in objectives}
         for objective in objectives.values():
             step(objective)  # warm-up
         for _ in range(args.repeats):  # round-robin, so that load changes hit every configuration alike
@@ -105,14 +118,16 @@ def main() -> None:
             objective.drafter.zero_grad(set_to_none=True)  # gradients of earlier steps would count as held
             held, peak = memory(lambda o=objective: o.compute_loss(batch)[0], device)
             results[key] = (statistics.median(times[key]), held, peak)
-    t1, h1, p1 = results[(1, False)]
-    print(f"EAGLE-3 TTT step on {device}: target {args.layers}x{args.hidden}, vocab {args.vocab}, "
-          f"draft vocab {args.draft_vocab}, batch {args.batch} x {args.seq_len}")  # fmt: skip
-    header = f"{'K':>3} {'recompute':>9} {'step s':>8} {'time/K=1':>9} {'held MiB':>9} {'held/K=1':>9}"
+    t1, h1, p1 = results[("eagle3", 1, "no recompute")]
+    print(
+        f"EAGLE-3 TTT and P-EAGLE steps on {device}: target {args.layers}x{args.hidden}, vocab {args.vocab}, draft "
+        f"vocab {args.draft_vocab}, batch {args.batch} x {args.seq_len}; ratios to EAGLE-3 at K = 1"
+    )
+    header = f"{'method':>7} {'K':>3} {'setting':>13} {'step s':>8} {'time/K=1':>9} {'held MiB':>9} {'held/K=1':>9}"
     print(header + f" {'peak MiB':>9} {'peak/K=1':>9}")
-    for (k, recompute), (t, h, p) in results.items():
+    for (method, k, setting), (t, h, p) in results.items():
         print(
-            f"{k:>3} {'yes' if recompute else 'no':>9} {t:8.3f} {t / t1:9.2f} {h / 2**20:9.1f} {h / h1:9.2f} "
+            f"{method:>7} {k:>3} {setting:>13} {t:8.3f} {t / t1:9.2f} {h / 2**20:9.1f} {h / h1:9.2f} "
             f"{p / 2**20:9.1f} {p / p1:9.2f}"
         )
 

@@ -2,8 +2,9 @@
 
 A command line of ``draftsmith`` spends about ten seconds importing torch, Lightning and transformers before it reads
 its arguments. :class:`CliServer` starts one Python process that imports them once (``trainer.cli``, Lightning,
-transformers' model code, every method's modules), then forks a child per
-command line: the child sets ``sys.argv``, the working folder and the environment, sends its standard output and error
+transformers' model code, every method's modules), then forks a child per command line: the child starts a
+session of its own (a signal or ``killpg`` reaches it as it would a ``Popen(start_new_session=True)`` process), sets
+``sys.argv``, the working folder and the environment, sends its standard output and error
 to a log file, and runs what the console script runs (``sys.exit(trainer.cli.main())``: an uncaught exception prints
 its traceback through ``sys.excepthook`` and exits 1, a ``SystemExit`` exits with its code, the ``atexit`` handlers
 run). The server imports only: it runs no torch operation before forking, so no thread pool is copied into a child.
@@ -34,6 +35,7 @@ from trainer.registry import kinds
 kinds()  # every method's module
 
 def run(request):
+    os.setsid()  # a session and process group of its own, as Popen(start_new_session=True) gives
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -95,6 +97,33 @@ class CliResult:
         return [line for line in self.output.splitlines() if line.strip()]
 
 
+class CliChild:
+    """A command line :meth:`CliServer.start` started, with ``subprocess.Popen``'s ``pid``, ``returncode``,
+    ``poll`` and ``wait``: its exit status, negative for the signal that killed it."""
+
+    def __init__(self, server: CliServer, pid: int, log: Path) -> None:
+        self.server, self.pid, self.log = server, pid, log
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        """The exit status, or None while it runs."""
+        if self.returncode is None:
+            try:
+                self.returncode = json.loads(self.server._read_line(0.0))["status"]
+            except TimeoutError:
+                return None
+        return self.returncode
+
+    def wait(self, timeout: float) -> int:
+        """The exit status, waiting at most ``timeout`` seconds (``subprocess.TimeoutExpired``)."""
+        if self.returncode is None:
+            try:
+                self.returncode = json.loads(self.server._read_line(timeout))["status"]
+            except TimeoutError:
+                raise subprocess.TimeoutExpired(f"draftsmith child {self.pid}", timeout) from None
+        return self.returncode
+
+
 class CliServer:
     """One process that has imported ``trainer.cli``; :meth:`run` forks it per command line (see the module
     docstring). Use as a context manager, or call :meth:`close`."""
@@ -121,22 +150,17 @@ class CliServer:
         )
         self._pending = b""
 
-    def run(
-        self,
-        args: Sequence[str],
-        log: Path,
-        cwd: Path | None = None,
-        env: Mapping[str, str] | None = None,
-        timeout: float = 300.0,
-    ) -> CliResult:
-        """``draftsmith ARGS`` in a fresh child process; its output goes to ``log``.
+    def start(
+        self, args: Sequence[str], log: Path, cwd: Path | None = None, env: Mapping[str, str] | None = None
+    ) -> CliChild:
+        """``draftsmith ARGS`` in a fresh child process (its own session), not waited for; its output goes to ``log``.
+        One child at a time: wait for it before the next command.
 
         Args:
             args: the arguments after ``draftsmith``.
             log: the file that receives the command's standard output and error.
             cwd: its working folder (default: the repository).
             env: variables added to the server's environment (a value of None removes one).
-            timeout: seconds before the child is killed (the result then says ``timed_out``).
         """
         environment = dict(self.env)
         for key, value in (env or {}).items():
@@ -148,18 +172,31 @@ class CliServer:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write((json.dumps(request) + "\n").encode())
         self.proc.stdin.flush()
-        pid = json.loads(self._read_line(60.0))["pid"]
-        deadline = time.monotonic() + timeout
-        timed_out = False
-        while True:
-            try:
-                reply = self._read_line(max(0.1, deadline - time.monotonic()))
-                break
-            except TimeoutError:
-                timed_out = True
-                os.kill(pid, signal.SIGKILL)
-                deadline = time.monotonic() + 30.0
-        status = json.loads(reply)["status"]
+        return CliChild(self, json.loads(self._read_line(60.0))["pid"], Path(log))
+
+    def run(
+        self,
+        args: Sequence[str],
+        log: Path,
+        cwd: Path | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: float = 300.0,
+    ) -> CliResult:
+        """``draftsmith ARGS`` in a fresh child process, waited for; its output goes to ``log``.
+
+        Args:
+            args: the arguments after ``draftsmith``.
+            log: the file that receives the command's standard output and error.
+            cwd: its working folder (default: the repository).
+            env: variables added to the server's environment (a value of None removes one).
+            timeout: seconds before the child is killed (the result then says ``timed_out``).
+        """
+        child = self.start(args, log, cwd, env)
+        try:
+            status, timed_out = child.wait(timeout), False
+        except subprocess.TimeoutExpired:
+            os.kill(child.pid, signal.SIGKILL)
+            status, timed_out = child.wait(30.0), True
         return CliResult(status, Path(log).read_text(errors="replace"), timed_out)
 
     def _read_line(self, timeout: float) -> str:

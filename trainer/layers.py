@@ -1,7 +1,8 @@
-"""Building blocks that more than one drafter uses: Llama's RMSNorm, the gated (SwiGLU) MLP and the key/value repeat
-of grouped-query attention.
+"""Building blocks that more than one drafter uses: Llama's RMSNorm, the gated (SwiGLU) MLP, the attention's
+projections and the key/value repeat of grouped-query attention.
 
-The parameter names (``weight``; ``gate_proj``, ``up_proj``, ``down_proj``) are the Llama / Qwen checkpoint names,
+The parameter names (``weight``; ``gate_proj``, ``up_proj``, ``down_proj``; ``q_proj``, ``k_proj``, ``v_proj``,
+``o_proj``, ``q_norm``, ``k_norm``) are the Llama / Qwen checkpoint names,
 which the drafters' native exports write as they are: a drafter that uses these blocks keeps the state-dict keys of
 the checkpoints it reads and writes (``midlayer.mlp.gate_proj.weight``, ``layers.0.input_layernorm.weight``, ...).
 """
@@ -63,6 +64,34 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., H] -> [..., H]."""
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))  # inner [..., I]
+
+
+class AttentionProjections(nn.Module):
+    """The projections of a Llama-family attention, no biases: ``q_proj``, ``k_proj``, ``v_proj`` from the input
+    width to the heads, ``o_proj`` from the heads to the output width, and with ``qk_norm_eps`` Qwen3's per-head
+    RMSNorms ``q_norm`` and ``k_norm``. The layer that owns them applies them (its inputs, rotary embedding and mask
+    are its own)."""
+
+    def __init__(
+        self, in_width: int, out_width: int, heads: int, kv_heads: int, head_dim: int, qk_norm_eps: float | None = None
+    ) -> None:
+        """
+        Args:
+            in_width: the width q, k and v are projected from (2H for EAGLE-3's concatenated input).
+            out_width: the width o projects back to (H).
+            heads: query heads.
+            kv_heads: key/value heads (grouped-query attention when fewer than ``heads``).
+            head_dim: D, the width of a head.
+            qk_norm_eps: with a value, per-head RMSNorms of queries and keys with that epsilon; None: none.
+        """
+        super().__init__()
+        self.q_proj = nn.Linear(in_width, heads * head_dim, bias=False)  # [nh D, in]
+        self.k_proj = nn.Linear(in_width, kv_heads * head_dim, bias=False)  # [nkv D, in]
+        self.v_proj = nn.Linear(in_width, kv_heads * head_dim, bias=False)  # [nkv D, in]
+        self.o_proj = nn.Linear(heads * head_dim, out_width, bias=False)  # [out, nh D]
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:

@@ -15,7 +15,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,7 +24,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.recipe_runs import RECIPES, ROOT, kd_override, record_batches, write_override
+from tests.cli_server import CliChild, CliServer
+from tests.recipe_runs import RECIPES, kd_override, record_batches, write_override
 from tests.slurm_cluster import recorded_batches
 from trainer.errors import RecipeError
 from trainer.preemption import PreemptionCheckpoint, default_preemption_checkpoint, exit_status_after_fit
@@ -48,22 +48,22 @@ def _override(run: Path, corpus, target: Path, wait: bool) -> dict:
     return kd_override(run, corpus, target, MAX_STEPS, EVERY_N, callbacks=callbacks)
 
 
-def _start(run: Path, override: dict, name: str, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path]:
+@pytest.fixture(scope="module")
+def cli():
+    """One process that has imported ``trainer.cli``, forked per fit (tests/cli_server.py): each fit is still a fresh
+    process running what the ``draftsmith`` script runs, in a session of its own, without ten seconds of imports."""
+    with CliServer() as server:
+        yield server
+
+
+def _start(cli: CliServer, run: Path, override: dict, name: str, extra: tuple[str, ...] = ()) -> tuple[CliChild, Path]:
     config = write_override(run.parent / f"{name}.yaml", override)
-    script = Path(sys.executable).parent / "draftsmith"
-    cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "trainer.cli"]
-    cmd += ["fit", "--config", str(RECIPES / "quickstart/kd.yaml"), "--config", str(config), *extra]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    env["OMP_NUM_THREADS"] = "1"
+    args = ["fit", "--config", str(RECIPES / "quickstart/kd.yaml"), "--config", str(config), *extra]
     log_path = run.parent / f"{name}.log"
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=run.parent, start_new_session=True
-        )
-    return proc, log_path
+    return cli.start(args, log_path, cwd=run.parent), log_path
 
 
-def _wait_until_waiting(proc: subprocess.Popen, run: Path, log: Path) -> None:
+def _wait_until_waiting(proc: CliChild, run: Path, log: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while not Path(f"{run / 'waiting'}.0").exists():
         assert proc.poll() is None, f"the run ended early:\n{log.read_text()[-4000:]}"
@@ -71,7 +71,7 @@ def _wait_until_waiting(proc: subprocess.Popen, run: Path, log: Path) -> None:
         time.sleep(0.1)
 
 
-def _finish(proc: subprocess.Popen, log: Path, timeout: float = 600.0) -> int:
+def _finish(proc: CliChild, log: Path, timeout: float = 600.0) -> int:
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -90,10 +90,10 @@ def _steps(run: Path) -> list[int]:
     return [json.loads(line)["step"] for line in (run / "batches.jsonl").read_text().splitlines()]
 
 
-def _resume_to_the_end(run: Path, corpus, target: Path, from_step: int) -> None:
+def _resume_to_the_end(cli: CliServer, run: Path, corpus, target: Path, from_step: int) -> None:
     """``--ckpt_path last`` in a fresh process: it starts at ``from_step``, runs to MAX_STEPS and exits 0."""
     before = len(_steps(run))
-    proc, log = _start(run, _override(run, corpus, target, wait=False), "resume", ("--ckpt_path", "last"))
+    proc, log = _start(cli, run, _override(run, corpus, target, wait=False), "resume", ("--ckpt_path", "last"))
     status = _finish(proc, log)
     assert status == 0, log.read_text()[-4000:]
     assert _steps(run)[before:] == list(range(from_step, MAX_STEPS))
@@ -101,10 +101,10 @@ def _resume_to_the_end(run: Path, corpus, target: Path, from_step: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("signum", "status"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
-def test_a_signal_saves_last_ckpt_and_exits_non_zero(tiny_corpus, random_target, tmp_path, signum, status):
+def test_a_signal_saves_last_ckpt_and_exits_non_zero(cli, tiny_corpus, random_target, tmp_path, signum, status):
     run = tmp_path / "run"
     run.mkdir()
-    proc, log = _start(run, _override(run, tiny_corpus, random_target, wait=True), "signalled")
+    proc, log = _start(cli, run, _override(run, tiny_corpus, random_target, wait=True), "signalled")
     try:
         _wait_until_waiting(proc, run, log)
         os.kill(proc.pid, signum)  # the main process only, as `kill PID` does
@@ -120,14 +120,14 @@ def test_a_signal_saves_last_ckpt_and_exits_non_zero(tiny_corpus, random_target,
     assert not list((run / "checkpoints").glob("*.tmp"))
     assert _steps(run) == list(range(SIGNAL_AT))
     if signum == signal.SIGTERM:  # both signals save the same last.ckpt: one resume shows it runs on to the end
-        _resume_to_the_end(run, tiny_corpus, random_target, SIGNAL_AT)
+        _resume_to_the_end(cli, run, tiny_corpus, random_target, SIGNAL_AT)
 
 
 @pytest.mark.slow
-def test_kill_9_keeps_the_last_periodic_checkpoint(tiny_corpus, random_target, tmp_path):
+def test_kill_9_keeps_the_last_periodic_checkpoint(cli, tiny_corpus, random_target, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    proc, log = _start(run, _override(run, tiny_corpus, random_target, wait=True), "killed")
+    proc, log = _start(cli, run, _override(run, tiny_corpus, random_target, wait=True), "killed")
     try:
         _wait_until_waiting(proc, run, log)
     finally:
@@ -135,7 +135,7 @@ def test_kill_9_keeps_the_last_periodic_checkpoint(tiny_corpus, random_target, t
         proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
     assert _ckpt_step(run / "checkpoints" / "last.ckpt") == EVERY_N  # steps 6 and 7 are lost
-    _resume_to_the_end(run, tiny_corpus, random_target, EVERY_N)
+    _resume_to_the_end(cli, run, tiny_corpus, random_target, EVERY_N)
 
 
 class FillDisk(L.Callback):
@@ -178,7 +178,7 @@ def small_disk(tmp_path):
 
 @pytest.mark.slow
 def test_a_disk_that_fills_while_checkpointing_ends_the_fit_with_one_error(
-    tiny_corpus, random_target, tmp_path, small_disk
+    cli, tiny_corpus, random_target, tmp_path, small_disk
 ):
     run = tmp_path / "run"
     run.mkdir()
@@ -188,7 +188,7 @@ def test_a_disk_that_fills_while_checkpointing_ends_the_fit_with_one_error(
     checkpoint.update(dirpath=str(folder), every_n_train_steps=2, save_top_k=0, save_last=True)
     fill = {"class_path": f"{__name__}.FillDisk", "init_args": {"step": 3, "folder": str(small_disk)}}
     override["trainer"]["callbacks"].append(fill)
-    proc, log = _start(run, override, "disk_full")
+    proc, log = _start(cli, run, override, "disk_full")
     status = _finish(proc, log)
     output = log.read_text()
     lines = [line for line in output.splitlines() if line.strip()]

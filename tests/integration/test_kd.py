@@ -45,15 +45,18 @@ def test_student_is_an_hf_checkpoint_and_an_assistant_model(kd_student, tiny_tar
     assert (run / "checkpoints" / "config.yaml").is_file()
 
 
-@pytest.mark.parametrize("stop_at", [4, 5])
-def test_resume_gives_the_same_batches_and_weights(stop_at, tiny_corpus, tiny_target, tmp_path):
+@pytest.mark.parametrize(("stop_at", "optimizer"), [(4, "adamw"), (5, "muon")])
+def test_resume_gives_the_same_batches_and_weights(stop_at, optimizer, tiny_corpus, tiny_target, tmp_path):
     """Stopped at a checkpoint step (4), or between two (5, as trainer.max_time stops: last.ckpt is then written at
-    the end of training by the objective), then resumed from last: the same batches and weights as a straight run."""
+    the end of training by the objective), then resumed from last: the same batches and weights as a straight run,
+    with AdamW and with ``optim.name: muon`` (whose momentum and AdamW moments the checkpoint carries)."""
+    optim = ("--model.init_args.optim.name", optimizer)
     straight = tmp_path / "straight"
     fit(
         "quickstart/kd.yaml",
         kd_override(straight, tiny_corpus, tiny_target, 8, 4, callbacks=[record_batches(straight)]),
         straight,
+        optim,
     )
 
     split = tmp_path / "split"
@@ -62,12 +65,13 @@ def test_resume_gives_the_same_batches_and_weights(stop_at, tiny_corpus, tiny_ta
         "quickstart/kd.yaml",
         kd_override(split, tiny_corpus, tiny_target, 8, 4, callbacks=[record_batches(split), stop]),
         split,
+        optim,
     )
     fit(
         "quickstart/kd.yaml",
         kd_override(split, tiny_corpus, tiny_target, 8, 4, callbacks=[record_batches(split)]),
         split,
-        ("--ckpt_path", "last"),
+        (*optim, "--ckpt_path", "last"),
     )
 
     def lines(run):
@@ -84,6 +88,9 @@ def test_resume_gives_the_same_batches_and_weights(stop_at, tiny_corpus, tiny_ta
     # the tokens seen count on across the resume (what draftsmith compare reports as training tokens)
     assert saved["global_step"] == 8 and saved["tokens_seen"] == 8 * 4 * 64
     assert saved["frozen_models"]["teacher"]["path"] == str(tiny_target)
+    moments = [set(state) for state in saved["optimizer_states"][0]["state"].values()]
+    assert any("exp_avg" in m for m in moments)  # AdamW's, for every parameter or (Muon) the embeddings and vectors
+    assert any("momentum_buffer" in m for m in moments) == (optimizer == "muon")
     a, b = load_file(straight / "student" / "model.safetensors"), load_file(split / "student" / "model.safetensors")
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.layers import GatedMLP, RMSNorm, repeat_kv
+from trainer.layers import AttentionProjections, GatedMLP, RMSNorm, repeat_kv
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
@@ -55,3 +55,21 @@ def test_default_activation_is_silu():
     mlp = GatedMLP(4, 8)
     x = torch.randn(3, 4)
     torch.testing.assert_close(mlp(x), mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x)))
+
+
+@pytest.mark.parametrize("qk_norm_eps", [None, 1e-6])
+def test_attention_projections_hold_the_checkpoint_names_and_shapes(qk_norm_eps):
+    """EAGLE-3's (q/k/v from 2H, no head norms) and DFlash's (from H, Qwen3's q_norm and k_norm) attention weights."""
+    attn = AttentionProjections(32, 16, heads=4, kv_heads=2, head_dim=8, qk_norm_eps=qk_norm_eps)
+    shapes = {name: tuple(t.shape) for name, t in attn.state_dict().items()}
+    expected = {
+        "q_proj.weight": (32, 32),
+        "k_proj.weight": (16, 32),
+        "v_proj.weight": (16, 32),
+        "o_proj.weight": (16, 32),
+    }
+    if qk_norm_eps is not None:
+        expected |= {"q_norm.weight": (8,), "k_norm.weight": (8,)}
+        assert attn.q_norm.eps == qk_norm_eps
+    assert shapes == expected
+    assert all(m.bias is None for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))

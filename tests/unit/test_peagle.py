@@ -83,10 +83,12 @@ def objective(tmp_path, **kwargs) -> PEagle:
     return PEagle(str(tmp_path / "target"), draft_vocab_size=32, target_layers=[0, 1, 2], mask_token_id=63, **kwargs)
 
 
-def test_every_trained_element_is_what_drafting_computes_and_the_loss_is_the_naive_one(tmp_path):
+@pytest.mark.parametrize("loss_mean", ["element", "depth"])
+def test_every_trained_element_is_what_drafting_computes_and_the_loss_is_the_naive_one(tmp_path, loss_mean):
     """Element (a, d) of the parallel pass equals the last logits of a plain forward over entries 0..a and d
-    placeholders (what the proposer runs); the loss is sum_d mean over trained elements of depth d of the soft CE."""
-    obj = objective(tmp_path, num_depths=3, cod_ratio=1.0, step_decay=0.8)
+    placeholders (what the proposer runs); the loss is the soft CE of the trained elements, weighted 0.8 ** d: one
+    mean over all of them (``element``), or the sum over depths of each depth's mean (``depth``)."""
+    obj = objective(tmp_path, num_depths=3, cod_ratio=0.8, step_decay=0.8, loss_mean=loss_mean)
     rows = torch.randint(0, 60, (2, 10), generator=torch.Generator().manual_seed(1))
     obj.install_vocab_map([(rows.numpy(), (rows > 3).numpy())])
     for p in obj.drafter.parameters():
@@ -117,8 +119,11 @@ def test_every_trained_element_is_what_drafting_computes_and_the_loss_is_the_nai
                 if loss_mask[b, lp]:
                     sums[d] += float(-(probs[b, lp] * torch.log_softmax(logits[0, -1], -1)).sum())
                     counts[d] += 1
-        expected = sum(0.8**d * sums[d] / counts[d] for d in range(3))
-    assert counts[2] > 0 and int((depth == 2).sum()) > 0
+        if loss_mean == "depth":
+            expected = sum(0.8**d * sums[d] / counts[d] for d in range(3))
+        else:
+            expected = sum(0.8**d * sums[d] for d in range(3)) / sum(counts)
+    assert counts[0] > counts[1] > counts[2] > 0 and int((depth == 2).sum()) > 0
     torch.testing.assert_close(float(loss), expected, rtol=1e-6, atol=0)
     assert float(metrics["loss_1"]) == pytest.approx(sums[1] / counts[1], rel=1e-6)
 

@@ -358,4 +358,4 @@ def test_bf16_on_a_cpu_without_native_bf16_is_named_and_kept():
 def test_the_cpu_estimate_is_the_row_of_the_recipes_strategy(pieces, stage):
     """``--cpu`` reports the row of the strategy the recipe composes: DeepSpeed's stage, else DDP's."""
     configs = [str(ROOT / "recipes" / "quickstart" / "kd.yaml")] + [str(ROOT / "recipes" / "_base" / p) for p in pieces]
-    assert plan_from_recipe(configs).stage == stage
+    assert plan_from_recipe(configs, target="llama-3.2-1b").stage == stage

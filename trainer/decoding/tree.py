@@ -191,3 +191,12 @@ class DraftTree:
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
         mask.masked_fill_(~allowed, torch.finfo(dtype).min)
         return mask[None, None]
+
+
+def check_tree_search(top_k: int, budget: int, rank_temperature: float) -> None:
+    """Refuse the settings of a best-first tree search that build no tree (ValueError naming the value): ``top_k``
+    children per node and ``budget`` nodes, both at least 1, ranked at a positive ``rank_temperature``."""
+    if top_k < 1 or budget < 1:
+        raise ValueError(f"top_k and budget must be >= 1, got top_k={top_k}, budget={budget}")
+    if rank_temperature <= 0:
+        raise ValueError(f"rank_temperature must be > 0, got {rank_temperature}")

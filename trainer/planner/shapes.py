@@ -11,7 +11,6 @@ from typing import Any
 from trainer.errors import ModelFolderError, RecipeError, UsageError
 
 GIB = 1024**3
-STAGES = ("ddp", "zero1", "zero2", "zero3")
 
 # Hub-free shapes (Llama 3 family, from their published config.json files).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -171,6 +170,36 @@ def adamw_step_bytes(parameter_bytes: int) -> int:
     return parameter_bytes
 
 
+def zero_row(
+    stage: int,
+    trained: int,
+    weight_bytes: int,
+    gpus: int,
+    frozen: int,
+    frozen_sharded: int,
+    gathered: int,
+    activations: int,
+) -> Estimate:
+    """The bytes per process of ZeRO stage ``stage`` (1-3), the one row builder of :func:`estimate` and
+    :func:`estimate_counts`: ``trained`` parameters in weights and gradients of ``weight_bytes`` (partitioned from
+    stage 3 and 2), DeepSpeed's 12 optimizer bytes each (partitioned from stage 1) and its buffers
+    (:func:`zero_buffer_bytes`); frozen bytes ``frozen`` kept whole plus ``frozen_sharded`` partitioned from stage 3,
+    where the largest layer, ``gathered`` bytes, is gathered whole for its forward."""
+
+    def shard(x: int, at_stage: int) -> int:
+        return -(-x // gpus) if stage >= at_stage else x  # ceil division from that stage on
+
+    return Estimate(
+        stage=f"zero{stage}",
+        target_weights=frozen + shard(frozen_sharded, 3) + (gathered if stage >= 3 else 0),
+        drafter_weights=shard(trained * weight_bytes, 3),
+        gradients=shard(trained * weight_bytes, 2),
+        optimizer=shard(trained * ZERO_OPTIMIZER_BYTES, 1),
+        activations=activations,
+        buffers=zero_buffer_bytes(trained, stage, gpus, weight_bytes),
+    )
+
+
 def drafter_activation_bytes(shape: Shape, batch: int, seq: int, act_bytes: int) -> int:
     """Tensors the drafter saves for backward: per layer, norms' inputs and outputs, q/k/v/attention output, MLP."""
     h, i = shape.hidden_size, shape.intermediate_size
@@ -217,25 +246,12 @@ def estimate(
     target_w = 4 if str(precision) in ("32", "32-true") else 2
     p_t, p_d = target.parameters(), drafter.parameters()
     acts = drafter_activation_bytes(drafter, batch, seq, a) + target_activation_bytes(target, batch, seq, a)
-    out = []
-    for stage in STAGES:
-        n = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[stage]
-
-        def shard(x: int, at_stage: int, n: int = n) -> int:
-            return -(-x // gpus) if n >= at_stage else x  # ceil division from that stage on
-
-        gathered_layer = target.layer_parameters() * target_w if n >= 3 else 0
-        out.append(
-            Estimate(
-                stage=stage,
-                target_weights=shard(p_t * target_w, 3) + gathered_layer,
-                drafter_weights=shard(p_d * w, 3),
-                gradients=shard(p_d * w, 2),
-                optimizer=shard(p_d * k, 1) if stage == "ddp" else shard(p_d * ZERO_OPTIMIZER_BYTES, 1),
-                activations=acts + logits_bytes(target, batch, seq, chunk_size, a, sharded=n >= 3),
-                buffers=adamw_step_bytes(p_d * 4) if stage == "ddp" else zero_buffer_bytes(p_d, n, gpus, w),
-            )
-        )
+    ddp_activations = acts + logits_bytes(target, batch, seq, chunk_size, a, sharded=False)
+    out = [Estimate("ddp", p_t * target_w, p_d * w, p_d * w, p_d * k, ddp_activations, adamw_step_bytes(p_d * 4))]
+    gathered = target.layer_parameters() * target_w
+    for n in (1, 2, 3):
+        activations = acts + logits_bytes(target, batch, seq, chunk_size, a, sharded=n >= 3)
+        out.append(zero_row(n, p_d, w, gpus, 0, p_t * target_w, gathered, activations))
     return out
 
 
@@ -302,22 +318,7 @@ def estimate_counts(counts: Counts, activations: int, gpus: int, precision: str)
         )
     ]
     w, _, _ = precision_bytes(p)
-    for n, stage in ((1, "zero1"), (2, "zero2"), (3, "zero3")):
-
-        def shard(x: int, at_stage: int, n: int = n) -> int:
-            return -(-x // gpus) if n >= at_stage else x  # ceil division from that stage on
-
-        in_tree = 2 * counts.frozen_in_tree if w == 2 else counts.frozen_in_tree_bytes  # DeepSpeed casts to half
-        frozen = outside + shard(in_tree, 3) + (counts.largest_layer_bytes if n >= 3 else 0)
-        out.append(
-            Estimate(
-                stage=stage,
-                target_weights=frozen,
-                drafter_weights=shard(counts.trainable * w, 3),
-                gradients=shard(counts.trainable * w, 2),
-                optimizer=shard(counts.trainable * ZERO_OPTIMIZER_BYTES, 1),
-                activations=activations,
-                buffers=zero_buffer_bytes(counts.trainable, n, gpus, w),
-            )
-        )
+    in_tree = 2 * counts.frozen_in_tree if w == 2 else counts.frozen_in_tree_bytes  # DeepSpeed casts to half
+    for n in (1, 2, 3):
+        out.append(zero_row(n, counts.trainable, w, gpus, outside, in_tree, counts.largest_layer_bytes, activations))
     return out

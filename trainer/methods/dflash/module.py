@@ -49,7 +49,7 @@ from transformers.activations import ACT2FN
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from trainer.block_attention import Impl, anchored_block_attention
-from trainer.layers import GatedMLP, RMSNorm, repeat_kv
+from trainer.layers import AttentionProjections, GatedMLP, RMSNorm, repeat_kv
 from trainer.methods.dflash.heads import ConfidenceHead, MarkovHead, check_heads
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -260,24 +260,6 @@ class DFlashConfig:
         )
 
 
-class DFlashAttention(nn.Module):
-    """Projections and per-head norms of one draft layer's attention."""
-
-    def __init__(self, config: DFlashConfig) -> None:
-        """
-        Args:
-            config: the drafter's shape.
-        """
-        super().__init__()
-        c = config
-        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
-        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-
-
 class DFlashLayer(nn.Module):
     """One draft layer: keys and values over the context and the block, queries from the block only."""
 
@@ -288,7 +270,10 @@ class DFlashLayer(nn.Module):
         """
         super().__init__()
         self.config = config
-        self.self_attn = DFlashAttention(config)
+        c = config
+        self.self_attn = AttentionProjections(
+            c.hidden_size, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+        )
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, ACT2FN[config.hidden_act])
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.decoding.proposers import BaseProposer, ProposalContext
-from trainer.decoding.tree import DraftTree
+from trainer.decoding.tree import DraftTree, check_tree_search
 from trainer.methods.dflash.module import KV, DFlashDrafter
 
 
@@ -205,10 +205,7 @@ class DFlashTreeProposer(DFlashProposer):
             rank_temperature: temperature of the drafter's log-probabilities that score the paths.
         """
         super().__init__(drafter, embedding, lm_head)
-        if top_k < 1 or budget < 1:
-            raise ValueError(f"top_k and budget must be >= 1, got top_k={top_k}, budget={budget}")
-        if rank_temperature <= 0:
-            raise ValueError(f"rank_temperature must be > 0, got {rank_temperature}")
+        check_tree_search(top_k, budget, rank_temperature)
         self.top_k, self.budget, self.rank_temperature = top_k, budget, rank_temperature
 
     @torch.no_grad()

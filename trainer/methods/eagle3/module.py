@@ -32,7 +32,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from trainer.block_attention import Impl, resolve_impl, ttt_flex_attention
-from trainer.layers import GatedMLP, RMSNorm, repeat_kv
+from trainer.layers import AttentionProjections, GatedMLP, RMSNorm, repeat_kv
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
@@ -157,22 +157,6 @@ class Eagle3Config:
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 
-class Attention(nn.Module):
-    """Projections of the EAGLE-3 attention: q/k/v from width 2H, o back to H."""
-
-    def __init__(self, config: Eagle3Config) -> None:
-        """
-        Args:
-            config: the drafter's shape.
-        """
-        super().__init__()
-        c = config
-        self.q_proj = nn.Linear(2 * c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
-
-
 class MidLayer(nn.Module):
     """The EAGLE-3 decoder layer (``midlayer`` in the native format)."""
 
@@ -185,7 +169,10 @@ class MidLayer(nn.Module):
         self.config = config
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        c = config
+        self.self_attn = AttentionProjections(  # q/k/v from the concatenated [embeds; hidden], 2H wide
+            2 * c.hidden_size, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 

@@ -21,6 +21,7 @@ attention. Only online target signals are supported.
 from __future__ import annotations
 
 import logging
+from typing import Literal
 
 import torch
 from torch import nn
@@ -74,6 +75,7 @@ class PEagle(DraftObjective):
         draft_vocab_size: int = 32000,
         target_layers: list[int] | None = None,
         step_decay: float = 1.0,
+        loss_mean: Literal["element", "depth"] = "element",
         init_from: str | None = None,
         target_dtype: str = "float32",
         drafter_dtype: str = "float32",
@@ -98,7 +100,10 @@ class PEagle(DraftObjective):
             draft_vocab_size: size of the reduced draft vocabulary (the most frequent trained tokens).
             target_layers: the target layers fused by the drafter, in HF hidden_states indices; None uses 2, L // 2,
                 L - 3.
-            step_decay: weight of depth d's mean loss is step_decay ** d.
+            step_decay: the loss weight of depth d is step_decay ** d.
+            loss_mean: "element", one mean over every trained element (deeper depths, sampled less, count less:
+                speculators' reduction, which measured better, docs/methods/peagle.md); "depth", the sum of the
+                per-depth means (every depth counted alike).
             init_from: a training checkpoint or export of a P-EAGLE drafter to start from (weights, shape, vocabulary
                 map and placeholder token).
             target_dtype: the target's weights dtype.
@@ -124,7 +129,7 @@ class PEagle(DraftObjective):
         if norm_before_fc and fc_norm:
             raise RecipeError("model.norm_before_fc and model.fc_norm are mutually exclusive: set one of them")
         self.num_depths, self.cod_ratio, self.cod_min_ratio = num_depths, cod_ratio, cod_min_ratio
-        self.step_decay, self.attention = step_decay, attention
+        self.step_decay, self.loss_mean, self.attention = step_decay, loss_mean, attention
         frozen = self.load_target(target, "online", target_dtype, trust_remote_code)
         torch.manual_seed(seed)
         self.sampler = torch.Generator().manual_seed(seed)
@@ -234,20 +239,24 @@ class PEagle(DraftObjective):
         mask = valid & loss_mask.gather(1, label).bool()  # [B, N]
         labels = probs.gather(1, label[..., None].expand(B, N, probs.shape[-1]))  # [B, N, Vd]
         per = -(labels * torch.log_softmax(logits.float(), dim=-1)).sum(-1)  # [B, N]
-        total = logits.new_zeros((), dtype=torch.float32)
+        weight = self.step_decay ** depth.float()  # [B, N]
         metrics: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             hits = drafter.to_target_ids(logits.argmax(-1)) == target_argmax.gather(1, label)  # [B, N]
+        depth_total = logits.new_zeros((), dtype=torch.float32)
         for d in range(self.num_depths):
             m = (mask & (depth == d)).float()
             if not bool(m.any()):
                 continue
             loss_d = (per * m).sum() / m.sum()
-            total = total + self.step_decay**d * loss_d
+            depth_total = depth_total + self.step_decay**d * loss_d
             metrics[f"loss_{d}"] = loss_d.detach()
             metrics[f"acc_{d}"] = (hits.float() * m).sum() / m.sum()
         metrics["elements"] = valid.sum().float() / B
-        return total, metrics
+        if self.loss_mean == "depth":
+            return depth_total, metrics
+        m = mask.float()
+        return (per * weight * m).sum() / m.sum().clamp(min=1.0), metrics
 
     def flops_per_token(self) -> float:
         share = sum(max(self.cod_ratio**d, self.cod_min_ratio) for d in range(self.num_depths))

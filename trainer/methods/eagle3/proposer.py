@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from trainer.decoding.proposers import BaseProposer, ChainCut, ProposalContext, draft_confidence
-from trainer.decoding.tree import DraftTree
+from trainer.decoding.tree import DraftTree, check_tree_search
 from trainer.methods.eagle3.module import Eagle3Drafter
 
 
@@ -176,10 +176,7 @@ class Eagle3TreeProposer(_Eagle3Base):
                 ranking; lower spends the budget on depth where the drafter's argmax is clear, see the module doc).
         """
         super().__init__(drafter, embedding)
-        if top_k < 1 or budget < 1:
-            raise ValueError(f"top_k and budget must be >= 1, got top_k={top_k}, budget={budget}")
-        if rank_temperature <= 0:
-            raise ValueError(f"rank_temperature must be > 0, got {rank_temperature}")
+        check_tree_search(top_k, budget, rank_temperature)
         self.top_k, self.budget, self.rank_temperature = top_k, budget, rank_temperature
 
     @torch.no_grad()
