@@ -2,10 +2,10 @@
 that the path is accepted falls under the threshold.
 
 - :meth:`DraftTree.cut` against a naive reference (paths from the root, the sibling rule for sampled nodes);
-- every kind that estimates (draft model, EAGLE-3 chain and tree, Medusa and MTP heads chain and tree, MTP modules
-  chain and tree) stays lossless with the threshold on: greedy output identical to the target's, on random float64
-  tiny targets, with rounds of really varying length; what a sequential drafter stops is what the engine would cut
-  (a shadow proposer drafting the whole chain checks each round);
+- every kind that estimates (draft model, EAGLE-3 and P-EAGLE chain and tree, Medusa and MTP heads chain and tree,
+  MTP modules chain and tree) stays lossless with the threshold on: greedy output identical to the target's, on
+  random float64 tiny targets, with rounds of really varying length; what a sequential drafter stops is what the
+  engine would cut (a shadow proposer drafting the whole chain checks each round);
 - sampling stays exact: the estimate of a sampled draft never depends on the token drawn (checked per kind), and a
   chi-square test shows the committed tokens distributed as the target's with a cut on the distributions, and not
   with a cut on the drawn token's own probability (the mistake the rule avoids);
@@ -37,6 +37,8 @@ from trainer.decoding.verify import sampling_verify_chain
 from trainer.errors import UsageError
 from trainer.methods.draft_model.proposer import DraftModelProposer
 from trainer.methods.eagle3.module import Eagle3Config, Eagle3Drafter
+from trainer.methods.eagle3.peagle_module import PEagleConfig, PEagleDrafter
+from trainer.methods.eagle3.peagle_proposer import PEagleProposer
 from trainer.methods.eagle3.proposer import Eagle3Proposer, Eagle3TreeProposer
 from trainer.methods.eagle3.vocab_map import build_vocab_map
 from trainer.methods.medusa.module import MedusaConfig, MedusaDrafter
@@ -157,6 +159,13 @@ def build(kind: str):
         if kind == "eagle3-chain":
             return target, lambda: Eagle3Proposer(drafter, embedding), True, True
         return target, lambda: Eagle3TreeProposer(drafter, embedding, top_k=3, budget=10), True, False
+    if kind.startswith("peagle"):
+        base = Eagle3Config.from_target(target.config, draft_vocab_size=V // 2)
+        drafter = PEagleDrafter(PEagleConfig(**base.to_dict(), mask_token_id=V - 1)).to(torch.float64)
+        drafter.set_vocab_map(*build_vocab_map(torch.randint(0, 50, (V,)), V // 2))
+        sharpened(drafter.lm_head, 40.0)
+        choices = ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)) if "tree" in kind else None
+        return target, lambda: PEagleProposer(drafter, 4, choices), False, True
     if kind.startswith("medusa"):
         drafter = MedusaDrafter(MedusaConfig(hidden_size=32, vocab_size=V, num_heads=4, num_layers=1)).double()
         with torch.no_grad():
@@ -210,8 +219,8 @@ class Shadowed(BaseProposer):
 
 
 KINDS = [
-    "draft-model", "eagle3-chain", "eagle3-tree", "medusa-chain", "medusa-tree", "mtp_heads-chain",
-    "mtp_heads-tree", "mtp-chain", "mtp-tree",
+    "draft-model", "eagle3-chain", "eagle3-tree", "peagle-chain", "peagle-tree", "medusa-chain", "medusa-tree",
+    "mtp_heads-chain", "mtp_heads-tree", "mtp-chain", "mtp-tree",
 ]  # fmt: skip
 
 

@@ -11,6 +11,7 @@ import torch
 from tests.helpers import tiny_llama
 from trainer.decoding.generate import speculative_generate
 from trainer.decoding.head_tree import (
+    MEDUSA_SPARSE_TREE,
     chain,
     check_choices,
     head_accuracy,
@@ -19,7 +20,6 @@ from trainer.decoding.head_tree import (
 )
 from trainer.decoding.heads_proposer import ParallelHeadsProposer
 from trainer.decoding.proposers import NoProposer
-from trainer.methods.medusa.proposer import MEDUSA_SPARSE_TREE
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from tests.helpers import tiny_llama
 from trainer.decoding.generate import speculative_generate
+from trainer.decoding.head_tree import MEDUSA_SPARSE_TREE
 from trainer.decoding.proposers import NoProposer
 from trainer.methods.medusa.export import (
     TGI_WEIGHTS,
@@ -25,7 +26,7 @@ from trainer.methods.medusa.export import (
 )
 from trainer.methods.medusa.module import MedusaConfig, MedusaDrafter
 from trainer.methods.medusa.objective import Medusa, shifted, warmup_factor
-from trainer.methods.medusa.proposer import MEDUSA_SPARSE_TREE, MedusaProposer
+from trainer.methods.medusa.proposer import MedusaProposer
 from trainer.registry import load_drafter, recognise
 
 pytestmark = pytest.mark.usefixtures("one_thread")

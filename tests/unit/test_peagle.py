@@ -13,6 +13,7 @@ from torch import nn
 from tests.helpers import tiny_llama
 from tests.integration.test_eagle3_offline import tiny_llama as saved_llama
 from trainer.decoding.generate import speculative_generate
+from trainer.decoding.head_tree import MEDUSA_SPARSE_TREE
 from trainer.decoding.proposers import NoProposer, ProposalContext
 from trainer.errors import ModelFolderError, RecipeError
 from trainer.methods.eagle3.module import Eagle3Config
@@ -148,7 +149,7 @@ def test_greedy_drafting_is_lossless_and_one_forward_per_round(seed):
     drafter = drafter_for(target, seed, fc_norm=True)
     calls, rounds = [], []
     drafter.register_forward_hook(lambda *_: calls.append(1))
-    proposer = PEagleProposer(drafter)
+    proposer = PEagleProposer(drafter, 4)
     propose = proposer.propose
     proposer.propose = lambda ctx: rounds.append(ctx.k) or propose(ctx)
     prompt = torch.randint(0, 95, (12,))
@@ -160,6 +161,26 @@ def test_greedy_drafting_is_lossless_and_one_forward_per_round(seed):
         assert len(calls) == len(rounds) and max(rounds) == k  # the whole chain in one drafter forward per round
 
 
+@pytest.mark.parametrize("choices", [MEDUSA_SPARSE_TREE, ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))])
+def test_tree_drafting_is_lossless_and_one_forward_per_round(choices):
+    """A tree of the depths' top-k paths (the Medusa paper's for 4 depths, and a small one) from one forward a round:
+    greedy output identical to the target's, and more tokens a round than the chain of the same drafter."""
+    target = tiny_llama(2, 96, layers=4)
+    drafter = drafter_for(target, 2)
+    prompt = torch.randint(0, 95, (12,))
+    alone = speculative_generate(target, prompt, NoProposer(), k=0, max_new_tokens=30)
+    calls, rounds = [], []
+    drafter.register_forward_hook(lambda *_: calls.append(1))
+    proposer = PEagleProposer(drafter, 4, choices)
+    propose = proposer.propose
+    proposer.propose = lambda ctx: rounds.append(ctx.k) or propose(ctx)
+    tree = speculative_generate(target, prompt, proposer, k=4, max_new_tokens=30)
+    assert tree.tokens == alone.tokens
+    assert len(calls) == len(rounds) > 0 and max(r.nodes for r in tree.rounds) == len(choices)  # one forward a round
+    chain = speculative_generate(target, prompt, PEagleProposer(drafter, 4), k=4, max_new_tokens=30)
+    assert chain.tokens == alone.tokens and len(tree.rounds) <= len(chain.rounds)
+
+
 def test_drafts_are_the_depths_argmax_and_sampled_ones_carry_their_distributions():
     target = tiny_llama(3, 96, layers=4)
     drafter = drafter_for(target, 3)
@@ -167,7 +188,7 @@ def test_drafts_are_the_depths_argmax_and_sampled_ones_carry_their_distributions
     with torch.no_grad():
         out = target(tokens[None, :-1], output_hidden_states=True)
     hidden = {i: out.hidden_states[i][0] for i in drafter.config.aux_layers}
-    tree = PEagleProposer(drafter).propose(ProposalContext(tokens=tokens, k=3, vocab_size=96, hidden_states=hidden))
+    tree = PEagleProposer(drafter, 4).propose(ProposalContext(tokens=tokens, k=3, vocab_size=96, hidden_states=hidden))
     with torch.no_grad():  # depth d: a plain forward over the committed entries and d placeholders
         fused = drafter.fuse([hidden[i][None] for i in drafter.config.aux_layers])
         embeds = drafter.embed_tokens(tokens[1:][None])
@@ -176,7 +197,7 @@ def test_drafts_are_the_depths_argmax_and_sampled_ones_carry_their_distributions
     assert torch.equal(tree.tokens, drafter.to_target_ids(logits[0, -3:].argmax(-1)))
     g = torch.Generator().manual_seed(0)
     ctx = ProposalContext(tokens=tokens, k=3, temperature=0.7, generator=g, vocab_size=96, hidden_states=hidden)
-    sampled = PEagleProposer(drafter).propose(ctx)
+    sampled = PEagleProposer(drafter, 4).propose(ctx)
     assert sampled.is_chain() and sampled.probs.shape == (3, 96)
     torch.testing.assert_close(sampled.probs.sum(-1), torch.ones(3, dtype=sampled.probs.dtype))
     assert bool((sampled.probs[:, ~drafter.t2d] == 0).all()) and bool(
@@ -198,7 +219,7 @@ def test_speculative_sampling_with_peagle_is_distributed_as_the_target():
     expected = exact_joint(target, prompt, length, 1.0) * n
     counts = torch.zeros([vocab] * length)
     gen = torch.Generator().manual_seed(0)
-    proposer = PEagleProposer(drafter)
+    proposer = PEagleProposer(drafter, 4)
     for _ in range(n):
         result = speculative_generate(target, prompt, proposer, 2, length, 1.0, generator=gen)
         counts[tuple(result.tokens)] += 1
@@ -224,9 +245,8 @@ def test_export_round_trip_and_refusals(tmp_path):
     hidden = {i: out.hidden_states[i][0] for i in drafter.config.aux_layers}
     for model in (drafter, reloaded.double()):
         ctx = ProposalContext(tokens=tokens, k=4, vocab_size=96, hidden_states=hidden)
-        assert (
-            PEagleProposer(model).propose(ctx).tokens.tolist() == PEagleProposer(drafter).propose(ctx).tokens.tolist()
-        )
+        ours, reference = PEagleProposer(model, 4).propose(ctx), PEagleProposer(drafter, 4).propose(ctx)
+        assert ours.tokens.tolist() == reference.tokens.tolist()
     config["mask_token_id"] = None
     (tmp_path / "export" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelFolderError, match="mask_token_id must be a token id"):

@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise UsageError(
                     f"--accept_threshold {','.join(f'{t:g}' for t in groups[options])}: the drafter "
                     f"{args.drafter} ({type(proposer).__name__}) gives no estimate of its acceptance to cut drafts by",
-                    hint="drop --accept_threshold (or give 0); eagle3, dflash, medusa, mtp_heads, mtp and draft models "
+                    hint="drop --accept_threshold (or give 0); eagle3, peagle, dflash, medusa, mtp_heads, mtp and draft models "
                     "estimate it",
                 )
     except UserError:

@@ -40,6 +40,7 @@ class ParallelHeadsProposer(BaseProposer):
     count; :meth:`write_tree` writes the best tree for a node budget from the heads' accuracy measured on prompts."""
 
     estimates_acceptance = True
+    drafters_name = "heads"  # what drafts a depth each, in messages
 
     def __init__(self, layer: int, num_heads: int, choices: Sequence[Sequence[int]] | None = None) -> None:
         """
@@ -74,7 +75,8 @@ class ParallelHeadsProposer(BaseProposer):
             return DraftTree.empty(ctx.tokens.device)
         if ctx.k > self.max_drafts:
             raise ValueError(
-                f"{ctx.k} drafts per round asked of {self.max_drafts} heads: use --k {self.max_drafts} or less"
+                f"{ctx.k} drafts per round asked of {self.max_drafts} {self.drafters_name}: use --k {self.max_drafts} "
+                "or less"
             )
         logits = self.head_logits(ctx)[:, : ctx.vocab_size]  # [K, V]
         if self.recorded is not None:

@@ -49,18 +49,18 @@ class ProposerOptions:
     reads what applies to it and refuses what does not).
 
     Attributes:
-        tree: draft a tree instead of a chain (eagle3, dflash, medusa, mtp_heads, mtp; greedy verification, a
+        tree: draft a tree instead of a chain (eagle3, peagle, dflash, medusa, mtp_heads, mtp; greedy verification, a
             sampled chain at a temperature).
         tree_nodes: the tree's node budget (draft tokens verified in one target forward).
         tree_top_k: children per expanded tree node, and nodes expanded per depth.
         rank_temperature: temperature of the log-probabilities that rank tree nodes.
-        tree_choices: parallel heads: the tree's paths of per-head top-k ranks (None: the kind's default); on the
+        tree_choices: parallel heads and P-EAGLE: the tree's paths of per-head (per-depth) top-k ranks (None: the kind's default); on the
             command line a JSON file of them (``draftsmith eval --write_tree FILE`` writes one).
         exit_layer: self-speculative drafters (early-exit, LayerSkip): the layer the draft exits at; on the command
             line also a sweep such as 1,2,3 (one report each, in OUT/exit_<E>).
         accept_threshold: dynamic draft length: stop a chain, or prune a tree, where the drafter's predicted
             chance that the path is accepted (the product of its drafts' probabilities) falls under this value, in
-            [0, 1]; 0 is off (eagle3, dflash, medusa, mtp_heads, mtp, draft models); on the command line also a
+            [0, 1]; 0 is off (eagle3, peagle, dflash, medusa, mtp_heads, mtp, draft models); on the command line also a
             sweep such as 0,0.1,0.3 (side by side in one report).
     """
 

@@ -2,7 +2,8 @@
 
 Registered from kind.py (the registry imports one ``kind`` module per method folder, and P-EAGLE shares the EAGLE-3
 module, vocabulary map and exporters). Exported in the speculators format ``peagle-speculators``
-(peagle_export.py); drafted as a chain by peagle_proposer.py, on the drafter's own trained embedding.
+(peagle_export.py); drafted as a chain or a tree of the depths' top-k paths by peagle_proposer.py, on the drafter's
+own trained embedding.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from transformers import PreTrainedModel
 
+from trainer.decoding.head_tree import MEDUSA_SPARSE_TREE
 from trainer.decoding.options import ProposerOptions
 from trainer.errors import UsageError
 from trainer.export.files import folder_config
@@ -44,11 +46,24 @@ def write(drafter: PEagleDrafter, record: DrafterRecord, out_dir: Path) -> Path:
     return save_peagle(drafter, str(out_dir), record.target, record.draft_tokens, record.target_architectures)
 
 
+DEFAULT_DEPTHS = 4
+"""The drafts per forward of a folder that does not say (the objective's default ``num_depths``)."""
+
+
 def proposer(drafter: PEagleDrafter, record: DrafterRecord, target: PreTrainedModel, options: ProposerOptions):
-    """Chain drafting, K drafts in one forward (no tree)."""
+    """K drafts in one forward: the depths' argmax chain, or a tree of their top-k paths (``options.tree_choices``;
+    the Medusa paper's tree for 4 depths by default)."""
+    depths = record.draft_tokens or DEFAULT_DEPTHS
+    choices = None
     if options.tree:
-        raise UsageError("--tree: a P-EAGLE drafter drafts a chain in one forward; drop --tree")
-    return PEagleProposer(drafter)
+        choices = options.tree_choices
+        if choices is None and depths != 4:
+            raise UsageError(
+                f"--tree for a P-EAGLE drafter of {depths} depths needs --tree_choices FILE (the default tree is the "
+                "Medusa paper's, for 4; draftsmith eval --write_tree FILE builds one from the depths' accuracy)"
+            )
+        choices = choices or MEDUSA_SPARSE_TREE
+    return PEagleProposer(drafter, depths, choices)
 
 
 SPECULATORS = ExportFormat(

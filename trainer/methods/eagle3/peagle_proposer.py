@@ -1,35 +1,50 @@
-"""P-EAGLE proposer: K drafts in one drafter forward (peagle_module.py).
+"""P-EAGLE proposer: K drafts in one drafter forward (peagle_module.py), as a chain or a tree.
 
 The drafter's cache holds the depth-0 element of every committed position, as EAGLE-3's proposer keeps it
 (proposer.py): each round's forward appends the positions whose target hidden states arrived with the context and, in
 the same forward, ``k - 1`` placeholders (``mask_hidden``, ``mask_token_id``) of the last one at positions
 ``T - 1 .. T + k - 3``. The last new entry's logits give draft 1 and placeholder ``d`` gives draft ``d + 1``; the
 placeholders see the whole cache, the new entries and the placeholders before them (peagle_module.peagle_mask), and
-are dropped after the round. The drafts of one round do not see each other's tokens (that is what makes them parallel):
-greedy drafts are each depth's argmax, sampled ones are drawn from each depth's distribution, which speculative
-sampling accepts losslessly as it does any draft distribution.
+are dropped after the round.
+
+The drafts of one round do not see each other's tokens (that is what makes them parallel), so depth ``d``'s
+distribution is that of a parallel head: the round is drafted as Medusa's and the MTP heads' are
+(trainer/decoding/heads_proposer.py), from the depths' logits over the target's vocabulary (the draft vocabulary's
+logits in place, every other token at minus infinity). Greedy drafts are each depth's argmax, sampled ones are drawn
+from each depth's distribution (speculative sampling accepts them losslessly); with ``choices`` the round is the tree
+of those top-k paths; with ``ctx.accept_threshold`` every draft carries its depth's probability of it, from which the
+engine cuts the round (dynamic draft length; the forward is one either way, so the cut saves verification).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from trainer.decoding.proposers import BaseProposer, ProposalContext
+from trainer.decoding.heads_proposer import ParallelHeadsProposer
+from trainer.decoding.proposers import ProposalContext
 from trainer.decoding.tree import DraftTree
 from trainer.methods.eagle3.peagle_module import PEagleDrafter
 
 
-class PEagleProposer(BaseProposer):
-    """P-EAGLE chain drafting, the whole chain in one forward."""
+class PEagleProposer(ParallelHeadsProposer):
+    """P-EAGLE drafting, a round's chain or tree from one drafter forward."""
 
-    def __init__(self, drafter: PEagleDrafter) -> None:
+    drafters_name = "trained depths"
+
+    def __init__(self, drafter: PEagleDrafter, depths: int, choices: Sequence[Sequence[int]] | None = None) -> None:
         """
         Args:
             drafter: the trained drafter (eval mode is set here); it drafts with its own trained embedding.
+            depths: K, the drafts per forward it was trained for (the most a round drafts).
+            choices: tree paths of per-depth top-k ranks (``medusa_choices``), or None for the chain.
         """
+        super().__init__(drafter.config.aux_layers[0], depths, choices)
         self.drafter = drafter.eval()
-        self.needs_hidden_states: tuple[int, ...] = tuple(drafter.config.aux_layers)
+        self.needs_hidden_states = tuple(drafter.config.aux_layers)
         self.past: tuple[torch.Tensor, torch.Tensor] | None = None  # each [1, nkv, C, D]
+        self.depth_logits: torch.Tensor | None = None  # [k, V] of the round being drafted
 
     def reset(self) -> None:
         """A new sequence: drop the cache."""
@@ -40,7 +55,18 @@ class PEagleProposer(BaseProposer):
 
     @torch.no_grad()
     def propose(self, ctx: ProposalContext) -> DraftTree:
-        """``ctx.k`` drafts in a chain, from one forward over the new positions and ``k - 1`` placeholders."""
+        """``ctx.k`` drafts (a chain, or the tree of ``choices`` cut at depth ``ctx.k``) from one forward over the new
+        positions and ``k - 1`` placeholders; a round of ``k = 0`` still brings the cache up to date."""
+        self.depth_logits = self._forward(ctx)
+        return super().propose(ctx)
+
+    def head_logits(self, ctx: ProposalContext) -> torch.Tensor:
+        """``[k, V]`` the round's depth logits over the target's vocabulary (computed by :meth:`propose`)."""
+        assert self.depth_logits is not None, "head_logits is read inside propose"
+        return self.depth_logits
+
+    def _forward(self, ctx: ProposalContext) -> torch.Tensor | None:
+        """Append the new positions to the cache and return the ``[k, V]`` depth logits (None when ``k = 0``)."""
         drafter, layers = self.drafter, self.needs_hidden_states
         tokens = ctx.tokens  # [T]
         T = tokens.numel()
@@ -56,8 +82,8 @@ class PEagleProposer(BaseProposer):
             )
         fused = drafter.fuse([ctx.hidden_states[i][None] for i in layers])  # [1, n, H]
         embeds = drafter.embed_tokens(tokens[start + 1 : T][None]).to(fused.dtype)  # [1, n, H]
-        positions = torch.arange(start, T - 1 + max(ctx.k - 1, 0), device=tokens.device)[None]  # [1, n + P]
         P = max(ctx.k - 1, 0)
+        positions = torch.arange(start, T - 1 + P, device=tokens.device)[None]  # [1, n + P]
         if P:
             place_embeds, place_fused = drafter.placeholder(P)  # [1, P, H] each
             embeds, fused = torch.cat([embeds, place_embeds], 1), torch.cat([fused, place_fused], 1)
@@ -67,12 +93,8 @@ class PEagleProposer(BaseProposer):
         k, v = k[:, :, :n], v[:, :, :n]  # the placeholders are not kept
         self.past = (k, v) if self.past is None else (torch.cat([self.past[0], k], 2), torch.cat([self.past[1], v], 2))
         if ctx.k <= 0:
-            return DraftTree.empty(tokens.device)
+            return None
         depth_logits = logits[0, n - 1 :]  # [k, Vd]
-        if ctx.temperature <= 0:
-            return DraftTree.chain(drafter.to_target_ids(depth_logits.argmax(-1)))
-        p_draft = torch.softmax(depth_logits.float() / ctx.temperature, dim=-1)  # [k, Vd]
-        drafts = torch.multinomial(p_draft, 1, generator=ctx.generator)[:, 0]  # [k]
-        probs = p_draft.new_zeros(ctx.k, ctx.vocab_size)
-        probs[:, drafter.draft_ids()] = p_draft  # [k, V]
-        return DraftTree.chain(drafter.to_target_ids(drafts), probs)
+        full = depth_logits.new_full((ctx.k, ctx.vocab_size), float("-inf"))  # [k, V]
+        full[:, drafter.draft_ids()] = depth_logits
+        return full

@@ -15,11 +15,12 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from trainer.checkpoints.reading import sub_state_dict
+from trainer.decoding.head_tree import MEDUSA_SPARSE_TREE
 from trainer.decoding.options import ProposerOptions
 from trainer.export.files import folder_config
 from trainer.methods.medusa import export as formats
 from trainer.methods.medusa.module import MedusaConfig, MedusaDrafter
-from trainer.methods.medusa.proposer import MEDUSA_SPARSE_TREE, MedusaProposer
+from trainer.methods.medusa.proposer import MedusaProposer
 from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
 
 KIND = "medusa"

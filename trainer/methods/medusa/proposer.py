@@ -7,19 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
-from trainer.decoding.head_tree import Path
 from trainer.decoding.heads_proposer import ParallelHeadsProposer
 from trainer.decoding.proposers import ProposalContext
-
-# The Medusa paper's sparse tree for 4 heads (mc_sim_7b_63): 63 paths of top-k ranks, found on Vicuna-7B
-MEDUSA_SPARSE_TREE: tuple[Path, ...] = (
-    (0,), (0, 0), (1,), (0, 1), (2,), (0, 0, 0), (1, 0), (0, 2), (3,), (0, 3), (4,), (0, 4), (2, 0), (0, 5),
-    (0, 0, 1), (5,), (0, 6), (6,), (0, 7), (0, 1, 0), (1, 1), (7,), (0, 8), (0, 0, 2), (3, 0), (0, 9), (8,), (9,),
-    (1, 0, 0), (0, 2, 0), (1, 2), (0, 0, 3), (4, 0), (2, 1), (0, 0, 4), (0, 0, 5), (0, 0, 0, 0), (0, 1, 1),
-    (0, 0, 6), (0, 3, 0), (5, 0), (1, 3), (0, 0, 7), (0, 0, 8), (0, 0, 9), (6, 0), (0, 4, 0), (1, 4), (7, 0),
-    (0, 1, 2), (2, 0, 0), (3, 1), (2, 2), (8, 0), (0, 5, 0), (1, 5), (1, 0, 1), (0, 2, 1), (9, 0), (0, 6, 0),
-    (0, 0, 0, 1), (1, 6), (0, 7, 0),
-)  # fmt: skip
 
 
 class MedusaProposer(ParallelHeadsProposer):
