@@ -157,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise UsageError(
                     f"--accept_threshold {','.join(f'{t:g}' for t in groups[options])}: the drafter "
                     f"{args.drafter} ({type(proposer).__name__}) gives no estimate of its acceptance to cut drafts by",
-                    hint="drop --accept_threshold (or give 0); eagle3, peagle, dflash, medusa, mtp_heads, mtp and draft models "
-                    "estimate it",
+                    hint="drop --accept_threshold (or give 0); eagle3, peagle, dflash, medusa, mtp_heads, mtp and "
+                    "draft models estimate it",
                 )
     except UserError:
         raise  # the command's handler: `error:` and `hint:` lines, exit status 2

@@ -54,8 +54,9 @@ class ProposerOptions:
         tree_nodes: the tree's node budget (draft tokens verified in one target forward).
         tree_top_k: children per expanded tree node, and nodes expanded per depth.
         rank_temperature: temperature of the log-probabilities that rank tree nodes.
-        tree_choices: parallel heads and P-EAGLE: the tree's paths of per-head (per-depth) top-k ranks (None: the kind's default); on the
-            command line a JSON file of them (``draftsmith eval --write_tree FILE`` writes one).
+        tree_choices: parallel heads and P-EAGLE: the tree's paths of per-head (per-depth) top-k ranks (None: the
+            kind's default); on the command line a JSON file of them (``draftsmith eval --write_tree FILE`` writes
+            one).
         exit_layer: self-speculative drafters (early-exit, LayerSkip): the layer the draft exits at; on the command
             line also a sweep such as 1,2,3 (one report each, in OUT/exit_<E>).
         accept_threshold: dynamic draft length: stop a chain, or prune a tree, where the drafter's predicted
