@@ -313,8 +313,9 @@ def run_objective(
     (:func:`greedy_identity`).
 
     Exceptions propagate (the caller records a failed row); ``keep(objective)`` sees the trained objective before it
-    is freed. With ``memory_check``, a built objective whose gradients and Adam states (12 bytes per trainable
-    parameter, plus 1 GiB) exceed the memory available is not trained: a skipped row names both figures.
+    is freed. With ``memory_check``, a built objective whose gradients, Adam states and AdamW's step temporary (16
+    bytes per float32 trainable parameter, as ``draftsmith plan`` counts them) and 2 GiB of activations exceed the
+    memory available is not trained: a skipped row names both figures.
     """
     from trainer.data.text import TextDataModule
 
@@ -324,7 +325,7 @@ def run_objective(
     objective = cls(**kwargs)
     result.trainable_m = trainable_params(objective.trainable_module()) / 1e6
     if memory_check:
-        need, available = (result.trainable_m * 1e6 * 12 + 2**30) / 2**30, available_gib()
+        need, available = (result.trainable_m * 1e6 * 16 + 2 * 2**30) / 2**30, available_gib()
         if need > available:
             del objective
             release()
