@@ -181,6 +181,19 @@ def test_tree_drafting_is_lossless_and_one_forward_per_round(choices):
     assert chain.tokens == alone.tokens and len(tree.rounds) <= len(chain.rounds)
 
 
+def test_write_tree_measures_the_depths_and_its_tree_drafts_losslessly(tmp_path):
+    """``--write_tree``: the depths' top-k accuracy measured on greedy decoding (whose last rounds draft fewer than K,
+    the output's budget) gives a tree of the asked nodes, which then drafts the target's own output."""
+    target = tiny_llama(5, 96, layers=4)
+    drafter = drafter_for(target, 5)
+    prompts = [torch.randint(0, 95, (10,), generator=torch.Generator().manual_seed(s)).tolist() for s in (1, 2)]
+    paths = PEagleProposer(drafter, 4).write_tree(tmp_path / "tree.json", target, prompts, 13, nodes=6)
+    assert len(paths) == 6 and json.loads((tmp_path / "tree.json").read_text())
+    prompt = torch.tensor(prompts[0])
+    alone = speculative_generate(target, prompt, NoProposer(), k=0, max_new_tokens=20)
+    assert speculative_generate(target, prompt, PEagleProposer(drafter, 4, paths), 4, 20).tokens == alone.tokens
+
+
 def test_drafts_are_the_depths_argmax_and_sampled_ones_carry_their_distributions():
     target = tiny_llama(3, 96, layers=4)
     drafter = drafter_for(target, 3)

@@ -117,9 +117,9 @@ def measure_head_accuracy(
             ids = torch.tensor(list(prompt), dtype=torch.long, device=target.device)  # [S]
             result = speculative_generate(target, ids, proposer, K, max_new_tokens)
             sequence = list(prompt) + result.tokens
-            for committed, logits in proposer.recorded:  # logits [K, V]: draft d guesses token committed + d
+            for committed, logits in proposer.recorded:  # logits [k, V]: draft d guesses token committed + d
                 truth = sequence[committed : committed + K]
-                if len(truth) == K:
+                if len(truth) == K and logits.shape[0] == K:  # not a round of fewer drafts (at the output's end)
                     right = logits.gather(1, torch.tensor(truth)[:, None])  # [K, 1]
                     ranks.append((logits > right).sum(1))  # [K]
     finally:
