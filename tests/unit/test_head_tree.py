@@ -17,6 +17,7 @@ from trainer.decoding.head_tree import (
     head_accuracy,
     tree_for_budget,
     tree_from_choices,
+    tree_or_default,
 )
 from trainer.decoding.heads_proposer import ParallelHeadsProposer
 from trainer.decoding.proposers import NoProposer
@@ -95,3 +96,10 @@ def test_parallel_heads_drafts_are_lossless_chain_and_tree(choices) -> None:
     assert sum(r.accepted for r in result.rounds) > 0
     with pytest.raises(ValueError, match="5 drafts per round asked of 4 heads"):
         speculative_generate(target, prompt, proposer, 5, 24)
+
+
+def test_the_default_tree_is_the_papers_for_4_and_named_otherwise() -> None:
+    assert tree_or_default(None, 4, "heads") is MEDUSA_SPARSE_TREE
+    assert tree_or_default(((0,), (0, 0)), 3, "depths") == ((0,), (0, 0))
+    with pytest.raises(ValueError, match=r"--tree for 3 depths needs --tree_choices FILE .* the depths' measured"):
+        tree_or_default(None, 3, "depths")

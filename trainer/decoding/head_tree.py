@@ -36,6 +36,19 @@ MEDUSA_SPARSE_TREE: tuple[Path, ...] = (
 )  # fmt: skip
 
 
+def tree_or_default(choices: Sequence[Sequence[int]] | None, count: int, drafters: str) -> Sequence[Sequence[int]]:
+    """The tree ``--tree`` drafts with ``count`` parallel ``drafters`` (heads, depths): ``choices`` (``--tree_choices``)
+    when given, else :data:`MEDUSA_SPARSE_TREE` for 4 of them; a ValueError naming the flags to use otherwise."""
+    if choices is not None:
+        return choices
+    if count != 4:
+        raise ValueError(
+            f"--tree for {count} {drafters} needs --tree_choices FILE (the Medusa paper's tree is for 4 {drafters}; "
+            f"draftsmith eval --write_tree FILE builds one from the {drafters}' measured accuracy)"
+        )
+    return MEDUSA_SPARSE_TREE
+
+
 def chain(depth: int) -> tuple[Path, ...]:
     """The argmax chain of ``depth`` heads: ``(0,), (0, 0), ...``."""
     return tuple((0,) * d for d in range(1, depth + 1))

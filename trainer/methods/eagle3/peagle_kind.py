@@ -12,9 +12,8 @@ from pathlib import Path
 
 from transformers import PreTrainedModel
 
-from trainer.decoding.head_tree import MEDUSA_SPARSE_TREE
+from trainer.decoding.head_tree import tree_or_default
 from trainer.decoding.options import ProposerOptions
-from trainer.errors import UsageError
 from trainer.export.files import folder_config
 from trainer.methods.eagle3 import records
 from trainer.methods.eagle3.peagle_export import load_peagle, save_peagle
@@ -54,15 +53,7 @@ def proposer(drafter: PEagleDrafter, record: DrafterRecord, target: PreTrainedMo
     """K drafts in one forward: the depths' argmax chain, or a tree of their top-k paths (``options.tree_choices``;
     the Medusa paper's tree for 4 depths by default)."""
     depths = record.draft_tokens or DEFAULT_DEPTHS
-    choices = None
-    if options.tree:
-        choices = options.tree_choices
-        if choices is None and depths != 4:
-            raise UsageError(
-                f"--tree for a P-EAGLE drafter of {depths} depths needs --tree_choices FILE (the default tree is the "
-                "Medusa paper's, for 4; draftsmith eval --write_tree FILE builds one from the depths' accuracy)"
-            )
-        choices = choices or MEDUSA_SPARSE_TREE
+    choices = tree_or_default(options.tree_choices, depths, "depths") if options.tree else None
     return PEagleProposer(drafter, depths, choices)
 
 

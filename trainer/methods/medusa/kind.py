@@ -15,7 +15,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from trainer.checkpoints.reading import sub_state_dict
-from trainer.decoding.head_tree import MEDUSA_SPARSE_TREE
+from trainer.decoding.head_tree import tree_or_default
 from trainer.decoding.options import ProposerOptions
 from trainer.export.files import folder_config
 from trainer.methods.medusa import export as formats
@@ -76,15 +76,7 @@ def load_weights(module: MedusaDrafter, record: DrafterRecord, state: dict, wher
 
 def proposer(module: MedusaDrafter, record: DrafterRecord, target: PreTrainedModel, options: ProposerOptions):
     """The heads' argmax chain, or a tree (``options.tree_choices``, the paper's tree for 4 heads)."""
-    choices = None
-    if options.tree:
-        choices = options.tree_choices
-        if choices is None and module.config.num_heads != 4:
-            raise ValueError(
-                f"--tree for {module.config.num_heads} heads needs --tree_choices FILE (the Medusa paper's tree is for "
-                "4 heads; draftsmith eval --write_tree FILE builds one from the heads' measured accuracy)"
-            )
-        choices = choices or MEDUSA_SPARSE_TREE
+    choices = tree_or_default(options.tree_choices, module.config.num_heads, "heads") if options.tree else None
     return MedusaProposer(module.heads, int(target.config.num_hidden_layers), choices)
 
 
