@@ -282,6 +282,16 @@ def planned_gib(stdout: str, strategy: str | None) -> float | None:
     return None
 
 
+def _prepare(case: Case, target: Path, run: Path) -> tuple[Path, dict]:
+    """The case's chat data and override file in ``run`` (at :func:`run_precision`), and its result's header."""
+    precision = run_precision()
+    override = run / "override.yaml"
+    override.write_text(yaml.safe_dump(overrides(case, target, chat_data(run / "chat.jsonl"), run, precision)))
+    result = {"case": case.name, "recipe": case.recipe, "model": case.model, "layers": case.num_layers}
+    result.update(strategy=case.strategy, precision=precision, changes=case.changes)
+    return override, result
+
+
 def rehearse(case: Case) -> dict:
     """Runs one case end to end; writes and returns its result. Raises AssertionError naming the failed step."""
     root = work_root()
@@ -292,15 +302,9 @@ def rehearse(case: Case) -> dict:
 
         shutil.rmtree(run)
     run.mkdir(parents=True)
-    data = chat_data(run / "chat.jsonl")
-    override = run / "override.yaml"
-    precision = run_precision()
-    override.write_text(yaml.safe_dump(overrides(case, target, data, run, precision)))
+    override, result = _prepare(case, target, run)
+    precision = result["precision"]
     env = _env()
-    result: dict = {"case": case.name, "recipe": case.recipe, "model": case.model, "layers": case.num_layers}
-    result["strategy"] = case.strategy
-    result["precision"] = precision
-    result["changes"] = case.changes
     result["target_params_b"] = round(_params(target) / 1e9, 3)
 
     fit = [str(BIN / "draftsmith"), "fit", "--config", case.recipe]
@@ -404,12 +408,8 @@ def plan_only(case: Case, note: str) -> dict:
         (target / "config.json").write_text(json.dumps(cut_config(case.model, case.num_layers), indent=2))
     run = root / "runs" / case.name
     run.mkdir(parents=True, exist_ok=True)
-    data = chat_data(run / "chat.jsonl")
-    override = run / "override.yaml"
-    precision = run_precision()
-    override.write_text(yaml.safe_dump(overrides(case, target, data, run, precision)))
-    result = {"case": case.name, "recipe": case.recipe, "model": case.model, "layers": case.num_layers}
-    result.update(strategy=case.strategy, changes=case.changes, note=note, target_params_b=None, precision=precision)
+    override, result = _prepare(case, target, run)
+    result.update(note=note, target_params_b=None)
     result["plan"] = plan(case, target, override)
     _save(result)
     return result
