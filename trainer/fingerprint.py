@@ -106,8 +106,8 @@ def recorded_fingerprints(checkpoint: str | Path) -> dict[str, dict[str, str]]:
     """The fingerprints a training checkpoint recorded (``checkpoint["frozen_models"]``: name -> fingerprint, e.g.
     ``target``, or ``teacher`` for KD), {} when it recorded none.
 
-    A ``.ckpt`` file, or the rank-0 client state of a DeepSpeed checkpoint folder, is opened memory-mapped: the
-    weights it holds are not read.
+    A ``.ckpt`` file, the rank-0 client state of a DeepSpeed checkpoint folder or the ``meta.pt`` of a distributed
+    (FSDP2) one is opened memory-mapped: the weights it holds are not read.
     """
     from trainer.checkpoints.reading import explain_load_error
     from trainer.errors import CheckpointError
@@ -115,7 +115,7 @@ def recorded_fingerprints(checkpoint: str | Path) -> dict[str, dict[str, str]]:
     path = Path(checkpoint)
     if path.is_dir():
         names = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
-        path = next((path / "checkpoint" / n for n in names if (path / "checkpoint" / n).is_file()), path)
+        path = next((path / "checkpoint" / n for n in names if (path / "checkpoint" / n).is_file()), path / "meta.pt")
     if not path.is_file():
         return {}
     try:

@@ -168,6 +168,16 @@ def _chunk_terms(plan: _Plan, logits: torch.Tensor, start: int, end: int):
     return objective, kd_sum.detach(), ce_sum.detach()
 
 
+def _grad_times_weight(g: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The input gradient g [C, V] @ weight [V, D], in the weight's dtype: [C, D]. On CPU a reduced-precision g is laid
+    out column-major first: PyTorch's CPU bf16 GEMM on a machine without bf16 instructions takes a scalar path for a
+    row-major [C, V] @ [V, D] (55 s against 0.9 s for C = 128, V = 8,192, D = 4,096 on one thread)."""
+    g = g.to(weight.dtype)  # [C, V]
+    if g.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16):
+        g = g.t().contiguous().t()
+    return g @ weight  # [C, D]
+
+
 def _run_chunks(student: torch.Tensor, weight: torch.Tensor | None, plan: _Plan, grad_student: bool, grad_weight: bool):
     """Loss parts and, when asked, the gradients of the objective w.r.t. student [N, D] and weight [V, D]."""
     n = plan.idx.numel()
@@ -190,7 +200,7 @@ def _run_chunks(student: torch.Tensor, weight: torch.Tensor | None, plan: _Plan,
                 g_student.index_copy_(0, ids, g.to(g_student.dtype))
             else:
                 if grad_student:
-                    g_student.index_copy_(0, ids, (g.to(weight.dtype) @ weight.detach()).to(g_student.dtype))
+                    g_student.index_copy_(0, ids, _grad_times_weight(g, weight.detach()).to(g_student.dtype))
                 if grad_weight:
                     g_weight.addmm_(g.t(), rows.float())  # [V, D] += [V, C] @ [C, D]
         objective, kd, ce = objective + obj_c.detach(), kd + kd_c, ce + ce_c
@@ -511,7 +521,7 @@ def cross_entropy_with_grads(
         g[torch.arange(ids.numel(), device=g.device), targets] -= 1.0
         g.mul_(scale / n)
         if grad_hidden:
-            g_hidden.index_copy_(0, ids, (g.to(weight.dtype) @ weight).to(g_hidden.dtype))  # [C, H]
+            g_hidden.index_copy_(0, ids, _grad_times_weight(g, weight).to(g_hidden.dtype))  # [C, H]
         if grad_weight:
             g_weight.addmm_(g.t(), rows.to(compute))  # [V, H] += [V, C] @ [C, H]
     loss = total / max(1, n)

@@ -177,14 +177,14 @@ def recognise(folder: Path) -> tuple[DrafterKind, ExportFormat]:
         listing = "; ".join(f"{k.name}: {', '.join(f.name for f in k.formats)}" for k in kinds().values())
         raise ModelFolderError(
             f"{folder}: no drafter format recognised in this folder (known formats by kind: {listing}; or a "
-            "training checkpoint, a .ckpt file or a DeepSpeed checkpoint folder)"
+            "training checkpoint: a .ckpt file, a DeepSpeed or an FSDP2 distributed checkpoint folder)"
         )
     return matches[0]
 
 
 def is_training_checkpoint(path: Path) -> bool:
-    """A Lightning ``.ckpt`` file or a DeepSpeed checkpoint folder."""
-    return path.is_file() or (path / "checkpoint").is_dir()
+    """A Lightning ``.ckpt`` file, a DeepSpeed checkpoint folder or an FSDP2 distributed checkpoint folder."""
+    return path.is_file() or (path / "checkpoint").is_dir() or (path / ".metadata").is_file()
 
 
 def load_drafter(path: str) -> tuple[nn.Module, DrafterRecord]:

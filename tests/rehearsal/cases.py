@@ -56,7 +56,8 @@ class Case:
     changes: str = ""  # recipe values changed to fit this machine, for the table
     eval_args: tuple[str, ...] = ()
     eval_target_is_export: bool = False  # LayerSkip: the fine-tuned model is the target
-    needs_gib: float = 0.0  # skipped (with the reason) on a machine with less memory available
+    needs_gib: float = 0.0  # on a machine with less memory available: skipped (with the reason), or run low-memory
+    low_memory_precision: str | None = None  # Lightning precision run when needs_gib is not available (in changes)
 
 
 DFLASH_CHANGES = "1 draft layer (5 in the recipe: 1.1 B fp32 parameters with Adam need 18 GB), dense attention"
@@ -110,6 +111,7 @@ CASES = [
         eval_args=("--exit_layer", "1"),
         needs_gib=32.0,  # every weight trained: 1.5 B x 16 bytes of fp32 weights, gradients and Adam, and the original
         eval_target_is_export=True,
+        low_memory_precision="bf16-true",
     ),
 ]
 BY_NAME = {c.name: c for c in CASES}
@@ -125,6 +127,23 @@ def run_precision() -> str:
     if chosen not in ("recipe", "fp32"):
         raise ValueError(f"DRAFTSMITH_REHEARSAL_PRECISION must be recipe or fp32, got {chosen!r}")
     return chosen
+
+
+def case_precision(case: Case) -> str:
+    """:func:`run_precision`, or the case's ``low_memory_precision`` where ``needs_gib`` is not available."""
+    if case.low_memory_precision and case.needs_gib > available_gib():
+        return case.low_memory_precision
+    return run_precision()
+
+
+def low_memory_change(case: Case, precision: str) -> str:
+    """What the ``changes`` column says of a case run in its low-memory precision (empty otherwise)."""
+    if precision != case.low_memory_precision:
+        return ""
+    return (
+        f"{precision}: weights, gradients and AdamW's moments in bf16, slow on this CPU (in float32 it needs about "
+        f"{case.needs_gib:.0f} GiB, {available_gib():.1f} GiB available)"
+    )
 
 
 FP32_TRAINER = {"precision": "32-true"}
@@ -173,11 +192,14 @@ def prompts(path: Path) -> Path:
 
 def overrides(case: Case, target: Path, data: Path, run: Path, precision: str = "recipe") -> dict:
     """The CPU overrides: one process, a few steps of one short sequence, the cut target and its tokenizer, no
-    logger, checkpoints under ``run``; float32 throughout with ``precision="fp32"``."""
+    logger, checkpoints under ``run``; float32 throughout with ``precision="fp32"``, a Lightning precision such as
+    ``bf16-true`` as the trainer's with the target in bf16."""
     fp32 = precision == "fp32"
+    trainer_precision = {} if precision in ("recipe", "fp32") else {"precision": precision}
+    model_dtype = {"target_dtype": "bfloat16"} if trainer_precision else {}
     return {
         "trainer": {
-            **(FP32_TRAINER if fp32 else {}),
+            **(FP32_TRAINER if fp32 else trainer_precision),
             "accelerator": "cpu",
             "devices": 1,
             "num_nodes": 1,
@@ -202,7 +224,7 @@ def overrides(case: Case, target: Path, data: Path, run: Path, precision: str = 
                 "target": str(target),
                 **_export_dir(case, run),
                 **case.model_args,
-                **(FP32_MODEL if fp32 else {}),
+                **(FP32_MODEL if fp32 else model_dtype),
             }
         },
         "data": {
@@ -283,12 +305,13 @@ def planned_gib(stdout: str, strategy: str | None) -> float | None:
 
 
 def _prepare(case: Case, target: Path, run: Path) -> tuple[Path, dict]:
-    """The case's chat data and override file in ``run`` (at :func:`run_precision`), and its result's header."""
-    precision = run_precision()
+    """The case's chat data and override file in ``run`` (at :func:`case_precision`), and its result's header."""
+    precision = case_precision(case)
     override = run / "override.yaml"
     override.write_text(yaml.safe_dump(overrides(case, target, chat_data(run / "chat.jsonl"), run, precision)))
     result = {"case": case.name, "recipe": case.recipe, "model": case.model, "layers": case.num_layers}
-    result.update(strategy=case.strategy, precision=precision, changes=case.changes)
+    changes = "; ".join(c for c in (case.changes, low_memory_change(case, precision)) if c)
+    result.update(strategy=case.strategy, precision=precision, changes=changes)
     return override, result
 
 

@@ -114,6 +114,35 @@ def test_a_deepspeed_folder_is_screened_before_deepspeed_unpickles_it(tmp_path):
     assert not marker.exists()
 
 
+def _distributed_folder(path: Path) -> dict[str, torch.Tensor]:
+    """An FSDP2-style distributed checkpoint folder written in one process: the model's tensors and an optimizer
+    entry in ``__0_0.distcp`` (indexed by ``.metadata``), Lightning's other entries in ``meta.pt``."""
+    import torch.distributed.checkpoint as dcp
+
+    weights = {"net.head.weight": torch.randn(5, 3), "net.norm.weight": torch.randn(3).bfloat16()}
+    state = {"state_dict": weights, "optimizer_0": {"state": {"net.head.weight": {"exp_avg": torch.ones(5, 3)}}}}
+    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    torch.save({"global_step": 2, "drafter": {"kind": "toy"}}, path / "meta.pt")
+    return weights
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_distributed_checkpoint_folder_reads_and_a_broken_one_is_named(tmp_path):
+    folder = tmp_path / "last.ckpt"
+    weights = _distributed_folder(folder)
+    state, record = load_training_checkpoint(str(folder))
+    assert record == {"kind": "toy"} and state.keys() == weights.keys()  # the model's tensors only
+    for key, value in weights.items():
+        assert state[key].dtype == value.dtype and torch.equal(state[key], value)
+    shard = next(folder.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:40])
+    with pytest.raises(CheckpointError, match="distributed checkpoint folder"):
+        load_training_checkpoint(str(folder))
+    (folder / "meta.pt").unlink()
+    with pytest.raises(PathError, match="without its meta.pt"):
+        load_training_checkpoint(str(folder))
+
+
 def test_a_whole_checkpoint_still_loads():
     state, record = load_training_checkpoint(str(FIXTURES / "kd.ckpt"))
     assert state and record["kind"]

@@ -297,3 +297,11 @@ def test_a_changed_target_is_evaluated_and_reported_beside_the_recipes_target(tm
     assert "original_loop_share" not in rows["lookup"]
     markdown = (tmp_path / "out" / "report.md").read_text()
     assert "| 30% -> 50% | yes | 3.500 -> 3.750 |" in markdown and "on h.jsonl" in markdown
+
+
+def test_every_method_of_a_thirteen_method_comparison_gets_its_own_color():
+    from trainer.compare.plots import method_colors
+
+    names = [f"method-{i}" for i in range(13)]  # tab10 alone gave the 11th method the first one's color
+    assert len(set(method_colors(names).values())) == 13
+    assert len(set(method_colors(names[:4]).values())) == 4

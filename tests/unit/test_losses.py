@@ -193,6 +193,28 @@ def test_chunked_cross_entropy_matches_reference(chunk_size):
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
 
 
+def test_bf16_head_gradients_match_float64():
+    """Both fused losses with a bf16 student and head (the input gradient's bf16 GEMM, laid out for the CPU's fast
+    path): the float64 formulas on the same bf16 values."""
+    g = torch.Generator().manual_seed(7)
+    _, _, mask, labels = make_inputs(7)
+    hidden = torch.randn(B, S, H, generator=g).bfloat16().requires_grad_(True)
+    weight = torch.randn(V, H, generator=g).bfloat16().requires_grad_(True)
+    ht, wt = torch.randn(B, S, HT, generator=g), torch.randn(V, HT, generator=g)
+    h64, w64 = hidden.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
+    fused = fused_kd_loss(hidden, weight, ht, wt, mask, labels, alpha=0.3, chunk_size=4).loss
+    fused_ref = reference(h64 @ w64.t(), (ht @ wt.t()).double(), mask, labels, "forward_kl", alpha=0.3)[0]
+    ce = chunked_cross_entropy(hidden, weight, labels, 4)
+    ce_ref = chunked_cross_entropy(h64, w64, labels, None)
+    for got, want in ((fused, fused_ref), (ce, ce_ref)):
+        grads = torch.autograd.grad(got, [hidden, weight])
+        ref_grads = torch.autograd.grad(want, [h64, w64])
+        torch.testing.assert_close(got.double(), want.double(), rtol=1e-3, atol=1e-4)
+        for grad, ref_grad in zip(grads, ref_grads):
+            assert grad.dtype == torch.bfloat16
+            torch.testing.assert_close(grad.double(), ref_grad.double(), rtol=2e-2, atol=2e-3)
+
+
 def teacher_topk(teacher, temperature, k):
     """Top-k ids and the teacher's full log-softmax at `temperature` gathered there (float16, as on disk)."""
     lp = torch.log_softmax(teacher.float() / temperature, dim=-1)  # [B, S, V]

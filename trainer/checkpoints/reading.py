@@ -1,9 +1,10 @@
 """Reads a training checkpoint into a plain state dict, whatever strategy wrote it.
 
 A Lightning checkpoint file is read with ``torch.load(weights_only=True)``; a DeepSpeed checkpoint directory is
-consolidated to full float32 tensors first. Objectives record in the checkpoint what the drafter is
-(``checkpoint["drafter"]``: its kind, config and the state-dict prefix of its weights), so exporters never need to
-load the target to rebuild it.
+consolidated to full float32 tensors first; an FSDP2 distributed checkpoint directory (``.metadata``, one ``.distcp``
+file per rank, Lightning's ``meta.pt``) has its shards put together in the model's dtype. Objectives record in the
+checkpoint what the drafter is (``checkpoint["drafter"]``: its kind, config and the state-dict prefix of its weights),
+so exporters never need to load the target to rebuild it.
 
 A file that is not a whole checkpoint is refused naming it: empty, truncated (a save that did not finish, a copy cut
 short), another kind of file, or a pickle holding objects that no checkpoint draftsmith writes holds (a class of
@@ -15,6 +16,7 @@ unpickles them with ``weights_only=False``, reads them.
 from __future__ import annotations
 
 import pickle
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -131,17 +133,58 @@ def _screen_deepspeed_folder(folder: Path) -> None:
             raise _refused(file, "DeepSpeed checkpoint file", foreign)
 
 
+def _read_distributed_folder(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """(state_dict, drafter record) of a ``torch.distributed.checkpoint`` folder, as FSDP2 with
+    ``save_distributed_checkpoint`` writes it: every rank's shards of the model's tensors (``__R_0.distcp``, indexed by
+    ``.metadata``) put together in this one process, and Lightning's other entries in ``meta.pt``."""
+    meta_file = folder / "meta.pt"
+    if not meta_file.is_file():
+        raise PathError(
+            f"{str(folder)!r} is a distributed checkpoint folder without its meta.pt (not one Lightning wrote)"
+        )
+    meta = torch_load_checked(meta_file, "distributed checkpoint metadata")
+    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = FileSystemReader(str(folder))
+    try:
+        index = reader.read_metadata()
+    except Exception as err:
+        raise _not_a_checkpoint(folder / ".metadata", "distributed checkpoint index", f"unreadable ({err})") from err
+    weights: dict[str, torch.Tensor] = {}
+    for key, item in index.state_dict_metadata.items():
+        where = index.planner_data.get(key) if index.planner_data else None
+        if isinstance(item, TensorStorageMetadata) and where and len(where) == 2 and where[0] == "state_dict":
+            weights[where[1]] = torch.empty(item.size, dtype=item.properties.dtype)
+    if not weights:
+        raise CheckpointError(f"checkpoint {folder}: its distributed checkpoint holds no state_dict tensors")
+    try:
+        with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is what is meant
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            load({"state_dict": weights}, storage_reader=reader, no_dist=True)
+    except (Exception, CheckpointException) as err:  # a shard file missing or cut short (a BaseException)
+        last = (str(err).strip().splitlines() or [type(err).__name__])[-1]  # a rank's traceback ends in its error
+        raise _not_a_checkpoint(
+            folder, "distributed checkpoint folder", f"a shard file is unreadable ({last})"
+        ) from err
+    return weights, meta.get("drafter", {}) if isinstance(meta, dict) else {}
+
+
 def load_training_checkpoint(path: str) -> tuple[dict[str, torch.Tensor], dict]:
-    """Returns (state_dict, drafter record) of a ``.ckpt`` file or a DeepSpeed checkpoint directory.
+    """Returns (state_dict, drafter record) of a ``.ckpt`` file, a DeepSpeed checkpoint directory or an FSDP2
+    distributed checkpoint directory.
 
     Raises:
-        PathError: ``path`` does not exist, or is a folder that is not a DeepSpeed checkpoint.
+        PathError: ``path`` does not exist, or is a folder that is neither checkpoint folder.
         CheckpointError: a file that is empty, truncated, not a checkpoint, or holds objects no draftsmith checkpoint
             holds (refused before anything in it runs); a file without a state dict.
     """
     ckpt = Path(path)
     if not ckpt.exists():
         raise PathError(f"checkpoint {path!r} does not exist")
+    if ckpt.is_dir() and (ckpt / ".metadata").is_file():
+        return _read_distributed_folder(ckpt)
     if ckpt.is_dir():
         # ZeRO-1/2 write mp_rank_00_model_states.pt, ZeRO-3 one zero_pp_rank_R_mp_rank_00_model_states.pt per rank;
         # rank 0's holds Lightning's client state, the drafter record among it
@@ -150,7 +193,10 @@ def load_training_checkpoint(path: str) -> tuple[dict[str, torch.Tensor], dict]:
         ]
         client_state = next((c for c in candidates if c.is_file()), None)
         if client_state is None:
-            raise PathError(f"{path!r} is a directory but not a DeepSpeed checkpoint (no {candidates[0].name})")
+            raise PathError(
+                f"{path!r} is a directory but not a checkpoint folder (no DeepSpeed {candidates[0].name}, no "
+                "distributed checkpoint .metadata)"
+            )
         meta = torch_load_checked(client_state, "DeepSpeed checkpoint file")
         _screen_deepspeed_folder(ckpt / "checkpoint")
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

@@ -10,6 +10,15 @@ def _caption(report: dict) -> str:
     return f"{setup['target']}, budget {setup['budget']}, seed {setup['seed']}; {report['machine']['summary']}"
 
 
+def method_colors(methods: list[str]) -> dict[str, tuple[float, float, float, float]]:
+    """One color per method, all different: matplotlib's tab10 for up to 10 methods, tab20 for up to 20 (its pairs of
+    shades of one hue follow each other), then repeating."""
+    import matplotlib
+
+    palette = matplotlib.colormaps["tab10" if len(methods) <= 10 else "tab20"]
+    return {name: palette(i % palette.N) for i, name in enumerate(methods)}
+
+
 def write_plots(report: dict, out: Path) -> list[Path]:
     """tau_vs_cost.png, acceptance.png, tau_vs_tokens.png and speedup.png in ``out``; returns their paths."""
     import matplotlib
@@ -18,7 +27,7 @@ def write_plots(report: dict, out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     done = [row for row in report["rows"] if row["status"] == "done"]
-    colors = {row["method"]: plt.cm.tab10(i % 10) for i, row in enumerate(report["rows"])}
+    colors = method_colors([row["method"] for row in report["rows"]])
     paths = []
 
     def save(fig, name: str, title: str) -> None:

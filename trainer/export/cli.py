@@ -31,7 +31,8 @@ def export(ckpt: str, out: str, fmt: str | None = None) -> tuple[Path, str]:
         raise PathError(f"checkpoint {ckpt!r} does not exist")
     if not is_training_checkpoint(path):
         raise CheckpointError(
-            f"{ckpt!r} is neither a .ckpt file nor a DeepSpeed checkpoint folder (no checkpoint/ inside)"
+            f"{ckpt!r} is neither a .ckpt file nor a DeepSpeed or FSDP2 distributed checkpoint folder (no checkpoint/ "
+            "or .metadata inside)"
         )
     state, raw = load_training_checkpoint(ckpt)
     record = DrafterRecord.from_dict(raw, ckpt)
