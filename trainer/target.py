@@ -137,7 +137,9 @@ def cpu_has_native_bf16() -> bool:
 def emulated_bf16_message(precision: str | None, dtypes: dict[str, str], native: bool | None = None) -> str | None:
     """The warning for bf16 asked of a CPU without native bf16 (None when there is nothing to say).
 
-    PyTorch runs bf16 on any CPU, converting to float32 per operation: the results are bf16's, several times slower.
+    PyTorch runs bf16 on any CPU: the results are bf16's, but its matrix products there are slower than float32's,
+    4 to 6x in a forward and up to about 90x in some backward layouts (a linear layer's input gradient; measured on
+    an AVX2 CPU, docs/benchmarks/rehearsal.md).
     The run keeps the recipe's precision (its memory is what ``draftsmith plan`` estimates for it); the message names
     the keys that ask for bf16 and what to set for speed.
 
@@ -152,8 +154,8 @@ def emulated_bf16_message(precision: str | None, dtypes: dict[str, str], native:
         return None
     return (
         f"{', '.join(asked)} on a CPU without native bf16 ({torch.backends.cpu.get_cpu_capability()}): PyTorch "
-        "emulates bf16 (same results, several times slower); set trainer.precision: 32-true and float32 dtypes "
-        "for speed"
+        "emulates bf16 (same results; matrix products 4 to 6x slower than float32's, some backward ones about "
+        "90x); set trainer.precision: 32-true and float32 dtypes for speed"
     )
 
 
