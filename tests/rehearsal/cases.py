@@ -129,9 +129,14 @@ def run_precision() -> str:
     return chosen
 
 
+def short_of_memory(case: Case) -> bool:
+    """Whether this machine has less memory available than the case needs at its run precision."""
+    return case.needs_gib > available_gib()
+
+
 def case_precision(case: Case) -> str:
     """:func:`run_precision`, or the case's ``low_memory_precision`` where ``needs_gib`` is not available."""
-    if case.low_memory_precision and case.needs_gib > available_gib():
+    if case.low_memory_precision and short_of_memory(case):
         return case.low_memory_precision
     return run_precision()
 
@@ -194,12 +199,15 @@ def overrides(case: Case, target: Path, data: Path, run: Path, precision: str = 
     """The CPU overrides: one process, a few steps of one short sequence, the cut target and its tokenizer, no
     logger, checkpoints under ``run``; float32 throughout with ``precision="fp32"``, a Lightning precision such as
     ``bf16-true`` as the trainer's with the target in bf16."""
-    fp32 = precision == "fp32"
-    trainer_precision = {} if precision in ("recipe", "fp32") else {"precision": precision}
-    model_dtype = {"target_dtype": "bfloat16"} if trainer_precision else {}
+    if precision == "recipe":
+        trainer_precision, model_dtype = {}, {}
+    elif precision == "fp32":
+        trainer_precision, model_dtype = FP32_TRAINER, FP32_MODEL
+    else:
+        trainer_precision, model_dtype = {"precision": precision}, {"target_dtype": "bfloat16"}
     return {
         "trainer": {
-            **(FP32_TRAINER if fp32 else trainer_precision),
+            **trainer_precision,
             "accelerator": "cpu",
             "devices": 1,
             "num_nodes": 1,
@@ -224,7 +232,7 @@ def overrides(case: Case, target: Path, data: Path, run: Path, precision: str = 
                 "target": str(target),
                 **_export_dir(case, run),
                 **case.model_args,
-                **(FP32_MODEL if fp32 else model_dtype),
+                **model_dtype,
             }
         },
         "data": {

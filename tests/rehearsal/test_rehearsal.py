@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.rehearsal.cases import CASES, available_gib, plan_only, rehearse
+from tests.rehearsal.cases import CASES, available_gib, plan_only, rehearse, short_of_memory
 
 CI_CASE: str | None = None
 """A case cheap enough for ``make test`` to run unmarked (None: every case is marked ``rehearsal``)."""
@@ -27,7 +27,7 @@ def _param(case):
 
 @pytest.mark.parametrize("case", [_param(c) for c in CASES])
 def test_rehearse(case):
-    if case.needs_gib > available_gib() and not case.low_memory_precision:
+    if short_of_memory(case) and not case.low_memory_precision:
         why = f"needs about {case.needs_gib:.0f} GiB, {available_gib():.1f} GiB available"
         plan_only(case, f"not run: {why}")  # the table still shows the planner's answer
         pytest.skip(f"{case.name} {why}")
