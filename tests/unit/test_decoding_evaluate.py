@@ -15,7 +15,6 @@ from tests.helpers import tiny_llama
 from trainer.cli import main as draftsmith
 from trainer.decoding.callback import SpeculativeEvalCallback
 from trainer.decoding.eval_cli import build_parser, main
-from trainer.decoding.evaluate import SpeculativeMismatchError, check_identity
 from trainer.decoding.generate import GenerationResult
 from trainer.decoding.options import ProposerOptions, field_help, options_from_arguments
 from trainer.decoding.proposers import BaseProposer, PromptLookupProposer
@@ -174,13 +173,6 @@ def test_what_eval_asks_a_proposer_has_its_defaults_in_one_place(saved, tmp_path
     assert not (tmp_path / "t.json").exists()
 
 
-def test_mismatch_is_an_error_not_a_statistic() -> None:
-    reference = [GenerationResult(tokens=[1, 2, 3, 4])]
-    with pytest.raises(SpeculativeMismatchError, match="prompt 0.*position 2"):
-        check_identity(reference, [GenerationResult(tokens=[1, 2, 9, 4])], k=4)
-    check_identity(reference, [GenerationResult(tokens=[1, 2, 3, 4])], k=4)
-
-
 class DraftModule(pl.LightningModule):
     """A minimal module implementing the callback's protocol (the objectives do it through their base class)."""
 
@@ -219,7 +211,7 @@ def test_callback_logs_tau_every_n_steps(tmp_path) -> None:
     assert callback._last_step == 3  # step 2, then the last step
     assert 1.0 <= callback.last["spec_eval/tau"] <= 4.0
     assert 1.0 <= callback.last["spec_eval/tau_sampling"] <= 4.0
-    expected = {"spec_eval/tau", "spec_eval/acceptance_rate", "spec_eval/loop_share"}
+    expected = {"spec_eval/tau", "spec_eval/acceptance_rate", "spec_eval/loop_share", "spec_eval/near_ties"}
     expected |= {f"spec_eval/acceptance_{d}" for d in (1, 2, 3)}
     expected |= {"spec_eval/tau_sampling", "spec_eval/acceptance_rate_sampling"}
     expected |= {f"spec_eval/acceptance_sampling_{d}" for d in (1, 2, 3)}

@@ -12,10 +12,12 @@ so what is logged during training is what ``eval`` measures afterwards with the 
 
 Every ``every_n_steps`` optimizer steps, and at the last step, the callback decodes the held-out prompts greedily
 with the target alone (once, then cached) and with speculation, checks that the outputs are identical (a difference
-raises), and logs ``spec_eval/tau``, ``spec_eval/acceptance_rate``, ``spec_eval/acceptance_{d}`` for every draft
-position d, and ``spec_eval/loop_share``; with ``temperature > 0`` also ``spec_eval/tau_sampling`` and its
-acceptance. Values go to the trainer's loggers at that step (TensorBoard with the recipes' logger). Every rank
-decodes the same prompts (under sharded strategies the drafter's forward is collective); rank zero logs.
+raises, unless the target's own logits tie there to its dtype's rounding: trainer/decoding/identity.py), and logs
+``spec_eval/tau``, ``spec_eval/acceptance_rate``, ``spec_eval/acceptance_{d}`` for every draft position d,
+``spec_eval/loop_share`` and ``spec_eval/near_ties`` (prompts whose outputs parted on such a tie); with
+``temperature > 0`` also ``spec_eval/tau_sampling`` and its acceptance. Values go to the trainer's loggers at that
+step (TensorBoard with the recipes' logger). Every rank decodes the same prompts (under sharded strategies the
+drafter's forward is collective); rank zero logs.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from trainer.decoding import metrics
-from trainer.decoding.evaluate import check_identity, load_prompts, loop_statistics, run_prompts
+from trainer.decoding.evaluate import load_prompts, loop_statistics, run_prompts
+from trainer.decoding.identity import check_identity
 from trainer.decoding.options import ProposerOptions
 from trainer.decoding.proposers import NoProposer
 from trainer.registry import DrafterRecord, get_kind
@@ -142,7 +145,8 @@ class SpeculativeEvalCallback(pl.Callback):
                     target, proposer, self.prompts, self.k, self.max_new_tokens, 0.0, self.eos_token_id,
                     accept_threshold=threshold,
                 )  # fmt: skip
-                check_identity(self._reference, greedy, self.k)
+                ties = check_identity(self._reference, greedy, self.k, target, self.prompts)
+                values["spec_eval/near_ties"] = float(len(ties))
                 values.update(self._values(greedy, ""))
                 values["spec_eval/loop_share"] = loop_statistics(self._reference)[0]["share"]
                 if self.temperature > 0:

@@ -25,13 +25,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from trainer.decoding.drift import target_drift
-from trainer.decoding.evaluate import (
-    SpeculativeMismatchError,
-    evaluate_drafter,
-    load_prompts,
-    refuse_drafter_as_target,
-    resolve_drafter,
-)
+from trainer.decoding.evaluate import evaluate_drafter, load_prompts, refuse_drafter_as_target, resolve_drafter
+from trainer.decoding.identity import SpeculativeMismatchError
 from trainer.decoding.options import ProposerOptions, add_option_arguments, options_from_arguments, positive_ints
 from trainer.decoding.report import write_report
 from trainer.errors import ModelFolderError, TokenizerError, UsageError, UserError

@@ -74,6 +74,7 @@ def markdown(report: dict) -> str:
                 f"| {e['target_forwards']} ({e['baseline_target_forwards']}) | {_fmt(e['draft_cost'])} "
                 f"| {_fmt(e['projected_speedup'], 2)}x | {_measured(e)} |"
             )
+    lines += _near_tie_lines(report)
     lines += _threshold_section(report)
     lines += ["", "## Acceptance per draft position (greedy)", ""]
     for e in report["greedy"]:
@@ -90,6 +91,22 @@ def _dynamic(report: dict) -> bool:
 def _threshold_label(entry: dict) -> str:
     threshold = entry.get("accept_threshold", 0.0)
     return f", threshold {threshold:g}" if threshold else ""
+
+
+def _near_tie_lines(report: dict) -> list[str]:
+    """The prompts whose greedy outputs parted on a near-tie of the target's logits (trainer/decoding/identity.py)."""
+    ties = [(e["k"], t) for e in report["greedy"] for t in e.get("near_ties", [])]
+    if not ties:
+        return []
+    lines = ["", "Outputs that parted on a near-tie of the target's logits (rounding, not a draft: the two tokens",
+             "were the target's top two, this many units in the last place of its dtype apart; from there each",
+             "output is the engine's own greedy output):", ""]  # fmt: skip
+    for k, t in ties:
+        lines.append(
+            f"- K={k}, prompt {t['prompt']}, position {t['position']}: tokens {t['target_token']} (target alone) and "
+            f"{t['speculative_token']} (speculative), {t['ulps']:g} ulps"
+        )
+    return lines
 
 
 def _threshold_section(report: dict) -> list[str]:
