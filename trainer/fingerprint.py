@@ -109,14 +109,11 @@ def recorded_fingerprints(checkpoint: str | Path) -> dict[str, dict[str, str]]:
     A ``.ckpt`` file, the rank-0 client state of a DeepSpeed checkpoint folder or the ``meta.pt`` of a distributed
     (FSDP2) one is opened memory-mapped: the weights it holds are not read.
     """
-    from trainer.checkpoints.reading import explain_load_error
+    from trainer.checkpoints.reading import client_state_file, explain_load_error
     from trainer.errors import CheckpointError
 
-    path = Path(checkpoint)
-    if path.is_dir():
-        names = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
-        path = next((path / "checkpoint" / n for n in names if (path / "checkpoint" / n).is_file()), path / "meta.pt")
-    if not path.is_file():
+    path = client_state_file(Path(checkpoint))
+    if path is None:
         return {}
     try:
         data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)

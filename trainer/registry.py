@@ -184,7 +184,9 @@ def recognise(folder: Path) -> tuple[DrafterKind, ExportFormat]:
 
 def is_training_checkpoint(path: Path) -> bool:
     """A Lightning ``.ckpt`` file, a DeepSpeed checkpoint folder or an FSDP2 distributed checkpoint folder."""
-    return path.is_file() or (path / "checkpoint").is_dir() or (path / ".metadata").is_file()
+    from trainer.checkpoints.reading import checkpoint_layout
+
+    return checkpoint_layout(path) is not None
 
 
 def load_drafter(path: str) -> tuple[nn.Module, DrafterRecord]:

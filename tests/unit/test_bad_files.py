@@ -143,6 +143,30 @@ def test_a_distributed_checkpoint_folder_reads_and_a_broken_one_is_named(tmp_pat
         load_training_checkpoint(str(folder))
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_each_checkpoint_layout_is_told_and_its_client_state_found(tmp_path):
+    """One rule for the three layouts, which export, eval and the fingerprint check all follow."""
+    from trainer.checkpoints.reading import checkpoint_layout, client_state_file
+    from trainer.fingerprint import recorded_fingerprints
+
+    single = tmp_path / "single.ckpt"
+    torch.save({"state_dict": {}, "frozen_models": {"target": {"config": "a"}}}, single)
+    deepspeed = tmp_path / "zero.ckpt"
+    (deepspeed / "checkpoint").mkdir(parents=True)
+    distributed = tmp_path / "fsdp.ckpt"
+    _distributed_folder(distributed)
+    assert [checkpoint_layout(p) for p in (single, deepspeed, distributed, tmp_path)] == [
+        "file", "deepspeed", "distributed", None,
+    ]  # fmt: skip
+    assert client_state_file(deepspeed) is None  # no rank-0 model states yet: nothing to read
+    torch.save({"frozen_models": {"target": {"config": "b"}}}, deepspeed / "checkpoint" / "mp_rank_00_model_states.pt")
+    assert client_state_file(deepspeed) == deepspeed / "checkpoint" / "mp_rank_00_model_states.pt"
+    assert client_state_file(distributed) == distributed / "meta.pt" and client_state_file(tmp_path) is None
+    assert recorded_fingerprints(single) == {"target": {"config": "a"}}
+    assert recorded_fingerprints(deepspeed) == {"target": {"config": "b"}}
+    assert recorded_fingerprints(distributed) == {} and recorded_fingerprints(tmp_path) == {}
+
+
 def test_a_whole_checkpoint_still_loads():
     state, record = load_training_checkpoint(str(FIXTURES / "kd.ckpt"))
     assert state and record["kind"]

@@ -19,7 +19,7 @@ import pickle
 import warnings
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -64,6 +64,37 @@ def _refused(path: Path, what: str, names: list[str]) -> CheckpointError:
         hint="use a checkpoint draftsmith wrote; do not load this file with weights_only=False unless you trust "
         "whoever made it",
     )
+
+
+DEEPSPEED_CLIENT_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+"""Rank 0's model-states file of a DeepSpeed checkpoint's ``checkpoint/`` folder (ZeRO-1/2, then ZeRO-3), which holds
+Lightning's client state: the drafter record and the frozen models' fingerprints."""
+
+
+def checkpoint_layout(path: Path) -> Literal["file", "deepspeed", "distributed"] | None:
+    """What a training checkpoint path is: a Lightning ``.ckpt`` file, a DeepSpeed checkpoint folder (its
+    ``checkpoint/`` folder), an FSDP2 distributed checkpoint folder (its ``.metadata`` index), or None (neither)."""
+    if path.is_file():
+        return "file"
+    if (path / ".metadata").is_file():
+        return "distributed"
+    if (path / "checkpoint").is_dir():
+        return "deepspeed"
+    return None
+
+
+def client_state_file(path: Path) -> Path | None:
+    """The file of a training checkpoint that holds Lightning's client state (read memory-mapped, its weights
+    untouched): the ``.ckpt`` file, rank 0's DeepSpeed model states or the distributed folder's ``meta.pt``; None where
+    the layout has no such file."""
+    layout = checkpoint_layout(path)
+    if layout == "file":
+        return path
+    if layout == "distributed":
+        return path / "meta.pt" if (path / "meta.pt").is_file() else None
+    if layout == "deepspeed":
+        return next((f for f in (path / "checkpoint" / n for n in DEEPSPEED_CLIENT_STATES) if f.is_file()), None)
+    return None
 
 
 def explain_load_error(path: Path, err: BaseException, what: str = "checkpoint") -> CheckpointError | None:
@@ -183,19 +214,17 @@ def load_training_checkpoint(path: str) -> tuple[dict[str, torch.Tensor], dict]:
     ckpt = Path(path)
     if not ckpt.exists():
         raise PathError(f"checkpoint {path!r} does not exist")
-    if ckpt.is_dir() and (ckpt / ".metadata").is_file():
+    layout = checkpoint_layout(ckpt)
+    if layout == "distributed":
         return _read_distributed_folder(ckpt)
     if ckpt.is_dir():
         # ZeRO-1/2 write mp_rank_00_model_states.pt, ZeRO-3 one zero_pp_rank_R_mp_rank_00_model_states.pt per rank;
         # rank 0's holds Lightning's client state, the drafter record among it
-        candidates = [
-            ckpt / "checkpoint" / n for n in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
-        ]
-        client_state = next((c for c in candidates if c.is_file()), None)
+        client_state = client_state_file(ckpt)
         if client_state is None:
             raise PathError(
-                f"{path!r} is a directory but not a checkpoint folder (no DeepSpeed {candidates[0].name}, no "
-                "distributed checkpoint .metadata)"
+                f"{path!r} is a directory but not a checkpoint folder (no DeepSpeed "
+                f"checkpoint/{DEEPSPEED_CLIENT_STATES[0]}, no distributed checkpoint .metadata)"
             )
         meta = torch_load_checked(client_state, "DeepSpeed checkpoint file")
         _screen_deepspeed_folder(ckpt / "checkpoint")
