@@ -100,6 +100,7 @@ def completions(art: Path, data: Path) -> Path:
     if done.is_file():
         return done
     prompts, partial = data / "train_prompts.jsonl", data / "train_completions.partial.jsonl"
+    data.mkdir(parents=True, exist_ok=True)  # a new --out
     if not prompts.is_file():
         training_prompts(art / "corpus" / "train.jsonl", prompts, PROMPT_CHARS, 1, 0)
     generate = [
