@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,11 +25,33 @@ real-width fit of two steps did not finish in an hour), or in `bf16-true` (weigh
 bf16) where a case does not fit this machine in float32 (named in its changes); `draftsmith export` in every format
 the method writes, each read
 back by its loader and compared with the checkpoint's weights; `draftsmith eval` on two prompts (greedy output
-identical to the target's, which eval checks); `draftsmith plan` on the same recipe and overrides, with the cut
+identical to the target's, which eval checks, but where the target's own top two logits tie to its dtype's rounding,
+which eval reports: docs/guides/evaluation.md); `draftsmith plan` on the same recipe and overrides, with the cut
 target's config (`--target_config`) and one GPU. Peak RSS: the fit process's maximum resident set (wait4).
 Cases and overrides: tests/rehearsal/cases.py.""".split()
 )
-MACHINE = "2-core CPU, no GPU, no native bf16 instructions"
+
+
+def machine() -> str:
+    """This machine in words: its cores and whether it computes bf16 natively (what the precision column follows)."""
+    from trainer.target import cpu_has_native_bf16
+
+    bf16 = "native bf16 instructions" if cpu_has_native_bf16() else "no native bf16 instructions"
+    return f"{os.cpu_count()}-core CPU, no GPU, {bf16}"
+
+
+def _eval_status(result: dict) -> str:
+    """The eval column: greedy identical, with the prompts that parted on a near-tie of the target's logits and
+    their gaps, or the refusal a case expects (``Case.eval_refused``)."""
+    if result.get("eval_refused"):
+        return "refused by name, as expected: " + result["eval_refused"].replace("|", "/")
+    ties = result.get("eval_near_ties") or []
+    if not ties:
+        return "greedy identical"
+    gaps = ", ".join(f"{t['ulps']:g}" for t in ties)
+    many = f"{len(ties)} near-ties" if len(ties) > 1 else "a near-tie"
+    dtype = "float32" if result.get("precision") == "fp32" else "bf16"
+    return f"greedy identical up to {many} of the target's logits ({gaps} {dtype} ulps apart; reported by eval)"
 
 
 def _ratio(plan: float | None, measured: float | None) -> str:
@@ -80,7 +103,7 @@ def render(results: list[dict], command: str) -> str:
         fit = r.get("fit") or {}
         plan = r.get("plan") or {}
         measured = fit.get("peak_rss_gib")
-        status = "greedy identical" if r.get("ok") else _failed(r)
+        status = _eval_status(r) if r.get("ok") else _failed(r)
         status += f" ({r['note']})" if r.get("note") else ""
         exports = ", ".join(r.get("exports", [])) or "-"
         for fmt, why in (r.get("refused_exports") or {}).items():
@@ -99,7 +122,7 @@ def render(results: list[dict], command: str) -> str:
                 "",
                 INTRO.format(steps=STEPS, seq=SEQ_LEN),
                 "",
-                f"Date {date}, commit {commit.stdout.strip()}, machine: {MACHINE}.",
+                f"Date {date}, commit {commit.stdout.strip()}, machine: {machine()}.",
                 f"Command: `{command}`",
                 "",
                 *rows,

@@ -30,6 +30,10 @@ What is counted, per GPU, for N GPUs (the ZeRO paper's accounting, Adam/AdamW):
   both [B, S, V] logit tensors in the model dtype under ZeRO-3 (the KD objective takes the logits from the forward
   when the output weight is sharded).
 
+The total is the sum but for ZeRO's step-only buffers (the fp32 partition gradient and AdamW's temporary, built in
+the optimizer step after backward has freed the activations): a ZeRO row counts the larger of those and the
+activations. The DDP row keeps the sum: the rehearsal measured its single-process fits at or above it.
+
 Not counted: NCCL workspaces, allocator fragmentation and the CUDA context, usually 1 to 3 GB per GPU; ``--reserve``
 subtracts an allowance (default 3 GB) from the GPU memory before deciding what fits. tests/unit/test_planner.py checks
 the parameter, gradient and optimizer counts exactly and the activation estimate against tensors measured on CPU for

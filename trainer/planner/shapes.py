@@ -135,11 +135,14 @@ class Estimate:
     optimizer: int
     activations: int
     buffers: int = 0  # AdamW's step temporaries, and DeepSpeed's gradient partition and buckets (zero_buffer_bytes)
+    step_buffers: int = 0  # the part of buffers alive only in the optimizer step, after backward freed the activations
 
     @property
     def total(self) -> int:
-        parts = (self.target_weights, self.drafter_weights, self.gradients, self.optimizer, self.activations)
-        return sum(parts) + self.buffers
+        """The peak: weights, gradients, optimizer state and the buffers that stay, plus the larger of the
+        activations (forward and backward) and the step-only buffers (the optimizer step), which never coexist."""
+        parts = (self.target_weights, self.drafter_weights, self.gradients, self.optimizer)
+        return sum(parts) + self.buffers - self.step_buffers + max(self.activations, self.step_buffers)
 
 
 ZERO_OPTIMIZER_BYTES = 12
@@ -156,11 +159,20 @@ def zero_buffer_bytes(trained: int, stage: int, gpus: int, grad_bytes: int) -> i
     ``gpus``), AdamW's step temporary over that partition (:func:`adamw_step_bytes`), and for stages 1 and 2 the two
     gradient buckets of :data:`REDUCE_BUCKET_ELEMENTS` (fp32 for ZeRO-1, the gradients' dtype for ZeRO-2; a CPU
     process touches no more of a bucket than the gradients fill)."""
-    fp32_partition = -(-trained * 4 // gpus)
     if stage >= 3:
-        return fp32_partition + adamw_step_bytes(fp32_partition)
+        return zero_step_bytes(trained, gpus)
     bucket_bytes = 4 if stage == 1 else grad_bytes
-    return fp32_partition + adamw_step_bytes(fp32_partition) + 2 * min(REDUCE_BUCKET_ELEMENTS, trained) * bucket_bytes
+    return zero_step_bytes(trained, gpus) + 2 * min(REDUCE_BUCKET_ELEMENTS, trained) * bucket_bytes
+
+
+def zero_step_bytes(trained: int, gpus: int) -> int:
+    """DeepSpeed's buffers that live only in the optimizer step: the fp32 gradient of the optimizer's partition
+    (built from the reduced gradients in ``step()`` and dropped after it) and AdamW's temporary over that partition.
+    Backward has freed the activations by then, so an :class:`Estimate` counts the larger of the two, not both: the
+    real-width rehearsal measured the sum 1.7 to 2.1 GiB over the peak of DFlash's ZeRO-2 fits, whose activations
+    (a chunked loss over the vocabulary) are about as large as these buffers (docs/benchmarks/rehearsal.md)."""
+    fp32_partition = -(-trained * 4 // gpus)
+    return fp32_partition + adamw_step_bytes(fp32_partition)
 
 
 def adamw_step_bytes(parameter_bytes: int) -> int:
@@ -197,6 +209,7 @@ def zero_row(
         optimizer=shard(trained * ZERO_OPTIMIZER_BYTES, 1),
         activations=activations,
         buffers=zero_buffer_bytes(trained, stage, gpus, weight_bytes),
+        step_buffers=zero_step_bytes(trained, gpus),
     )
 
 
