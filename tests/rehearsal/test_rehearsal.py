@@ -2,7 +2,7 @@
 on the real model's cut shapes, export every format, read each back, draft with ``draftsmith eval`` (greedy output
 identical to the target's), and ask ``draftsmith plan`` for the same run.
 
-``make rehearse`` runs them all (marker ``rehearsal``, one real-width process at a time: 11 to 21 GiB and several
+``make rehearse`` runs them all (marker ``rehearsal``, one real-width process at a time: 10 to 21 GiB and several
 CPU minutes each) and writes docs/benchmarks/rehearsal.md. ``make test`` runs :data:`CI_CASE` unmarked: DFlash on
 Llama-3.1-8B cut to 2 layers with one draft layer and no ZeRO-2, the cheapest case that still has the real
 vocabulary (128,256, in the chunked loss over the shared head), the 4,096-wide layers and fusion, the
