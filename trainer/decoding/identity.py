@@ -5,7 +5,7 @@ The engine's rules are exact, its arithmetic is the target's (trainer/decoding/g
 tokens and K + 1 one-token forwards round differently, so where the target's top two logits are closer than that
 rounding the two decodes may pick different tokens, and from there they go on differently. In float64 (the tests)
 this does not happen; in bfloat16, the dtype real targets are served in, it does (a real-width Llama-3.1 cut to 4
-layers diverged at its third output token, its top two logits 0.075 apart, 2.4 units in the last place of bfloat16).
+layers diverged at its third output token, its top two bf16 logits 0.0625 apart, 2 units in the last place).
 
 :func:`check_identity` therefore looks at the first difference of each prompt: given the target and the prompts, it
 runs the target once over the prompt and the common output and accepts the difference as a *near-tie* when the two
