@@ -20,16 +20,16 @@ Steps, each skipped when its output already exists under ``--out`` (delete a fil
    (``recipes/quickstart/{eagle3,peagle,dflash}.yaml``) with the steps and data overridden; speculators' is its
    ``speculators.train`` code (``TrainConfig`` defaults, ``parse_vocab_mappings``, ``build_draft_model``,
    ``get_trainer_kwargs``, ``Trainer.run_training``) in its own virtualenv, this file run there with ``--side
-   speculators``; the only change to its code path is the data loader, which runs the target on the step's rows
-   (online, as ours does) and hands the hidden states to speculators' ``CollateFn`` (with its ``shift_batch`` for
-   EAGLE-3 and P-EAGLE). Its defaults are kept except what must match: target, data, steps, tokens per step
-   (``total_seq_len`` 4 x 256), the learning-rate schedule (ours: peak lr, warm-up steps, cosine; speculators' cosine
-   decays to 0, ours to 0.1 x lr), draft layers, K / block size, the target layers, the draft vocabulary (1,024
-   tokens for EAGLE-3 and P-EAGLE, the target's for DFlash) and mask token; the loss runs speculators' eager
-   implementation (its fused one needs Triton, a GPU) in float32;
-   DFlash's anchors per step are set to ours (32 per row, 128 per packed step) so that both train the same blocks;
-   P-EAGLE's layer is ours (``--draft-arch llama``, ``norm_before_residual`` off as in our recipe; its defaults are a
-   Qwen3 layer with ``norm_before_residual``); ``sdpa`` attention (its default flex attention has no backward on CPU);
+   speculators``; the only change to its code path is the data loader, which runs the target's decoder on the step's
+   rows (online, as ours does; not its lm_head, which speculators' loss applies itself) and hands the hidden states to
+   speculators' ``CollateFn`` (with its ``shift_batch`` for EAGLE-3 and P-EAGLE). Its defaults are kept except what must
+   match: target, data, steps, tokens per step (``total_seq_len`` 4 x 256), the learning-rate schedule (ours: peak lr,
+   warm-up steps, cosine; speculators' cosine decays to 0, ours to 0.1 x lr), draft layers, K / block size, the target
+   layers, the draft vocabulary (1,024 tokens for EAGLE-3 and P-EAGLE, the target's for DFlash) and mask token; the loss
+   runs speculators' eager implementation (its fused one needs Triton, a GPU) in float32; DFlash's anchors per step are
+   set to ours (32 per row, 128 per packed step) so that both train the same blocks; P-EAGLE's layer is ours
+   (``--draft-arch llama``, ``norm_before_residual`` off as in our recipe; its defaults are a Qwen3 layer with
+   ``norm_before_residual``); ``sdpa`` attention (its default flex attention has no backward on CPU);
 4. export ours (``eagle3-speculators``, ``peagle-speculators``, ``dflash``); speculators' folder is its own
    ``save_pretrained``; ``draftsmith eval`` reads both;
 5. ``draftsmith eval`` of both, greedy, on the first ``--prompts`` held-out files (160-character prompts, as
@@ -322,7 +322,7 @@ def main_speculators(args: argparse.Namespace) -> int:
     def step_batch(items: list[int]) -> dict:
         (step,) = items
         with torch.no_grad():
-            out = target(ids[step], output_hidden_states=True)  # [B, S + 1, ...]
+            out = target.model(ids[step], output_hidden_states=True)  # [B, S + 1, ...]: no lm_head (its loss has one)
         aux = torch.cat([out.hidden_states[i] for i in TARGET_LAYERS], dim=-1)  # [B, S + 1, 3 H]
         samples = []
         for b in range(ids.shape[1]):

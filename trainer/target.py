@@ -181,12 +181,12 @@ def resolve_dtype(name: str) -> torch.dtype:
 class TargetOutput:
     """What a target forward returns.
 
-    logits: [B, S, V] in the target's dtype.
+    logits: [B, S, V] in the target's dtype, or None when the forward was asked for hidden states only.
     hidden_states: the requested layers' hidden states, each [B, S, H], in the order requested.
     cache: the updated KV cache when ``use_cache`` was set, else None.
     """
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     hidden_states: list[torch.Tensor]
     cache: object | None
 
@@ -275,13 +275,17 @@ class FrozenTarget(nn.Module):
         cache: object | None = None,
         use_cache: bool = False,
         position_ids: torch.Tensor | None = None,
+        logits: bool = True,
     ) -> TargetOutput:
-        """input_ids: [B, S]; hidden_layers: indices into HF ``hidden_states`` (0 embeddings, L final normed output)."""
+        """input_ids: [B, S]; hidden_layers: indices into HF ``hidden_states`` (0 embeddings, L final normed output);
+        ``logits`` False skips the output projection (no [B, S, V] tensor: ask for layer L and project what is
+        needed, as EAGLE-3's soft labels project onto the draft vocabulary only)."""
         L = self.num_layers
         for i in hidden_layers:
             if not 0 <= i <= L:
                 raise ValueError(f"hidden layer index {i} out of range: the target has hidden_states 0..{L}")
-        out = self.model(
+        model = self.model if logits else self.model.get_decoder()
+        out = model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -290,7 +294,7 @@ class FrozenTarget(nn.Module):
             output_hidden_states=bool(hidden_layers),
         )
         hidden = [out.hidden_states[i] for i in hidden_layers]  # each [B, S, H]
-        return TargetOutput(out.logits, hidden, out.cache if use_cache else None)
+        return TargetOutput(out.logits if logits else None, hidden, out.cache if use_cache else None)
 
 
 def _drop_own_entries(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:

@@ -14,14 +14,16 @@ K = 3
 
 
 def naive_ttt_loss(objective: Eagle3, ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[float, list[float]]:
-    """sum_i 0.8^i * mean over trained label positions of CE(target's draft-vocabulary distribution, draft i)."""
+    """sum_i 0.8^i * mean over trained label positions of CE(target's draft-vocabulary distribution, draft i), or with
+    hard labels of CE(the target's argmax, draft i) where that argmax is in the draft vocabulary; the accuracy of draft
+    i against the target's argmax over the draft vocabulary (soft labels) or over every token (hard labels)."""
     drafter, target = objective.drafter, objective.target
     aux = list(drafter.config.aux_layers)
     out = target(ids, hidden_layers=aux)
     draft_ids = drafter.draft_ids()
     embedding = target.model.get_input_embeddings()
     B, S = ids.shape
-    sums, counts, hits = [0.0] * K, [0] * K, [0] * K
+    sums, counts, hits, hit_total = [0.0] * K, [0] * K, [0] * K, [0] * K
     for b in range(B):
         fused = drafter.fuse([h[b : b + 1, :-1] for h in out.hidden_states])  # [1, S - 1, H]
         for t in range(S - 1):
@@ -44,26 +46,43 @@ def naive_ttt_loss(objective: Eagle3, ids: torch.Tensor, loss_mask: torch.Tensor
                     logit = step_logits[0, -1]
                 if not loss_mask[b, label]:
                     continue
-                p = torch.softmax(out.logits[b, label, draft_ids].float(), dim=-1)  # [Vd]
-                sums[i] += float(-(p * torch.log_softmax(logit.float(), dim=-1)).sum())
-                counts[i] += 1
-                hits[i] += int(drafter.to_target_ids(logit.argmax()) == out.logits[b, label].argmax())
+                log_q = torch.log_softmax(logit.float(), dim=-1)  # [Vd]
+                guess = drafter.to_target_ids(logit.argmax())
+                if objective.labels == "soft":
+                    p = torch.softmax(out.logits[b, label, draft_ids].float(), dim=-1)  # [Vd]
+                    sums[i] += float(-(p * log_q).sum())
+                    counts[i] += 1
+                    hits[i] += int(guess == draft_ids[out.logits[b, label, draft_ids].argmax()])
+                    continue
+                best = out.logits[b, label].argmax()  # over the whole vocabulary
+                hits[i] += int(guess == best)
+                hit_total[i] += 1
+                if drafter.t2d[best]:
+                    sums[i] += float(-log_q[int((draft_ids == best).nonzero())])
+                    counts[i] += 1
     total = sum(objective.step_decay**i * sums[i] / counts[i] for i in range(K))
-    return total, [hits[i] / counts[i] for i in range(K)]
+    return total, [hits[i] / (counts[i] if objective.labels == "soft" else hit_total[i]) for i in range(K)]
 
 
 EAGLE31 = {"norm_before_residual": True, "fc_norm": True, "norm_output": True}
 
 
 @pytest.mark.parametrize(
-    ("ttt_inputs", "flags"),
-    [("data", {}), ("predicted", {}), ("data", EAGLE31), ("predicted", {"norm_before_fc": True, "norm_output": True})],
+    ("ttt_inputs", "flags", "labels"),
+    [
+        ("data", {}, "soft"),
+        ("predicted", {}, "soft"),
+        ("data", EAGLE31, "soft"),
+        ("predicted", {"norm_before_fc": True, "norm_output": True}, "soft"),
+        ("data", {}, "hard"),
+    ],
 )
-def test_ttt_loss_equals_chain_drafting_scored_position_by_position(ttt_inputs, flags, tmp_path):
-    """With the EAGLE-3.1 flags too: training feeds each step what drafting feeds (post-norm with norm_output)."""
+def test_ttt_loss_equals_chain_drafting_scored_position_by_position(ttt_inputs, flags, labels, tmp_path):
+    """With the EAGLE-3.1 flags too: training feeds each step what drafting feeds (post-norm with norm_output). Soft
+    labels project the target onto the draft vocabulary only; the reference projects onto every token and slices."""
     tiny_llama(tmp_path / "target", tied=False)
     objective = Eagle3(str(tmp_path / "target"), draft_vocab_size=32, target_layers=[0, 1, 2], ttt_steps=K,
-                       ttt_inputs=ttt_inputs, **flags)  # fmt: skip
+                       ttt_inputs=ttt_inputs, labels=labels, **flags)  # fmt: skip
     g = torch.Generator().manual_seed(1)
     rows = torch.randint(0, 64, (2, 11), generator=g)  # [B, S + 1]
     objective.build_vocab_map(rows.numpy(), (rows > 4).numpy())

@@ -139,13 +139,17 @@ def _eagle(objective: nn.Module, name: str, batch: int, seq: int, a: int, a_t: i
     d = Shape(vd, config.hidden_size, config.intermediate_size, 1, config.num_attention_heads,
               config.num_key_value_heads, config.head_dim)  # fmt: skip
     layers_kept = len(config.aux_layers)
+    soft = getattr(objective, "labels", "soft") == "soft"
     if shards:
         target_phase = layers_kept * n * t.hidden_size * 2  # the batch's teacher hidden states (bf16 shards)
     else:
-        # every hidden state HF returns with output_hidden_states, the [B, S, V] logits and the draft-vocabulary slice
-        target_phase = frozen_forward(t, n, a_t, hidden_kept=t.num_hidden_layers + 1, vocab_out=t.vocab_size)
-        target_phase += n * vd * (a_t + F32)
-    labels = n * vd * F32 if getattr(objective, "labels", "soft") == "soft" else 0
+        # every hidden state HF returns with output_hidden_states; soft labels project onto the draft vocabulary's
+        # lm_head rows only ([B, S, Vd] logits and their float32 softmax), hard labels onto every token ([B, S, V])
+        vocab_out = 0 if soft else t.vocab_size
+        target_phase = frozen_forward(t, n, a_t, hidden_kept=t.num_hidden_layers + 1, vocab_out=vocab_out)
+        if soft:
+            target_phase += n * vd * (a_t + F32) + vd * t.hidden_size * a_t  # + the draft rows of lm_head
+    labels = n * vd * F32 if soft else 0
     handed = n * config.hidden_size * a + labels  # the fused features, the soft labels
     # one step: the layer (2H attention input), its [B, S, Vd] logits, their float32 log-softmax and the product
     step = layer_saved(d, n, a, extra_hidden=2) + n * vd * (a + 2 * F32)

@@ -1,13 +1,14 @@
 """EAGLE-3: train a one-layer drafter on fused target features with training-time test (TTT).
 
-Online mode: the frozen target runs inside the training step and gives its logits and the hidden states of the
-drafter's aux layers. Element ``t`` of a row pairs the fused features of token ``t`` with the embedding of token
-``t + 1``; at unrolled step ``i`` it predicts token ``t + 2 + i``, labelled by the target's prediction at position
-``t + 1 + i`` (its distribution over the draft vocabulary, renormalised, or its argmax), under the loss mask of that
-token, with weight ``step_decay ** i``. Step ``i > 0`` feeds the drafter's own output features of step ``i - 1`` at
-positions shifted by ``i``, with the row's own token ``t + 1 + i`` (``ttt_inputs: data``, the default, as the
-reference implementations do) or the drafter's own argmax of step ``i - 1`` (``predicted``); see
-module.py for the attention.
+Online mode: the frozen target runs inside the training step and gives the hidden states of the drafter's aux layers and
+its predictions: with soft labels only over the draft vocabulary (its final hidden state projected onto those rows of
+its lm_head, no [B, S, V] logits; vocab_map.online_target_signals), with hard labels over every token. Element ``t`` of
+a row pairs the fused features of token ``t`` with the embedding of token ``t + 1``; at unrolled step ``i`` it predicts
+token ``t + 2 + i``, labelled by the target's prediction at position ``t + 1 + i`` (its distribution over the draft
+vocabulary, renormalised, or its argmax), under the loss mask of that token, with weight ``step_decay ** i``. Step
+``i > 0`` feeds the drafter's own output features of step ``i - 1`` at positions shifted by ``i``, with the row's own
+token ``t + 1 + i`` (``ttt_inputs: data``, the default, as the reference implementations do) or the drafter's own argmax
+of step ``i - 1`` (``predicted``); see module.py for the attention.
 
 Why data tokens by default: the label of step ``i`` is the target's prediction after the row's tokens. Where the
 drafter's step ``i - 1`` guess is wrong, a ``predicted`` input contradicts that label, and the drafter learns to
@@ -21,8 +22,12 @@ the target's top-k next tokens at temperature 1, written by ``draftsmith precomp
 precompute_eagle3.yaml). The target model is never built: only its config and the two tensors the drafter needs, the
 input embedding (the drafter's input) and the lm_head (which initialises the draft lm_head rows), are read from its
 safetensors (trainer.target.TargetEmbeddings). Soft labels are the top-k probabilities restricted to the draft
-vocabulary and renormalised over it (positions where none of the k ids is in it are not trained); hard labels and the
-accuracies use the top-1 id. With k equal to the vocabulary and float32 shards it is the online objective.
+vocabulary and renormalised over it (positions where none of the k ids is in it are not trained); hard labels use the
+top-1 id, the accuracies the best-ranked id in the draft vocabulary (soft labels) or the top-1 id (hard), as online.
+With k equal to the vocabulary and float32 shards it is the online objective.
+
+Accuracies (``acc_i``) count the drafts equal to the target's most likely token: among the draft vocabulary's tokens
+with soft labels (what the loss sees, and what speculators reports), among all tokens with hard labels.
 
 Memory: a step's activations would grow linearly in K (5.9x at K = 7 against K = 1). With ``recompute``
 (the default) the steps 0..K-2 keep only their inputs and outputs (features, keys and values: what later steps read)
@@ -227,13 +232,9 @@ class Eagle3(DraftObjective):
 
     def _online_signals(self, ids: torch.Tensor):
         """Runs the target: (fused [B, S - 1, H], embedding, argmax [B, S], soft labels [B, S, Vd] or None, None)."""
-        drafter = self.drafter
-        out = self.target(ids, hidden_layers=drafter.config.aux_layers)  # logits [B, S, V]
-        fused = drafter.fuse([h[:, :-1] for h in out.hidden_states])  # [B, S - 1, H]
-        probs = None
-        if self.labels == "soft":
-            probs = torch.softmax(out.logits.index_select(-1, drafter.draft_ids()).float(), dim=-1)  # [B, S, Vd]
-        return fused, self.target.model.get_input_embeddings(), out.logits.argmax(-1), probs, None
+        hidden, argmax, probs = vocab_map.online_target_signals(self.target, ids, self.drafter, self.labels == "soft")
+        fused = self.drafter.fuse([h[:, :-1] for h in hidden])  # [B, S - 1, H]
+        return fused, self.target.model.get_input_embeddings(), argmax, probs, None
 
     def _shard_signals(self, batch: dict[str, torch.Tensor]):
         """The same from a shard batch; the last item, [B, S] bool, is False where no top-k id is in the draft
@@ -258,6 +259,9 @@ class Eagle3(DraftObjective):
             mass = probs.sum(-1, keepdim=True)  # [B, S, 1]
             valid = mass[..., 0] > 0  # [B, S]
             probs = probs / mass.clamp(min=torch.finfo(torch.float32).tiny)
+            # the target's most likely token of the draft vocabulary, as online soft labels give it
+            argmax = torch.where(valid, drafter.to_target_ids(probs.argmax(-1)), topk_ids[..., 0])  # [B, S]
+            return fused, embedding, argmax, probs, valid
         return fused, embedding, topk_ids[..., 0], probs, valid
 
     def _ttt_loss(
@@ -276,7 +280,8 @@ class Eagle3(DraftObjective):
             ids, loss_mask: [B, S] the batch's tokens and trained flags.
             fused: [B, S - 1, H] fused target features of tokens 0..S-2.
             embedding: token ids -> the target's input embeddings.
-            target_argmax: [B, S] the target's most likely next token at every position (hard labels, accuracies).
+            target_argmax: [B, S] the target's most likely next token at every position (hard labels, accuracies),
+                among the draft vocabulary's tokens with soft labels.
             target_probs: [B, S, Vd] soft labels over the draft vocabulary (labels "soft"), else None.
             label_ok: [B, S] bool, False where a soft label is missing (not trained), or None (all present).
         """

@@ -216,11 +216,10 @@ class PEagle(DraftObjective):
         ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, S] each
         target = self.target_on(ids.device)
         drafter = self.drafter
-        out = target(ids, hidden_layers=drafter.config.aux_layers)  # logits [B, S, V]
-        aux = torch.cat([h[:, :-1] for h in out.hidden_states], dim=-1)  # [B, S - 1, n Ht]
-        probs = torch.softmax(out.logits.index_select(-1, drafter.draft_ids()).float(), dim=-1)  # [B, S, Vd]
+        hidden, argmax, probs = vocab_map.online_target_signals(target, ids, drafter, soft=True)  # probs [B, S, Vd]
+        aux = torch.cat([h[:, :-1] for h in hidden], dim=-1)  # [B, S - 1, n Ht]
         anchor, depth, valid = self.sample(loss_mask)  # [B, N] each
-        return self.parallel_loss(ids, loss_mask, aux, probs, out.logits.argmax(-1), anchor, depth, valid)
+        return self.parallel_loss(ids, loss_mask, aux, probs, argmax, anchor, depth, valid)
 
     def parallel_loss(self, ids, loss_mask, aux, probs, target_argmax, anchor, depth, valid):
         """The loss of sampled elements. ids, loss_mask, target_argmax: [B, S]; aux: [B, S - 1, n Ht] the
