@@ -33,7 +33,8 @@ Memory: a step's activations would grow linearly in K (5.9x at K = 7 against K =
 (the default) the steps 0..K-2 keep only their inputs and outputs (features, keys and values: what later steps read)
 and are rerun in backward, their logits and loss included; the last step, the first one backward needs, is stored as
 before. bench/bench_eagle3_ttt.py measures K = 7 at 1.4x the memory held for backward of K = 1 (1.5x at the peak),
-for about a third more step time (1.3x at K = 3 and 7, on CPU); the loss and gradients are unchanged (tested).
+for 1.2-1.3x the step time of storing every step (1.18x at K = 3, 1.28x at K = 7, on CPU); the loss and gradients
+are unchanged (tested).
 ``attention: flex`` (or ``auto``) runs the TTT mask through flex attention on CUDA
 (trainer/block_attention.py), which stores no attention probabilities; it is checked against the dense
 path on CPU (forward) but has not been run on a GPU in this repository, so the default stays ``dense``.
