@@ -37,6 +37,9 @@ Steps, each skipped when its output already exists under ``--out`` (delete a fil
    tau, acceptance per draft position; training tokens/s: ours the median of ``train/tokens_per_s`` (TensorBoard),
    speculators' the median time between its optimizer steps (the target forward included, as in ours).
 
+``--speculators-optimizer adamw`` trains speculators' side with AdamW instead of its default Muon (the optimizer of
+our recipes; Muon's learning rate is the same peak lr, as speculators sets ``muon_lr`` by default).
+
 Writes ``OUT/METHOD/vs_speculators.md`` (and prints it), with the ratios ours / speculators'.
 """
 
@@ -158,11 +161,13 @@ def fit_cmd(method: str, run_dir: Path, train_file: Path, steps: int, target: Pa
     ]  # fmt: skip
 
 
-def speculators_cmd(method: str, art: Path, data: Path, out: Path, steps: int, lr: float, warmup: int) -> list[str]:
+def speculators_cmd(
+    method: str, art: Path, data: Path, out: Path, steps: int, lr: float, warmup: int, optimizer: str
+) -> list[str]:
     return [
         str(Path(__file__).resolve()), "--side", "speculators", "--method", method, "--target",
         str(art / "tiny_target"), "--rows", str(data), "--out", str(out), "--steps", str(steps), "--lr", str(lr),
-        "--warmup", str(warmup),
+        "--warmup", str(warmup), "--speculators-optimizer", optimizer,
     ]  # fmt: skip
 
 
@@ -213,7 +218,7 @@ def main_project(args: argparse.Namespace) -> int:
         cmd = fit_cmd(args.method, ours_run, train_file, args.steps, target, args.fit_args)
         procs["ours"] = run(cmd, method_dir / "fit_ours.log")
     if not (theirs_dir / "drafter" / "config.json").is_file():
-        cmd = speculators_cmd(args.method, art, rows, theirs_dir, args.steps, lr, warmup)
+        cmd = speculators_cmd(args.method, art, rows, theirs_dir, args.steps, lr, warmup, args.speculators_optimizer)
         procs["speculators"] = run(cmd, method_dir / "fit_speculators.log", python=SPECULATORS_PYTHON)
     seconds = json.loads(seconds_file.read_text()) if seconds_file.is_file() else {}
     for name, proc in procs.items():
@@ -250,7 +255,9 @@ def main_project(args: argparse.Namespace) -> int:
             f"{args.method}: {args.steps} optimizer steps of 4 x 256 tokens each, side by side with one thread each "
             f"(wall clock: ours {seconds.get('ours', '?')} s, speculators {seconds.get('speculators', '?')} s); "
             f"greedy, K = {k}, {args.prompts} held-out prompts of {PROMPT_CHARS} characters, {args.max_new_tokens} "
-            "new tokens each." + (f" Ours with `{args.fit_args}`." if args.fit_args else ""),
+            "new tokens each."
+            + (f" Ours with `{args.fit_args}`." if args.fit_args else "")
+            + f" speculators with its {args.speculators_optimizer} optimizer.",
             "",
             "| trainer | tau | acceptance per draft position | training tokens/s |",
             "|---|---|---|---|",
@@ -290,7 +297,8 @@ def main_speculators(args: argparse.Namespace) -> int:
         "--total-seq-len", str(per_step), "--hidden-states-dtype", "float32", "--loss-implementation", "eager",
         "--lr", str(args.lr), "--muon-lr", str(args.lr), "--scheduler-type", "cosine",
         "--scheduler-warmup-steps", str(args.warmup), "--max-steps", str(args.steps), "--epochs", "1",
-        "--save-path", str(Path(args.out) / "checkpoints"), "--num-workers", "0",
+        "--save-path", str(Path(args.out) / "checkpoints"), "--num-workers", "0", "--optimizer",
+        args.speculators_optimizer,
         "--draft-attn-impl", "sdpa",  # its default, simple_flex_attention, has no backward on CPU
     ]  # fmt: skip
     if shift:  # EAGLE-3 and P-EAGLE draft over ours' reduced vocabulary; DFlash over the target's (both trainers)
@@ -386,6 +394,10 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64, help="output tokens per evaluation prompt")
     parser.add_argument("--fit-args", default="", help="more `draftsmith fit` arguments for our side, one string")
     parser.add_argument("--export-format", help="our export format (default: the method's; dspark for DSpark heads)")
+    parser.add_argument(
+        "--speculators-optimizer", choices=["muon", "adamw"], default="muon",
+        help="speculators' optimizer (muon, its default; adamw, the optimizer of our recipes)",
+    )  # fmt: skip
     parser.add_argument("--side", choices=["project", "speculators"], default="project", help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
     parser.add_argument("--rows", help=argparse.SUPPRESS)
