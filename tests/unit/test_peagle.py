@@ -55,6 +55,19 @@ def test_cod_sampling_nests_depths_and_keeps_the_ratio():
         assert anchors.numel() == min(len(candidates), int(base * max(0.5**d, 0.1)))
     full = cod_sample(trained, depths=3, ratio=1.0, floor=0.0)  # r = 1: every trained rollout, every depth
     assert full[1][0].tolist() == [a for a in range(39) if trained[a + 1]]
+    # max_anchors: the deeper depths come from at most that many anchors with a trained depth-0 label
+    capped = cod_sample(trained, depths=5, ratio=0.5, floor=0.1, generator=g, max_anchors=7)
+    assert torch.equal(capped[0][0], torch.arange(40))
+    seeds = set(capped[1][0].tolist())
+    for d in range(1, len(capped)):
+        anchors = capped[d][0]
+        assert set(anchors.tolist()) <= seeds and all(bool(trained[a]) for a in anchors.tolist())
+        assert anchors.numel() <= int(7 * max(0.5**d, 0.1))
+        if d > 1:
+            assert set(anchors.tolist()) <= set(capped[d - 1][0].tolist())
+    assert 0 < capped[1][0].numel() <= int(7 * 0.5)
+    uncapped = cod_sample(trained, depths=2, ratio=1.0, floor=0.0, max_anchors=base)  # a cap at n_trained: no cap
+    assert uncapped[1][0].tolist() == full[1][0].tolist()
 
 
 def test_mask_matches_its_definition_and_flex_matches_dense():
@@ -136,6 +149,8 @@ def test_recipe_values_are_checked(tmp_path):
         PEagle(target, cod_ratio=0.0, mask_token_id=63)
     with pytest.raises(RecipeError, match=r"model.cod_ratio must be in \(0, 1\], got 1.5"):
         PEagle(target, cod_ratio=1.5, mask_token_id=63)
+    with pytest.raises(RecipeError, match=r"model.max_anchors must be >= 1 \(or null: every trained position\), got 0"):
+        PEagle(target, max_anchors=0, mask_token_id=63)
     with pytest.raises(RecipeError, match="model.mask_token_id: the target's tokenizer uses every id") as err:
         PEagle(target, draft_vocab_size=32)
     assert "set model.mask_token_id" in err.value.hint

@@ -155,7 +155,8 @@ def _eagle(objective: nn.Module, name: str, batch: int, seq: int, a: int, a_t: i
     step = layer_saved(d, n, a, extra_hidden=2) + n * vd * (a + 2 * F32)
     if name == "PEagle":
         ratio, floor = objective.cod_ratio, objective.cod_min_ratio
-        elements = n * (1 + sum(max(ratio**k, floor) for k in range(1, objective.num_depths)))
+        seeds = batch * min(seq, objective.max_anchors or seq)  # the deeper depths' anchors
+        elements = n + seeds * sum(max(ratio**k, floor) for k in range(1, objective.num_depths))
         step = layer_saved(d, int(elements), a, extra_hidden=2) + int(elements) * vd * (a + 3 * F32)
         return max(target_phase, handed + n * layers_kept * t.hidden_size * a_t + step)
     steps = min(objective.ttt_steps, seq - 1)

@@ -39,16 +39,28 @@ log = logging.getLogger(__name__)
 
 
 def cod_sample(
-    trained: torch.Tensor, depths: int, ratio: float, floor: float, generator: torch.Generator | None = None
+    trained: torch.Tensor,
+    depths: int,
+    ratio: float,
+    floor: float,
+    generator: torch.Generator | None = None,
+    max_anchors: int | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """COD sampling of one row: ``trained`` [n + 1] bool, the loss mask of label positions 1..n+1 of the n elements
     (``trained[a + d]``: element (a, d) has a trained label). Returns per depth d = 0.. (anchors [m_d], depth d):
     depth 0 every anchor 0..n-1; depth d a random subset of depth d - 1's anchors with ``a + d <= n - 1`` and a trained
-    label, of size ``int(n_trained * max(ratio ** d, floor))`` (all of them when fewer)."""
+    label, of size ``int(n_trained * max(ratio ** d, floor))`` (all of them when fewer), n_trained the anchors with a
+    trained depth-0 label. With ``max_anchors`` below n_trained, depth 1 draws from ``max_anchors`` of those, drawn at
+    random, and they are n_trained (speculators' ``max_anchors``: the deeper depths' budget, whatever the row's
+    length)."""
     n = trained.numel() - 1
     anchors = torch.arange(n, device=trained.device)
     out = [(anchors, 0)]
     base = int(trained[:n].sum())
+    if max_anchors is not None and base > max_anchors:
+        seeds = anchors[trained[:n]]
+        pick = torch.randperm(base, generator=generator, device="cpu")[:max_anchors].to(seeds.device)
+        anchors, base = seeds[pick.sort().values], max_anchors
     for d in range(1, depths):
         keep = anchors[(anchors + d <= n - 1) & trained[(anchors + d).clamp(max=n)]]
         size = int(base * max(ratio**d, floor))
@@ -71,6 +83,7 @@ class PEagle(DraftObjective):
         num_depths: int = 4,
         cod_ratio: float = 0.7,
         cod_min_ratio: float = 0.2,
+        max_anchors: int | None = None,
         mask_token_id: int | None = None,
         draft_vocab_size: int = 32000,
         target_layers: list[int] | None = None,
@@ -94,6 +107,9 @@ class PEagle(DraftObjective):
             cod_ratio: r in (0, 1], COD sampling: depth d keeps about ``max(r ** d, cod_min_ratio)`` of the trained
                 positions (1 keeps every one: full parallel training).
             cod_min_ratio: the floor of the kept share of every depth, in [0, 1].
+            max_anchors: the most anchors of a row whose deeper depths are sampled (a random subset of its trained
+                positions, drawn anew each step; COD's ratios then apply to them); None samples from every trained
+                position. speculators' ``max_anchors`` (512 per packed sequence by default).
             mask_token_id: the placeholder token id, one the target's tokenizer never produces; None takes the first
                 id past the tokenizer (an embedding row the target's padded vocabulary never uses), refused when there
                 is none.
@@ -124,11 +140,14 @@ class PEagle(DraftObjective):
             raise RecipeError(f"model.cod_ratio must be in (0, 1], got {cod_ratio}")
         if not 0.0 <= cod_min_ratio <= 1.0:
             raise RecipeError(f"model.cod_min_ratio must be in [0, 1], got {cod_min_ratio}")
+        if max_anchors is not None and max_anchors < 1:
+            raise RecipeError(f"model.max_anchors must be >= 1 (or null: every trained position), got {max_anchors}")
         if not 0.0 < step_decay <= 1.0:
             raise RecipeError(f"model.step_decay must be in (0, 1], got {step_decay}")
         if norm_before_fc and fc_norm:
             raise RecipeError("model.norm_before_fc and model.fc_norm are mutually exclusive: set one of them")
         self.num_depths, self.cod_ratio, self.cod_min_ratio = num_depths, cod_ratio, cod_min_ratio
+        self.max_anchors = max_anchors
         self.step_decay, self.loss_mean, self.attention = step_decay, loss_mean, attention
         frozen = self.load_target(target, "online", target_dtype, trust_remote_code)
         torch.manual_seed(seed)
@@ -201,7 +220,7 @@ class PEagle(DraftObjective):
         rows = []
         for b in range(loss_mask.shape[0]):
             parts = cod_sample(loss_mask[b, 1:].cpu(), self.num_depths, self.cod_ratio, self.cod_min_ratio,
-                               self.sampler)  # fmt: skip
+                               self.sampler, self.max_anchors)  # fmt: skip
             rows.append((torch.cat([a for a, _ in parts]), torch.cat([d for _, d in parts])))
         N = max(a.numel() for a, _ in rows)
         anchor = torch.zeros(len(rows), N, dtype=torch.long)
@@ -258,7 +277,10 @@ class PEagle(DraftObjective):
         return (per * weight * m).sum() / m.sum().clamp(min=1.0), metrics
 
     def flops_per_token(self) -> float:
-        share = sum(max(self.cod_ratio**d, self.cod_min_ratio) for d in range(self.num_depths))
+        share = sum(max(self.cod_ratio**d, self.cod_min_ratio) for d in range(1, self.num_depths))
+        if self.max_anchors is not None:  # at most max_anchors of the row's positions seed the deeper depths
+            share *= min(1.0, self.max_anchors / self.data_seq_len())
+        share += 1.0  # depth 0: every position
         drafter = 2.0 * count_params(self.drafter) * share
         return 3.0 * drafter + causal_lm_flops_per_token(self.target.model, 1024)
 
