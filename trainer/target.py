@@ -257,6 +257,26 @@ class FrozenTarget(nn.Module):
         """The output projection, [V, H]."""
         return self.model.get_output_embeddings().weight
 
+    def project(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The target's logits of its final normed hidden states ``hidden`` [..., H]: [..., V], or [..., len(rows)]
+        over the vocabulary rows ``rows`` only, with the output scaling its config declares, as its own forward
+        applies it (Cohere's ``logit_scale``, Granite's ``logits_scaling``, Gemma-2's ``final_logit_softcapping``)."""
+        head = self.model.get_output_embeddings()
+        weight, bias = head.weight, head.bias
+        if rows is not None:
+            weight = weight.index_select(0, rows)  # [R, H]
+            bias = None if bias is None else bias.index_select(0, rows)
+        logits = nn.functional.linear(hidden, weight, bias)  # [..., R]
+        config = self.model.config  # foreign configs: each scaling exists on its own architectures only
+        if getattr(config, "logit_scale", None):
+            logits = logits * config.logit_scale
+        if getattr(config, "logits_scaling", None):
+            logits = logits / config.logits_scaling
+        cap = getattr(config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
     def final_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The normalised last hidden state, [B, S, H]: ``lm_head(final_hidden)`` gives the logits.
 

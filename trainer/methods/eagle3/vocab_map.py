@@ -105,8 +105,5 @@ def online_target_signals(
         return out.hidden_states, out.logits.argmax(-1), None
     out = target(ids, hidden_layers=[*aux, target.num_layers], logits=False)
     *hidden, final = out.hidden_states  # final: [B, S, Ht], the normed output lm_head projects
-    head = target.model.get_output_embeddings()
-    rows = drafter.draft_ids().to(final.device)  # [Vd]
-    bias = None if head.bias is None else head.bias.index_select(0, rows)
-    logits = torch.nn.functional.linear(final, head.weight.index_select(0, rows), bias)  # [B, S, Vd]
+    logits = target.project(final, drafter.draft_ids().to(final.device))  # [B, S, Vd]
     return hidden, drafter.to_target_ids(logits.argmax(-1)), torch.softmax(logits.float(), dim=-1)
