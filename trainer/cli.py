@@ -132,7 +132,19 @@ def _run(args: list[str], argv: list[str] | None) -> int:
 
     DraftsmithCLI.running_trainer = None
     cli = DraftsmithCLI(args=argv)  # None: LightningCLI reads sys.argv, as its subprocess launchers expect
-    return exit_status_after_fit(cli.trainer) if args[0] == "fit" else 0
+    status = exit_status_after_fit(cli.trainer) if args[0] == "fit" else 0
+    _close_process_group()
+    return status
+
+
+def _close_process_group() -> None:
+    """Ends this rank's torch.distributed group once its run is over: a gloo group left to the interpreter's exit can
+    abort the process (``terminate called without an active exception``, seen once on a rank of a 2-process ZeRO-3
+    fit that had finished) while its threads are torn down."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------------------------------ errors
