@@ -250,7 +250,7 @@ class Eagle3(DraftObjective):
         def embedding(tokens: torch.Tensor) -> torch.Tensor:
             return F.embedding(tokens, weight)  # [..., Ht]
 
-        probs, valid = None, None
+        probs, valid, argmax = None, None, topk_ids[..., 0]  # argmax [B, S]: the top-1 id (hard labels)
         if self.labels == "soft":
             in_draft = drafter.t2d[topk_ids]  # [B, S, k]
             p = batch["teacher_topk_logprobs"].float().exp() * in_draft  # [B, S, k]
@@ -261,9 +261,8 @@ class Eagle3(DraftObjective):
             valid = mass[..., 0] > 0  # [B, S]
             probs = probs / mass.clamp(min=torch.finfo(torch.float32).tiny)
             # the target's most likely token of the draft vocabulary, as online soft labels give it
-            argmax = torch.where(valid, drafter.to_target_ids(probs.argmax(-1)), topk_ids[..., 0])  # [B, S]
-            return fused, embedding, argmax, probs, valid
-        return fused, embedding, topk_ids[..., 0], probs, valid
+            argmax = torch.where(valid, drafter.to_target_ids(probs.argmax(-1)), argmax)  # [B, S]
+        return fused, embedding, argmax, probs, valid
 
     def _ttt_loss(
         self,
