@@ -5,8 +5,11 @@ from __future__ import annotations
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    CohereConfig,
     DeepseekV3Config,
+    Gemma2Config,
     GemmaConfig,
+    GraniteConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -56,6 +59,28 @@ def tiny_model(model_type: str, seed: int, vocab: int = 96, layers: int = 3, **c
             extra["sliding_window"] = None
         cfg = classes[model_type](**common, **{**extra, **config})
     return AutoModelForCausalLM.from_config(cfg).to(torch.float64).eval()
+
+
+SCALED_FAMILIES = ("llama", "gemma2", "granite", "cohere")
+"""Families of :func:`tiny_scaled_model`: Llama (no output scaling) and three whose forward scales the logits."""
+
+
+def tiny_scaled_model(name: str, seed: int = 0, vocab: int = 64, **config) -> PreTrainedModel:
+    """A random float64 causal LM of a family whose forward scales its logits after the lm_head, each scaling set
+    large enough to matter: Gemma-2 (``final_logit_softcapping`` 0.5), Granite (``logits_scaling`` 4: divided),
+    Cohere (``logit_scale`` 0.25: multiplied); ``llama`` (none) for comparison. ``config``: overrides of the config
+    (another soft-cap or scale...)."""
+    shape = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8)  # fmt: skip
+    scalings = {
+        "gemma2": (Gemma2Config, {"final_logit_softcapping": 0.5}),
+        "granite": (GraniteConfig, {"logits_scaling": 4.0}),
+        "cohere": (CohereConfig, {"logit_scale": 0.25, "eos_token_id": 0}),
+        "llama": (LlamaConfig, {}),
+    }
+    config_class, scaling = scalings[name]
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config_class(**{**shape, **scaling, **config})).double().eval()
 
 
 def chat_stream(tok, convs: list[list[dict]]) -> tuple[list[int], list[int]]:

@@ -35,6 +35,15 @@ gradient reaches teacher logits, hidden states or weights. ``chunk_size=None`` p
 one chunk. The gradient is computed during the forward pass only when grad mode is on and an input requires grad.
 The fused functions read the head weight directly: under DeepSpeed ZeRO-3 the caller must gather it first.
 
+Output scaling. Some architectures scale their logits in their own forward after the lm_head (Cohere's
+``logit_scale``, Granite's ``logits_scaling``, Gemma-2's ``final_logit_softcapping``: trainer/logit_scaling.py). The
+fused variants project with the bare head weight, so a model's own distribution needs its :class:`LogitScaling`:
+``fused_kd_loss(..., student_scaling=, teacher_scaling=)`` and ``chunked_cross_entropy(..., scaling=)`` apply it to
+each chunk's float32 logits (the teacher's under no_grad; the student's under autograd, its gradient taken with respect
+to the raw logits ``hidden @ weight.T``, so the chain rule through the projection is unchanged). None or the identity
+costs nothing. The full-logit variants (:func:`kd_loss`, :func:`sparse_kd_loss`) take logits already scaled (a
+model's forward output).
+
 Errors: an all-zero ``loss_mask`` raises ``ValueError`` naming ``loss_mask``; NaN checks belong to the caller.
 """
 
@@ -46,6 +55,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from trainer.logit_scaling import LogitScaling
 
 IGNORE_INDEX = -100
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
@@ -147,6 +158,12 @@ class _Plan:
     chunk_size: int | None
     kd_den: torch.Tensor  # [] sum of weights
     ce_den: torch.Tensor  # [] sum of weights where label != -100
+    scaling: LogitScaling | None = None  # the student's output scaling (fused variants; None: none, or the identity)
+
+
+def _active(scaling: LogitScaling | None) -> LogitScaling | None:
+    """``scaling``, or None when it does nothing (so that the identity costs no operation)."""
+    return None if scaling is None or scaling.is_identity else scaling
 
 
 def _chunk_terms(plan: _Plan, logits: torch.Tensor, start: int, end: int):
@@ -179,7 +196,11 @@ def _grad_times_weight(g: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _run_chunks(student: torch.Tensor, weight: torch.Tensor | None, plan: _Plan, grad_student: bool, grad_weight: bool):
-    """Loss parts and, when asked, the gradients of the objective w.r.t. student [N, D] and weight [V, D]."""
+    """Loss parts and, when asked, the gradients of the objective w.r.t. student [N, D] and weight [V, D].
+
+    The gradient is taken with respect to each chunk's raw float32 logits (``rows @ weight.T``, or the student's
+    logits themselves), through ``plan.scaling`` when there is one, so ``g @ weight`` and ``g.T @ rows`` are the
+    chain rule through the projection whether or not the logits are scaled."""
     n = plan.idx.numel()
     step = plan.chunk_size or n
     need_grad = grad_student or grad_weight
@@ -190,12 +211,13 @@ def _run_chunks(student: torch.Tensor, weight: torch.Tensor | None, plan: _Plan,
         end = min(start + step, n)
         ids = plan.idx[start:end]  # [C]
         rows = student.detach().index_select(0, ids)  # [C, D]
-        logits = rows @ weight.detach().t() if weight is not None else rows  # [C, V], input dtype
-        logits = logits.float().detach().requires_grad_(need_grad)  # [C, V] float32
+        raw = rows @ weight.detach().t() if weight is not None else rows  # [C, V], input dtype
+        raw = raw.float().detach().requires_grad_(need_grad)  # [C, V] float32, the leaf the gradient is taken at
         with torch.set_grad_enabled(need_grad):
+            logits = raw if plan.scaling is None else plan.scaling(raw)  # [C, V] float32, the model's own logits
             obj_c, kd_c, ce_c = _chunk_terms(plan, logits, start, end)
         if need_grad:
-            (g,) = torch.autograd.grad(obj_c, logits)  # [C, V] float32
+            (g,) = torch.autograd.grad(obj_c, raw)  # [C, V] float32, through the scaling
             if weight is None:
                 g_student.index_copy_(0, ids, g.to(g_student.dtype))
             else:
@@ -355,12 +377,17 @@ def fused_kd_loss(
     temperature: float = 1.0,
     alpha: float = 0.0,
     chunk_size: int | None = 256,
+    student_scaling: LogitScaling | None = None,
+    teacher_scaling: LogitScaling | None = None,
 ) -> LossParts:
-    """:func:`kd_loss` on ``hidden @ lm_head_weight.T`` without materialising either model's full logits.
+    """:func:`kd_loss` on ``scaling(hidden @ lm_head_weight.T)`` without materialising either model's full logits.
 
     student_hidden: [B, S, H], student_lm_head_weight: [V, H] (both get gradients when they require them);
     teacher_hidden: [B, S, Ht], teacher_lm_head_weight: [V, Ht] (constants). Each chunk is projected in the inputs'
-    dtype (as the model's own head would), then upcast to float32. No bias: heads of causal LMs have none.
+    dtype (as the model's own head would), then upcast to float32 and scaled. No bias: heads of causal LMs have none.
+    student_scaling, teacher_scaling: the output scaling each model's forward applies after its lm_head
+    (``LogitScaling.from_config(model.config)``, ``FrozenTarget.logit_scaling``; None: none). The cross-entropy part
+    is taken on the student's scaled logits too.
     """
     _check_options(divergence, beta, temperature, alpha, chunk_size)
     b, s, h = _check_3d(student_hidden, "student_hidden")
@@ -372,22 +399,31 @@ def fused_kd_loss(
     idx, w, lab, kd_den, ce_den = _select(loss_mask, labels, (b, s), v, alpha)
     t_hidden = teacher_hidden.detach().reshape(b * s, -1)  # [N, Ht]
     t_weight = teacher_lm_head_weight.detach()  # [V, Ht]
+    t_scaling = _active(teacher_scaling)
 
     def kd_rows(logits: torch.Tensor, start: int, end: int) -> torch.Tensor:
         with torch.no_grad():
             t_logits = (t_hidden.index_select(0, idx[start:end]) @ t_weight.t()).float()  # [C, V]
+            if t_scaling is not None:
+                t_logits = t_scaling(t_logits)  # [C, V] the teacher's own logits
         return _dense_rows(logits, t_logits, divergence, beta, temperature)
 
-    plan = _Plan(idx, w, lab, kd_rows, alpha, chunk_size, kd_den, ce_den)
+    plan = _Plan(idx, w, lab, kd_rows, alpha, chunk_size, kd_den, ce_den, _active(student_scaling))
     return _reduce(student_hidden.reshape(b * s, h), student_lm_head_weight, plan)
 
 
 def chunked_cross_entropy(
-    hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, chunk_size: int | None = 256
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int | None = 256,
+    *,
+    scaling: LogitScaling | None = None,
 ) -> torch.Tensor:
-    """Mean next-token cross entropy of ``hidden @ lm_head_weight.T`` over labels != -100, chunked like
+    """Mean next-token cross entropy of ``scaling(hidden @ lm_head_weight.T)`` over labels != -100, chunked like
     :func:`fused_kd_loss`. hidden: [B, S, H]; lm_head_weight: [V, H]; labels: [B, S], already aligned with hidden
-    (label i is the target of position i: the caller shifts). Returns a scalar float32 tensor.
+    (label i is the target of position i: the caller shifts); scaling: the output scaling the model's forward applies
+    after its lm_head (``LogitScaling.from_config(model.config)``; None: none). Returns a scalar float32 tensor.
     """
     _check_options("forward_kl", 0.5, 1.0, 1.0, chunk_size)
     b, s, h = _check_3d(hidden, "hidden")
@@ -395,7 +431,7 @@ def chunked_cross_entropy(
     if tuple(labels.shape) == (b, s) and not bool((labels != IGNORE_INDEX).any()):
         raise ValueError(f"labels are all {IGNORE_INDEX}: no position to compute the cross entropy on")
     idx, w, lab, kd_den, ce_den = _select(None, labels, (b, s), v, 1.0)
-    plan = _Plan(idx, w, lab, None, 1.0, chunk_size, kd_den, ce_den)
+    plan = _Plan(idx, w, lab, None, 1.0, chunk_size, kd_den, ce_den, _active(scaling))
     return _reduce(hidden.reshape(b * s, h), lm_head_weight, plan).loss
 
 
@@ -469,8 +505,9 @@ def cross_entropy_with_grads(
     grad_weight: bool = True,
     scale: float = 1.0,
     weight_grad_out: torch.Tensor | None = None,
+    scaling: LogitScaling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Mean cross entropy of ``hidden @ lm_head_weight.T`` over labels != -100 and, computed at once without
+    """Mean cross entropy of ``scaling(hidden @ lm_head_weight.T)`` over labels != -100 and, computed at once without
     autograd, the gradients of ``scale * loss`` with respect to ``hidden`` and ``lm_head_weight``.
 
     One chunk of ``chunk_size`` labelled positions at a time: the chunk's logits are projected in the inputs' dtype,
@@ -484,7 +521,9 @@ def cross_entropy_with_grads(
     i). Returns ``(loss [] in the compute dtype, grad of hidden [B, S, H] or None, grad of the weight [V, H] or
     None)``; with no labelled position the loss is 0 and the gradients are zero. ``weight_grad_out``: a [V, H] tensor
     of the compute dtype to add the weight's gradient to (returned as the third item), instead of a new one (callers
-    summing several losses' gradients then hold one such tensor, not one per loss).
+    summing several losses' gradients then hold one such tensor, not one per loss). ``scaling``: the output scaling
+    the model's forward applies after its lm_head (None: none); the gradient with respect to the raw logits is then
+    the one above times ``multiplier * (1 - tanh^2)`` of the soft-cap (``multiplier`` alone without one).
     """
     _check_options("forward_kl", 0.5, 1.0, 1.0, chunk_size)
     b, s, h = _check_3d(hidden, "hidden")
@@ -508,18 +547,26 @@ def cross_entropy_with_grads(
                              f"{g_weight.dtype}")  # fmt: skip
     total = torch.zeros((), dtype=compute, device=hidden.device)
     step = chunk_size or max(1, n)
+    scaling = _active(scaling)
     for start in range(0, n, step):
         ids = idx[start : start + step]  # [C]
         rows = flat.index_select(0, ids)  # [C, H]
         targets = lab.index_select(0, ids).long()  # [C]
         logits = (rows @ weight.t()).to(compute)  # [C, V]
+        tanh_grad = None
+        if scaling is not None:
+            logits = scaling(logits)  # [C, V] the model's own logits
+            if scaling.softcap is not None and (grad_hidden or grad_weight):
+                tanh_grad = 1.0 - (logits / scaling.softcap).square()  # [C, V] 1 - tanh^2 of the soft-cap
         lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [C, 1]
         total += (lse[:, 0] - logits.gather(-1, targets[:, None])[:, 0]).sum()
         if not (grad_hidden or grad_weight):
             continue
         g = logits.sub_(lse).exp_()  # [C, V] softmax, in place of the logits
         g[torch.arange(ids.numel(), device=g.device), targets] -= 1.0
-        g.mul_(scale / n)
+        g.mul_(scale / n if scaling is None else scale / n * scaling.multiplier)
+        if tanh_grad is not None:
+            g.mul_(tanh_grad)  # [C, V] the gradient w.r.t. the raw logits
         if grad_hidden:
             g_hidden.index_copy_(0, ids, _grad_times_weight(g, weight).to(g_hidden.dtype))  # [C, H]
         if grad_weight:

@@ -22,6 +22,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from trainer.errors import ModelFolderError, PathError, RecipeError, UserError
+from trainer.logit_scaling import LogitScaling
 
 log = logging.getLogger(__name__)
 
@@ -257,30 +258,30 @@ class FrozenTarget(nn.Module):
         """The output projection, [V, H]."""
         return self.model.get_output_embeddings().weight
 
+    @property
+    def logit_scaling(self) -> LogitScaling:
+        """The output scaling the target's forward applies after its lm_head (identity for most architectures): what
+        a loss projecting :meth:`final_hidden` with :attr:`lm_head_weight` applies to get the target's logits."""
+        return LogitScaling.from_config(self.model.config)
+
     def project(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The target's logits of its final normed hidden states ``hidden`` [..., H]: [..., V], or [..., len(rows)]
         over the vocabulary rows ``rows`` only, with the output scaling its config declares, as its own forward
-        applies it (Cohere's ``logit_scale``, Granite's ``logits_scaling``, Gemma-2's ``final_logit_softcapping``)."""
+        applies it (:attr:`logit_scaling`: Cohere's ``logit_scale``, Granite's ``logits_scaling``, Gemma-2's
+        ``final_logit_softcapping``)."""
         head = self.model.get_output_embeddings()
         weight, bias = head.weight, head.bias
         if rows is not None:
             weight = weight.index_select(0, rows)  # [R, H]
             bias = None if bias is None else bias.index_select(0, rows)
         logits = nn.functional.linear(hidden, weight, bias)  # [..., R]
-        config = self.model.config  # foreign configs: each scaling exists on its own architectures only
-        if getattr(config, "logit_scale", None):
-            logits = logits * config.logit_scale
-        if getattr(config, "logits_scaling", None):
-            logits = logits / config.logits_scaling
-        cap = getattr(config, "final_logit_softcapping", None)
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return self.logit_scaling(logits)  # [..., R]
 
     def final_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The normalised last hidden state, [B, S, H]: ``lm_head(final_hidden)`` gives the logits.
+        """The normalised last hidden state, [B, S, H]: ``logit_scaling(lm_head(final_hidden))`` gives the logits.
 
-        Used by chunked losses, which project to the vocabulary one chunk of positions at a time.
+        Used by chunked losses, which project to the vocabulary one chunk of positions at a time (and apply
+        :attr:`logit_scaling` to each chunk, ``teacher_scaling`` of :func:`trainer.losses.fused_kd_loss`).
         """
         with torch.no_grad():
             backbone = self.model.get_decoder()
@@ -526,6 +527,12 @@ class TargetEmbeddings:
     @property
     def vocab_size(self) -> int:
         return self.lm_head_weight.shape[0]
+
+    @property
+    def logit_scaling(self) -> LogitScaling:
+        """The output scaling the target's forward applies after its lm_head, from its config (as
+        :attr:`FrozenTarget.logit_scaling`)."""
+        return LogitScaling.from_config(self.config)
 
     def tensors(self) -> list[torch.Tensor]:
         """The distinct tensors held (one when the embedding is tied)."""

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from trainer.losses import chunked_cross_entropy, fused_kd_loss, kd_loss, sparse_kd_loss
+from trainer.logit_scaling import LogitScaling
+from trainer.losses import chunked_cross_entropy, cross_entropy_with_grads, fused_kd_loss, kd_loss, sparse_kd_loss
 
 B, S, V, H, HT = 2, 5, 11, 6, 7
 
@@ -318,3 +319,102 @@ def test_teacher_minus_inf_logits_give_finite_loss_and_gradients(divergence):
                     want += 0.4 * (p[live] * (p[live] / m[live]).log()).sum() + 0.6 * (q * (q / m).log()).sum()
     torch.testing.assert_close(out.loss.double(), want / n, rtol=1e-5, atol=1e-6)
     assert torch.isfinite(x.grad).all()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Output scaling (Cohere's and Granite's scales, Gemma-2's soft-cap) on either side of the fused losses.
+
+
+def scaled_by_hand(logits: torch.Tensor, multiplier: float, softcap: float | None) -> torch.Tensor:
+    """``x * multiplier``, then ``softcap * tanh(x / softcap)``: the architectures' forwards, written out."""
+    x = logits * multiplier
+    return x if softcap is None else softcap * torch.tanh(x / softcap)
+
+
+SCALED_CASES = [  # (student (multiplier, softcap) or None, teacher (multiplier, softcap) or None, divergence, alpha)
+    ((2.5, None), None, "forward_kl", 0.0),
+    (None, (1.0, 1.5), "reverse_kl", 0.0),
+    ((0.7, 2.0), (0.5, 3.0), "jsd", 0.3),
+    ((1.0, 1.5), (3.0, None), "forward_kl", 0.5),
+]
+
+
+@pytest.mark.parametrize("student,teacher,divergence,alpha", SCALED_CASES)
+@pytest.mark.parametrize("chunk_size", [None, 3])
+def test_fused_kd_loss_with_output_scaling_matches_the_scaled_reference(student, teacher, divergence, alpha,
+                                                                         chunk_size):  # fmt: skip
+    """The loss, its parts and the gradients w.r.t. the student's hidden states and head: those of the float64
+    formulas on full logits scaled by hand (the cross entropy on the student's scaled logits too)."""
+    g = torch.Generator().manual_seed(12)
+    _, _, mask, labels = make_inputs(12)
+    hs = torch.randn(B, S, H, generator=g, requires_grad=True)
+    ws = torch.randn(V, H, generator=g, requires_grad=True)
+    ht, wt = torch.randn(B, S, HT, generator=g), torch.randn(V, HT, generator=g)
+    opts = dict(divergence=divergence, beta=0.35, temperature=1.6, alpha=alpha)
+    student_scaling = None if student is None else LogitScaling(*student)
+    teacher_scaling = None if teacher is None else LogitScaling(*teacher)
+    out = fused_kd_loss(hs, ws, ht, wt, mask, labels, chunk_size=chunk_size, student_scaling=student_scaling,
+                        teacher_scaling=teacher_scaling, **opts)  # fmt: skip
+    grads = torch.autograd.grad(out.loss, [hs, ws])
+
+    h64, w64 = hs.detach().double().requires_grad_(True), ws.detach().double().requires_grad_(True)
+    student_logits = h64 @ w64.t()  # [B, S, V]
+    teacher_logits = ht.double() @ wt.double().t()  # [B, S, V]
+    if student is not None:
+        student_logits = scaled_by_hand(student_logits, *student)
+    if teacher is not None:
+        teacher_logits = scaled_by_hand(teacher_logits, *teacher)
+    ref_loss, ref_kd, ref_ce = reference(student_logits, teacher_logits, mask, labels, **opts)
+    ref_grads = torch.autograd.grad(ref_loss, [h64, w64])
+    torch.testing.assert_close(out.loss.double(), ref_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.kd.double(), ref_kd, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.ce.double(), ref_ce, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
+    unscaled = fused_kd_loss(hs, ws, ht, wt, mask, labels, chunk_size=chunk_size, **opts).loss
+    assert not torch.allclose(unscaled, out.loss, rtol=1e-3)  # the scaling matters on these logits
+
+
+@pytest.mark.parametrize("multiplier,softcap", [(2.5, None), (1.0, 1.5), (0.7, 2.0)])
+@pytest.mark.parametrize("chunk_size", [None, 4])
+def test_chunked_cross_entropy_with_output_scaling_matches_the_scaled_reference(multiplier, softcap, chunk_size):
+    g = torch.Generator().manual_seed(13)
+    _, _, _, labels = make_inputs(13)
+    labels[1, 2] = -100
+    hidden = torch.randn(B, S, H, generator=g, requires_grad=True)
+    weight = torch.randn(V, H, generator=g, requires_grad=True)
+    scaling = LogitScaling(multiplier, softcap)
+    loss = chunked_cross_entropy(hidden, weight, labels, chunk_size, scaling=scaling)
+    grads = torch.autograd.grad(loss, [hidden, weight])
+
+    h64, w64 = hidden.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
+    logits = scaled_by_hand(h64 @ w64.t(), multiplier, softcap)  # [B, S, V]
+    ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    ref_grads = torch.autograd.grad(ref, [h64, w64])
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
+    # the sequential MTP heads' cross entropy, its gradients taken without autograd: float64-exact
+    loss64, g_hidden, g_weight = cross_entropy_with_grads(h64, w64, labels, chunk_size, scale=0.5, scaling=scaling)
+    torch.testing.assert_close(loss64, ref.detach())
+    torch.testing.assert_close(g_hidden, 0.5 * ref_grads[0])
+    torch.testing.assert_close(g_weight, 0.5 * ref_grads[1])
+
+
+def test_identity_scaling_changes_nothing():
+    """``LogitScaling()`` is None: bit for bit the same losses and gradients."""
+    g = torch.Generator().manual_seed(14)
+    _, _, mask, labels = make_inputs(14)
+    hs = torch.randn(B, S, H, generator=g, requires_grad=True)
+    ws = torch.randn(V, H, generator=g, requires_grad=True)
+    ht, wt = torch.randn(B, S, HT, generator=g), torch.randn(V, HT, generator=g)
+    identity = LogitScaling()
+    for scaled in (False, True):
+        extra = dict(student_scaling=identity, teacher_scaling=identity) if scaled else {}
+        fused = fused_kd_loss(hs, ws, ht, wt, mask, labels, alpha=0.4, chunk_size=3, **extra).loss
+        ce = chunked_cross_entropy(hs, ws, labels, 3, **({"scaling": identity} if scaled else {}))
+        got = [fused, ce, *torch.autograd.grad(fused + ce, [hs, ws])]
+        if not scaled:
+            plain = got
+    for a, b in zip(got, plain):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

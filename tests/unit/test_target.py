@@ -4,17 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (
-    CohereConfig,
-    CohereForCausalLM,
-    Gemma2Config,
-    Gemma2ForCausalLM,
-    GraniteConfig,
-    GraniteForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-)
+from transformers import LlamaConfig, LlamaForCausalLM
 
+from tests.helpers import SCALED_FAMILIES, tiny_scaled_model
 from trainer.target import FrozenTarget
 
 
@@ -53,26 +45,11 @@ def test_hidden_states_follow_hf_indexing(target):
         target(ids, hidden_layers=(4,))
 
 
-def _scaled_target(name: str) -> FrozenTarget:
-    """A tiny target of an architecture whose forward scales its logits: Gemma-2 (soft-capping), Granite (divided),
-    Cohere (multiplied), each scaling set large enough to matter."""
-    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=8)  # fmt: skip
-    config, model = {
-        "gemma2": (Gemma2Config(**shape, final_logit_softcapping=0.5), Gemma2ForCausalLM),
-        "granite": (GraniteConfig(**shape, logits_scaling=4.0), GraniteForCausalLM),
-        "cohere": (CohereConfig(**shape, logit_scale=0.25, eos_token_id=0), CohereForCausalLM),
-        "llama": (LlamaConfig(**shape), LlamaForCausalLM),
-    }[name]
-    torch.manual_seed(0)
-    return FrozenTarget(model(config).double())
-
-
-@pytest.mark.parametrize("name", ["llama", "gemma2", "granite", "cohere"])
+@pytest.mark.parametrize("name", SCALED_FAMILIES)
 def test_projecting_the_final_hidden_state_gives_the_forwards_logits(name):
     """Hidden states without logits (``logits=False``), then ``project`` over every row or a subset of rows: the
     target's own logits, its output scaling included (what EAGLE-3's soft labels rely on)."""
-    target = _scaled_target(name)
+    target = FrozenTarget(tiny_scaled_model(name))
     ids = torch.randint(0, 64, (2, 7))
     full = target(ids).logits  # [B, S, V]
     out = target(ids, hidden_layers=[target.num_layers], logits=False)
