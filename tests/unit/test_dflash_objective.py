@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tests.helpers import tiny_scaled_model
 from trainer.methods.dflash.objective import DFlash
 
 V, LAYERS = 64, 4
@@ -101,6 +102,33 @@ def test_loss_equals_blocks_drafted_alone_and_scored_slot_by_slot(labels, tmp_pa
         and objective.drafter.layers[0].self_attn.k_norm.weight.grad is not None
     )
     assert all(p.grad is None for p in objective.target.model.parameters())
+
+
+def test_soft_labels_are_a_soft_capping_targets_own_distribution(tmp_path):
+    """Gemma-2 soft-caps its logits in its forward: the soft labels are its forward's distribution (the naive loss
+    reads ``out.logits``), the drafter's logits the bare head's (as its proposer computes them)."""
+    gemma2 = tiny_scaled_model("gemma2", vocab=V, num_hidden_layers=LAYERS, final_logit_softcapping=2.0)
+    with torch.no_grad():
+        gemma2.get_output_embeddings().weight.mul_(30.0)  # logits large enough for the cap to matter
+    gemma2.float().save_pretrained(tmp_path / "gemma2")
+    objective = DFlash(
+        str(tmp_path / "gemma2"), num_draft_layers=2, target_layers=[1, 3], block_size=4, mask_token_id=V - 1,
+        max_anchors=5, labels="soft", loss_chunk_size=7,
+    )  # fmt: skip
+    for p in objective.drafter.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    ids = torch.randint(0, V - 1, (2, 14), generator=torch.Generator().manual_seed(1))
+    loss_mask = torch.ones(2, 14, dtype=torch.bool)
+    with torch.no_grad():
+        loss, metrics = objective.compute_loss({"input_ids": ids, "loss_mask": loss_mask})
+        expected, accuracies = naive_loss(objective, ids, loss_mask)
+    torch.testing.assert_close(float(loss), expected, rtol=1e-5, atol=0)
+    for k, accuracy in enumerate(accuracies, 1):
+        assert float(metrics[f"acc_{k}"]) == pytest.approx(accuracy, abs=1e-6)
+    objective.target.model.config.final_logit_softcapping = None  # the bare head's distribution: another loss
+    with torch.no_grad():
+        bare, _ = objective.compute_loss({"input_ids": ids, "loss_mask": loss_mask})
+    assert abs(float(bare) - expected) > 0.05 * expected
 
 
 def test_anchors_sit_where_the_anchor_and_the_next_token_are_trained(tmp_path):

@@ -71,6 +71,45 @@ def test_loss_without_dropout_is_the_scaled_exit_cross_entropies(model_dir) -> N
     torch.testing.assert_close(whole, loss, rtol=1e-5, atol=1e-6)
 
 
+def test_a_declared_output_scaling_applies_to_every_exit_and_to_the_kl(tmp_path) -> None:
+    """A model whose forward scales its logits after the lm_head (a scale and a soft-cap, declared here on a tiny
+    Llama's config: the architectures that have one are not run a layer at a time): every exit's cross entropy and
+    the KL from the original are on the scaled logits, chunked or whole."""
+    path = tmp_path / "scaled"
+    tiny_llama(0, vocab=V, hidden=16, layers=4, dtype=torch.float32, logit_scale=4.0, final_logit_softcapping=1.5
+               ).save_pretrained(path)  # fmt: skip
+    model = LayerSkip(str(path), early_exit_layers=[0, 2], exit_scale="linear_l", loss_chunk_size=7,
+                      target_kl_weight=0.5).eval()  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # a fine-tune moved the model away from its original
+        for p in model.model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    b = batch(3)
+    loss, metrics = model.compute_loss(b)
+
+    def scaled(logits: torch.Tensor) -> torch.Tensor:  # the declared scaling, by hand
+        return 1.5 * torch.tanh(4.0 * logits / 1.5)
+
+    hf = model.model
+    with torch.no_grad():
+        out = hf(b["input_ids"], output_hidden_states=True)
+        original = scaled(model.target.model(b["input_ids"]).logits)  # [B, S, V]
+    norm, head = hf.model.norm, hf.lm_head
+    exits = [scaled(head(norm(out.hidden_states[n + 1]))) for n in (0, 2)] + [scaled(out.logits)]
+    ce = [F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten()) for logits in exits]
+    log_p, log_q = F.log_softmax(original, -1), F.log_softmax(exits[-1], -1)  # [B, S, V] each
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean()  # every position trained
+    assert float(kl) > 1e-3
+    torch.testing.assert_close(metrics["target_kl"], kl, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, (1 * ce[0] + 3 * ce[1] + 4 * ce[2]) / 8 + 0.5 * kl, rtol=1e-5, atol=1e-6)
+    # under ZeRO-3 the exits' logits come whole through the lm_head module: the same losses
+    target = model.target
+    frozen = (target.final_hidden(b["input_ids"]), target.lm_head_weight, b["loss_mask"], target.logit_scaling)
+    whole, _, whole_kl = model.net(b["input_ids"], b["labels"], None, [0, 2, 3], [1 / 8, 3 / 8, 4 / 8],
+                                   whole_logits=True, original=frozen)  # fmt: skip
+    torch.testing.assert_close(whole + 0.5 * whole_kl, loss, rtol=1e-5, atol=1e-6)
+
+
 def test_a_dropped_layer_passes_its_input_through_with_a_zero_gradient(model_dir) -> None:
     model = LayerSkip(str(model_dir), early_exit_layers=[])
     ids = batch(2)["input_ids"]

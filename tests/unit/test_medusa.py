@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from tests.helpers import tiny_llama
+from tests.helpers import tiny_llama, tiny_scaled_model
 from trainer.decoding.generate import speculative_generate
 from trainer.decoding.head_tree import MEDUSA_SPARSE_TREE
 from trainer.decoding.proposers import NoProposer
@@ -123,6 +123,35 @@ def test_stage2_trains_the_target_with_self_distillation_and_faster_heads(target
     assert subset.drafter.model.model.layers[1].mlp.up_proj.weight.grad is not None
     assert subset.drafter.model.model.layers[0].mlp.up_proj.weight.grad is None
     assert subset.drafter.heads.lm_heads[0].weight.grad is not None
+
+
+def test_stage2_target_loss_is_on_a_soft_capping_targets_own_logits(tmp_path) -> None:
+    """Gemma-2 soft-caps its logits in its forward: the trained target's next-token loss, and its KL from the frozen
+    original with self-distillation, are those of both forwards' logits."""
+    gemma2 = tiny_scaled_model("gemma2", vocab=V, final_logit_softcapping=2.0)
+    with torch.no_grad():
+        gemma2.get_output_embeddings().weight.mul_(30.0)  # logits large enough for the cap to matter
+    gemma2.float().save_pretrained(tmp_path / "gemma2")
+    b = batch(3)
+    ids, mask = b["input_ids"], b["loss_mask"]
+    plain = Medusa(str(tmp_path / "gemma2"), num_heads=2, stage=2, loss_chunk_size=5)
+    _, metrics = plain.compute_loss(b)
+    with torch.no_grad():
+        logits = plain.drafter.model(ids).logits  # [B, S, V], soft-capped
+    expected = F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), ignore_index=-100)
+    torch.testing.assert_close(metrics["lm"], expected, rtol=1e-5, atol=1e-6)
+    distilled = Medusa(str(tmp_path / "gemma2"), num_heads=2, stage=2, self_distillation=True, loss_chunk_size=5)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():  # the trained target moved away from the original
+        for p in distilled.drafter.model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    _, metrics = distilled.compute_loss(b)
+    with torch.no_grad():
+        log_p = distilled.original.model(ids).logits.double().log_softmax(-1)  # [B, S, V]
+        log_q = distilled.drafter.model(ids).logits.double().log_softmax(-1)  # [B, S, V]
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)[mask].mean()
+    assert float(kl) > 1e-3
+    torch.testing.assert_close(metrics["lm"].double(), kl, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import tiny_llama, tiny_model
+from trainer.logit_scaling import LogitScaling
 from trainer.losses import cross_entropy_with_grads
 from trainer.methods.mtp_heads.module import MTPHeads, head_labels
 
@@ -91,6 +92,33 @@ def test_sequential_and_checkpointed_gradients_equal_the_naive_ones_in_float64(a
     for backward in ("sequential", "checkpoint"):
         got = grads_after(heads, micro, backward, weights=weights, chunk_size=4)  # chunks split rows unevenly
         assert got.keys() == naive.keys()
+        for name in naive:
+            torch.testing.assert_close(got[name], naive[name], rtol=1e-12, atol=1e-14, msg=f"{backward}: {name}")
+
+
+def test_an_output_scaling_is_part_of_the_shared_output_layer() -> None:
+    """A model whose forward scales its logits after the lm_head (a scale and a soft-cap, declared here on a tiny
+    Llama's config: the architectures that have one are not run a layer at a time): every head's logits are the
+    scaled ones, in the loss of every backward and in evaluation, and the three backwards give the same gradients."""
+    heads = heads_of(5, logit_scale=4.0, final_logit_softcapping=1.5)
+    assert heads.scaling == LogitScaling(multiplier=4.0, softcap=1.5)
+    ids, labels = batch(40)
+    logits = heads.all_logits(ids)  # [B, S, n, V]
+    torch.testing.assert_close(logits[:, :, 0], 1.5 * torch.tanh(4.0 * heads.model(ids).logits / 1.5))  # by hand
+    expected = torch.stack([
+        F.cross_entropy(logits[:, :, i].flatten(0, 1), head_labels(labels, i).flatten(), ignore_index=-100)
+        for i in range(heads.num_heads)
+    ]).detach()  # fmt: skip
+    for backward in ("sequential", "checkpoint", "naive"):
+        out = heads(ids, labels, backward=backward, chunk_size=3)
+        torch.testing.assert_close(out.head_losses, expected, rtol=1e-12, atol=1e-12)
+    with torch.no_grad():
+        evaluated = heads(ids, labels, chunk_size=5)
+    torch.testing.assert_close(evaluated.head_losses, expected, rtol=1e-12, atol=1e-12)
+    micro = [batch(41), batch(42)]
+    naive = grads_after(heads, micro, "naive")
+    for backward in ("sequential", "checkpoint"):
+        got = grads_after(heads, micro, backward, chunk_size=4)
         for name in naive:
             torch.testing.assert_close(got[name], naive[name], rtol=1e-12, atol=1e-14, msg=f"{backward}: {name}")
 

@@ -99,6 +99,29 @@ def test_pretrain_loss_schedule_and_shared_gradients(tiny_corpus, one_thread):
     assert record.kind == "mtp" and set(record.components) == {"mtp", "trunk"} and record.target is None
 
 
+def test_pretraining_a_soft_capping_trunk_scores_its_own_logits(tiny_corpus, one_thread):
+    """A Gemma-2 trunk soft-caps its logits in its forward: the main loss is on them; the modules' logits go through
+    the bare lm_head, as the engines' MTP modules and the proposer compute theirs."""
+    objective = SequentialMTP(
+        mode="pretrain", mtp_depth=1, tokenizer=tiny_corpus.tokenizer_dir, model_type="gemma2",
+        target_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                       "num_key_value_heads": 2, "head_dim": 8, "final_logit_softcapping": 0.5},
+    )  # fmt: skip
+    trunk = objective.drafter.trunk
+    with torch.no_grad():
+        trunk.get_output_embeddings().weight.mul_(30.0)  # logits large enough for the cap to matter
+    data = batch(vocab=trunk.config.vocab_size, B=2, S=12)
+    _, metrics = objective.compute_loss(data)
+    with torch.no_grad():
+        logits = trunk(input_ids=data["input_ids"]).logits  # [B, S, V], soft-capped
+        bare = trunk.lm_head(trunk.get_decoder()(input_ids=data["input_ids"]).last_hidden_state)  # [B, S, V]
+    main = F.cross_entropy(logits.flatten(0, 1), data["labels"].flatten())
+    torch.testing.assert_close(metrics["main_loss"], main, rtol=1e-5, atol=1e-6)
+    assert abs(float(F.cross_entropy(bare.flatten(0, 1), data["labels"].flatten())) - float(main)) > 0.1 * float(main)
+    mtp = torch.stack(reference_mtp_losses(objective.drafter.mtp, trunk, data["input_ids"], data["labels"])).mean()
+    torch.testing.assert_close(metrics["mtp_loss"], mtp, rtol=1e-5, atol=1e-6)
+
+
 def test_pretraining_starts_from_the_tiny_targets_initial_weights(tiny_corpus):
     """With the same seed and shape, the trunk starts as recipes/quickstart/tiny_target.yaml's model: the held-out
     losses of the two runs compare (README, MTP)."""

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tests.helpers import tiny_scaled_model
+from trainer.logit_scaling import LogitScaling
 from trainer.methods.draft_model.kd import KnowledgeDistillation
 from trainer.methods.draft_model.on_policy import OnPolicyDistillation, assemble, left_pad, prompt_lengths
 
@@ -96,6 +98,60 @@ def test_lambda_0_equals_the_kd_objective(teacher_dir):
     for a, b in zip(ours.student.parameters(), kd.student.parameters(), strict=True):
         assert torch.equal(a, b)  # same initialisation from the same seed
     torch.testing.assert_close(ours.compute_loss(batch)[0], kd.compute_loss(batch)[0], rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def softcapped_teacher_dir(tmp_path_factory):
+    """A Gemma-2 teacher whose forward soft-caps its logits at 2, its (tied) head scaled up so that the cap matters."""
+    model = tiny_scaled_model("gemma2", seed=123, vocab=VOCAB, final_logit_softcapping=2.0, eos_token_id=EOS,
+                              pad_token_id=PAD, bos_token_id=None, max_position_embeddings=128)  # fmt: skip
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(30.0)
+    path = tmp_path_factory.mktemp("softcapped_teacher")
+    model.float().save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("method", ["kd", "on_policy"])
+def test_a_soft_capping_teacher_and_drafter_are_distilled_on_their_forwards_logits(softcapped_teacher_dir, method):
+    """Gemma-2 soft-caps its logits in its forward, and so does the drafter built from its config: the chunked loss
+    on hidden states and bare heads (each side with its output scaling) is the naive loss on both forwards' logits,
+    and the drafter's gradients are the naive ones."""
+    T = 1.5
+    if method == "kd":
+        model = KnowledgeDistillation(target=softcapped_teacher_dir, drafter_config=STUDENT, temperature=T, alpha=0.3,
+                                      loss_chunk_size=7, seed=3).train()  # fmt: skip
+    else:
+        model = make(softcapped_teacher_dir, lmbda=0.0, beta=0.3, temperature=T)
+    assert model.target.logit_scaling == LogitScaling(softcap=2.0)
+    assert LogitScaling.from_config(model.student.config) == LogitScaling(softcap=2.0)
+    with torch.no_grad():
+        model.student.get_output_embeddings().weight.mul_(30.0)  # the drafter's cap matters too
+    batch = data_batch(seed=6)
+    ids, mask, labels = batch["input_ids"], batch["loss_mask"], batch["labels"]
+    params = [p for p in model.student.parameters() if p.requires_grad]
+    loss, _ = model.compute_loss(batch)
+    grads = torch.autograd.grad(loss, params)
+
+    def naive(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+        lp = F.log_softmax(teacher_logits.double() / T, -1)  # [B, S, V]
+        lq = F.log_softmax(student_logits.double() / T, -1)  # [B, S, V]
+        if method == "kd":  # forward KL and 0.3 of the cross entropy on the hard labels
+            ce = F.cross_entropy(student_logits.double()[mask], labels[mask])
+            return 0.7 * T * T * naive_kl(lp, lq)[mask].mean() + 0.3 * ce
+        m = (0.3 * lp.exp() + 0.7 * lq.exp()).log()  # generalized JSD, beta 0.3
+        return T * T * (0.3 * naive_kl(lp, m) + 0.7 * naive_kl(lq, m))[mask].mean()
+
+    with torch.no_grad():
+        teacher_logits = model.target.model(ids).logits  # [B, S, V], soft-capped
+    expected = naive(model.student(ids).logits, teacher_logits)
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, torch.autograd.grad(expected, params), strict=True):
+        torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-4, atol=1e-5)
+    with torch.no_grad():  # without the caps (the bare heads' logits) the loss would be another one
+        bare_student = model.student.lm_head(model.student.get_decoder()(ids).last_hidden_state)
+        bare = naive(bare_student, model.target.final_hidden(ids) @ model.target.lm_head_weight.t())
+    assert abs(float(bare) - float(expected.detach())) > 0.1 * float(expected.detach())
 
 
 def test_lambda_1_trains_exactly_the_generated_tokens(teacher_dir):

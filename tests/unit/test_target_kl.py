@@ -133,7 +133,8 @@ def test_layerskip_loss_is_the_exits_loss_plus_the_weighted_kl_to_the_original(m
     expected = scales[0] * ce[0] + scales[1] * ce[1] + WEIGHT * expected_kl.float()
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     # under ZeRO-3 the logits come whole through the lm_head module: the same KL
-    frozen = (objective.target.final_hidden(b["input_ids"]), objective.target.lm_head_weight, b["loss_mask"])
+    target = objective.target
+    frozen = (target.final_hidden(b["input_ids"]), target.lm_head_weight, b["loss_mask"], target.logit_scaling)
     _, _, kl = objective.net(b["input_ids"], b["labels"], None, [0, 2], scales, whole_logits=True, original=frozen)
     torch.testing.assert_close(kl, metrics["target_kl"], rtol=1e-5, atol=1e-7)
     # its gradient: the naive one

@@ -355,7 +355,7 @@ class DFlash(DraftObjective):
         with torch.no_grad():
             q = torch.softmax(logits.float(), dim=-1)  # [C, V]
             if len(teacher) == 1:  # online: the target's whole distribution at temperature 1
-                p = torch.softmax((teacher[0] @ head.t().to(teacher[0].dtype)).float(), dim=-1)  # [C, V]
+                p = torch.softmax(self._target_logits(teacher[0], head), dim=-1)  # [C, V]
                 accept = torch.minimum(q, p).sum(-1)  # [C]: 1 - TV(q, p)
             else:  # shards: the stored top-k probabilities (the overlap over those ids, a lower bound)
                 topk, logprobs = teacher
@@ -363,11 +363,18 @@ class DFlash(DraftObjective):
         bce = F.binary_cross_entropy_with_logits(confidence.float(), accept, reduction="none")  # [C]
         return loss, hit, bce, accept, torch.sigmoid(confidence.detach().float())
 
+    def _target_logits(self, final: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        """The target's own logits [C, V] float32 of its final normed hidden states ``final`` [C, H] (head: [V, H]):
+        with the output scaling its forward applies after the lm_head (Gemma-2's soft-cap, Granite's and Cohere's
+        scales). The drafter's own logits go through the bare head, as its proposer computes them."""
+        return self.target.logit_scaling((final @ head.t().to(final.dtype)).float())  # [C, V]
+
     def _label_loss(self, logits, head, labels, *teacher) -> tuple[torch.Tensor, torch.Tensor]:
         """Losses [C] and right-argmax flags [C] of slots' logits [C, V] against their labels (head: [V, H])."""
         log_q = torch.log_softmax(logits, dim=-1)  # [C, V]
         guess = logits.detach().argmax(-1)  # [C]
         if self.labels == "argmax":  # the target's choice (online: from its hidden states; shards: the stored top-1)
+            # the bare head's argmax: the target's output scaling, if any, keeps the argmax
             with torch.no_grad():
                 top = (teacher[0] @ head.t().to(teacher[0].dtype)).argmax(-1) if len(teacher) == 1 else teacher[0][:, 0]
             return -log_q.gather(-1, top[:, None])[:, 0], guess == top
@@ -375,7 +382,7 @@ class DFlash(DraftObjective):
             return -log_q.gather(-1, labels[:, None])[:, 0], guess == labels
         if len(teacher) == 1:  # online: the target's full distribution
             with torch.no_grad():
-                log_p = torch.log_softmax((teacher[0] @ head.t().to(teacher[0].dtype)).float(), dim=-1)  # [C, V]
+                log_p = torch.log_softmax(self._target_logits(teacher[0], head), dim=-1)  # [C, V]
             return kl_from_log_probs(log_p, log_q), guess == log_p.argmax(-1)
         topk, logprobs = teacher  # [C, k] each: the target's top-k ids and log-probabilities, descending
         log_p = torch.log_softmax(logprobs, dim=-1)  # [C, k] renormalised over the k ids

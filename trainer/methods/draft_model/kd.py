@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from trainer.data.vocab import load_tokenizer_if_present, shared_vocab_size
 from trainer.errors import RecipeError
 from trainer.export.hf import export_student
+from trainer.logit_scaling import LogitScaling
 from trainer.losses import fused_kd_loss, kd_loss, sparse_kd_loss
 from trainer.methods.draft_model import kind as hf_causal_lm
 from trainer.objective import DraftObjective, Optim, TargetSignals, causal_lm_flops_per_token
@@ -166,6 +167,8 @@ class KnowledgeDistillation(DraftObjective):
                 student_logits, target_logits, loss_mask, hard_labels, chunk_size=self.loss_chunk_size, **options
             )
         else:
+            # both models' own logits: the output scaling each one's forward applies after its lm_head (a drafter
+            # built from a Gemma-2 target's config soft-caps as the target does), as the two branches above see it
             target_hidden = self.target.final_hidden(input_ids)  # [B, S, Ht]
             student_hidden = self.student.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
             out = fused_kd_loss(
@@ -176,6 +179,8 @@ class KnowledgeDistillation(DraftObjective):
                 loss_mask,
                 hard_labels,
                 chunk_size=self.loss_chunk_size,
+                student_scaling=LogitScaling.from_config(self.student.config),
+                teacher_scaling=self.target.logit_scaling,
                 **options,
             )
         metrics = {"kd": out.kd.detach()}

@@ -39,6 +39,7 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from trainer.errors import RecipeError
 from trainer.export.hf import export_student
+from trainer.logit_scaling import LogitScaling
 from trainer.losses import LossParts, fused_kd_loss
 from trainer.methods.draft_model import kind as hf_causal_lm
 from trainer.methods.draft_model.kd import build_drafter, drafter_vocab_size
@@ -272,6 +273,9 @@ class OnPolicyDistillation(DraftObjective):
             beta=self.beta,
             temperature=self.temperature,
             chunk_size=self.loss_chunk_size,
+            # each model's own distribution (what generate samples from): its forward's output scaling
+            student_scaling=LogitScaling.from_config(self.student.config),
+            teacher_scaling=self.target.logit_scaling,
         )
 
     # ---- Lightning -----------------------------------------------------------------------------------------------

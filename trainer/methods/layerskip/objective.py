@@ -46,6 +46,7 @@ from trainer.decoding.session import slice_refusal
 from trainer.errors import ModelFolderError, RecipeError
 from trainer.export.hf import export_student
 from trainer.llama import new_llama_config
+from trainer.logit_scaling import LogitScaling
 from trainer.losses import chunked_cross_entropy, fused_kd_loss, kd_loss
 from trainer.methods.layerskip import kind as layerskip_kind
 from trainer.objective import DraftObjective, Optim, causal_lm_flops_per_token, derived_seed
@@ -133,32 +134,42 @@ class LayerSkipLM(nn.Module):
         layers: list[int],
         scales: list[float],
         whole_logits: bool = False,
-        original: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        original: tuple[torch.Tensor, torch.Tensor, torch.Tensor, LogitScaling] | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
         """The scaled sum of the exits' cross entropies, each of them, and the last layer's KL from the original.
 
+        Every exit's logits are the model's own: through its final norm and lm_head, with the output scaling its
+        forward applies after the lm_head (``LogitScaling.from_config(model.config)``).
+
         ids, labels: [B, S]; keep: [B, L] bool or None; whole_logits: project through the lm_head module at once
         (under ZeRO-3 its weight is a partition outside the module's forward) instead of in chunks of positions;
-        original: the frozen original's final normed hidden states [B, S, Ho], its lm_head weight [V, Ho] and the
-        positions [B, S] bool: the third value is then ``KL(p_original || q_model)`` of the model's own output (the
-        last layer's) averaged over those positions, else None."""
+        original: the frozen original's final normed hidden states [B, S, Ho], its lm_head weight [V, Ho], the
+        positions [B, S] bool and its output scaling (``FrozenTarget.logit_scaling``): the third value is then
+        ``KL(p_original || q_model)`` of the model's own output (the last layer's) averaged over those positions,
+        else None."""
         states = self.run_layers(ids, keep, layers[:-1])
         norm, head = self.model.get_decoder().norm, self.model.get_output_embeddings()
+        scaling = LogitScaling.from_config(self.model.config)
         total, losses, kl = 0.0, [], None
         for layer, scale in zip(layers, scales):
             normed = norm(states[layer])  # [B, S, H]
             last = original is not None and layer == layers[-1]
             if whole_logits:
-                logits = head(normed).float()  # [B, S, V]
+                logits = scaling(head(normed).float())  # [B, S, V]
                 loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
                 if last:
+                    hidden_o, weight_o, mask_o, scaling_o = original
                     with torch.no_grad():
-                        reference = original[0] @ original[1].t()  # [B, S, V]
-                    kl = kd_loss(logits, reference, original[2], chunk_size=self.chunk_size).loss
+                        reference = scaling_o(hidden_o @ weight_o.t())  # [B, S, V]
+                    kl = kd_loss(logits, reference, mask_o, chunk_size=self.chunk_size).loss
             else:
-                loss = chunked_cross_entropy(normed, head.weight, labels, self.chunk_size)
+                loss = chunked_cross_entropy(normed, head.weight, labels, self.chunk_size, scaling=scaling)
                 if last:
-                    kl = fused_kd_loss(normed, head.weight, *original, chunk_size=self.chunk_size).loss
+                    hidden_o, weight_o, mask_o, scaling_o = original
+                    kl = fused_kd_loss(
+                        normed, head.weight, hidden_o, weight_o, mask_o,
+                        chunk_size=self.chunk_size, student_scaling=scaling, teacher_scaling=scaling_o,
+                    ).loss  # fmt: skip
             total = total + scale * loss
             losses.append(loss)
         return total, losses, kl
@@ -318,7 +329,8 @@ class LayerSkip(DraftObjective):
         original = None
         if self.target_kl_weight > 0:
             frozen = self.target_on(self.device)
-            original = (frozen.final_hidden(ids), frozen.lm_head_weight, batch["loss_mask"].bool())  # [B, S, H]...
+            mask = batch["loss_mask"].bool()  # [B, S]
+            original = (frozen.final_hidden(ids), frozen.lm_head_weight, mask, frozen.logit_scaling)  # [B, S, H]...
         scales = exit_scales(layers, self.exit_scale)
         total, losses, kl = self.net(ids, labels, keep, layers, scales, whole_logits, original)
         metrics = {f"exit_{layer}": loss.detach() for layer, loss in zip(layers, losses)}

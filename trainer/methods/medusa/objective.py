@@ -33,6 +33,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from trainer.data.vocab import load_tokenizer_if_present
 from trainer.errors import RecipeError
+from trainer.logit_scaling import LogitScaling
 from trainer.losses import chunked_cross_entropy, fused_kd_loss
 from trainer.methods.medusa import kind as medusa_kind
 from trainer.methods.medusa.module import MedusaConfig, MedusaDrafter
@@ -46,7 +47,10 @@ log = logging.getLogger(__name__)
 
 @torch.no_grad()
 def chunked_argmax(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """``argmax(hidden @ weight.T)`` over the vocabulary, ``chunk_size`` positions at a time: [B, S, H] -> [B, S]."""
+    """``argmax(hidden @ weight.T)`` over the vocabulary, ``chunk_size`` positions at a time: [B, S, H] -> [B, S].
+
+    Also a model's own greedy token when its forward scales its logits (Cohere, Granite, Gemma-2's soft-cap,
+    trainer/logit_scaling.py): a positive factor and the soft-cap are increasing, so they keep the argmax."""
     flat = hidden.reshape(-1, hidden.shape[-1])  # [B*S, H]
     out = torch.cat([(flat[i : i + chunk_size] @ weight.T).argmax(-1) for i in range(0, flat.shape[0], chunk_size)])
     return out.reshape(hidden.shape[:-1])
@@ -233,19 +237,22 @@ class Medusa(DraftObjective):
             return hidden, None, batch["teacher_topk_ids"][..., 0].long() if need_argmax else None
         if self.stage == 1:
             hidden = self.target.final_hidden(ids)  # [B, S, H], no gradient
+            # the bare head's argmax is the target's greedy token: its output scaling, if any, keeps the argmax
             argmax = chunked_argmax(hidden, self.target.lm_head_weight, self.loss_chunk_size) if need_argmax else None
             return hidden, None, argmax
         model = self.drafter.model
         hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state  # [B, S, H], trained
         weight = model.get_output_embeddings().weight  # [V, H]
+        scaling = LogitScaling.from_config(model.config)  # the trained target's own logits, as its export's forward
         if self.self_distillation:
             teacher = self.original.final_hidden(ids)  # [B, S, H]
             lm = fused_kd_loss(
                 hidden, weight, teacher, self.original.lm_head_weight, batch["loss_mask"],
-                chunk_size=self.loss_chunk_size,
+                chunk_size=self.loss_chunk_size, student_scaling=scaling, teacher_scaling=self.original.logit_scaling,
             ).loss  # fmt: skip
         else:
-            lm = chunked_cross_entropy(hidden, weight, batch["labels"], self.loss_chunk_size)
+            lm = chunked_cross_entropy(hidden, weight, batch["labels"], self.loss_chunk_size, scaling=scaling)
+        # the bare head's argmax is the model's greedy token: its output scaling, if any, keeps the argmax
         source = teacher if self.self_distillation else hidden.detach()
         source_weight = self.original.lm_head_weight if self.self_distillation else weight.detach()
         argmax = chunked_argmax(source, source_weight, self.loss_chunk_size) if need_argmax else None
@@ -273,6 +280,8 @@ class Medusa(DraftObjective):
             if not bool(trained.any()):
                 continue  # rows too short for this head
             features = heads.head_hidden(hidden, k)  # [B, S, H]
+            # the heads' own output layers: not the target's output scaling (the export declares none, and the
+            # heads are served without one)
             loss_k = chunked_cross_entropy(features, heads.lm_heads[k].weight, target_k, self.loss_chunk_size)
             total = total + weight * loss_k
             metrics[f"loss_{k}"] = loss_k.detach()

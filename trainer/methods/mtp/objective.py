@@ -39,6 +39,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from trainer.data.vocab import load_tokenizer_if_present
 from trainer.errors import RecipeError
+from trainer.logit_scaling import LogitScaling
 from trainer.losses import chunked_cross_entropy
 from trainer.methods.mtp import export as exports
 from trainer.methods.mtp import kind as mtp_kind
@@ -271,6 +272,7 @@ class SequentialMTP(DraftObjective):
             if k < frozen or not bool((depth_labels != -100).any()):
                 continue
             head_in = mtp.head_input(k, out).to(head.dtype)
+            # through the bare head, as the serving engines' MTP modules and the proposer compute their logits
             ce = chunked_cross_entropy(head_in, head, depth_labels, self.loss_chunk_size)
             losses.append(ce)
             metrics[f"mtp_loss_{k + 1}"] = ce.detach()
@@ -282,7 +284,8 @@ class SequentialMTP(DraftObjective):
         if self.training:
             world = self.trainer.world_size if self._trainer is not None else 1
             self.mtp_tokens_seen += ids.numel() * world
-        main = chunked_cross_entropy(post, head, labels, self.loss_chunk_size)
+        scaling = LogitScaling.from_config(trunk.config)  # the trunk's own logits, as its forward scales them
+        main = chunked_cross_entropy(post, head, labels, self.loss_chunk_size, scaling=scaling)
         metrics.update(main_loss=main.detach(), mtp_weight=torch.tensor(weight))
         return main + weight * mtp_loss, metrics
 

@@ -5,6 +5,9 @@ HF's ``hidden_states[L - 1]`` (the input of the last layer). Head 0 is the model
 + final norm + lm_head is exactly the ordinary model (its export is the HF model itself). Heads ``1 .. n - 1`` are
 extra decoder layers of the same class (``type(model.model.layers[-1])(config, L - 1)``), each reading ``z``. Every
 head is followed by the shared final norm and lm_head: head ``i`` at position ``t`` predicts token ``t + 1 + i``.
+The output scaling the model's forward applies after its lm_head (:attr:`MTPHeads.scaling`: Cohere's, Granite's
+scales, Gemma-2's soft-cap; the identity for Llama) is part of that shared output layer: every head's logits, in the
+loss and in drafting, are the scaled ones, as head 0's are the model's own.
 
 Training loss: ``sum_i w_i * CE_i``, ``CE_i`` the mean cross entropy of head ``i`` over the positions whose token
 ``t + 1 + i`` is a trained label (``labels`` shifted by ``i``, the last ``i`` positions unlabelled).
@@ -53,6 +56,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
 from trainer.decoding.session import slice_refusal
+from trainer.logit_scaling import LogitScaling
 from trainer.losses import cross_entropy_with_grads, fused_kd_loss, kd_loss
 
 HEAD_BACKWARDS = ("sequential", "checkpoint", "naive")
@@ -115,11 +119,13 @@ class Original:
         hidden: ``[B, S, Ho]`` the original's final normed hidden states on the batch (constants).
         lm_head_weight: ``[V, Ho]`` its output projection (constant).
         mask: ``[B, S]`` bool, the positions the KL is averaged over.
+        scaling: the output scaling the original's forward applies after its lm_head (``FrozenTarget.logit_scaling``).
     """
 
     hidden: torch.Tensor
     lm_head_weight: torch.Tensor
     mask: torch.Tensor
+    scaling: LogitScaling = LogitScaling()
 
 
 class MTPHeads(nn.Module):
@@ -181,6 +187,11 @@ class MTPHeads(nn.Module):
         """The HF ``hidden_states`` index the heads read: L - 1, the input of the last layer."""
         return self.num_layers - 1
 
+    @property
+    def scaling(self) -> LogitScaling:
+        """The output scaling the model's forward applies after its lm_head, shared by every head."""
+        return LogitScaling.from_config(self.model.config)
+
     def head(self, i: int) -> nn.Module:
         """Head ``i``: the model's last layer for 0, else extra head ``i``."""
         return self.model.get_decoder().layers[-1] if i == 0 else self.heads[i - 1]
@@ -208,7 +219,7 @@ class MTPHeads(nn.Module):
     def head_logits(self, i: int, z: torch.Tensor, inputs: HeadInputs) -> torch.Tensor:
         """``[B, S, V]`` logits of head ``i`` through its module forwards (the naive and checkpoint paths)."""
         hidden = self.head(i)(z, **inputs.kwargs())  # [B, S, H]
-        return self.model.lm_head(self.model.get_decoder().norm(hidden))  # [B, S, V]
+        return self.scaling(self.model.lm_head(self.model.get_decoder().norm(hidden)))  # [B, S, V]
 
     def all_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[B, S, n, V]`` every head's logits (tests and small inputs only: n full-vocabulary tensors)."""
@@ -279,7 +290,7 @@ class MTPHeads(nn.Module):
             normed = self.model.get_decoder().norm(self.head(0)(z, **inputs.kwargs()))  # [B, S, H]
             return fused_kd_loss(
                 normed, self.model.lm_head.weight, original.hidden, original.lm_head_weight, original.mask,
-                chunk_size=chunk_size,
+                chunk_size=chunk_size, student_scaling=self.scaling, teacher_scaling=original.scaling,
             ).loss  # fmt: skip
         if backward == "checkpoint":
             return checkpoint(self._target_kl_modules, z, inputs, original, chunk_size, use_reentrant=False)
@@ -291,7 +302,7 @@ class MTPHeads(nn.Module):
         """:meth:`target_kl` from head 0's full logits through the modules' own forwards (sharded weights)."""
         logits = self.head_logits(0, z, inputs)  # [B, S, V]
         with torch.no_grad():
-            reference = original.hidden @ original.lm_head_weight.t()  # [B, S, V]
+            reference = original.scaling(original.hidden @ original.lm_head_weight.t())  # [B, S, V]
         return kd_loss(logits, reference, original.mask, chunk_size=chunk_size).loss
 
     def _head_loss(self, i: int, z: torch.Tensor, inputs: HeadInputs, labels: torch.Tensor) -> torch.Tensor:
@@ -314,6 +325,7 @@ class MTPHeads(nn.Module):
         """Every head's loss (and accuracies), one head and one chunk of logits at a time, without gradients."""
         n, top_k = self.num_heads, self.agreement.shape[1]
         weight = self.model.lm_head.weight  # [V, H]
+        scaling = self.scaling
         norm = self.model.get_decoder().norm
         compute = torch.promote_types(z.dtype, torch.float32)
         losses = torch.zeros(n, dtype=compute, device=z.device)
@@ -339,7 +351,7 @@ class MTPHeads(nn.Module):
             for start in range(0, rows.numel(), step):
                 ids = rows[start : start + step]  # [C]
                 logits = normed.index_select(0, ids) @ weight.t()  # [C, V]
-                logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+                logits = scaling(logits.to(torch.promote_types(logits.dtype, torch.float32)))  # [C, V]
                 if i == 0:
                     argmax0[ids] = logits.argmax(-1)
                 lab = labels[ids]  # [C]
@@ -387,7 +399,7 @@ class MTPHeads(nn.Module):
             out = head(h, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True,
                        position_embeddings=rotary)  # fmt: skip
             last.append(out[0, -1])  # [H]
-        return self.model.lm_head(decoder.norm(torch.stack(last)))  # [n_heads - 1, V]
+        return self.scaling(self.model.lm_head(decoder.norm(torch.stack(last))))  # [n_heads - 1, V]
 
     def record_agreement(self, agreement: torch.Tensor, counts: torch.Tensor) -> None:
         """Store measured agreement sums ``[n - 1, R]`` over ``[n - 1]`` positions as rates."""
@@ -411,6 +423,7 @@ class _Plan:
         self.modules = [heads.head(i) for i in range(heads.num_heads)]
         self.norm = heads.model.get_decoder().norm
         self.unembedding = heads.model.lm_head.weight  # [V, H]
+        self.scaling = heads.scaling
         self.params: list[nn.Parameter] = []
         index: dict[int, int] = {}
 
@@ -450,9 +463,11 @@ class _SequentialHeads(torch.autograd.Function):
                 head_leaves = {name: leaves[s] for name, s in plan.head_slots[i].items()}
                 hidden = functional_call(module, head_leaves, (z_leaf,), plan.inputs.kwargs())  # [B, S, H]
                 normed = functional_call(plan.norm, norm_leaves, (hidden,))  # [B, S, H]
+            # g_normed [B, S, H]; the lm_head's gradient added to g_params[u]
             loss, g_normed, _ = cross_entropy_with_grads(
-                normed, leaves[u], plan.labels[i], plan.chunk_size, bool(wrt), needs[u], plan.weights[i], g_params[u]
-            )  # g_normed [B, S, H]; the lm_head's gradient added to g_params[u]
+                normed, leaves[u], plan.labels[i], plan.chunk_size, bool(wrt), needs[u], plan.weights[i], g_params[u],
+                scaling=plan.scaling,
+            )  # fmt: skip
             if wrt:
                 grads = torch.autograd.grad(normed, wrt, grad_outputs=g_normed)
                 if need_z:

@@ -248,7 +248,9 @@ class ParallelMTPHeads(DraftObjective):
             return None
         frozen = self.target_on(self.device)
         ids = batch["input_ids"]  # [B, S]
-        return Original(frozen.final_hidden(ids), frozen.lm_head_weight, batch["loss_mask"].bool())
+        return Original(
+            frozen.final_hidden(ids), frozen.lm_head_weight, batch["loss_mask"].bool(), frozen.logit_scaling
+        )
 
     def on_validation_epoch_start(self) -> None:
         self._agreement = []
