@@ -39,6 +39,8 @@ Steps, each skipped when its output already exists under ``--out`` (delete a fil
 
 ``--speculators-optimizer adamw`` trains speculators' side with AdamW instead of its default Muon (the optimizer of
 our recipes; Muon's learning rate is the same peak lr, as speculators sets ``muon_lr`` by default).
+``--speculators-loss ce`` trains it on the target's argmax over the draft vocabulary (its ``--loss-fn``; default
+``kl_div`` for EAGLE-3 and P-EAGLE), the labels of our ``labels: argmax``.
 
 Writes ``OUT/METHOD/vs_speculators.md`` (and prints it), with the ratios ours / speculators'.
 """
@@ -162,12 +164,12 @@ def fit_cmd(method: str, run_dir: Path, train_file: Path, steps: int, target: Pa
 
 
 def speculators_cmd(
-    method: str, art: Path, data: Path, out: Path, steps: int, lr: float, warmup: int, optimizer: str
+    method: str, art: Path, data: Path, out: Path, steps: int, lr: float, warmup: int, optimizer: str, loss: str
 ) -> list[str]:
     return [
         str(Path(__file__).resolve()), "--side", "speculators", "--method", method, "--target",
         str(art / "tiny_target"), "--rows", str(data), "--out", str(out), "--steps", str(steps), "--lr", str(lr),
-        "--warmup", str(warmup), "--speculators-optimizer", optimizer,
+        "--warmup", str(warmup), "--speculators-optimizer", optimizer, "--speculators-loss", loss,
     ]  # fmt: skip
 
 
@@ -218,7 +220,8 @@ def main_project(args: argparse.Namespace) -> int:
         cmd = fit_cmd(args.method, ours_run, train_file, args.steps, target, args.fit_args)
         procs["ours"] = run(cmd, method_dir / "fit_ours.log")
     if not (theirs_dir / "drafter" / "config.json").is_file():
-        cmd = speculators_cmd(args.method, art, rows, theirs_dir, args.steps, lr, warmup, args.speculators_optimizer)
+        optimizer, loss = args.speculators_optimizer, args.speculators_loss
+        cmd = speculators_cmd(args.method, art, rows, theirs_dir, args.steps, lr, warmup, optimizer, loss)
         procs["speculators"] = run(cmd, method_dir / "fit_speculators.log", python=SPECULATORS_PYTHON)
     seconds = json.loads(seconds_file.read_text()) if seconds_file.is_file() else {}
     for name, proc in procs.items():
@@ -257,7 +260,8 @@ def main_project(args: argparse.Namespace) -> int:
             f"greedy, K = {k}, {args.prompts} held-out prompts of {PROMPT_CHARS} characters, {args.max_new_tokens} "
             "new tokens each."
             + (f" Ours with `{args.fit_args}`." if args.fit_args else "")
-            + f" speculators with its {args.speculators_optimizer} optimizer.",
+            + f" speculators with its {args.speculators_optimizer} optimizer"
+            + (f" and `--loss-fn {args.speculators_loss}`." if args.speculators_loss else "."),
             "",
             "| trainer | tau | acceptance per draft position | training tokens/s |",
             "|---|---|---|---|",
@@ -301,6 +305,8 @@ def main_speculators(args: argparse.Namespace) -> int:
         args.speculators_optimizer,
         "--draft-attn-impl", "sdpa",  # its default, simple_flex_attention, has no backward on CPU
     ]  # fmt: skip
+    if args.speculators_loss:
+        argv += ["--loss-fn", args.speculators_loss]
     if shift:  # EAGLE-3 and P-EAGLE draft over ours' reduced vocabulary; DFlash over the target's (both trainers)
         argv += ["--draft-vocab-size", str(DRAFT_VOCAB)]
     if args.method == "eagle3":  # EAGLE-3.1 as ours runs it: fc_norm (not norm_before_fc), norm_output
@@ -397,6 +403,11 @@ def main() -> int:
     parser.add_argument(
         "--speculators-optimizer", choices=["muon", "adamw"], default="muon",
         help="speculators' optimizer (muon, its default; adamw, the optimizer of our recipes)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--speculators-loss", default="",
+        help="speculators' --loss-fn (its default: kl_div for eagle3 and peagle, ce for dflash); ce takes the target's "
+        "argmax over the draft vocabulary, as our `labels: argmax`",
     )  # fmt: skip
     parser.add_argument("--side", choices=["project", "speculators"], default="project", help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)

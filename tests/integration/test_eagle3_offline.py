@@ -201,7 +201,7 @@ def test_shards_mode_reads_two_tensors_and_never_builds_the_target(tied, tmp_pat
     assert float(objective.compute_loss(batch)[0]) == 0.0
 
 
-@pytest.mark.parametrize("labels,ttt_inputs", [("soft", "predicted"), ("hard", "data")])
+@pytest.mark.parametrize("labels,ttt_inputs", [("soft", "predicted"), ("argmax", "data")])
 def test_a_shard_step_equals_the_online_step_at_full_vocabulary(labels, ttt_inputs, tmp_path):
     """One compute_loss on a batch made of the target's own outputs (k = V): the same loss and metrics."""
     tiny_llama(tmp_path / "target", tied=False)

@@ -8,15 +8,17 @@ import pytest
 import torch
 
 from tests.integration.test_eagle3_offline import tiny_llama
+from trainer.errors import RecipeError
 from trainer.methods.eagle3.objective import Eagle3
 
 K = 3
 
 
 def naive_ttt_loss(objective: Eagle3, ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[float, list[float]]:
-    """sum_i 0.8^i * mean over trained label positions of CE(target's draft-vocabulary distribution, draft i), or with
-    hard labels of CE(the target's argmax, draft i) where that argmax is in the draft vocabulary; the accuracy of draft
-    i against the target's argmax over the draft vocabulary (soft labels) or over every token (hard labels)."""
+    """sum_i 0.8^i * mean over trained label positions of CE(target's draft-vocabulary distribution, draft i) (mixed
+    with ``argmax_weight`` times CE(that distribution's argmax, draft i)), or with hard labels of CE(the target's
+    argmax, draft i) where that argmax is in the draft vocabulary; the accuracy of draft i against the target's argmax
+    over the draft vocabulary (soft labels) or over every token (argmax labels)."""
     drafter, target = objective.drafter, objective.target
     aux = list(drafter.config.aux_layers)
     out = target(ids, hidden_layers=aux)
@@ -50,7 +52,8 @@ def naive_ttt_loss(objective: Eagle3, ids: torch.Tensor, loss_mask: torch.Tensor
                 guess = drafter.to_target_ids(logit.argmax())
                 if objective.labels == "soft":
                     p = torch.softmax(out.logits[b, label, draft_ids].float(), dim=-1)  # [Vd]
-                    sums[i] += float(-(p * log_q).sum())
+                    w = objective.argmax_weight
+                    sums[i] += float((1 - w) * -(p * log_q).sum() - w * log_q[p.argmax()])
                     counts[i] += 1
                     hits[i] += int(guess == draft_ids[out.logits[b, label, draft_ids].argmax()])
                     continue
@@ -68,21 +71,22 @@ EAGLE31 = {"norm_before_residual": True, "fc_norm": True, "norm_output": True}
 
 
 @pytest.mark.parametrize(
-    ("ttt_inputs", "flags", "labels"),
+    ("ttt_inputs", "flags", "labels", "argmax_weight"),
     [
-        ("data", {}, "soft"),
-        ("predicted", {}, "soft"),
-        ("data", EAGLE31, "soft"),
-        ("predicted", {"norm_before_fc": True, "norm_output": True}, "soft"),
-        ("data", {}, "hard"),
+        ("data", {}, "soft", 0.0),
+        ("predicted", {}, "soft", 0.0),
+        ("data", EAGLE31, "soft", 0.0),
+        ("data", EAGLE31, "soft", 0.3),
+        ("predicted", {"norm_before_fc": True, "norm_output": True}, "soft", 0.0),
+        ("data", {}, "argmax", 0.0),
     ],
 )
-def test_ttt_loss_equals_chain_drafting_scored_position_by_position(ttt_inputs, flags, labels, tmp_path):
+def test_ttt_loss_equals_chain_drafting_scored_position_by_position(ttt_inputs, flags, labels, argmax_weight, tmp_path):
     """With the EAGLE-3.1 flags too: training feeds each step what drafting feeds (post-norm with norm_output). Soft
     labels project the target onto the draft vocabulary only; the reference projects onto every token and slices."""
     tiny_llama(tmp_path / "target", tied=False)
     objective = Eagle3(str(tmp_path / "target"), draft_vocab_size=32, target_layers=[0, 1, 2], ttt_steps=K,
-                       ttt_inputs=ttt_inputs, labels=labels, **flags)  # fmt: skip
+                       ttt_inputs=ttt_inputs, labels=labels, argmax_weight=argmax_weight, **flags)  # fmt: skip
     g = torch.Generator().manual_seed(1)
     rows = torch.randint(0, 64, (2, 11), generator=g)  # [B, S + 1]
     objective.build_vocab_map(rows.numpy(), (rows > 4).numpy())
@@ -123,3 +127,16 @@ def test_recomputing_earlier_steps_changes_neither_loss_nor_gradients(tmp_path):
         torch.testing.assert_close(
             grads_b[name], grads_a[name], rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}"
         )
+
+
+def test_argmax_weight_is_checked(tmp_path):
+    """model.argmax_weight outside [0, 1], or above 0 with hard labels (which are the argmax alone), is refused by
+    name."""
+    tiny_llama(tmp_path / "target", tied=False)
+    target = str(tmp_path / "target")
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(RecipeError, match=r"model.argmax_weight must be in \[0, 1\], got"):
+            Eagle3(target, draft_vocab_size=32, target_layers=[0, 1, 2], argmax_weight=bad)
+    with pytest.raises(RecipeError, match="model.argmax_weight=0.3 mixes the argmax into soft labels") as err:
+        Eagle3(target, draft_vocab_size=32, target_layers=[0, 1, 2], labels="argmax", argmax_weight=0.3)
+    assert "model.labels: soft" in err.value.hint

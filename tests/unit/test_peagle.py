@@ -97,12 +97,17 @@ def objective(tmp_path, **kwargs) -> PEagle:
     return PEagle(str(tmp_path / "target"), draft_vocab_size=32, target_layers=[0, 1, 2], mask_token_id=63, **kwargs)
 
 
-@pytest.mark.parametrize("loss_mean", ["element", "depth"])
-def test_every_trained_element_is_what_drafting_computes_and_the_loss_is_the_naive_one(tmp_path, loss_mean):
+@pytest.mark.parametrize(("loss_mean", "argmax_weight"), [("element", 0.0), ("depth", 0.0), ("element", 0.3)])
+def test_every_trained_element_is_what_drafting_computes_and_the_loss_is_the_naive_one(
+    tmp_path, loss_mean, argmax_weight
+):
     """Element (a, d) of the parallel pass equals the last logits of a plain forward over entries 0..a and d
-    placeholders (what the proposer runs); the loss is the soft CE of the trained elements, weighted 0.8 ** d: one
+    placeholders (what the proposer runs); the loss is the soft CE of the trained elements (mixed with argmax_weight
+    times the CE of the soft label's argmax), weighted 0.8 ** d: one
     mean over all of them (``element``), or the sum over depths of each depth's mean (``depth``)."""
-    obj = objective(tmp_path, num_depths=3, cod_ratio=0.8, step_decay=0.8, loss_mean=loss_mean)
+    obj = objective(
+        tmp_path, num_depths=3, cod_ratio=0.8, step_decay=0.8, loss_mean=loss_mean, argmax_weight=argmax_weight
+    )
     rows = torch.randint(0, 60, (2, 10), generator=torch.Generator().manual_seed(1))
     obj.install_vocab_map([(rows.numpy(), (rows > 3).numpy())])
     for p in obj.drafter.parameters():
@@ -131,7 +136,9 @@ def test_every_trained_element_is_what_drafting_computes_and_the_loss_is_the_nai
                 _, logits, _ = drafter(embeds, hidden, positions)
                 lp = a + 1 + d
                 if loss_mask[b, lp]:
-                    sums[d] += float(-(probs[b, lp] * torch.log_softmax(logits[0, -1], -1)).sum())
+                    log_q = torch.log_softmax(logits[0, -1], -1)
+                    soft, hard = -(probs[b, lp] * log_q).sum(), -log_q[probs[b, lp].argmax()]
+                    sums[d] += float((1 - argmax_weight) * soft + argmax_weight * hard)
                     counts[d] += 1
         if loss_mean == "depth":
             expected = sum(0.8**d * sums[d] / counts[d] for d in range(3))
@@ -149,6 +156,9 @@ def test_recipe_values_are_checked(tmp_path):
         PEagle(target, cod_ratio=0.0, mask_token_id=63)
     with pytest.raises(RecipeError, match=r"model.cod_ratio must be in \(0, 1\], got 1.5"):
         PEagle(target, cod_ratio=1.5, mask_token_id=63)
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(RecipeError, match=r"model.argmax_weight must be in \[0, 1\], got"):
+            PEagle(target, argmax_weight=bad, mask_token_id=63)
     with pytest.raises(RecipeError, match=r"model.max_anchors must be >= 1 \(or null: every trained position\), got 0"):
         PEagle(target, max_anchors=0, mask_token_id=63)
     with pytest.raises(RecipeError, match="model.mask_token_id: the target's tokenizer uses every id") as err:

@@ -144,7 +144,7 @@ def _eagle(objective: nn.Module, name: str, batch: int, seq: int, a: int, a_t: i
         target_phase = layers_kept * n * t.hidden_size * 2  # the batch's teacher hidden states (bf16 shards)
     else:
         # every hidden state HF returns with output_hidden_states; soft labels project onto the draft vocabulary's
-        # lm_head rows only ([B, S, Vd] logits and their float32 softmax), hard labels onto every token ([B, S, V])
+        # lm_head rows only ([B, S, Vd] logits and their float32 softmax), argmax labels onto every token ([B, S, V])
         vocab_out = 0 if soft else t.vocab_size
         target_phase = frozen_forward(t, n, a_t, hidden_kept=t.num_hidden_layers + 1, vocab_out=vocab_out)
         if soft:

@@ -2,10 +2,10 @@
 
 Online mode: the frozen target runs inside the training step and gives the hidden states of the drafter's aux layers and
 its predictions: with soft labels only over the draft vocabulary (its final hidden state projected onto those rows of
-its lm_head, no [B, S, V] logits; vocab_map.online_target_signals), with hard labels over every token. Element ``t`` of
-a row pairs the fused features of token ``t`` with the embedding of token ``t + 1``; at unrolled step ``i`` it predicts
-token ``t + 2 + i``, labelled by the target's prediction at position ``t + 1 + i`` (its distribution over the draft
-vocabulary, renormalised, or its argmax), under the loss mask of that token, with weight ``step_decay ** i``. Step
+its lm_head, no [B, S, V] logits; vocab_map.online_target_signals), with argmax labels over every token. Element ``t``
+of a row pairs the fused features of token ``t`` with the embedding of token ``t + 1``; at unrolled step ``i`` it
+predicts token ``t + 2 + i``, labelled by the target's prediction at position ``t + 1 + i`` (its distribution over the
+draft vocabulary, renormalised, or its argmax), under the loss mask of that token, with weight ``step_decay ** i``. Step
 ``i > 0`` feeds the drafter's own output features of step ``i - 1`` at positions shifted by ``i``, with the row's own
 token ``t + 1 + i`` (``ttt_inputs: data``, the default, as the reference implementations do) or the drafter's own argmax
 of step ``i - 1`` (``predicted``); see module.py for the attention.
@@ -22,12 +22,12 @@ the target's top-k next tokens at temperature 1, written by ``draftsmith precomp
 precompute_eagle3.yaml). The target model is never built: only its config and the two tensors the drafter needs, the
 input embedding (the drafter's input) and the lm_head (which initialises the draft lm_head rows), are read from its
 safetensors (trainer.target.TargetEmbeddings). Soft labels are the top-k probabilities restricted to the draft
-vocabulary and renormalised over it (positions where none of the k ids is in it are not trained); hard labels use the
-top-1 id, the accuracies the best-ranked id in the draft vocabulary (soft labels) or the top-1 id (hard), as online.
+vocabulary and renormalised over it (positions where none of the k ids is in it are not trained); argmax labels use the
+top-1 id, the accuracies the best-ranked id in the draft vocabulary (soft labels) or the top-1 id (argmax), as online.
 With k equal to the vocabulary and float32 shards it is the online objective.
 
 Accuracies (``acc_i``) count the drafts equal to the target's most likely token: among the draft vocabulary's tokens
-with soft labels (what the loss sees, and what speculators reports), among all tokens with hard labels.
+with soft labels (what the loss sees, and what speculators reports), among all tokens with argmax labels.
 
 Memory: a step's activations would grow linearly in K (5.9x at K = 7 against K = 1). With ``recompute``
 (the default) the steps 0..K-2 keep only their inputs and outputs (features, keys and values: what later steps read)
@@ -63,6 +63,7 @@ from trainer.block_attention import Impl
 from trainer.errors import RecipeError
 from trainer.methods.eagle3 import kind as eagle3_kind
 from trainer.methods.eagle3 import vocab_map
+from trainer.methods.eagle3.labels import check_argmax_weight, soft_loss
 from trainer.methods.eagle3.module import Eagle3Config, Eagle3Drafter
 from trainer.objective import DraftObjective, Optim, TargetSignals, causal_lm_flops_per_token, count_params
 from trainer.registry import DrafterRecord
@@ -81,7 +82,8 @@ class Eagle3(DraftObjective):
         target_layers: list[int] | None = None,
         ttt_steps: int = 7,
         step_decay: float = 0.8,
-        labels: Literal["soft", "hard"] = "soft",
+        labels: Literal["soft", "argmax"] = "soft",
+        argmax_weight: float = 0.0,
         ttt_inputs: Literal["data", "predicted"] = "data",
         init_from: str | None = None,
         target_dtype: str = "float32",
@@ -106,8 +108,12 @@ class Eagle3(DraftObjective):
             ttt_steps: K, the unrolled drafting steps of training-time test.
             step_decay: weight of step i is step_decay ** i.
             labels: "soft" matches the target's distribution over the draft vocabulary (renormalised; cross entropy
-                with soft labels, i.e. forward KL up to a constant), "hard" its argmax (positions whose argmax is
+                with soft labels, i.e. forward KL up to a constant), "argmax" its argmax (positions whose argmax is
                 outside the draft vocabulary are skipped).
+            argmax_weight: with soft labels, the weight w of a cross entropy on the target's most likely token of the
+                draft vocabulary: each position's loss is ``(1 - w) * soft + w * CE(argmax)``, in [0, 1]. The argmax is
+                what greedy verification accepts; the soft part keeps the distribution sampling accepts (0.3 lifted
+                greedy tau 1.08x at unchanged sampling tau on the tiny target, docs/methods/eagle3.md).
             ttt_inputs: tokens fed at steps i > 0: "data" (the row's own next tokens, which the labels are
                 conditioned on, as the reference implementations do) or "predicted" (the drafter's own argmax of step
                 i - 1, which contradicts the label wherever that guess was wrong; see the module docstring).
@@ -142,6 +148,7 @@ class Eagle3(DraftObjective):
             raise RecipeError(f"model.ttt_steps must be >= 1, got {ttt_steps}")
         if not 0.0 < step_decay <= 1.0:
             raise RecipeError(f"model.step_decay must be in (0, 1], got {step_decay}")
+        self.argmax_weight = check_argmax_weight(argmax_weight, labels)
         self.ttt_steps, self.step_decay, self.labels, self.ttt_inputs = ttt_steps, step_decay, labels, ttt_inputs
         self.recompute, self.attention = recompute, attention
         frozen = self.load_target(target, target_signals, target_dtype, trust_remote_code)
@@ -250,7 +257,7 @@ class Eagle3(DraftObjective):
         def embedding(tokens: torch.Tensor) -> torch.Tensor:
             return F.embedding(tokens, weight)  # [..., Ht]
 
-        probs, valid, argmax = None, None, topk_ids[..., 0]  # argmax [B, S]: the top-1 id (hard labels)
+        probs, valid, argmax = None, None, topk_ids[..., 0]  # argmax [B, S]: the top-1 id (argmax labels)
         if self.labels == "soft":
             in_draft = drafter.t2d[topk_ids]  # [B, S, k]
             p = batch["teacher_topk_logprobs"].float().exp() * in_draft  # [B, S, k]
@@ -280,14 +287,14 @@ class Eagle3(DraftObjective):
             ids, loss_mask: [B, S] the batch's tokens and trained flags.
             fused: [B, S - 1, H] fused target features of tokens 0..S-2.
             embedding: token ids -> the target's input embeddings.
-            target_argmax: [B, S] the target's most likely next token at every position (hard labels, accuracies),
+            target_argmax: [B, S] the target's most likely next token at every position (argmax labels, accuracies),
                 among the draft vocabulary's tokens with soft labels.
             target_probs: [B, S, Vd] soft labels over the draft vocabulary (labels "soft"), else None.
             label_ok: [B, S] bool, False where a soft label is missing (not trained), or None (all present).
         """
         drafter = self.drafter
         B, S = ids.shape
-        if self.labels == "hard":
+        if self.labels == "argmax":
             t2d_index = self._draft_index()  # [V] draft index of every target id
             hard = torch.where(drafter.t2d[target_argmax], t2d_index[target_argmax], -100)  # [B, S]
         data_tokens = None
@@ -310,7 +317,7 @@ class Eagle3(DraftObjective):
                 mask = mask * label_ok[:, 1 + i :]
             log_q = torch.log_softmax(logits[:, :n].float(), dim=-1)  # [B, n, Vd]
             if self.labels == "soft":
-                per_pos = -(target_probs[:, 1 + i :] * log_q).sum(-1)  # [B, n]
+                per_pos = soft_loss(target_probs[:, 1 + i :], log_q, self.argmax_weight)  # [B, n]
             else:
                 labels = hard[:, 1 + i :]  # [B, n]
                 mask = mask * (labels >= 0)

@@ -29,6 +29,7 @@ from torch import nn
 from trainer.block_attention import Impl
 from trainer.errors import RecipeError
 from trainer.methods.eagle3 import peagle_kind, vocab_map
+from trainer.methods.eagle3.labels import check_argmax_weight, soft_loss
 from trainer.methods.eagle3.module import Eagle3Config
 from trainer.methods.eagle3.peagle_module import PEagleConfig, PEagleDrafter
 from trainer.objective import DraftObjective, Optim, causal_lm_flops_per_token, count_params
@@ -89,6 +90,7 @@ class PEagle(DraftObjective):
         target_layers: list[int] | None = None,
         step_decay: float = 1.0,
         loss_mean: Literal["element", "depth"] = "element",
+        argmax_weight: float = 0.0,
         init_from: str | None = None,
         target_dtype: str = "float32",
         drafter_dtype: str = "float32",
@@ -120,6 +122,9 @@ class PEagle(DraftObjective):
             loss_mean: "element", one mean over every trained element (deeper depths, sampled less, count less:
                 speculators' reduction, which measured better, docs/methods/peagle.md); "depth", the sum of the
                 per-depth means (every depth counted alike).
+            argmax_weight: the weight w of a cross entropy on the target's most likely token of the draft vocabulary
+                mixed into each element's soft-label loss, ``(1 - w) * soft + w * CE(argmax)``, in [0, 1] (as
+                EAGLE-3's: the argmax is what greedy verification accepts).
             init_from: a training checkpoint or export of a P-EAGLE drafter to start from (weights, shape, vocabulary
                 map and placeholder token).
             target_dtype: the target's weights dtype.
@@ -138,6 +143,7 @@ class PEagle(DraftObjective):
             raise RecipeError(f"model.num_depths must be >= 1, got {num_depths}")
         if not 0.0 < cod_ratio <= 1.0:
             raise RecipeError(f"model.cod_ratio must be in (0, 1], got {cod_ratio}")
+        self.argmax_weight = check_argmax_weight(argmax_weight)
         if not 0.0 <= cod_min_ratio <= 1.0:
             raise RecipeError(f"model.cod_min_ratio must be in [0, 1], got {cod_min_ratio}")
         if max_anchors is not None and max_anchors < 1:
@@ -256,7 +262,7 @@ class PEagle(DraftObjective):
         label = (anchor + 1 + depth).clamp(max=ids.shape[1] - 1)  # [B, N] label positions
         mask = valid & loss_mask.gather(1, label).bool()  # [B, N]
         labels = probs.gather(1, label[..., None].expand(B, N, probs.shape[-1]))  # [B, N, Vd]
-        per = -(labels * torch.log_softmax(logits.float(), dim=-1)).sum(-1)  # [B, N]
+        per = soft_loss(labels, torch.log_softmax(logits.float(), dim=-1), self.argmax_weight)  # [B, N]
         weight = self.step_decay ** depth.float()  # [B, N]
         metrics: dict[str, torch.Tensor] = {}
         with torch.no_grad():

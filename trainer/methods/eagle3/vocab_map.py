@@ -92,12 +92,12 @@ def online_target_signals(
     With soft labels the target's final hidden state is projected onto the draft vocabulary's rows of its lm_head
     only: no [B, S, V] logits are made (the full vocabulary costs 8x the projection at a 1/8 draft vocabulary, and
     at 8B is the step's largest tensor), and the argmax, for the accuracy metrics, is the target's most likely token
-    of the draft vocabulary, as speculators reports it. Hard labels need the argmax over the whole vocabulary
+    of the draft vocabulary, as speculators reports it. Argmax labels need the argmax over the whole vocabulary
     (positions whose argmax is outside the draft vocabulary are skipped), so they project onto every row.
 
     Returns:
         the hidden states of the drafter's aux layers (each [B, S, Ht]), the argmax [B, S] (target ids) and the soft
-        labels [B, S, Vd] (float32), or None with hard labels.
+        labels [B, S, Vd] (float32), or None with argmax labels.
     """
     aux = list(drafter.config.aux_layers)
     if not soft:
