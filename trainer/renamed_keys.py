@@ -8,7 +8,8 @@ chunk of a loss ``loss_chunk_size``, and the loss weight of draft step ``k`` is 
 :data:`RENAMED_KEYS` is the one table of the renames, per objective; ``draftsmith fit`` and
 :func:`trainer.recipe.parse_recipe` refuse an old key with :func:`renamed_key_message` (tests/unit/
 test_recipe_vocabulary.py checks that every new name is a parameter of its objective), and ``draftsmith precompute``
-with :data:`RENAMED_PRECOMPUTE_KEYS`.
+with :data:`RENAMED_PRECOMPUTE_KEYS`. A value that was renamed (:data:`RENAMED_VALUES`: one value, one meaning across
+objectives) is refused the same way, naming its new spelling.
 """
 
 from __future__ import annotations
@@ -58,6 +59,12 @@ RENAMED_KEYS: dict[str, dict[str, str]] = {
 }
 """Objective class path -> {old ``model.init_args`` key: its new name}."""
 
+RENAMED_VALUES: dict[str, dict[str, dict[str, str]]] = {
+    # the target's argmax is "argmax" in every objective (DFlash's "hard" is the data's tokens)
+    "trainer.methods.eagle3.objective.Eagle3": {"labels": {"hard": "argmax"}},
+}
+"""Objective class path -> {``model.init_args`` key: {old value: its new spelling}}."""
+
 RENAMED_PRECOMPUTE_KEYS: dict[str, str] = dict(_TARGET)
 """Old key of a ``draftsmith precompute`` recipe (trainer/data/precompute.py) -> its new name."""
 
@@ -68,6 +75,11 @@ WHY = "recipes use one name per concept; see docs/methods"
 _UNKNOWN_INIT_ARG = re.compile(r"class_path '(?P<cls>[\w.]+)':\s+Option '(?P<key>\w+)' is not accepted")
 # an unknown top-level key of a plain parser (draftsmith precompute): "Option 'KEY' is not accepted" (in a recipe) or
 # "unrecognized arguments: --KEY VALUE --KEY2 ..." (on the command line)
+# a value outside a Literal: "class_path 'CLASS':\n  Parser key "KEY":\n  Expected a typing.Literal[...]. Got value: V"
+_BAD_LITERAL = re.compile(
+    r"class_path '(?P<cls>[\w.]+)':\s+Parser key \"(?P<key>\w+)\":\s+Expected a typing\.Literal\[[^\]]*\]\. "
+    r"Got value: (?P<value>\S+)"
+)
 _UNKNOWN_OPTION = re.compile(r"Option '(\w+)' is not accepted")
 _UNRECOGNIZED = re.compile(r"unrecognized arguments:(.*)", re.I)
 
@@ -84,6 +96,10 @@ def renamed_key_message(parser_error: str) -> str | None:
         new = RENAMED_KEYS.get(found["cls"], {}).get(found["key"])
         if new is not None:
             return renamed("model.init_args.", found["key"], new)
+    for found in _BAD_LITERAL.finditer(parser_error):
+        new = RENAMED_VALUES.get(found["cls"], {}).get(found["key"], {}).get(found["value"])
+        if new is not None:
+            return f"model.init_args.{found['key']}: {found['value']} was renamed to {new} ({WHY})"
     return None
 
 

@@ -9,6 +9,7 @@ import importlib
 import inspect
 import pkgutil
 import re
+import typing
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from trainer.cli import main as draftsmith
 from trainer.data import precompute
 from trainer.objective import DraftObjective
 from trainer.recipe import RecipeError, parse_recipe
-from trainer.renamed_keys import RENAMED_KEYS, RENAMED_PRECOMPUTE_KEYS, WHY
+from trainer.renamed_keys import RENAMED_KEYS, RENAMED_PRECOMPUTE_KEYS, RENAMED_VALUES, WHY
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "recipes"
@@ -128,6 +129,29 @@ def test_parse_recipe_names_the_new_key_of_an_old_one(path, old, new, tmp_path):
         with pytest.raises(RecipeError) as on_command_line:
             parse_recipe([str(write_recipe(tmp_path, path, {}))], [f"--model.init_args.{old}", "1"])
         assert str(on_command_line.value) == expected
+
+
+VALUES = [
+    (path, key, old, new)
+    for path, keys in sorted(RENAMED_VALUES.items())
+    for key, t in keys.items()
+    for old, new in t.items()
+]
+
+
+@pytest.mark.parametrize(
+    "path, key, old, new", VALUES, ids=[f"{p.rsplit('.', 1)[-1]}.{k}.{o}" for p, k, o, _ in VALUES]
+)
+def test_a_renamed_value_is_refused_with_its_new_spelling(path, key, old, new, tmp_path):
+    """In a recipe and on the command line; the new spelling is a value the parameter takes."""
+    expected = f"model.init_args.{key}: {old} was renamed to {new} ({WHY})"
+    with pytest.raises(RecipeError) as in_recipe:
+        parse_recipe([str(write_recipe(tmp_path, path, {key: old}))])
+    assert str(in_recipe.value) == expected
+    with pytest.raises(RecipeError) as on_command_line:
+        parse_recipe([str(write_recipe(tmp_path, path, {}))], [f"--model.init_args.{key}", old])
+    assert str(on_command_line.value) == expected
+    assert new in typing.get_args(typing.get_type_hints(OBJECTIVES[path].__init__)[key])
 
 
 def test_fit_refuses_an_old_key_with_status_2(tmp_path, capsys):
