@@ -73,6 +73,18 @@ def naive_loss(objective: DFlash, ids: torch.Tensor, loss_mask: torch.Tensor) ->
     return total / weights, [h / max(1, n) for h, n in zip(hits, counts)]
 
 
+def assert_loss_is_naive(objective: DFlash, ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[float, dict]:
+    """The objective's loss and per-slot accuracies equal :func:`naive_loss`'s; returns the naive loss and the
+    objective's metrics."""
+    with torch.no_grad():
+        loss, metrics = objective.compute_loss({"input_ids": ids, "loss_mask": loss_mask})
+        expected, accuracies = naive_loss(objective, ids, loss_mask)
+    torch.testing.assert_close(float(loss), expected, rtol=1e-5, atol=0)
+    for k, accuracy in enumerate(accuracies, 1):
+        assert float(metrics[f"acc_{k}"]) == pytest.approx(accuracy, abs=1e-6)
+    return expected, metrics
+
+
 @pytest.mark.parametrize("labels", ["hard", "soft"])
 def test_loss_equals_blocks_drafted_alone_and_scored_slot_by_slot(labels, tmp_path):
     save_target(tmp_path / "target")
@@ -87,12 +99,7 @@ def test_loss_equals_blocks_drafted_alone_and_scored_slot_by_slot(labels, tmp_pa
     loss_mask = torch.ones(2, 14, dtype=torch.bool)
     loss_mask[0, :4] = False  # a prompt: tokens 1..4 untrained
     loss_mask[1, 8:10] = False
-    with torch.no_grad():
-        loss, metrics = objective.compute_loss({"input_ids": ids, "loss_mask": loss_mask})
-        expected, accuracies = naive_loss(objective, ids, loss_mask)
-    torch.testing.assert_close(float(loss), expected, rtol=1e-5, atol=0)
-    for k, accuracy in enumerate(accuracies, 1):
-        assert float(metrics[f"acc_{k}"]) == pytest.approx(accuracy, abs=1e-6)
+    _, metrics = assert_loss_is_naive(objective, ids, loss_mask)
     assert 1.0 <= float(metrics["block_tau"]) <= 4.0
     # and the loss trains the drafter's layers, fc and norms, never the target
     loss, _ = objective.compute_loss({"input_ids": ids, "loss_mask": loss_mask})
@@ -119,12 +126,7 @@ def test_soft_labels_are_a_soft_capping_targets_own_distribution(tmp_path):
         torch.nn.init.normal_(p, std=0.3)
     ids = torch.randint(0, V - 1, (2, 14), generator=torch.Generator().manual_seed(1))
     loss_mask = torch.ones(2, 14, dtype=torch.bool)
-    with torch.no_grad():
-        loss, metrics = objective.compute_loss({"input_ids": ids, "loss_mask": loss_mask})
-        expected, accuracies = naive_loss(objective, ids, loss_mask)
-    torch.testing.assert_close(float(loss), expected, rtol=1e-5, atol=0)
-    for k, accuracy in enumerate(accuracies, 1):
-        assert float(metrics[f"acc_{k}"]) == pytest.approx(accuracy, abs=1e-6)
+    expected, _ = assert_loss_is_naive(objective, ids, loss_mask)
     objective.target.model.config.final_logit_softcapping = None  # the bare head's distribution: another loss
     with torch.no_grad():
         bare, _ = objective.compute_loss({"input_ids": ids, "loss_mask": loss_mask})
