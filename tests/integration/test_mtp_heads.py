@@ -30,8 +30,8 @@ def finetuned(tiny_corpus, tiny_target, tmp_path_factory):
     override = merge(
         trainer_overrides(run, max_steps=STEPS, every_n=3),
         data_overrides(tiny_corpus),
-        {"model": {"init_args": {"target": str(tiny_target), "num_heads": 3, "export_dir": str(run / "model"),
-                                 "loss_chunk_size": 64}}},
+        {"model": {"init_args": {"target": str(tiny_target), "num_heads": 3, "head_weights": [0.0, 1.0, 1.0],
+                                 "export_dir": str(run / "model"), "loss_chunk_size": 64}}},
     )  # fmt: skip
     spec_eval = {
         "class_path": "trainer.decoding.callback.SpeculativeEvalCallback",
@@ -67,7 +67,7 @@ def test_finetuning_logs_tau_and_exports_a_plain_model_with_heads(finetuned, tin
     settings = json.loads((out / "mtp_heads.json").read_text())
     assert settings["agreement"] is not None
     # the recipe keeps the model close to the target it started from: recorded, with the original's fingerprint
-    assert settings["fine_tuned_from"] == str(tiny_target) and settings["target_kl_weight"] == 1.0
+    assert settings["fine_tuned_from"] == str(tiny_target) and settings["target_kl_weight"] == 4.0
     assert set(torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["frozen_models"]) == {"original"}
     assert load_export(out).num_heads == 3
     # draftsmith eval of the checkpoint against the exported model: greedy identical to the model alone (eval
