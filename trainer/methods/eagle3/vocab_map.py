@@ -106,4 +106,4 @@ def online_target_signals(
     out = target(ids, hidden_layers=[*aux, target.num_layers], logits=False)
     *hidden, final = out.hidden_states  # final: [B, S, Ht], the normed output lm_head projects
     logits = target.project(final, drafter.draft_ids().to(final.device))  # [B, S, Vd]
-    return hidden, drafter.to_target_ids(logits.argmax(-1)), torch.softmax(logits.float(), dim=-1)
+    return hidden, drafter.to_target_ids(logits.max(-1).indices), torch.softmax(logits.float(), dim=-1)
