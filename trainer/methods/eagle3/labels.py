@@ -3,7 +3,8 @@
 Soft labels are the target's distribution over the draft vocabulary, renormalised; their cross entropy against the
 drafter is the forward KL up to a constant, what sampling verification accepts (the overlap of the two
 distributions). Greedy verification accepts a draft only when it is the target's most likely token, so
-``argmax_weight`` mixes in the cross entropy on that token: ``(1 - w) * soft + w * CE(argmax)``. On the tiny target a
+``argmax_weight`` mixes in the cross entropy on that token: ``(1 - w) * soft + w * CE(argmax)``, the cross entropy
+against the labels ``(1 - w) * probs + w * onehot(argmax)`` (:func:`mix_argmax`). On the tiny target a
 weight of 0.3 lifted greedy tau to nearly what argmax labels alone give while sampling tau stayed that of soft labels
 (argmax labels alone lost a quarter of it): docs/methods/eagle3.md.
 """
@@ -29,16 +30,15 @@ def check_argmax_weight(argmax_weight: float, labels: str = "soft") -> float:
     return float(argmax_weight)
 
 
-def soft_loss(probs: torch.Tensor, log_q: torch.Tensor, argmax_weight: float = 0.0) -> torch.Tensor:
-    """Per-position loss of the drafter's log-probabilities ``log_q`` [..., Vd] (float32) against soft labels
-    ``probs`` [..., Vd] (rows summing to 1, or all zero where a label is missing): the cross entropy
-    ``-sum(probs * log_q)``, mixed with ``argmax_weight`` times the cross entropy on ``probs``' argmax.
-    Returns [...]."""
-    soft = -(probs * log_q).sum(-1)  # [...]
+def mix_argmax(probs: torch.Tensor, argmax_weight: float) -> torch.Tensor:
+    """Soft labels ``probs`` [..., Vd] (rows summing to 1, or all zero where a label is missing) with
+    ``argmax_weight`` w of their mass moved onto their argmax: ``(1 - w) * probs + w * onehot(argmax)``, [..., Vd].
+    The cross entropy against them is ``(1 - w) * soft + w * CE(argmax)`` (linear in the labels), so mixing the labels
+    once per batch costs what mixing the losses at every TTT step would not. w = 0 returns ``probs`` itself."""
     if argmax_weight == 0.0:
-        return soft
-    # [..., 1] draft index of the target's most likely token: max's indices are argmax's (the first of ties) and
-    # 2.7x faster on CPU over the last dimension
-    top = probs.max(-1, keepdim=True).indices
-    hard = -log_q.gather(-1, top)[..., 0]  # [...]
-    return (1.0 - argmax_weight) * soft + argmax_weight * hard
+        return probs
+    # the target's most likely token of the draft vocabulary: max's indices are argmax's (the first of ties) and 2.7x
+    # faster on CPU over the last dimension
+    top = probs.max(-1, keepdim=True).indices  # [..., 1]
+    mixed = probs * (1.0 - argmax_weight)  # [..., Vd]
+    return mixed.scatter_add_(-1, top, torch.full_like(top, argmax_weight, dtype=mixed.dtype))

@@ -63,7 +63,7 @@ from trainer.block_attention import Impl
 from trainer.errors import RecipeError
 from trainer.methods.eagle3 import kind as eagle3_kind
 from trainer.methods.eagle3 import vocab_map
-from trainer.methods.eagle3.labels import check_argmax_weight, soft_loss
+from trainer.methods.eagle3.labels import check_argmax_weight, mix_argmax
 from trainer.methods.eagle3.module import Eagle3Config, Eagle3Drafter
 from trainer.objective import DraftObjective, Optim, TargetSignals, causal_lm_flops_per_token, count_params
 from trainer.registry import DrafterRecord
@@ -294,6 +294,8 @@ class Eagle3(DraftObjective):
         """
         drafter = self.drafter
         B, S = ids.shape
+        if self.labels == "soft":
+            target_probs = mix_argmax(target_probs, self.argmax_weight)  # [B, S, Vd]
         if self.labels == "argmax":
             t2d_index = self._draft_index()  # [V] draft index of every target id
             hard = torch.where(drafter.t2d[target_argmax], t2d_index[target_argmax], -100)  # [B, S]
@@ -317,7 +319,7 @@ class Eagle3(DraftObjective):
                 mask = mask * label_ok[:, 1 + i :]
             log_q = torch.log_softmax(logits[:, :n].float(), dim=-1)  # [B, n, Vd]
             if self.labels == "soft":
-                per_pos = soft_loss(target_probs[:, 1 + i :], log_q, self.argmax_weight)  # [B, n]
+                per_pos = -(target_probs[:, 1 + i :] * log_q).sum(-1)  # [B, n]
             else:
                 labels = hard[:, 1 + i :]  # [B, n]
                 mask = mask * (labels >= 0)

@@ -29,7 +29,7 @@ from torch import nn
 from trainer.block_attention import Impl
 from trainer.errors import RecipeError
 from trainer.methods.eagle3 import peagle_kind, vocab_map
-from trainer.methods.eagle3.labels import check_argmax_weight, soft_loss
+from trainer.methods.eagle3.labels import check_argmax_weight, mix_argmax
 from trainer.methods.eagle3.module import Eagle3Config
 from trainer.methods.eagle3.peagle_module import PEagleConfig, PEagleDrafter
 from trainer.objective import DraftObjective, Optim, causal_lm_flops_per_token, count_params
@@ -261,8 +261,9 @@ class PEagle(DraftObjective):
         logits = drafter.parallel(embeds, hidden, anchor, depth, valid, self.attention)  # [B, N, Vd]
         label = (anchor + 1 + depth).clamp(max=ids.shape[1] - 1)  # [B, N] label positions
         mask = valid & loss_mask.gather(1, label).bool()  # [B, N]
+        probs = mix_argmax(probs, self.argmax_weight)  # [B, S, Vd]
         labels = probs.gather(1, label[..., None].expand(B, N, probs.shape[-1]))  # [B, N, Vd]
-        per = soft_loss(labels, torch.log_softmax(logits.float(), dim=-1), self.argmax_weight)  # [B, N]
+        per = -(labels * torch.log_softmax(logits.float(), dim=-1)).sum(-1)  # [B, N]
         weight = self.step_decay ** depth.float()  # [B, N]
         metrics: dict[str, torch.Tensor] = {}
         with torch.no_grad():
