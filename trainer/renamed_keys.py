@@ -73,13 +73,13 @@ WHY = "recipes use one name per concept; see docs/methods"
 # jsonargparse 4's wording of an unknown init_args key of a subclass (`model.init_args.KEY` in a recipe or on the
 # command line): "Problem with given class_path 'CLASS':\n    Option 'KEY' is not accepted"
 _UNKNOWN_INIT_ARG = re.compile(r"class_path '(?P<cls>[\w.]+)':\s+Option '(?P<key>\w+)' is not accepted")
-# an unknown top-level key of a plain parser (draftsmith precompute): "Option 'KEY' is not accepted" (in a recipe) or
-# "unrecognized arguments: --KEY VALUE --KEY2 ..." (on the command line)
 # a value outside a Literal: "class_path 'CLASS':\n  Parser key "KEY":\n  Expected a typing.Literal[...]. Got value: V"
 _BAD_LITERAL = re.compile(
     r"class_path '(?P<cls>[\w.]+)':\s+Parser key \"(?P<key>\w+)\":\s+Expected a typing\.Literal\[[^\]]*\]\. "
     r"Got value: (?P<value>\S+)"
 )
+# an unknown top-level key of a plain parser (draftsmith precompute): "Option 'KEY' is not accepted" (in a recipe) or
+# "unrecognized arguments: --KEY VALUE --KEY2 ..." (on the command line)
 _UNKNOWN_OPTION = re.compile(r"Option '(\w+)' is not accepted")
 _UNRECOGNIZED = re.compile(r"unrecognized arguments:(.*)", re.I)
 

@@ -154,9 +154,7 @@ def _eagle(objective: nn.Module, name: str, batch: int, seq: int, a: int, a_t: i
     # one step: the layer (2H attention input), its [B, S, Vd] logits, their float32 log-softmax and the product
     step = layer_saved(d, n, a, extra_hidden=2) + n * vd * (a + 2 * F32)
     if name == "PEagle":
-        ratio, floor = objective.cod_ratio, objective.cod_min_ratio
-        seeds = batch * min(seq, objective.max_anchors or seq)  # the deeper depths' anchors
-        elements = n + seeds * sum(max(ratio**k, floor) for k in range(1, objective.num_depths))
+        elements = batch * objective.elements_per_row(seq)  # the COD-sampled elements of every depth
         step = layer_saved(d, int(elements), a, extra_hidden=2) + int(elements) * vd * (a + 3 * F32)
         return max(target_phase, handed + n * layers_kept * t.hidden_size * a_t + step)
     steps = min(objective.ttt_steps, seq - 1)

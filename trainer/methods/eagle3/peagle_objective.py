@@ -283,12 +283,16 @@ class PEagle(DraftObjective):
         m = mask.float()
         return (per * weight * m).sum() / m.sum().clamp(min=1.0), metrics
 
+    def elements_per_row(self, positions: int) -> float:
+        """The elements COD sampling keeps of a row of ``positions`` trained positions, about: every position at depth
+        0, and at each deeper depth d ``max(cod_ratio ** d, cod_min_ratio)`` of the anchors they are drawn from (at
+        most ``max_anchors`` of the positions). The FLOP count and the memory planner both read it."""
+        seeds = min(positions, self.max_anchors or positions)
+        return positions + seeds * sum(max(self.cod_ratio**d, self.cod_min_ratio) for d in range(1, self.num_depths))
+
     def flops_per_token(self) -> float:
-        share = sum(max(self.cod_ratio**d, self.cod_min_ratio) for d in range(1, self.num_depths))
-        if self.max_anchors is not None:  # at most max_anchors of the row's positions seed the deeper depths
-            share *= min(1.0, self.max_anchors / self.data_seq_len())
-        share += 1.0  # depth 0: every position
-        drafter = 2.0 * count_params(self.drafter) * share
+        seq = self.data_seq_len()
+        drafter = 2.0 * count_params(self.drafter) * self.elements_per_row(seq) / seq
         return 3.0 * drafter + causal_lm_flops_per_token(self.target.model, 1024)
 
     def drafter_record(self) -> DrafterRecord:
