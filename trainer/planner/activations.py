@@ -168,7 +168,8 @@ def _eagle(objective: nn.Module, name: str, batch: int, seq: int, a: int, a_t: i
 
 def _dflash(objective: nn.Module, batch: int, seq: int, a: int, a_t: int, chunk: int, shards: bool) -> int:
     """DFlash: draft layers over the sampled blocks' slots, attending to the target's fused context; the slots'
-    logits through the target's lm_head in chunks recomputed in backward."""
+    logits through the target's lm_head in chunks whose gradients are taken in forward (a float32 [slots, H]
+    gradient kept for backward)."""
     config = objective.drafter.config
     t = _shape(objective.target_config)
     n = batch * seq
@@ -182,4 +183,5 @@ def _dflash(objective: nn.Module, batch: int, seq: int, a: int, a_t: int, chunk:
         target_phase = frozen_forward(t, n, a_t, hidden_kept=t.num_hidden_layers + 1)
     context = n * (m * t.hidden_size + t.hidden_size) * a_t + n * (m + 1) * t.hidden_size * a  # kept, fused
     layers = config.num_hidden_layers * (layer_saved(d, slots, a) + n * 2 * d.kv_width * a)
-    return max(target_phase, context + layers + chunked(chunk, slots, t.vocab_size))
+    grad = slots * d.hidden_size * F32  # slot_loss.py's gradient of the slots' outputs
+    return max(target_phase, context + layers + grad + chunked(chunk, slots, t.vocab_size))

@@ -421,16 +421,20 @@ class DFlashDrafter(nn.Module):
         before each slot's token (teacher-forced in training, the previous draft when drafting). Returns the logits
         [..., V] (unchanged without a Markov head) and the confidence logits [...] (None without that head).
         """
-        c = self.config
         prev_emb = None if self.markov_head is None else self.markov_head.prev_embeddings(prev)  # [..., r]
         if prev_emb is not None:
             logits = logits + self.markov_head.bias(prev_emb).to(logits.dtype)  # [..., V]
+        return logits, self.confidence(hidden, prev_emb)
+
+    def confidence(self, hidden: torch.Tensor, prev_emb: torch.Tensor | None) -> torch.Tensor | None:
+        """The confidence head's logits [...] of slots' normed outputs ``hidden`` [..., H] and their previous tokens'
+        Markov embeddings ``prev_emb`` [..., r] (None without a Markov head); None without a confidence head."""
         if self.confidence_head is None:
-            return logits, None
+            return None
         features = hidden
-        if c.confidence_head_with_markov:
+        if self.config.confidence_head_with_markov:
             features = torch.cat([hidden, prev_emb.to(hidden.dtype)], dim=-1)  # [..., H + r]
-        return logits, self.confidence_head(features.to(self.confidence_head.proj.weight.dtype))
+        return self.confidence_head(features.to(self.confidence_head.proj.weight.dtype))
 
     def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> list[KV]:
         """Keys and values of context entries for every layer (the proposer caches them).

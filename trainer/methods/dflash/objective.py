@@ -16,8 +16,8 @@ target's own output), ``argmax`` (the default), the target's own choice at the p
 token (cross entropy against the argmax of its distribution, speculators' default "ce" loss; from shards: the stored
 top-1), or ``soft``, the target's distribution there, ``KL(p || q)`` (online: the target's full distribution; from
 shards: its stored top-k, renormalised over the k ids, which at k = V is the online loss). Logits go through the
-target's frozen lm_head, one chunk of ``loss_chunk_size`` slots at a time, recomputed in backward, so the float32
-logits of all slots never exist at once.
+target's frozen lm_head, one chunk of ``loss_chunk_size`` slots at a time, their gradients taken in the same pass
+(slot_loss.py), so the float32 logits of all slots never exist at once and none is recomputed in backward.
 
 Online mode runs the target's decoder (no logits over the whole batch) in every step for its hidden states. Offline
 mode (``target_signals: shards``) reads them from ``draftsmith precompute`` shards holding exactly the drafter's
@@ -46,11 +46,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from trainer.block_attention import Impl
 from trainer.errors import RecipeError, UserError
-from trainer.losses import kl_from_log_probs
 from trainer.methods.dflash import kind as dflash_kind
 from trainer.methods.dflash.heads import check_heads
 from trainer.methods.dflash.module import (
@@ -60,6 +58,7 @@ from trainer.methods.dflash.module import (
     default_gamma,
     default_target_layers,
 )
+from trainer.methods.dflash.slot_loss import ChunkLabels, slot_loss
 from trainer.objective import (
     DraftObjective,
     Optim,
@@ -118,7 +117,7 @@ class DFlash(DraftObjective):
                 (cross entropy), what greedy verification accepts; "hard" on the data's tokens, "soft" on the
                 target's distribution (KL).
             attention: the block-sparse attention: "flex" (CUDA), "dense", or "auto" (flex on CUDA).
-            loss_chunk_size: slots projected to the vocabulary at a time (their logits are recomputed in backward).
+            loss_chunk_size: slots projected to the vocabulary at a time (slot_loss.py).
             init_from: a training checkpoint of a DFlash run to start from (its weights and shape).
             target_dtype: the target's weights dtype (float32, bfloat16, float16).
             drafter_dtype: the drafter's weights dtype.
@@ -278,10 +277,10 @@ class DFlash(DraftObjective):
                 "model.markov_rank / enable_confidence_head: DSpark's heads are read outside the drafter's forward, "
                 "which FSDP2 and ZeRO-3 shard; train them with DDP or on one device"
             )
-        slot_out = self._slot_losses(slots.flatten(0, 2)[idx], ids, batch, final, flat_rows, flat_pos)
-        per_slot, hits, bce, accept, confidence = slot_out  # [n] each (the last three empty without that head)
         w = weights.flatten()[idx]  # [n]
-        loss = (per_slot * w).sum() / w.sum() if idx.numel() else slots.sum() * 0.0
+        w = w / w.sum().clamp(min=torch.finfo(w.dtype).tiny)  # the loss is the weighted mean of the slots' losses
+        slot_out = self._slot_losses(slots.flatten(0, 2)[idx], w, ids, batch, final, flat_rows, flat_pos)
+        loss, hits, bce, accept, confidence = slot_out  # [], then [n] each (the last three empty without that head)
         metrics: dict[str, torch.Tensor] = {}
         if drafter.confidence_head is not None and idx.numel():
             slot_of = torch.arange(b - 1, device=ids.device).expand(B, N, b - 1).flatten()[idx]  # [n]: k - 1
@@ -310,83 +309,76 @@ class DFlash(DraftObjective):
     def _slot_losses(
         self,
         hidden: torch.Tensor,
+        weights: torch.Tensor,
         ids: torch.Tensor,
         batch: dict[str, torch.Tensor],
         final: torch.Tensor | None,
         rows: torch.Tensor,
         positions: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        """Per-slot losses [n] float32 and right-argmax flags [n] of the selected slots, and with a confidence head
-        its binary cross entropies [n], the slots' analytical acceptance rates [n] and the predicted ones [n].
+        """The weighted loss [] of the selected slots and their right-argmax flags [n], and with a confidence head its
+        binary cross entropies [n], the slots' analytical acceptance rates [n] and the predicted ones [n].
 
-        hidden: [n, H] the slots' outputs; rows, positions: [n] the batch row and position of each slot's token.
-        Soft and argmax labels come from the target's distribution at ``position - 1`` (online: from ``final``
-        [B, S, H]; shards: the batch's top-k), hard ones are the token itself; the Markov head reads the token at
-        ``position - 1``. Chunks of ``loss_chunk_size`` slots, each checkpointed.
+        hidden: [n, H] the slots' outputs; weights: [n] their weights in the loss; rows, positions: [n] the batch row
+        and position of each slot's token. Soft and argmax labels come from the target's distribution at
+        ``position - 1`` (online: from ``final`` [B, S, H]; shards: the batch's top-k), hard ones are the token itself;
+        the Markov head reads the token at ``position - 1``. Argmax labels are taken once per position (slots of
+        overlapping blocks share them); the vocabulary projections run ``loss_chunk_size`` slots at a time, their
+        gradients taken in the same pass (slot_loss.py).
         """
+        drafter = self.drafter
         head = self.target.lm_head_weight.detach()  # [V, H]
-        labels, prev = ids[rows, positions], ids[rows, positions - 1]  # [n] each
-        teacher_needed = self.labels != "hard" or self.drafter.confidence_head is not None
-        outputs: list[tuple[torch.Tensor, ...]] = []
-        for start in range(0, hidden.shape[0], self.loss_chunk_size):
-            part = slice(start, start + self.loss_chunk_size)
-            extra: tuple[torch.Tensor, ...] = ()
-            if teacher_needed and final is not None:
-                extra = (final[rows[part], positions[part] - 1],)  # [C, H] the target's normed hidden states
-            elif teacher_needed:
-                topk = batch["teacher_topk_ids"][rows[part], positions[part] - 1].long()  # [C, k]
-                extra = (topk, batch["teacher_topk_logprobs"][rows[part], positions[part] - 1].float())
-            outputs.append(
-                checkpoint(self._chunk, hidden[part], head, labels[part], prev[part], *extra, use_reentrant=False)
-            )
-        if not outputs:
-            empty = hidden.new_zeros(0, dtype=torch.float32)
-            return empty, empty.bool(), empty, empty, empty
-        return tuple(torch.cat(parts) for parts in zip(*outputs))
+        prev = ids[rows, positions - 1]  # [n]
+        markov = drafter.markov_head
+        prev_emb = None if markov is None else markov.prev_embeddings(prev)  # [n, r]
+        if self.labels == "argmax":
+            tokens = self._target_argmax(final, head, batch, rows, positions - 1)  # [n]
+        else:
+            tokens = ids[rows, positions] if self.labels == "hard" else None  # [n], or None: soft labels
+        want_accept = drafter.confidence_head is not None
 
-    def _chunk(self, hidden, head, labels, prev, *teacher) -> tuple[torch.Tensor, ...]:
-        """Losses [C], right-argmax flags [C] and the confidence head's terms (:meth:`_slot_losses`) of one chunk."""
-        logits = (hidden @ head.t().to(hidden.dtype)).float()  # [C, V]
-        logits, confidence = self.drafter.apply_heads(hidden, logits, prev)  # [C, V] Markov-biased, [C] or None
-        loss, hit = self._label_loss(logits.float(), head, labels, *teacher)
+        def labels(part: slice) -> ChunkLabels:
+            chunk = ChunkLabels(ids=None if tokens is None else tokens[part], want_accept=want_accept)
+            if tokens is not None and not want_accept:
+                return chunk
+            if final is not None:  # online: the target's whole distribution at temperature 1
+                teacher = final[rows[part], positions[part] - 1]  # [C, H] the target's normed hidden states
+                chunk.probs = torch.softmax(self._target_logits(teacher, head), dim=-1)  # [C, V]
+            else:  # shards: the stored top-k, renormalised over the k ids
+                before = (rows[part], positions[part] - 1)
+                probs = torch.softmax(batch["teacher_topk_logprobs"][before].float(), dim=-1)  # [C, k]
+                chunk.sparse = (batch["teacher_topk_ids"][before].long(), probs)
+            return chunk
+
+        w2 = None if markov is None else markov.markov_w2.weight
+        loss, _, hits, accept = slot_loss(hidden, head, weights, labels, self.loss_chunk_size, prev_emb, w2)
+        confidence = drafter.confidence(hidden, prev_emb)  # [n] logits, or None
         if confidence is None:
-            empty = loss.new_zeros(0)
-            return loss, hit, empty, empty, empty
-        with torch.no_grad():
-            q = torch.softmax(logits.float(), dim=-1)  # [C, V]
-            if len(teacher) == 1:  # online: the target's whole distribution at temperature 1
-                p = torch.softmax(self._target_logits(teacher[0], head), dim=-1)  # [C, V]
-                accept = torch.minimum(q, p).sum(-1)  # [C]: 1 - TV(q, p)
-            else:  # shards: the stored top-k probabilities (the overlap over those ids, a lower bound)
-                topk, logprobs = teacher
-                accept = torch.minimum(q.gather(-1, topk), logprobs.exp()).sum(-1)  # [C]
-        bce = F.binary_cross_entropy_with_logits(confidence.float(), accept, reduction="none")  # [C]
-        return loss, hit, bce, accept, torch.sigmoid(confidence.detach().float())
+            empty = accept.new_zeros(0)
+            return loss, hits, empty, empty, empty
+        bce = F.binary_cross_entropy_with_logits(confidence.float(), accept, reduction="none")  # [n]
+        return loss, hits, bce, accept, torch.sigmoid(confidence.detach().float())
+
+    @torch.no_grad()
+    def _target_argmax(
+        self, final: torch.Tensor | None, head: torch.Tensor, batch: dict, rows: torch.Tensor, before: torch.Tensor
+    ) -> torch.Tensor:
+        """The target's most likely token [n] after positions ``before`` [n] of batch rows ``rows`` [n]. Online: of
+        its normed hidden states ``final`` [B, S, H] through the bare head (the output scaling keeps the argmax),
+        once per distinct position (overlapping blocks share them), ``loss_chunk_size`` at a time; shards: the stored
+        top-1."""
+        if final is None:
+            return batch["teacher_topk_ids"][rows, before, 0].long()  # [n]
+        where, slot_of = torch.unique(rows * final.shape[1] + before, return_inverse=True)  # [u], [n]
+        states = final.flatten(0, 1)[where]  # [u, H]
+        top = [(part @ head.t().to(part.dtype)).max(-1).indices for part in states.split(self.loss_chunk_size)]
+        return torch.cat(top)[slot_of]  # [n]
 
     def _target_logits(self, final: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
         """The target's own logits [C, V] float32 of its final normed hidden states ``final`` [C, H] (head: [V, H]):
         with the output scaling its forward applies after the lm_head (Gemma-2's soft-cap, Granite's and Cohere's
         scales). The drafter's own logits go through the bare head, as its proposer computes them."""
         return self.target.logit_scaling((final @ head.t().to(final.dtype)).float())  # [C, V]
-
-    def _label_loss(self, logits, head, labels, *teacher) -> tuple[torch.Tensor, torch.Tensor]:
-        """Losses [C] and right-argmax flags [C] of slots' logits [C, V] against their labels (head: [V, H])."""
-        log_q = torch.log_softmax(logits, dim=-1)  # [C, V]
-        guess = logits.detach().argmax(-1)  # [C]
-        if self.labels == "argmax":  # the target's choice (online: from its hidden states; shards: the stored top-1)
-            # the bare head's argmax: the target's output scaling, if any, keeps the argmax
-            with torch.no_grad():
-                top = (teacher[0] @ head.t().to(teacher[0].dtype)).argmax(-1) if len(teacher) == 1 else teacher[0][:, 0]
-            return -log_q.gather(-1, top[:, None])[:, 0], guess == top
-        if self.labels == "hard":
-            return -log_q.gather(-1, labels[:, None])[:, 0], guess == labels
-        if len(teacher) == 1:  # online: the target's full distribution
-            with torch.no_grad():
-                log_p = torch.log_softmax(self._target_logits(teacher[0], head), dim=-1)  # [C, V]
-            return kl_from_log_probs(log_p, log_q), guess == log_p.argmax(-1)
-        topk, logprobs = teacher  # [C, k] each: the target's top-k ids and log-probabilities, descending
-        log_p = torch.log_softmax(logprobs, dim=-1)  # [C, k] renormalised over the k ids
-        return kl_from_log_probs(log_p, log_q.gather(-1, topk)), guess == topk[:, 0]
 
     def flops_per_token(self) -> float:
         S = self.data_seq_len()
