@@ -71,10 +71,9 @@ def test_speculators_reads_our_peagle_logits(client_python, tmp_path, flags, att
     with torch.no_grad():
         hidden = target(ids, output_hidden_states=True).hidden_states
         aux = torch.cat([hidden[i][:, :-1] for i in AUX], -1)  # [1, S, 3 Ht]
-        feats = torch.where((depth == 0)[None, :, None], aux[:, anchor], drafter.mask_hidden.expand(1, len(anchor), -1))
-        fused = drafter.fuse(list(feats.split(64, -1)))
-        tokens = torch.where(depth == 0, ids[0, (anchor + 1).clamp(max=S)], 255)[None]
-        ours = drafter.parallel(drafter.embed_tokens(tokens), fused, anchor[None], depth[None],
+        n = len(parts[0][0])  # the depth-0 elements, anchors 0..n-1, first
+        fused = drafter.fuse(list(aux[:, :n].split(64, -1)))  # [1, n, H]
+        ours = drafter.parallel(drafter.embed_tokens(ids[:, 1 : n + 1]), fused, anchor[None], depth[None],
                                 torch.ones(1, len(anchor), dtype=torch.bool))  # fmt: skip
     features = tmp_path / "features.safetensors"
     save_file({"hidden_states": aux.contiguous(), "input_ids": ids[:, 1:].contiguous(), "anchor": anchor,

@@ -92,6 +92,45 @@ def test_mask_matches_its_definition_and_flex_matches_dense():
                                atol=1e-5)  # fmt: skip
 
 
+def test_the_split_dense_pass_equals_one_masked_pass_over_every_element_and_flex():
+    """``parallel`` projects the placeholders once and splits the attention (causal depth-0 block, masked
+    placeholders): the same logits as projecting every element and attending under the whole mask, and as flex;
+    elements out of COD sampling's order are refused."""
+    from trainer.methods.eagle3.module import masked_attention
+
+    target = tiny_llama(seed=3)
+    drafter = drafter_for(target, seed=4)
+    S, K = 12, 4
+    trained = torch.ones(2, S + 1, dtype=torch.bool)
+    trained[1, 7] = False
+    rows = [cod_sample(trained[b, 1:], K, 0.7, 0.2, torch.Generator().manual_seed(b)) for b in range(2)]
+    flat = [(torch.cat([a for a, _ in r]), torch.cat([d for _, d in r])) for r in rows]
+    N = max(len(a) for a, _ in flat)
+    anchor, depth = torch.zeros(2, N, dtype=torch.long), torch.zeros(2, N, dtype=torch.long)
+    valid = torch.zeros(2, N, dtype=torch.bool)
+    for b, (a, d) in enumerate(flat):
+        anchor[b, : len(a)], depth[b, : len(a)], valid[b, : len(a)] = a, d, True
+    n = S - 1
+    torch.manual_seed(5)
+    H = drafter.config.hidden_size
+    embeds, hidden = torch.randn(2, n, H, dtype=torch.float64), torch.randn(2, n, H, dtype=torch.float64)
+    with torch.no_grad():
+        split = drafter.parallel(embeds, hidden, anchor, depth, valid, "dense")
+        flex = drafter.parallel(embeds, hidden, anchor, depth, valid, "flex")
+        pe, ph = drafter.placeholder(N - n)
+        all_embeds = torch.cat([embeds, pe.expand(2, -1, -1)], 1)  # [2, N, H]
+        all_hidden = torch.cat([hidden, ph.expand(2, -1, -1)], 1)
+        cos, sin = drafter.rope(all_hidden, anchor + depth)
+        q, k, v = drafter.midlayer.qkv(all_embeds, all_hidden, cos, sin)
+        attn = masked_attention(q, k, v, peagle_mask(anchor, depth, valid))
+        whole = drafter.outputs(drafter.midlayer.finish(all_hidden, attn))[1]
+    real = valid[..., None].expand_as(split)
+    torch.testing.assert_close(split[real], whole[real], rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(flex[real], whole[real], rtol=1e-9, atol=1e-9)
+    with pytest.raises(ValueError, match="depth-0"):
+        drafter.parallel(embeds, hidden, anchor.flip(1), depth.flip(1), valid.flip(1))
+
+
 def objective(tmp_path, **kwargs) -> PEagle:
     saved_llama(tmp_path / "target", tied=False)  # vocab 64, no tokenizer: mask_token_id must be given
     return PEagle(str(tmp_path / "target"), draft_vocab_size=32, target_layers=[0, 1, 2], mask_token_id=63, **kwargs)

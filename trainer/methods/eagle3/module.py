@@ -180,13 +180,18 @@ class MidLayer(nn.Module):
         self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """embeds, hidden: [B, S, H]; cos, sin: [B, S, D] -> q [B, nh, S, D], k and v [B, nkv, S, D] (rotated)."""
+        q, k, v = self.project(embeds, hidden)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def project(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """embeds, hidden: [B, S, H] -> q [B, nh, S, D], k and v [B, nkv, S, D], before the rotary embedding."""
         c = self.config
         B, S, _ = hidden.shape
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [B, S, 2H]
         q = self.self_attn.q_proj(x).view(B, S, c.num_attention_heads, c.head_dim).transpose(1, 2)
         k = self.self_attn.k_proj(x).view(B, S, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         v = self.self_attn.v_proj(x).view(B, S, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
         return q, k, v
 
     def finish(self, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:

@@ -22,9 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from trainer.block_attention import Impl, flex_attention, resolve_impl
+from trainer.layers import repeat_kv
 from trainer.methods.eagle3.module import Eagle3Config, Eagle3Drafter, masked_attention
 
 
@@ -100,13 +103,39 @@ class PEagleDrafter(Eagle3Drafter):
         valid: torch.Tensor,
         impl: Impl = "dense",
     ) -> torch.Tensor:
-        """Training pass over sampled elements: embeds, hidden [B, N, H]; anchor, depth [B, N] long; valid [B, N]
-        bool -> logits [B, N, Vd]. ``impl``: the :func:`peagle_mask` attention, dense (SDPA with the boolean mask)
-        or flex (trainer/block_attention.py, CUDA for training)."""
-        cos, sin = self.rope(hidden, anchor + depth)
-        q, k, v = self.midlayer.qkv(embeds, hidden, cos, sin)  # [B, nh, N, D], [B, nkv, N, D] x2
+        """Training pass over sampled elements -> logits [B, N, Vd].
+
+        Args:
+            embeds: [B, n, H] the embeddings of the depth-0 elements' tokens.
+            hidden: [B, n, H] their fused target features.
+            anchor, depth: [B, N] long; elements 0..n-1 of every row are the depth-0 ones, anchors 0..n-1 in order
+                (COD sampling's order), the others placeholders (depth >= 1) or padding.
+            valid: [B, N] bool, False for padding.
+            impl: the :func:`peagle_mask` attention, dense or flex (trainer/block_attention.py, CUDA for training).
+
+        Every placeholder has the same inputs (``mask_token_id``'s embedding, the fused ``mask_hidden``), so their
+        queries, keys and values are projected once and differ by the rotary embedding alone. The dense path splits
+        the mask: depth-0 queries see the depth-0 keys causally (SDPA's causal kernel, no mask), placeholders every
+        key under :func:`peagle_mask`.
+        """
+        B, n, _ = hidden.shape
+        order = torch.arange(n, device=anchor.device)
+        if not bool(((depth[:, :n] == 0) & (anchor[:, :n] == order)).all()):
+            raise ValueError(f"the first {n} elements of every row must be the depth-0 ones (COD sampling's order)")
+        P = anchor.shape[1] - n  # placeholders and padding per row
+        place_embeds, place_fused = self.placeholder(1)  # [1, 1, H] each
+        features = torch.cat([hidden, place_fused.expand(B, P, -1)], dim=1)  # [B, N, H]
+        cos, sin = self.rope(features, anchor + depth)  # [B, N, D] each
+        q0, k0, v0 = self.midlayer.project(embeds, hidden)  # [B, nh, n, D], [B, nkv, n, D] x2
+        qp, kp, vp = (t.expand(B, -1, P, -1) for t in self.midlayer.project(place_embeds, place_fused))
+        q, k = apply_rotary_pos_emb(torch.cat([q0, qp], 2), torch.cat([k0, kp], 2), cos, sin)
+        v = torch.cat([v0, vp], dim=2)  # [B, nkv, N, D]
         if resolve_impl(impl, q.device, torch.is_grad_enabled() and q.requires_grad) == "flex":
-            attn = flex_attention(q, k, v, peagle_mask_mod(anchor, depth, valid), anchor.shape[0])
+            attn = flex_attention(q, k, v, peagle_mask_mod(anchor, depth, valid), B)
         else:
-            attn = masked_attention(q, k, v, peagle_mask(anchor, depth, valid))
-        return self.outputs(self.midlayer.finish(hidden, attn))[1]
+            groups = q.shape[1] // k.shape[1]
+            keys0, values0 = repeat_kv(k[:, :, :n], groups), repeat_kv(v0, groups)
+            first = F.scaled_dot_product_attention(q[:, :, :n], keys0, values0, is_causal=True)  # [B, nh, n, D]
+            rest = masked_attention(q[:, :, n:], k, v, peagle_mask(anchor, depth, valid)[:, :, n:])  # [B, nh, P, D]
+            attn = torch.cat([first, rest], dim=2)  # [B, nh, N, D]
+        return self.outputs(self.midlayer.finish(features, attn))[1]

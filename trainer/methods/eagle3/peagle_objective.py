@@ -251,13 +251,10 @@ class PEagle(DraftObjective):
         concatenated target states; probs: [B, S, Vd] soft labels; anchor, depth, valid: [B, N]."""
         drafter = self.drafter
         B, N = anchor.shape
-        first = (depth == 0)[..., None]  # [B, N, 1]
-        real = aux.gather(1, anchor[..., None].expand(B, N, aux.shape[-1]))  # [B, N, n Ht]
-        feats = torch.where(first, real.to(drafter.mask_hidden.dtype), drafter.mask_hidden.expand(B, N, -1))
-        hidden = drafter.fuse(list(feats.split(drafter.config.target_hidden_size, dim=-1)))  # [B, N, H]
-        mask_id = drafter.config.mask_token_id
-        tokens = torch.where(depth == 0, ids.gather(1, (anchor + 1).clamp(max=ids.shape[1] - 1)), mask_id)  # [B, N]
-        embeds = drafter.embed_tokens(tokens).to(hidden.dtype)  # [B, N, H]
+        n = ids.shape[1] - 2  # the depth-0 elements: anchors 0..S-3 in order (COD sampling's), placeholders after
+        real = aux[:, :n].to(drafter.mask_hidden.dtype)  # [B, n, n Ht]
+        hidden = drafter.fuse(list(real.split(drafter.config.target_hidden_size, dim=-1)))  # [B, n, H]
+        embeds = drafter.embed_tokens(ids[:, 1 : n + 1]).to(hidden.dtype)  # [B, n, H]: token a + 1 of anchor a
         logits = drafter.parallel(embeds, hidden, anchor, depth, valid, self.attention)  # [B, N, Vd]
         label = (anchor + 1 + depth).clamp(max=ids.shape[1] - 1)  # [B, N] label positions
         mask = valid & loss_mask.gather(1, label).bool()  # [B, N]
