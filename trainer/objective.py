@@ -447,7 +447,12 @@ class DraftObjective(L.LightningModule):
 
             optimizer = DeepSpeedCPUAdam(groups, lr=self.optim.lr, betas=self.optim.betas, eps=self.optim.eps)
         else:
-            optimizer = torch.optim.AdamW(groups, lr=self.optim.lr, betas=self.optim.betas, eps=self.optim.eps)
+            # fused: one kernel over all the parameters (on CPU 5x faster than the default loop over tensors), except
+            # under float16 loss scaling, whose gradients Lightning unscales before clipping only for unfused ones
+            scaled = self._trainer is not None and str(self.trainer.precision) in ("16-mixed", "16")
+            optimizer = torch.optim.AdamW(
+                groups, lr=self.optim.lr, betas=self.optim.betas, eps=self.optim.eps, fused=not scaled
+            )
         return optimizer
 
     def _schedule(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
