@@ -448,10 +448,10 @@ class DraftObjective(L.LightningModule):
             optimizer = DeepSpeedCPUAdam(groups, lr=self.optim.lr, betas=self.optim.betas, eps=self.optim.eps)
         else:
             # fused: one kernel over all the parameters (on CPU 5x faster than the default loop over tensors), except
-            # under float16 loss scaling, whose gradients Lightning unscales before clipping only for unfused ones
-            scaled = self._trainer is not None and str(self.trainer.precision) in ("16-mixed", "16")
+            # in mixed precision, where Lightning clips only an unfused optimizer's gradients (and unscales float16's)
+            mixed = self._trainer is not None and "mixed" in str(self.trainer.precision)
             optimizer = torch.optim.AdamW(
-                groups, lr=self.optim.lr, betas=self.optim.betas, eps=self.optim.eps, fused=not scaled
+                groups, lr=self.optim.lr, betas=self.optim.betas, eps=self.optim.eps, fused=not mixed
             )
         return optimizer
 
