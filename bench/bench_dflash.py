@@ -208,6 +208,7 @@ def compare_labels(args, art: Path, out: Path) -> int:
             continue
         extra = [
             "--model.init_args.target", str(art / "tiny_target"), "--model.init_args.labels", label,
+            "--model.init_args.position_weights", "decay",  # the same fixed slot weights for every label (soft too)
             "--data.init_args.tokenizer", str(tokenizer_dir),
             "--data.init_args.val_files", json.dumps([str(art / "corpus" / "heldout.jsonl")]),
         ]  # fmt: skip

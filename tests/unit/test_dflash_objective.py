@@ -1,6 +1,7 @@
 """The DFlash loss against a naive reference: every anchored block drafted alone with a cached context (as the
-proposer drafts), each slot scored against its token (hard) or the target's distribution (soft) and weighted by
-exp(-(k - 1) / gamma); the anchors; offline steps equal to online ones at full vocabulary; refusals of bad input."""
+proposer drafts), each slot scored against its token (hard), the target's argmax or its distribution (soft) and
+weighted by exp(-(k - 1) / gamma) or by D-PACE's products of the block's confidences; the anchors; offline steps
+equal to online ones at full vocabulary; refusals of bad input."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ def naive_loss(objective: DFlash, ids: torch.Tensor, loss_mask: torch.Tensor) ->
     out = target.model(ids, output_hidden_states=True)  # the whole model: its logits are the soft labels
     head, embedding = target.lm_head_weight, objective.embedding_weight()
     total = weights = 0.0
+    slots_trained = 0
     hits, counts = [0] * (b - 1), [0] * (b - 1)
     for r in range(B):
         context = drafter.context([out.hidden_states[i][r : r + 1] for i in c.target_layers])  # [1, S, H]
@@ -54,22 +56,34 @@ def naive_loss(objective: DFlash, ids: torch.Tensor, loss_mask: torch.Tensor) ->
             past = drafter.context_kv(context[:, :a], torch.arange(a)[None])
             block = torch.tensor([[int(ids[r, a])] + [c.mask_token_id] * (b - 1)])
             slots = drafter.draft(F.embedding(block, embedding), torch.arange(a, a + b)[None], past)[0]  # [b, H]
+            scored = []  # (k, loss) of the block's trained slots
             for k in range(1, b):
                 p = a + k  # the position of the token slot k drafts
                 if p >= S or not trained[r, p]:
                     continue
                 logits = slots[k] @ head.t()
-                w = math.exp(-(k - 1) / objective.gamma)
-                if objective.labels == "hard":
-                    loss = F.cross_entropy(logits[None], ids[r, p][None])
-                    hit = int(logits.argmax() == ids[r, p])
+                if objective.labels in ("hard", "argmax"):  # the data's token, or the target's choice
+                    token = ids[r, p] if objective.labels == "hard" else out.logits[r, p - 1].argmax()
+                    loss = F.cross_entropy(logits[None], token[None])
+                    hit = int(logits.argmax() == token)
                 else:
                     teacher = out.logits[r, p - 1]  # the target's distribution of the token at p
                     loss = F.kl_div(logits.log_softmax(-1), teacher.log_softmax(-1), log_target=True, reduction="sum")
                     hit = int(logits.argmax() == teacher.argmax())
-                total, weights = total + w * float(loss), weights + w
+                scored.append((k, float(loss)))
                 hits[k - 1] += hit
                 counts[k - 1] += 1
+            for k, loss in scored:
+                w = math.exp(-(k - 1) / objective.gamma)
+                if objective.position_weights == "dpace":  # sum over trained j >= k of prod over trained i <= j
+                    alpha, w = objective.dpace_alpha, 0.0
+                    for j, _ in scored:
+                        if j >= k:
+                            w += math.prod((1 - alpha) * math.exp(-li) + alpha for i, li in scored if i <= j)
+                total, weights = total + w * loss, weights + w
+            slots_trained += len(scored)
+    if objective.position_weights == "dpace":
+        return total / slots_trained, [h / max(1, n) for h, n in zip(hits, counts)]
     return total / weights, [h / max(1, n) for h, n in zip(hits, counts)]
 
 
@@ -109,6 +123,27 @@ def test_loss_equals_blocks_drafted_alone_and_scored_slot_by_slot(labels, tmp_pa
         and objective.drafter.layers[0].self_attn.k_norm.weight.grad is not None
     )
     assert all(p.grad is None for p in objective.target.model.parameters())
+
+
+@pytest.mark.parametrize("labels", ["hard", "argmax"])
+def test_dpace_weights_equal_each_block_scored_alone_with_its_own_confidences(labels, tmp_path):
+    """``position_weights: dpace``: every block's slots weighted by sums of products of their smoothed confidences, the
+    blocks split over chunks of the loss only at block boundaries (chunk 5 against blocks of 3 slots)."""
+    save_target(tmp_path / "target")
+    objective = DFlash(
+        str(tmp_path / "target"), num_draft_layers=1, target_layers=[1, 3], block_size=4, mask_token_id=V - 1,
+        max_anchors=5, labels=labels, loss_chunk_size=5, position_weights="dpace", dpace_alpha=0.3,
+    )  # fmt: skip
+    for p in objective.drafter.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, V - 1, (2, 14), generator=g)
+    loss_mask = torch.ones(2, 14, dtype=torch.bool)
+    loss_mask[1, 6:8] = False  # untrained slots inside some blocks
+    assert_loss_is_naive(objective, ids, loss_mask)
+    loss, _ = objective.compute_loss({"input_ids": ids, "loss_mask": loss_mask})
+    loss.backward()
+    assert objective.drafter.fc.weight.grad.abs().sum() > 0
 
 
 def test_soft_labels_are_a_soft_capping_targets_own_distribution(tmp_path):
@@ -197,6 +232,10 @@ def test_bad_input_is_refused_naming_the_value(tok, tmp_path):
         DFlash(str(tmp_path / "padded"), num_draft_layers=1, block_size=1)
     with pytest.raises(ValueError, match=r"model.target_layers=\[1, 4\]: \[4\] outside .* hidden_states 1..3"):
         DFlash(str(tmp_path / "padded"), num_draft_layers=1, target_layers=[1, 4])
+    with pytest.raises(ValueError, match=r"model.position_weights: dpace .* set model.labels to argmax or hard"):
+        DFlash(str(tmp_path / "padded"), num_draft_layers=1, position_weights="dpace", labels="soft")
+    with pytest.raises(ValueError, match=r"model.dpace_alpha=0.0 must be in \(0, 1\]"):
+        DFlash(str(tmp_path / "padded"), num_draft_layers=1, position_weights="dpace", dpace_alpha=0.0)
     # a special token without a role is accepted, and then refused when the training data holds it
     objective = DFlash(str(tmp_path / "full"), num_draft_layers=1, mask_token_id=2)
     clean = SimpleNamespace(train_dataset=SimpleNamespace(ids=np.full((3, 9), 7)), tokenizer_path=None)

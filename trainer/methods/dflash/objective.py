@@ -8,14 +8,17 @@ sees the context (the target's hidden states of the chosen layers, ``hidden_norm
 and its own block; all blocks of a batch run in one drafter pass under the anchored block-sparse mask
 (trainer/block_attention.py: flex attention on CUDA, a mask-aware dense computation elsewhere).
 
-Slot ``k >= 1`` of block ``j`` predicts the token at ``a_j + k`` (slot 0, the anchor, is not trained), where that
-token is inside the row and trained. Its weight is ``exp(-(k - 1) / gamma)`` (gamma 7 at b = 16), normalised over
-the block: the loss is the weighted mean of the slots' losses, so early slots, whose mistakes end the accepted prefix,
-count most. Labels: ``hard``, the data's token (cross entropy; with regenerated data, ``draftsmith generate``, the
-target's own output), ``argmax`` (the default), the target's own choice at the position before the slot's
-token (cross entropy against the argmax of its distribution, speculators' default "ce" loss; from shards: the stored
-top-1), or ``soft``, the target's distribution there, ``KL(p || q)`` (online: the target's full distribution; from
-shards: its stored top-k, renormalised over the k ids, which at k = V is the online loss). Logits go through the
+Slot ``k >= 1`` of block ``j`` predicts the token at ``a_j + k`` (slot 0, the anchor, is not trained), where that token
+is inside the row and trained. Its weight is ``exp(-(k - 1) / gamma)`` (gamma 7 at b = 16), normalised over the block:
+the loss is the weighted mean of the slots' losses, so early slots, whose mistakes end the accepted prefix, count most.
+With ``position_weights: dpace`` (D-PACE, speculators' default for DFlash) the weights follow the drafter's own
+confidences in the step instead: slot k weighs what it adds to the block's expected accepted length
+(slot_loss.dpace_weights), so later slots count as the earlier ones get right; the loss is then the weighted sum
+over the trained slots' count. Labels: ``hard``, the data's token (cross entropy; with regenerated data, ``draftsmith
+generate``, the target's own output), ``argmax`` (the default), the target's own choice at the position before the
+slot's token (cross entropy against the argmax of its distribution, speculators' default "ce" loss; from shards: the
+stored top-1), or ``soft``, the target's distribution there, ``KL(p || q)`` (online: the target's full distribution;
+from shards: its stored top-k, renormalised over the k ids, which at k = V is the online loss). Logits go through the
 target's frozen lm_head, one chunk of ``loss_chunk_size`` slots at a time, their gradients taken in the same pass
 (slot_loss.py), so the float32 logits of all slots never exist at once and none is recomputed in backward.
 
@@ -58,7 +61,7 @@ from trainer.methods.dflash.module import (
     default_gamma,
     default_target_layers,
 )
-from trainer.methods.dflash.slot_loss import ChunkLabels, slot_loss
+from trainer.methods.dflash.slot_loss import ChunkLabels, Weights, block_chunks, block_dpace_weights, slot_loss
 from trainer.objective import (
     DraftObjective,
     Optim,
@@ -85,6 +88,8 @@ class DFlash(DraftObjective):
         mask_token_id: int | None = None,
         max_anchors: int = 512,
         gamma: float | None = None,
+        position_weights: Literal["decay", "dpace"] = "decay",
+        dpace_alpha: float = 0.5,
         labels: Literal["hard", "argmax", "soft"] = "argmax",
         attention: Impl = "auto",
         loss_chunk_size: int = 1024,
@@ -112,7 +117,13 @@ class DFlash(DraftObjective):
             mask_token_id: the id whose embedding fills the mask slots, one the tokenizer does not use; None: the
                 tokenizer's mask token, else ``len(tokenizer)`` when the target's embedding has that row.
             max_anchors: the most blocks drawn per sequence.
-            gamma: slot k's loss weight is exp(-(k - 1) / gamma); None: 7 at b = 16, 4 at b = 8.
+            gamma: slot k's loss weight is exp(-(k - 1) / gamma) with ``position_weights: decay``; None: 7 at b = 16,
+                4 at b = 8.
+            position_weights: "decay" (the DFlash paper's fixed weights, ``gamma``) or "dpace" (speculators' default for
+                DFlash, D-PACE: slot k weighted by the block's expected accepted length's derivative with respect to
+                its log-confidence, from the drafter's own losses in the step, slot_loss.block_dpace_weights); "dpace"
+                needs token labels ("argmax" or "hard").
+            dpace_alpha: D-PACE's smoothing of each slot's confidence, ``(1 - a) * exp(-loss) + a``, in (0, 1].
             labels: "argmax" (the default, which measured best: docs/methods/dflash.md) trains on the target's argmax
                 (cross entropy), what greedy verification accepts; "hard" on the data's tokens, "soft" on the
                 target's distribution (KL).
@@ -152,6 +163,14 @@ class DFlash(DraftObjective):
             check_heads(markov_rank, markov_head_type, enable_confidence_head, confidence_head_with_markov)
         except ValueError as err:
             raise RecipeError(f"model.{err}") from err
+        if position_weights == "dpace" and labels == "soft":
+            raise RecipeError(
+                "model.position_weights: dpace weighs each slot by its probability of a token label: set model.labels "
+                "to argmax or hard, or position_weights to decay"
+            )
+        if not 0.0 < dpace_alpha <= 1.0:
+            raise RecipeError(f"model.dpace_alpha={dpace_alpha} must be in (0, 1]")
+        self.position_weights, self.dpace_alpha = position_weights, float(dpace_alpha)
         self.labels, self.attention, self.confidence_alpha = labels, attention, float(confidence_head_alpha)
         self.max_anchors, self.loss_chunk_size, self.seed = max_anchors, loss_chunk_size, seed
         frozen = self.load_target(target, target_signals, target_dtype, trust_remote_code)
@@ -277,9 +296,19 @@ class DFlash(DraftObjective):
                 "model.markov_rank / enable_confidence_head: DSpark's heads are read outside the drafter's forward, "
                 "which FSDP2 and ZeRO-3 shard; train them with DDP or on one device"
             )
-        w = weights.flatten()[idx]  # [n]
-        w = w / w.sum().clamp(min=torch.finfo(w.dtype).tiny)  # the loss is the weighted mean of the slots' losses
-        slot_out = self._slot_losses(slots.flatten(0, 2)[idx], w, ids, batch, final, flat_rows, flat_pos)
+        if self.position_weights == "dpace":  # weights from each block's losses, per chunk of whole blocks
+            block, slot = idx // (b - 1), idx % (b - 1)  # [n] each
+            chunks = block_chunks(block, self.loss_chunk_size)
+            scale = 1.0 / max(idx.numel(), 1)  # the weighted sum over the trained slots' count, as speculators'
+
+            def w(part: slice, losses: torch.Tensor) -> torch.Tensor:
+                return block_dpace_weights(losses, block[part], slot[part], self.dpace_alpha) * scale  # [C]
+
+        else:
+            chunks = self.loss_chunk_size
+            w = weights.flatten()[idx]  # [n]
+            w = w / w.sum().clamp(min=torch.finfo(w.dtype).tiny)  # the loss is the weighted mean of the slots' losses
+        slot_out = self._slot_losses(slots.flatten(0, 2)[idx], w, chunks, ids, batch, final, flat_rows, flat_pos)
         loss, hits, bce, accept, confidence = slot_out  # [], then [n] each (the last three empty without that head)
         metrics: dict[str, torch.Tensor] = {}
         if drafter.confidence_head is not None and idx.numel():
@@ -309,7 +338,8 @@ class DFlash(DraftObjective):
     def _slot_losses(
         self,
         hidden: torch.Tensor,
-        weights: torch.Tensor,
+        weights: Weights,
+        chunks: int | list[slice],
         ids: torch.Tensor,
         batch: dict[str, torch.Tensor],
         final: torch.Tensor | None,
@@ -319,12 +349,13 @@ class DFlash(DraftObjective):
         """The weighted loss [] of the selected slots and their right-argmax flags [n], and with a confidence head its
         binary cross entropies [n], the slots' analytical acceptance rates [n] and the predicted ones [n].
 
-        hidden: [n, H] the slots' outputs; weights: [n] their weights in the loss; rows, positions: [n] the batch row
-        and position of each slot's token. Soft and argmax labels come from the target's distribution at
+        hidden: [n, H] the slots' outputs; weights: [n] their weights in the loss, or a function of a chunk's losses
+        (slot_loss.py); chunks: slots per chunk or the chunks; rows, positions: [n] the batch row and position of each
+        slot's token. Soft and argmax labels come from the target's distribution at
         ``position - 1`` (online: from ``final`` [B, S, H]; shards: the batch's top-k), hard ones are the token itself;
         the Markov head reads the token at ``position - 1``. Argmax labels are taken once per position (slots of
-        overlapping blocks share them); the vocabulary projections run ``loss_chunk_size`` slots at a time, their
-        gradients taken in the same pass (slot_loss.py).
+        overlapping blocks share them); the vocabulary projections run one chunk of slots at a time, their gradients
+        taken in the same pass (slot_loss.py).
         """
         drafter = self.drafter
         head = self.target.lm_head_weight.detach()  # [V, H]
@@ -351,7 +382,7 @@ class DFlash(DraftObjective):
             return chunk
 
         w2 = None if markov is None else markov.markov_w2.weight
-        loss, _, hits, accept = slot_loss(hidden, head, weights, labels, self.loss_chunk_size, prev_emb, w2)
+        loss, _, hits, accept = slot_loss(hidden, head, weights, labels, chunks, prev_emb, w2)
         confidence = drafter.confidence(hidden, prev_emb)  # [n] logits, or None
         if confidence is None:
             empty = accept.new_zeros(0)

@@ -7,6 +7,10 @@ distribution, p the label's: one-hot for token labels, the target's distribution
 gives every gradient at once: ``G @ head`` for ``h``, ``G @ w2`` for ``e`` and ``G.T @ e`` for ``w2``. Only one
 chunk's [C, V] logits exist at a time, and none is recomputed in backward: a checkpointed chunk costs three
 vocabulary projections (forward, its recomputation, the backward's), this one two.
+
+Weights may depend on the losses (D-PACE, :func:`block_dpace_weights`): given as a function of a chunk's slots and their
+losses, they are taken per chunk before its gradients, which is exact when the chunks hold whole blocks
+(:func:`block_chunks`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from dataclasses import dataclass
 import torch
 
 Labels = Callable[[slice], "ChunkLabels"]
+# the slots' weights [n], or a function of a chunk's slots and their losses [C] giving their weights [C]
+Weights = torch.Tensor | Callable[[slice, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -68,8 +74,7 @@ def _chunk_terms(logits: torch.Tensor, labels: ChunkLabels) -> tuple[torch.Tenso
 
 class _SlotLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, markov_emb, markov_w2, head, weights, labels: Labels, chunk: int):
-        n = hidden.shape[0]
+    def forward(ctx, hidden, markov_emb, markov_w2, head, weights: Weights, labels: Labels, chunks: list[slice]):
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # [n, H]
         grad_emb = grad_w2 = None
         if markov_emb is not None:
@@ -78,14 +83,13 @@ class _SlotLoss(torch.autograd.Function):
         head_t = head.to(hidden.dtype)  # [V, H]
         losses, hits, accepts = [], [], []
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for start in range(0, n, chunk):
-            part = slice(start, start + chunk)
+        for part in chunks:
             logits = (hidden[part] @ head_t.t()).float()  # [C, V]
             if markov_emb is not None:
                 emb = markov_emb[part].to(markov_w2.dtype)  # [C, r]
                 logits = logits + (emb @ markov_w2.t()).float()
             loss, grad, hit, accept = _chunk_terms(logits, labels(part))
-            w = weights[part].float()  # [C]
+            w = (weights(part, loss) if callable(weights) else weights[part]).detach().float()  # [C]
             total = total + (loss * w).sum()
             grad.mul_(w[:, None])  # [C, V]: d total / d logits
             grad_hidden[part] = grad.to(hidden.dtype) @ head_t  # [C, H]
@@ -116,9 +120,9 @@ class _SlotLoss(torch.autograd.Function):
 def slot_loss(
     hidden: torch.Tensor,
     head: torch.Tensor,
-    weights: torch.Tensor,
+    weights: Weights,
     labels: Labels,
-    chunk_size: int,
+    chunks: int | list[slice],
     markov_emb: torch.Tensor | None = None,
     markov_w2: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -128,10 +132,12 @@ def slot_loss(
     Args:
         hidden: [n, H] the slots' normed outputs.
         head: [V, H] the frozen lm_head (no gradient).
-        weights: [n] each slot's weight in the sum.
+        weights: [n] each slot's weight in the sum, or ``weights(part, losses)``: the weights [C] of the slots
+            ``part`` from their losses [C] (no gradient flows through them), called once per chunk.
         labels: ``labels(part)`` gives the :class:`ChunkLabels` of the slots ``part`` (a slice of 0..n-1), built per
             chunk so that only one chunk's dense labels exist at a time.
-        chunk_size: slots per chunk.
+        chunks: slots per chunk, or the chunks themselves (consecutive slices covering 0..n-1; whole blocks each
+            when the weights depend on a block's losses, :func:`block_chunks`).
         markov_emb: [n, r] the Markov embedding of each slot's previous token, or None (no Markov head).
         markov_w2: [V, r] the Markov head's output map (with ``markov_emb``).
 
@@ -142,4 +148,60 @@ def slot_loss(
     if hidden.shape[0] == 0:
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return hidden.sum().float() * 0.0, empty, empty.bool(), empty
-    return _SlotLoss.apply(hidden, markov_emb, markov_w2, head.detach(), weights.detach(), labels, chunk_size)
+    n = hidden.shape[0]
+    parts = [slice(s, min(s + chunks, n)) for s in range(0, n, chunks)] if isinstance(chunks, int) else chunks
+    weights = weights if callable(weights) else weights.detach()
+    return _SlotLoss.apply(hidden, markov_emb, markov_w2, head.detach(), weights, labels, parts)
+
+
+def block_chunks(block: torch.Tensor, chunk_size: int) -> list[slice]:
+    """Consecutive chunks of about ``chunk_size`` slots that never split a block: block: [n] the block of each slot,
+    non-decreasing. A chunk ends at the first block boundary at or after ``chunk_size`` slots (a block longer than
+    that is one chunk)."""
+    n = block.shape[0]
+    starts = torch.ones(n, dtype=torch.bool, device=block.device)  # [n]: slot i starts a block
+    starts[1:] = block[1:] != block[:-1]
+    boundaries = starts.nonzero()[:, 0].tolist() + [n]  # block starts, then the end
+    chunks, begin = [], 0
+    for edge in boundaries[1:]:
+        if edge - begin >= chunk_size or edge == n:
+            chunks.append(slice(begin, edge))
+            begin = edge
+    return chunks
+
+
+def dpace_weights(probability: torch.Tensor, present: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE's weights of drafts verified in order (speculators' ``dpace``, its default for DFlash).
+
+    A block's drafts are accepted up to the first wrong one, so its expected accepted length is ``sum_j prod_{i <= j}
+    c_i``, with ``c_i`` the chance draft i is right; its derivative with respect to draft k's log-confidence, ``sum_{j
+    >= k} prod_{i <= j} c_i``, is how much draft k's loss is worth: little while an earlier draft is usually wrong,
+    more as the earlier ones get right. D-PACE weights each draft's cross entropy by it, with the drafter's own
+    probability of the label smoothed as ``c = (1 - alpha) * p + alpha``.
+
+    probability: [..., K] the drafter's probability of each draft's label, in order; present: [..., K] bool, False
+    where a draft is not trained (it counts as certain and weighs nothing) -> [..., K] float32 weights, 0 where not
+    present; no gradient.
+    """
+    with torch.no_grad():
+        on = present.float()
+        conf = torch.where(present, (1 - alpha) * probability.float() + alpha, torch.ones_like(on))  # [..., K]
+        reach = conf.cumprod(-1) * on  # [..., K]: drafts 0..j all accepted, at trained j
+        return reach.flip(-1).cumsum(-1).flip(-1) * on  # [..., K]: sum over j >= k
+
+
+def block_dpace_weights(losses: torch.Tensor, block: torch.Tensor, slot: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE's slot weights (:func:`dpace_weights`) of a chunk of whole blocks: slot k of a block weighted by
+    ``sum_{j >= k} prod_{i <= j} c_i`` over the block's trained slots, ``c = (1 - alpha) * exp(-loss) + alpha``.
+
+    losses: [C] the slots' token cross entropies; block, slot: [C] each slot's block (non-decreasing, whole blocks
+    only) and index in its block (0 = the first draft) -> [C] weights, no gradient.
+    """
+    with torch.no_grad():
+        row = block - block[0]  # [C]
+        nb, width = int(row[-1]) + 1, int(slot.max()) + 1
+        probability = torch.ones(nb, width, dtype=torch.float32, device=losses.device)  # [nb, w]
+        probability[row, slot] = torch.exp(-losses.float())
+        present = torch.zeros(nb, width, dtype=torch.bool, device=losses.device)  # [nb, w]
+        present[row, slot] = True
+        return dpace_weights(probability, present, alpha)[row, slot]  # [C]
