@@ -117,8 +117,8 @@ class DFlash(DraftObjective):
             mask_token_id: the id whose embedding fills the mask slots, one the tokenizer does not use; None: the
                 tokenizer's mask token, else ``len(tokenizer)`` when the target's embedding has that row.
             max_anchors: the most blocks drawn per sequence.
-            gamma: slot k's loss weight is exp(-(k - 1) / gamma) with ``position_weights: decay``; None: 7 at b = 16,
-                4 at b = 8.
+            gamma: slot k's loss weight is exp(-(k - 1) / gamma) with ``position_weights: decay``, and its confidence
+                loss's weight with DSpark's confidence head; None: 7 at b = 16, 4 at b = 8.
             position_weights: "decay" (the DFlash paper's fixed weights, ``gamma``) or "dpace" (speculators' default for
                 DFlash, D-PACE: slot k weighted by the block's expected accepted length's derivative with respect to
                 its log-confidence, from the drafter's own losses in the step, slot_loss.block_dpace_weights); "dpace"
