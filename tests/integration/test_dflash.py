@@ -131,19 +131,25 @@ def test_offline_recipe_trains_from_shards_and_refuses_shards_that_do_not_fit(ti
             hidden_layers=[]), run / "bare")  # fmt: skip
 
 
-@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+@pytest.mark.parametrize(
+    ("precision", "optimizer"), [("bf16-mixed", "adamw"), ("32-true", "adamw"), ("bf16-mixed", "muon")]
+)
 def test_fits_with_gradient_clipping_in_each_precision_and_every_part_learns(
-    precision, tiny_corpus, tiny_target, tmp_path
+    precision, optimizer, tiny_corpus, tiny_target, tmp_path
 ):
-    """Two steps of the recipe (its gradient_clip_val 1.0) with the DSpark heads, in bf16-mixed (where Lightning clips
-    only an unfused optimizer's gradients: AdamW is unfused in mixed precision) and float32 (fused): the slot loss's
-    gradients, taken in forward, move the draft layers and both heads away from their seeded initialisation."""
+    """Two steps of the recipe (its gradient_clip_val 1.0, D-PACE) with the DSpark heads, in bf16-mixed (where
+    Lightning clips only an unfused optimizer's gradients: AdamW is unfused in mixed precision) and float32 (fused),
+    and with the recipe's Muon: the slot loss's gradients, taken in forward, move the draft layers and both heads away
+    from their seeded initialisation."""
     heads = {"markov_rank": 8, "enable_confidence_head": True, "confidence_head_with_markov": True}
     override = dflash_override(tmp_path, tiny_corpus, tiny_target, 2, 2, **heads)
     override["trainer"]["precision"] = precision
+    override["model"]["init_args"]["optim"] = {"name": optimizer, "lr": 0.001, "warmup_steps": 20}
     cli = fit("quickstart/dflash.yaml", override, tmp_path)
     assert cli.trainer.global_step == 2 and cli.trainer.gradient_clip_val == 1.0
-    assert cli.model.optimizers().optimizer.defaults["fused"] is (precision == "32-true")
+    assert cli.model.optim.name == optimizer and cli.model.position_weights == "dpace"
+    if optimizer == "adamw":
+        assert cli.model.optimizers().optimizer.defaults["fused"] is (precision == "32-true")
     args = {k: v for k, v in cli.model.hparams.items() if not k.startswith("_")}
     fresh = type(cli.model)(**args).drafter.state_dict()  # the same seeded initialisation
     trained = cli.model.drafter.state_dict()
