@@ -288,7 +288,6 @@ class DFlash(DraftObjective):
         safe = positions.clamp(max=S - 1)
         rows = torch.arange(B, device=ids.device)[:, None, None].expand_as(positions)
         selected = keep[:, :, None] & inside & trained[rows, safe]  # [B, N, b - 1]
-        weights = self.decay.to(ids.device)[None, None, :].expand_as(positions)  # [B, N, b - 1]
         idx = selected.flatten().nonzero()[:, 0]  # [n]
         flat_rows, flat_pos = rows.flatten()[idx], safe.flatten()[idx]  # [n] each
         if drafter.config.dspark and self.weights_are_sharded():
@@ -306,7 +305,7 @@ class DFlash(DraftObjective):
 
         else:
             chunks = self.loss_chunk_size
-            w = weights.flatten()[idx]  # [n]
+            w = self.decay.to(ids.device)[None, None, :].expand_as(positions).flatten()[idx]  # [n]
             w = w / w.sum().clamp(min=torch.finfo(w.dtype).tiny)  # the loss is the weighted mean of the slots' losses
         slot_out = self._slot_losses(slots.flatten(0, 2)[idx], w, chunks, ids, batch, final, flat_rows, flat_pos)
         loss, hits, bce, accept, confidence = slot_out  # [], then [n] each (the last three empty without that head)
