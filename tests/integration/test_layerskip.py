@@ -128,5 +128,6 @@ def test_the_fine_tune_recipe_runs_with_a_logger(tiny_corpus, tiny_target, tmp_p
         },  # the test target has 2 layers
     )
     fit("quickstart/layerskip_finetune.yaml", settings, tmp_path)
-    assert (tmp_path / "model" / "layerskip.json").is_file()
+    marker = json.loads((tmp_path / "model" / "layerskip.json").read_text())
+    assert marker["labels"] == "original" and marker["target_kl_weight"] == 4.0  # the recipe keeps the original
     assert list((tmp_path / "tensorboard").rglob("hparams.yaml"))

@@ -1,8 +1,8 @@
 """The KL to the frozen original target of the fine-tunes that change their target (``target_kl_weight`` of
-parallel MTP heads and LayerSkip): the loss against a naive per-position formula, the naive gradients through every
-head backward, the frozen original kept out of the module tree and checkpoints (its fingerprint kept), the exports
-recording the original, the refusals, and the changed target measured beside its original (``draftsmith eval
---original_target``)."""
+parallel MTP heads and LayerSkip, and LayerSkip's exits trained on the original's distribution): the loss against a
+naive per-position formula, the naive gradients through every head backward, the frozen original kept out of the
+module tree and checkpoints (its fingerprint kept), the exports recording the original, the refusals, and the changed
+target measured beside its original (``draftsmith eval --original_target``)."""
 
 from __future__ import annotations
 
@@ -151,6 +151,50 @@ def test_layerskip_loss_is_the_exits_loss_plus_the_weighted_kl_to_the_original(m
         torch.testing.assert_close(got[name], p.grad, rtol=1e-3, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("weight", [0.0, WEIGHT])
+def test_layerskip_exits_learning_the_original_are_each_scored_by_their_kl_to_it(model_dir, weight) -> None:
+    """``labels: original``: every exit's loss (the last layer's too) is its naive KL to the frozen original, the
+    last layer's once more at ``target_kl_weight``; the gradients are autograd's through those formulas."""
+    objective = LayerSkip(
+        str(model_dir), early_exit_layers=[0, 1], loss_chunk_size=5, target_kl_weight=weight, labels="original"
+    ).eval()
+    assert objective.target is not None  # the original is loaded for the labels even without the KL term
+    b = batch(4)
+    move(objective.model, 5)
+    head, norm = objective.model.lm_head, objective.model.model.norm
+    with torch.no_grad():
+        original = objective.target.model(b["input_ids"]).logits  # [B, S, V]
+        out = objective.model(b["input_ids"], output_hidden_states=True)
+        exits = [head(norm(out.hidden_states[1])), head(norm(out.hidden_states[2])), out.logits]  # [B, S, V] each
+    kls = [naive_kl(original, logits, b["loss_mask"]) for logits in exits]
+    assert min(float(kl) for kl in kls) > 1e-3
+    scales = exit_scales([0, 1, 2], "sum_l")
+    loss, metrics = objective.compute_loss(b)
+    for layer, kl in zip([0, 1, 2], kls):
+        torch.testing.assert_close(metrics[f"exit_{layer}"].double(), kl, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(metrics["target_kl"].double(), kls[-1], rtol=1e-4, atol=1e-7)
+    expected = sum(scale * kl for scale, kl in zip(scales, kls)) + weight * kls[-1]
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-4, atol=1e-7)
+    # under ZeRO-3 the logits come whole through the lm_head module: the same losses
+    target = objective.target
+    frozen = (target.final_hidden(b["input_ids"]), target.lm_head_weight, b["loss_mask"], target.logit_scaling)
+    total, losses, _ = objective.net(
+        b["input_ids"], b["labels"], None, [0, 1, 2], scales, whole_logits=True, original=frozen, distill=True
+    )
+    torch.testing.assert_close(torch.stack(losses).double(), torch.stack(kls), rtol=1e-4, atol=1e-7)
+    objective.zero_grad(set_to_none=True)
+    objective.compute_loss(b)[0].backward()
+    got = {n: p.grad.clone() for n, p in objective.model.named_parameters()}
+    objective.zero_grad(set_to_none=True)
+    out = objective.model(b["input_ids"], output_hidden_states=True)
+    exits = [head(norm(out.hidden_states[1])), head(norm(out.hidden_states[2])), out.logits]
+    kls = [kl_by_autograd(original, logits, b["loss_mask"]) for logits in exits]
+    (sum(scale * kl for scale, kl in zip(scales, kls)) + weight * kls[-1]).backward()
+    for name, p in objective.model.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, rtol=1e-3, atol=1e-6, msg=name)
+    assert objective.drafter_record().config["labels"] == "original"
+
+
 @pytest.mark.parametrize("method", ["mtp_heads", "layerskip"])
 def test_the_frozen_original_is_in_no_module_tree_nor_checkpoint_but_its_fingerprint_is(model_dir, method) -> None:
     def build(weight: float):
@@ -196,6 +240,8 @@ def test_a_kl_without_an_original_or_below_zero_is_refused_naming_the_key(model_
         LayerSkip(str(model_dir), target_kl_weight=float("nan"))
     with pytest.raises(RecipeError, match="model.target_kl_weight=1.0 .* needs model.target"):
         LayerSkip(tokenizer="unused", target_kl_weight=1.0)
+    with pytest.raises(RecipeError, match="model.labels=original .* needs model.target"):
+        LayerSkip(tokenizer="unused", labels="original")
 
 
 def test_a_changed_target_is_measured_beside_its_original() -> None:

@@ -32,9 +32,11 @@ def make_record(
     dropout_scale: str,
     fine_tuned_from: str | None = None,
     target_kl_weight: float = 0.0,
+    labels: str = "data",
 ):
     """The record of a model trained with early exits at ``exits`` and layer dropout up to ``p_max``; a fine-tune
-    records the model it started from (``fine_tuned_from``, the original target) and the weight of its KL to it."""
+    records the model it started from (``fine_tuned_from``, the original target), the weight of its KL to it and what
+    its exits learned (``labels``: the data or the original's distribution)."""
     return DrafterRecord(
         kind=KIND,
         config={
@@ -44,6 +46,7 @@ def make_record(
             "dropout_scale": dropout_scale,
             "fine_tuned_from": fine_tuned_from,
             "target_kl_weight": float(target_kl_weight),
+            "labels": labels,
         },
         components={"model": "net.model."},
         target_vocab_size=int(model.config.vocab_size),

@@ -22,6 +22,9 @@ Training (Elhoushi et al. 2024; torchtune's names):
   ``original``: checkpoints keep its fingerprint, never its weights) and kept out of the module tree. Trained on the
   target's own greedy completions without it, the fine-tune drifts towards repeating itself
   (docs/methods/layerskip.md).
+- what the exits learn (``labels``): the data's next tokens (cross entropy, the paper's), or the frozen original's
+  next-token distribution (``original``: every exit's loss is its ``KL(p_original || q_exit)``, the last layer's
+  included), so that the exits draft what the model predicts and the model's output stays the original's.
 
 Pre-training a fresh Llama from a tokenizer (``tokenizer`` with ``target_config`` overrides), or fine-tuning any HF
 Llama-like model in full (``target``). The model is saved as a plain HF checkpoint (drafter kind ``layerskip``: a
@@ -135,8 +138,9 @@ class LayerSkipLM(nn.Module):
         scales: list[float],
         whole_logits: bool = False,
         original: tuple[torch.Tensor, torch.Tensor, torch.Tensor, LogitScaling] | None = None,
+        distill: bool = False,
     ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
-        """The scaled sum of the exits' cross entropies, each of them, and the last layer's KL from the original.
+        """The scaled sum of the exits' losses, each of them, and the last layer's KL from the original.
 
         Every exit's logits are the model's own: through its final norm and lm_head, with the output scaling its
         forward applies after the lm_head (``LogitScaling.from_config(model.config)``).
@@ -146,30 +150,39 @@ class LayerSkipLM(nn.Module):
         original: the frozen original's final normed hidden states [B, S, Ho], its lm_head weight [V, Ho], the
         positions [B, S] bool and its output scaling (``FrozenTarget.logit_scaling``): the third value is then
         ``KL(p_original || q_model)`` of the model's own output (the last layer's) averaged over those positions,
-        else None."""
+        else None; distill: every exit's loss is its ``KL(p_original || q_exit)`` over those positions instead of
+        its cross entropy on ``labels`` (needs ``original``)."""
+        if distill and original is None:
+            raise ValueError("distill needs the original's hidden states")
         states = self.run_layers(ids, keep, layers[:-1])
         norm, head = self.model.get_decoder().norm, self.model.get_output_embeddings()
         scaling = LogitScaling.from_config(self.model.config)
         total, losses, kl = 0.0, [], None
         for layer, scale in zip(layers, scales):
             normed = norm(states[layer])  # [B, S, H]
-            last = original is not None and layer == layers[-1]
+            divergence = None
             if whole_logits:
                 logits = scaling(head(normed).float())  # [B, S, V]
-                loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
-                if last:
+                if original is not None and (distill or layer == layers[-1]):
                     hidden_o, weight_o, mask_o, scaling_o = original
                     with torch.no_grad():
                         reference = scaling_o(hidden_o @ weight_o.t())  # [B, S, V]
-                    kl = kd_loss(logits, reference, mask_o, chunk_size=self.chunk_size).loss
+                    divergence = kd_loss(logits, reference, mask_o, chunk_size=self.chunk_size).loss
+                if not distill:
+                    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
             else:
-                loss = chunked_cross_entropy(normed, head.weight, labels, self.chunk_size, scaling=scaling)
-                if last:
+                if original is not None and (distill or layer == layers[-1]):
                     hidden_o, weight_o, mask_o, scaling_o = original
-                    kl = fused_kd_loss(
+                    divergence = fused_kd_loss(
                         normed, head.weight, hidden_o, weight_o, mask_o,
                         chunk_size=self.chunk_size, student_scaling=scaling, teacher_scaling=scaling_o,
                     ).loss  # fmt: skip
+                if not distill:
+                    loss = chunked_cross_entropy(normed, head.weight, labels, self.chunk_size, scaling=scaling)
+            if distill:
+                loss = divergence
+            if layer == layers[-1]:
+                kl = divergence
             total = total + scale * loss
             losses.append(loss)
         return total, losses, kl
@@ -191,6 +204,7 @@ class LayerSkip(DraftObjective):
         curriculum_period: int = 2,
         curriculum_steps: int = 0,
         target_kl_weight: float = 0.0,
+        labels: Literal["data", "original"] = "data",
         loss_chunk_size: int = 256,
         target_dtype: str = "float32",
         export_dir: str | None = None,
@@ -214,6 +228,11 @@ class LayerSkip(DraftObjective):
                 copy of ``target`` to the model's own next-token distribution (its last layer's), added to the exits'
                 loss so that the model keeps its outputs (0: off; >= 0). Needs ``target``; the frozen copy costs one
                 more model in memory and its forward in every step.
+            labels: what every exit (the last layer's included) learns: "data", the rows' next tokens (cross
+                entropy), or "original", the frozen copy of ``target``'s next-token distribution (forward KL, on the
+                same positions; needs ``target``, and costs what ``target_kl_weight`` does): the exits learn to draft
+                what the model predicts rather than the data, and the model's own output is held to the original's
+                (``target_kl_weight`` then weighs its KL once more).
             loss_chunk_size: positions per chunk of every exit's logits.
             target_dtype: the model's weights dtype (float32, bfloat16).
             export_dir: where the model (HF checkpoint, tokenizer, layerskip.json) is saved at the end of fit.
@@ -234,6 +253,11 @@ class LayerSkip(DraftObjective):
             )
         if not target_kl_weight >= 0.0:
             raise RecipeError(f"model.target_kl_weight must be >= 0, got {target_kl_weight}")
+        if labels == "original" and target is None:
+            raise RecipeError(
+                "model.labels=original trains every exit on the distribution of the model it started from: it needs "
+                "model.target (a fresh model has no original); use labels: data"
+            )
         if target_kl_weight > 0 and target is None:
             raise RecipeError(
                 f"model.target_kl_weight={target_kl_weight} keeps a fine-tuned model close to the model it started "
@@ -244,7 +268,7 @@ class LayerSkip(DraftObjective):
             hf = AutoModelForCausalLM.from_pretrained(
                 target, dtype=resolve_dtype(target_dtype), trust_remote_code=trust_remote_code
             )
-            if target_kl_weight > 0:  # the frozen original: out of the module tree, its fingerprint in checkpoints
+            if target_kl_weight > 0 or labels == "original":  # the frozen original, out of the module tree
                 self.load_target(target, "online", target_dtype, trust_remote_code, record_as="original")
             self.tokenizer_path: str | None = target
         elif tokenizer is not None:
@@ -274,7 +298,7 @@ class LayerSkip(DraftObjective):
         self.exit_scale, self.curriculum = exit_scale, curriculum
         self.curriculum_period, self.curriculum_steps = curriculum_period, curriculum_steps
         self.export_dir, self.seed = export_dir, seed
-        self.target_kl_weight = target_kl_weight
+        self.target_kl_weight, self.labels = target_kl_weight, labels
         self._micro = 0
 
     @property
@@ -327,12 +351,13 @@ class LayerSkip(DraftObjective):
             keep = self.keep_mask(ids.shape[0], self.global_step, self._micro).to(ids.device)  # [B, L]
         whole_logits = self.weights_are_sharded() and self.device_mesh is None  # ZeRO-3: the head through its module
         original = None
-        if self.target_kl_weight > 0:
+        distill = self.labels == "original"
+        if self.target_kl_weight > 0 or distill:
             frozen = self.target_on(self.device)
             mask = batch["loss_mask"].bool()  # [B, S]
             original = (frozen.final_hidden(ids), frozen.lm_head_weight, mask, frozen.logit_scaling)  # [B, S, H]...
         scales = exit_scales(layers, self.exit_scale)
-        total, losses, kl = self.net(ids, labels, keep, layers, scales, whole_logits, original)
+        total, losses, kl = self.net(ids, labels, keep, layers, scales, whole_logits, original, distill)
         metrics = {f"exit_{layer}": loss.detach() for layer, loss in zip(layers, losses)}
         if kl is not None:
             total = total + self.target_kl_weight * kl
@@ -345,7 +370,9 @@ class LayerSkip(DraftObjective):
         dense = causal_lm_flops_per_token(self.model, self.data_seq_len())
         head = 2.0 * self.model.get_output_embeddings().weight.numel()
         flops = 3.0 * (dense + head * len(self.exits))  # every enabled exit adds a projection to the vocabulary
-        if self.target_kl_weight > 0:  # the original's forward and projection, the model's output projected again
+        if self.labels == "original":  # the original's forward, its projection for every exit's KL (no more of ours)
+            flops += dense + head * (len(self.exits) + 1)
+        elif self.target_kl_weight > 0:  # the original's forward and projection, the model's output projected again
             flops += dense + head + 3.0 * head
         return flops
 
@@ -357,7 +384,7 @@ class LayerSkip(DraftObjective):
         hp = self.hparams
         return layerskip_kind.make_record(
             self.model, self.tokenizer_path, exits=self.exits, p_max=hp.p_max, dropout_scale=hp.dropout_scale,
-            fine_tuned_from=self.target_path, target_kl_weight=self.target_kl_weight,
+            fine_tuned_from=self.target_path, target_kl_weight=self.target_kl_weight, labels=self.labels,
         )  # fmt: skip
 
     def on_train_end(self) -> None:
