@@ -26,14 +26,14 @@ already exists under ``--out`` (default artifacts/dflash; delete a file to redo 
 
 Writes ``OUT/dflash.md`` (and prints it).
 
-With ``--labels hard,argmax,soft`` it runs instead a side-by-side of the DFlash objective's label options on natural
+With ``--labels data,argmax,soft`` it runs instead a side-by-side of the DFlash objective's label options on natural
 text (the corpus' training files, whose tokens are often not the target's choice), each run of
 recipes/quickstart/dflash.yaml for ``--label-steps`` optimizer steps on the same data with one thread, all at once,
 then ``evaluate_drafter`` greedy (K = ``--dflash-k``) on the held-out prompts: tau and acceptance per draft slot, in
 ``OUT/labels.md``. ``--artifacts`` may name any folder holding ``corpus/`` (``draftsmith prepare``) and
 ``tiny_target/``:
 
-    python bench/bench_dflash.py --labels hard,argmax,soft --artifacts ART --out ART/labels --label-steps 300
+    python bench/bench_dflash.py --labels data,argmax,soft --artifacts ART --out ART/labels --label-steps 300
 """
 
 from __future__ import annotations
@@ -274,7 +274,7 @@ def main() -> int:
     parser.add_argument("--tree-nodes", type=int, default=24, help="node budget of both trees")
     parser.add_argument("--tree-top-k", type=int, default=4, help="top-k of both trees")
     parser.add_argument("--step-repeats", type=int, default=3, help="timed training steps per objective (step 5)")
-    parser.add_argument("--labels", default=None, help="compare these DFlash label options instead (hard,argmax,soft)")
+    parser.add_argument("--labels", default=None, help="compare these DFlash label options instead (data,argmax,soft)")
     parser.add_argument("--label-steps", type=int, default=300, help="optimizer steps of each --labels run")
     args = parser.parse_args()
     art, out = Path(args.artifacts), Path(args.out)

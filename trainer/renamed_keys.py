@@ -9,12 +9,17 @@ chunk of a loss ``loss_chunk_size``, and the loss weight of draft step ``k`` is 
 :func:`trainer.recipe.parse_recipe` refuse an old key with :func:`renamed_key_message` (tests/unit/
 test_recipe_vocabulary.py checks that every new name is a parameter of its objective), and ``draftsmith precompute``
 with :data:`RENAMED_PRECOMPUTE_KEYS`. A value that was renamed (:data:`RENAMED_VALUES`: one value, one meaning across
-objectives) is refused the same way, naming its new spelling.
+objectives) is refused the same way, naming its new spelling: ``labels``, what a loss is trained towards, is ``data``
+for the rows' own tokens (DFlash's old ``hard``) and ``argmax`` for the target's most likely token (EAGLE-3's old
+``hard``, Medusa's old ``target``) in every objective. A checkpoint that recorded an old value resumes with its new
+spelling (:func:`checkpoint_values_renamed`).
 """
 
 from __future__ import annotations
 
+import logging
 import re
+from typing import Any
 
 _TARGET = {"teacher": "target", "teacher_dtype": "target_dtype"}
 _DRAFTER = {"student": "drafter", "student_config": "drafter_config", "student_dtype": "drafter_dtype"}
@@ -22,6 +27,8 @@ _FRESH_TARGET = {"model": "target", "model_config": "target_config"}
 _LOSS_CHUNK = {"chunk_size": "loss_chunk_size"}
 _EXPORT_DIR = {"save_dir": "export_dir"}
 _SIGNALS = {"teacher_signals": "target_signals"}
+
+log = logging.getLogger(__name__)
 
 RENAMED_KEYS: dict[str, dict[str, str]] = {
     "trainer.methods.draft_model.kd.KnowledgeDistillation": {**_TARGET, **_DRAFTER, **_LOSS_CHUNK, **_SIGNALS},
@@ -60,8 +67,12 @@ RENAMED_KEYS: dict[str, dict[str, str]] = {
 """Objective class path -> {old ``model.init_args`` key: its new name}."""
 
 RENAMED_VALUES: dict[str, dict[str, dict[str, str]]] = {
-    # the target's argmax is "argmax" in every objective (DFlash's "hard" is the data's tokens)
+    # what a loss is trained towards (``labels``) has one spelling per meaning in every objective: the rows' own
+    # tokens are "data", the target's argmax "argmax" (EAGLE-3's "hard" and Medusa's "target" were the argmax,
+    # DFlash's "hard" the rows' tokens)
     "trainer.methods.eagle3.objective.Eagle3": {"labels": {"hard": "argmax"}},
+    "trainer.methods.dflash.objective.DFlash": {"labels": {"hard": "data"}},
+    "trainer.methods.medusa.objective.Medusa": {"labels": {"target": "argmax"}},
 }
 """Objective class path -> {``model.init_args`` key: {old value: its new spelling}}."""
 
@@ -101,6 +112,33 @@ def renamed_key_message(parser_error: str) -> str | None:
         if new is not None:
             return f"model.init_args.{found['key']}: {found['value']} was renamed to {new} ({WHY})"
     return None
+
+
+def checkpoint_values_renamed(config: Any) -> Any:
+    """A checkpoint's hyper-parameters with every renamed value (:data:`RENAMED_VALUES`) in its new spelling.
+
+    ``draftsmith fit --ckpt_path FILE`` parses the hyper-parameters the checkpoint recorded over the recipe's
+    (LightningCLI's ``_parse_ckpt_path``, as ``{subcommand: {"model": {"class_path": C, "dict_kwargs": {...}}}}``):
+    a run saved before a rename (DFlash's ``labels: hard``) resumes with the meaning it was trained with (``data``)
+    instead of being refused for a value its recipe cannot change. Anything else is returned as it is, a recipe's
+    ``init_args`` included (an old value there is refused, :func:`renamed_key_message`).
+    """
+    if not isinstance(config, dict):
+        return config
+    out = dict(config)
+    for subcommand, section in config.items():
+        model = section.get("model") if isinstance(section, dict) else None
+        if not isinstance(model, dict) or not isinstance(model.get("dict_kwargs"), dict):
+            continue
+        renames = RENAMED_VALUES.get(str(model.get("class_path")), {})
+        kwargs = dict(model["dict_kwargs"])
+        for key, value in model["dict_kwargs"].items():
+            new = renames.get(key, {}).get(value) if isinstance(value, str) else None
+            if new is not None:
+                log.info("the checkpoint's model.init_args.%s: %s is read as %s, its new spelling", key, value, new)
+                kwargs[key] = new
+        out[subcommand] = {**section, "model": {**model, "dict_kwargs": kwargs}}
+    return out
 
 
 def renamed_precompute_key_message(parser_error: str) -> str | None:

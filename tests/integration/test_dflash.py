@@ -103,7 +103,7 @@ def test_offline_recipe_trains_from_shards_and_refuses_shards_that_do_not_fit(ti
     args = ("--k", "8", "--hidden_layers", "[0, 1]", "--samples_per_shard", "48", "--batch_size", "8")
     assert run_precompute(tiny_corpus, tiny_target, shards, *args) == 0
     run = tmp_path / "offline"
-    for labels in ("hard", "soft"):
+    for labels in ("data", "soft"):
         override = offline_override(run / labels, tiny_corpus, tiny_target, shards, 2)
         override["model"]["init_args"]["labels"] = labels
         if labels == "soft":  # the recipe's D-PACE weights need token labels

@@ -28,7 +28,7 @@ HEADS = dict(markov_rank=6, enable_confidence_head=True, confidence_head_with_ma
 
 
 def naive_dspark_loss(objective: DFlash, ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[float, float]:
-    """(total loss, confidence loss): the hard-label slot losses with the Markov bias of the data's previous token,
+    """(total loss, confidence loss): the data-label slot losses with the Markov bias of the data's previous token,
     weighted exp(-(k - 1) / gamma) and normalised by the weights, plus alpha times the confidence head's BCE against
     sum_v min(q_v, p_v), weighted exp(-(k - 1) / gamma) and averaged over the slots."""
     drafter, target = objective.drafter, objective.target
@@ -72,7 +72,7 @@ def test_the_loss_equals_blocks_drafted_alone_with_the_heads(tmp_path):
     save_target(tmp_path / "target")
     objective = DFlash(
         str(tmp_path / "target"), num_draft_layers=1, target_layers=[1, 3], block_size=4, mask_token_id=V - 1,
-        max_anchors=3, labels="hard", loss_chunk_size=4, confidence_head_alpha=0.7, **HEADS,
+        max_anchors=3, labels="data", loss_chunk_size=4, confidence_head_alpha=0.7, **HEADS,
     )  # fmt: skip
     for p in objective.drafter.parameters():
         nn.init.normal_(p, std=0.3)

@@ -48,9 +48,9 @@ def test_argmax_labels_are_the_targets_choice_not_the_data_token(tmp_path):
                         F.cross_entropy((slots[k] @ online.target.lm_head_weight.t())[None], label[None])
                     )
                     weights += w
-        hard = DFlash(str(tmp_path / "target"), labels="hard", **options)
-        hard.drafter.load_state_dict(online.drafter.state_dict())
-        data_loss, _ = hard.compute_loss({"input_ids": ids, "loss_mask": loss_mask})
+        data = DFlash(str(tmp_path / "target"), labels="data", **options)
+        data.drafter.load_state_dict(online.drafter.state_dict())
+        data_loss, _ = data.compute_loss({"input_ids": ids, "loss_mask": loss_mask})
     torch.testing.assert_close(float(loss), total / weights, rtol=1e-5, atol=0)
     assert abs(float(loss) - float(data_loss)) > 1e-3  # random data: the target's choice is not the data's token
 

@@ -1,5 +1,5 @@
 """The DFlash loss against a naive reference: every anchored block drafted alone with a cached context (as the
-proposer drafts), each slot scored against its token (hard), the target's argmax or its distribution (soft) and
+proposer drafts), each slot scored against its token (data), the target's argmax or its distribution (soft) and
 weighted by exp(-(k - 1) / gamma) or by D-PACE's products of the block's confidences; the anchors; offline steps
 equal to online ones at full vocabulary; refusals of bad input."""
 
@@ -62,8 +62,8 @@ def naive_loss(objective: DFlash, ids: torch.Tensor, loss_mask: torch.Tensor) ->
                 if p >= S or not trained[r, p]:
                     continue
                 logits = slots[k] @ head.t()
-                if objective.labels in ("hard", "argmax"):  # the data's token, or the target's choice
-                    token = ids[r, p] if objective.labels == "hard" else out.logits[r, p - 1].argmax()
+                if objective.labels in ("data", "argmax"):  # the data's token, or the target's choice
+                    token = ids[r, p] if objective.labels == "data" else out.logits[r, p - 1].argmax()
                     loss = F.cross_entropy(logits[None], token[None])
                     hit = int(logits.argmax() == token)
                 else:
@@ -99,7 +99,7 @@ def assert_loss_is_naive(objective: DFlash, ids: torch.Tensor, loss_mask: torch.
     return expected, metrics
 
 
-@pytest.mark.parametrize("labels", ["hard", "soft"])
+@pytest.mark.parametrize("labels", ["data", "soft"])
 def test_loss_equals_blocks_drafted_alone_and_scored_slot_by_slot(labels, tmp_path):
     save_target(tmp_path / "target")
     objective = DFlash(
@@ -125,7 +125,7 @@ def test_loss_equals_blocks_drafted_alone_and_scored_slot_by_slot(labels, tmp_pa
     assert all(p.grad is None for p in objective.target.model.parameters())
 
 
-@pytest.mark.parametrize("labels", ["hard", "argmax"])
+@pytest.mark.parametrize("labels", ["data", "argmax"])
 def test_dpace_weights_equal_each_block_scored_alone_with_its_own_confidences(labels, tmp_path):
     """``position_weights: dpace``: every block's slots weighted by sums of products of their smoothed confidences, the
     blocks split over chunks of the loss only at block boundaries (chunk 5 against blocks of 3 slots)."""
@@ -188,7 +188,7 @@ def test_anchors_sit_where_the_anchor_and_the_next_token_are_trained(tmp_path):
     assert not torch.equal(other, anchors)
 
 
-@pytest.mark.parametrize("labels", ["soft", "hard"])
+@pytest.mark.parametrize("labels", ["soft", "data"])
 def test_a_shard_step_equals_the_online_step_at_full_vocabulary(labels, tmp_path):
     """One compute_loss on a batch made of the target's own outputs (hidden states of the target layers and k = V
     log-probabilities): the same loss and metrics, the target model never built offline."""
@@ -232,7 +232,7 @@ def test_bad_input_is_refused_naming_the_value(tok, tmp_path):
         DFlash(str(tmp_path / "padded"), num_draft_layers=1, block_size=1)
     with pytest.raises(ValueError, match=r"model.target_layers=\[1, 4\]: \[4\] outside .* hidden_states 1..3"):
         DFlash(str(tmp_path / "padded"), num_draft_layers=1, target_layers=[1, 4])
-    with pytest.raises(ValueError, match=r"model.position_weights: dpace .* set model.labels to argmax or hard"):
+    with pytest.raises(ValueError, match=r"model.position_weights: dpace .* set model.labels to argmax or data"):
         DFlash(str(tmp_path / "padded"), num_draft_layers=1, position_weights="dpace", labels="soft")
     with pytest.raises(ValueError, match=r"model.dpace_alpha=0.0 must be in \(0, 1\]"):
         DFlash(str(tmp_path / "padded"), num_draft_layers=1, position_weights="dpace", dpace_alpha=0.0)

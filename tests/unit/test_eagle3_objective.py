@@ -16,7 +16,7 @@ K = 3
 
 def naive_ttt_loss(objective: Eagle3, ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[float, list[float]]:
     """sum_i 0.8^i * mean over trained label positions of CE(target's draft-vocabulary distribution, draft i) (mixed
-    with ``argmax_weight`` times CE(that distribution's argmax, draft i)), or with hard labels of CE(the target's
+    with ``argmax_weight`` times CE(that distribution's argmax, draft i)), or with argmax labels of CE(the target's
     argmax, draft i) where that argmax is in the draft vocabulary; the accuracy of draft i against the target's argmax
     over the draft vocabulary (soft labels) or over every token (argmax labels)."""
     drafter, target = objective.drafter, objective.target
@@ -130,7 +130,7 @@ def test_recomputing_earlier_steps_changes_neither_loss_nor_gradients(tmp_path):
 
 
 def test_argmax_weight_is_checked(tmp_path):
-    """model.argmax_weight outside [0, 1], or above 0 with hard labels (which are the argmax alone), is refused by
+    """model.argmax_weight outside [0, 1], or above 0 with argmax labels (which are the argmax alone), is refused by
     name."""
     tiny_llama(tmp_path / "target", tied=False)
     target = str(tmp_path / "target")

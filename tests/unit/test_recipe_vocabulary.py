@@ -1,7 +1,8 @@
 """One name per concept in recipes: every objective's signature uses the project's vocabulary (``target``,
-``drafter``, ``target_dtype``, ``export_dir``, ``num_heads``, ``loss_chunk_size``...), a renamed key is refused with
-its new name by ``draftsmith fit``, ``parse_recipe`` and ``draftsmith precompute``, and every precompute recipe parses
-(every fit recipe parses in tests/integration/test_recipes.py)."""
+``drafter``, ``target_dtype``, ``export_dir``, ``num_heads``, ``loss_chunk_size``...), a renamed key or value is
+refused with its new name by ``draftsmith fit``, ``parse_recipe`` and ``draftsmith precompute`` (a value a resumed
+checkpoint recorded is read in its new spelling), and every precompute recipe parses (every fit recipe parses in
+tests/integration/test_recipes.py)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ import typing
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 import trainer.methods
 from trainer.cli import main as draftsmith
 from trainer.data import precompute
 from trainer.objective import DraftObjective
-from trainer.recipe import RecipeError, parse_recipe
+from trainer.recipe import DraftsmithCLI, RecipeError, parse_recipe
 from trainer.renamed_keys import RENAMED_KEYS, RENAMED_PRECOMPUTE_KEYS, RENAMED_VALUES, WHY
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,7 +153,59 @@ def test_a_renamed_value_is_refused_with_its_new_spelling(path, key, old, new, t
     with pytest.raises(RecipeError) as on_command_line:
         parse_recipe([str(write_recipe(tmp_path, path, {}))], [f"--model.init_args.{key}", old])
     assert str(on_command_line.value) == expected
-    assert new in typing.get_args(typing.get_type_hints(OBJECTIVES[path].__init__)[key])
+    values = typing.get_args(typing.get_type_hints(OBJECTIVES[path].__init__)[key])
+    assert new in values and old not in values, values
+
+
+def test_the_renamed_label_values():
+    """``labels`` has one spelling per meaning: the rows' own tokens are ``data``, the target's argmax ``argmax``."""
+    assert {path.rsplit(".", 1)[-1]: keys["labels"] for path, keys in RENAMED_VALUES.items()} == {
+        "Eagle3": {"hard": "argmax"},
+        "DFlash": {"hard": "data"},
+        "Medusa": {"target": "argmax"},
+    }
+
+
+@pytest.mark.parametrize(
+    "path, key, old, new", VALUES, ids=[f"{p.rsplit('.', 1)[-1]}.{k}.{o}" for p, k, o, _ in VALUES]
+)
+def test_fit_refuses_an_old_value_with_status_2(path, key, old, new, tmp_path, capsys):
+    """``draftsmith fit`` names the new spelling, in a recipe and on the command line, before anything is built."""
+    expected = f"model.init_args.{key}: {old} was renamed to {new} ({WHY})"
+    for init_args, on_command_line in (({key: old}, []), ({}, [f"--model.init_args.{key}={old}"])):
+        with pytest.raises(SystemExit) as exited:
+            draftsmith(["fit", "--config", str(write_recipe(tmp_path, path, init_args)), *on_command_line])
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert expected in err and "usage:" in err
+
+
+class _Parsed(Exception):
+    pass
+
+
+class _ResumeReader(DraftsmithCLI):
+    """``draftsmith fit``'s CLI, stopped once the config (the recipe, then a ``--ckpt_path`` file's hyper-parameters)
+    is parsed."""
+
+    def before_instantiate_classes(self) -> None:
+        raise _Parsed(self.config)
+
+
+@pytest.mark.parametrize(
+    "path, key, old, new", VALUES, ids=[f"{p.rsplit('.', 1)[-1]}.{k}.{o}" for p, k, o, _ in VALUES]
+)
+def test_a_checkpoint_saved_before_a_rename_resumes_with_the_new_spelling(path, key, old, new, tmp_path):
+    """LightningCLI parses the hyper-parameters a ``--ckpt_path`` file recorded over the recipe's: an old value there
+    is read in its new spelling (the meaning it was trained with), not refused for a value no recipe can change."""
+    ckpt = tmp_path / "old.ckpt"
+    hparams = {"_class_path": path, "_instantiator": "lightning.pytorch.cli.instantiate_module", "target": "x"}
+    torch.save({"hyper_parameters": {**hparams, key: old}, "state_dict": {}}, ckpt)
+    recipe = str(write_recipe(tmp_path, path, {}))
+    with pytest.raises(_Parsed) as parsed:
+        _ResumeReader(["fit", "--config", recipe, "--seed_everything", "0", "--ckpt_path", str(ckpt)])
+    model = parsed.value.args[0].fit.model
+    assert model.class_path == path and model.init_args[key] == new
 
 
 def test_fit_refuses_an_old_key_with_status_2(tmp_path, capsys):

@@ -14,7 +14,7 @@ the loss is the weighted mean of the slots' losses, so early slots, whose mistak
 With ``position_weights: dpace`` (D-PACE, speculators' default for DFlash) the weights follow the drafter's own
 confidences in the step instead: slot k weighs what it adds to the block's expected accepted length
 (slot_loss.dpace_weights), so later slots count as the earlier ones get right; the loss is then the weighted sum
-over the trained slots' count. Labels: ``hard``, the data's token (cross entropy; with regenerated data, ``draftsmith
+over the trained slots' count. Labels: ``data``, the row's own token (cross entropy; with regenerated data, ``draftsmith
 generate``, the target's own output), ``argmax`` (the default), the target's own choice at the position before the
 slot's token (cross entropy against the argmax of its distribution, speculators' default "ce" loss; from shards: the
 stored top-1), or ``soft``, the target's distribution there, ``KL(p || q)`` (online: the target's full distribution;
@@ -90,7 +90,7 @@ class DFlash(DraftObjective):
         gamma: float | None = None,
         position_weights: Literal["decay", "dpace"] = "decay",
         dpace_alpha: float = 0.5,
-        labels: Literal["hard", "argmax", "soft"] = "argmax",
+        labels: Literal["data", "argmax", "soft"] = "argmax",
         attention: Impl = "auto",
         loss_chunk_size: int = 1024,
         init_from: str | None = None,
@@ -122,10 +122,10 @@ class DFlash(DraftObjective):
             position_weights: "decay" (the DFlash paper's fixed weights, ``gamma``) or "dpace" (speculators' default for
                 DFlash, D-PACE: slot k weighted by the block's expected accepted length's derivative with respect to
                 its log-confidence, from the drafter's own losses in the step, slot_loss.block_dpace_weights); "dpace"
-                needs token labels ("argmax" or "hard").
+                needs token labels ("argmax" or "data").
             dpace_alpha: D-PACE's smoothing of each slot's confidence, ``(1 - a) * exp(-loss) + a``, in (0, 1].
             labels: "argmax" (the default, which measured best: docs/methods/dflash.md) trains on the target's argmax
-                (cross entropy), what greedy verification accepts; "hard" on the data's tokens, "soft" on the
+                (cross entropy), what greedy verification accepts; "data" on the rows' own tokens, "soft" on the
                 target's distribution (KL).
             attention: the block-sparse attention: "flex" (CUDA), "dense", or "auto" (flex on CUDA).
             loss_chunk_size: slots projected to the vocabulary at a time (slot_loss.py).
@@ -166,7 +166,7 @@ class DFlash(DraftObjective):
         if position_weights == "dpace" and labels == "soft":
             raise RecipeError(
                 "model.position_weights: dpace weighs each slot by its probability of a token label: set model.labels "
-                "to argmax or hard, or position_weights to decay"
+                "to argmax or data, or position_weights to decay"
             )
         if not 0.0 < dpace_alpha <= 1.0:
             raise RecipeError(f"model.dpace_alpha={dpace_alpha} must be in (0, 1]")
@@ -350,11 +350,11 @@ class DFlash(DraftObjective):
 
         hidden: [n, H] the slots' outputs; weights: [n] their weights in the loss, or a function of a chunk's losses
         (slot_loss.py); chunks: slots per chunk or the chunks; rows, positions: [n] the batch row and position of each
-        slot's token. Soft and argmax labels come from the target's distribution at
-        ``position - 1`` (online: from ``final`` [B, S, H]; shards: the batch's top-k), hard ones are the token itself;
-        the Markov head reads the token at ``position - 1``. Argmax labels are taken once per position (slots of
-        overlapping blocks share them); the vocabulary projections run one chunk of slots at a time, their gradients
-        taken in the same pass (slot_loss.py).
+        slot's token. Soft and argmax labels come from the target's distribution at ``position - 1`` (online: from
+        ``final`` [B, S, H]; shards: the batch's top-k), ``data`` labels are the token itself; the Markov head reads
+        the token at ``position - 1``. Argmax labels are taken once per position (slots of overlapping blocks share
+        them); the vocabulary projections run one chunk of slots at a time, their gradients taken in the same pass
+        (slot_loss.py).
         """
         drafter = self.drafter
         head = self.target.lm_head_weight.detach()  # [V, H]
@@ -364,7 +364,7 @@ class DFlash(DraftObjective):
         if self.labels == "argmax":
             tokens = self._target_argmax(final, head, batch, rows, positions - 1)  # [n]
         else:
-            tokens = ids[rows, positions] if self.labels == "hard" else None  # [n], or None: soft labels
+            tokens = ids[rows, positions] if self.labels == "data" else None  # [n], or None: soft labels
         want_accept = drafter.confidence_head is not None
 
         def labels(part: slice) -> ChunkLabels:

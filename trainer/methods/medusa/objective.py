@@ -3,8 +3,8 @@ trained together).
 
 Head k (0-based) reads the target's final normed hidden state at position t and predicts token t + 2 + k (the
 target's own head predicts t + 1): its labels are the data's tokens (``labels: data``) or the target's own greedy
-tokens (``labels: target``; with regenerated data this is how Medusa is trained in practice), shifted by 1 + k, under
-the loss mask of that token.
+tokens, its argmax (``labels: argmax``; with regenerated data this is how Medusa is trained in practice), shifted by
+1 + k, under the loss mask of that token.
 
 - Medusa-1 (``stage: 1``): loss ``sum_k step_decay^k CE_k``; the target is frozen (a FrozenTarget: never in a
   checkpoint), or never built when its final hidden states come from shards (``target_signals: shards``, data
@@ -82,7 +82,7 @@ class Medusa(DraftObjective):
         head_bias: bool = True,
         stage: Literal[1, 2] = 1,
         step_decay: float = 0.8,
-        labels: Literal["data", "target"] = "data",
+        labels: Literal["data", "argmax"] = "data",
         heads_coefficient: float = 0.2,
         heads_warmup: Literal["constant", "linear", "sine"] = "linear",
         heads_warmup_steps: int = 0,
@@ -105,7 +105,7 @@ class Medusa(DraftObjective):
             head_bias: the blocks' linear layers have a bias (vLLM's medusa_fc_bias).
             stage: 1 trains the heads on the frozen target (Medusa-1); 2 trains heads and target together.
             step_decay: head k's loss weight is step_decay ** k.
-            labels: "data" (the rows' tokens) or "target" (the target's own greedy tokens).
+            labels: "data" (the rows' tokens) or "argmax" (the target's own greedy tokens, its argmax).
             heads_coefficient: stage 2: the heads' loss weight beside the target's loss.
             heads_warmup: stage 2: how the heads' weight rises over heads_warmup_steps (constant, linear, sine).
             heads_warmup_steps: stage 2: optimizer steps of that warm-up (0: none).
@@ -231,7 +231,7 @@ class Medusa(DraftObjective):
     def _signals(self, batch: dict[str, torch.Tensor]):
         """(final normed hidden [B, S, H], the target's loss or None, the target's argmax [B, S] or None)."""
         ids = batch["input_ids"]  # [B, S]
-        need_argmax = self.labels == "target"
+        need_argmax = self.labels == "argmax"
         if self.target_signals == "shards":
             hidden = batch["teacher_hidden"][:, 0].to(self.drafter.heads.lm_heads[0].weight.dtype)  # [B, S, H]
             return hidden, None, batch["teacher_topk_ids"][..., 0].long() if need_argmax else None
