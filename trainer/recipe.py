@@ -28,7 +28,7 @@ from trainer.checkpoints.atomic import default_checkpoint_io
 from trainer.data.sources import check_data_paths
 from trainer.errors import RecipeError
 from trainer.preemption import PreemptionCheckpoint, default_preemption_checkpoint
-from trainer.renamed_keys import checkpoint_values_renamed, renamed_key_message
+from trainer.renamed_keys import checkpoint_names_renamed, renamed_key_message
 from trainer.run_folder import SaveConfigBesideCheckpoints
 
 __all__ = ["DraftsmithCLI", "RecipeError", "parse_recipe"]
@@ -75,15 +75,17 @@ def unknown_key_message(parser_error: str) -> str | None:
 class _RecipeParser(LightningArgumentParser):
     """The parser of ``draftsmith fit``: an unknown key that was renamed (trainer/renamed_keys.py) is refused with its
     new name instead of the parser's "not accepted", and another unknown ``init_args`` key in one line naming the
-    closest parameter; a resumed checkpoint's hyper-parameters are read with renamed values in their new spelling."""
+    closest parameter; a resumed checkpoint's hyper-parameters are read with renamed keys and values under their new
+    names."""
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         super().error(renamed_key_message(message) or unknown_key_message(message) or message, ex)
 
     def parse_object(self, cfg_obj: Any, *args: Any, **kwargs: Any) -> Namespace:
         """As jsonargparse's; the hyper-parameters of a ``--ckpt_path`` checkpoint, which LightningCLI parses over
-        the recipe, are read with renamed values in their new spelling (renamed_keys.checkpoint_values_renamed)."""
-        return super().parse_object(checkpoint_values_renamed(cfg_obj), *args, **kwargs)
+        the recipe, are read with renamed keys and values under their new names
+        (renamed_keys.checkpoint_names_renamed)."""
+        return super().parse_object(checkpoint_names_renamed(cfg_obj), *args, **kwargs)
 
 
 class DraftsmithCLI(LightningCLI):

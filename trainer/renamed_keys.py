@@ -11,8 +11,8 @@ test_recipe_vocabulary.py checks that every new name is a parameter of its objec
 with :data:`RENAMED_PRECOMPUTE_KEYS`. A value that was renamed (:data:`RENAMED_VALUES`: one value, one meaning across
 objectives) is refused the same way, naming its new spelling: ``labels``, what a loss is trained towards, is ``data``
 for the rows' own tokens (DFlash's old ``hard``) and ``argmax`` for the target's most likely token (EAGLE-3's old
-``hard``, Medusa's old ``target``) in every objective. A checkpoint that recorded an old value resumes with its new
-spelling (:func:`checkpoint_values_renamed`).
+``hard``, Medusa's old ``target``) in every objective. A checkpoint that recorded an old key or value resumes with its
+new name and spelling (:func:`checkpoint_names_renamed`).
 """
 
 from __future__ import annotations
@@ -114,14 +114,16 @@ def renamed_key_message(parser_error: str) -> str | None:
     return None
 
 
-def checkpoint_values_renamed(config: Any) -> Any:
-    """A checkpoint's hyper-parameters with every renamed value (:data:`RENAMED_VALUES`) in its new spelling.
+def checkpoint_names_renamed(config: Any) -> Any:
+    """A checkpoint's hyper-parameters with every renamed key (:data:`RENAMED_KEYS`) under its new name and every
+    renamed value (:data:`RENAMED_VALUES`) in its new spelling.
 
     ``draftsmith fit --ckpt_path FILE`` parses the hyper-parameters the checkpoint recorded over the recipe's
     (LightningCLI's ``_parse_ckpt_path``, as ``{subcommand: {"model": {"class_path": C, "dict_kwargs": {...}}}}``):
-    a run saved before a rename (DFlash's ``labels: hard``) resumes with the meaning it was trained with (``data``)
-    instead of being refused for a value its recipe cannot change. Anything else is returned as it is, a recipe's
-    ``init_args`` included (an old value there is refused, :func:`renamed_key_message`).
+    a run saved before a rename (KD's ``teacher``, DFlash's ``labels: hard``) resumes with the settings it was trained
+    with (``target``, ``labels: data``) instead of failing on a name its recipe cannot change. A key recorded under
+    both names keeps the new one's value. Anything else is returned as it is, a recipe's ``init_args`` included (an
+    old name there is refused, :func:`renamed_key_message`).
     """
     if not isinstance(config, dict):
         return config
@@ -130,13 +132,20 @@ def checkpoint_values_renamed(config: Any) -> Any:
         model = section.get("model") if isinstance(section, dict) else None
         if not isinstance(model, dict) or not isinstance(model.get("dict_kwargs"), dict):
             continue
-        renames = RENAMED_VALUES.get(str(model.get("class_path")), {})
-        kwargs = dict(model["dict_kwargs"])
+        class_path = str(model.get("class_path"))
+        keys, values = RENAMED_KEYS.get(class_path, {}), RENAMED_VALUES.get(class_path, {})
+        kwargs: dict[str, Any] = {}
         for key, value in model["dict_kwargs"].items():
-            new = renames.get(key, {}).get(value) if isinstance(value, str) else None
+            name = keys.get(key, key)
+            if name != key:
+                log.info("the checkpoint's model.init_args.%s is read as model.init_args.%s, its new name", key, name)
+                if name in model["dict_kwargs"]:
+                    continue
+            new = values.get(name, {}).get(value) if isinstance(value, str) else None
             if new is not None:
-                log.info("the checkpoint's model.init_args.%s: %s is read as %s, its new spelling", key, value, new)
-                kwargs[key] = new
+                log.info("the checkpoint's model.init_args.%s: %s is read as %s, its new spelling", name, value, new)
+                value = new
+            kwargs[name] = value
         out[subcommand] = {**section, "model": {**model, "dict_kwargs": kwargs}}
     return out
 

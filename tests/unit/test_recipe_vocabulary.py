@@ -208,6 +208,57 @@ def test_a_checkpoint_saved_before_a_rename_resumes_with_the_new_spelling(path, 
     assert model.class_path == path and model.init_args[key] == new
 
 
+# a value of each renamed key's type, other than its default, and a second one (recorded under the new name too)
+RECORDED = {
+    "drafter": ("artifacts/old_drafter", "artifacts/new_drafter"),
+    "drafter_config": ({"num_hidden_layers": 1}, {"num_hidden_layers": 2}),
+    "drafter_dtype": ("bfloat16", "float16"),
+    "export_dir": ("artifacts/old_export", "artifacts/new_export"),
+    "load_target_modules": (True, False),
+    "loss_chunk_size": (77, 5),
+    "num_heads": (3, 5),
+    "step_decay": (0.5, 0.25),
+    "target": ("artifacts/old_target", "artifacts/new_target"),
+    "target_config": ({"hidden_size": 64}, {"hidden_size": 32}),
+    "target_dtype": ("bfloat16", "float16"),
+    "target_layers": ([0, 1], [1, 2]),
+    "target_signals": ("shards", "online"),
+}
+
+
+# one old key per objective (the renaming reads the one table; each objective's class path is what differs) and every
+# new name once
+RESUMED = sorted({new: (path, old, new) for path, old, new in RENAMES}.values())
+RESUMED += [
+    (path, old, new)
+    for path, old, new in RENAMES
+    if path not in {p for p, _, _ in RESUMED} and old == next(iter(RENAMED_KEYS[path]))
+]
+
+
+@pytest.mark.parametrize("path, old, new", RESUMED, ids=[f"{p.rsplit('.', 1)[-1]}.{o}" for p, o, _ in RESUMED])
+def test_a_checkpoint_saved_before_a_key_was_renamed_resumes_under_the_new_name(path, old, new, tmp_path):
+    """An old key among a ``--ckpt_path`` file's hyper-parameters is read under its new name, its value kept (not
+    passed on as an unknown argument); a key recorded under both names keeps the new one's value."""
+    value, other = RECORDED[new]
+    base = {"_class_path": path, "_instantiator": "lightning.pytorch.cli.instantiate_module"}
+    if new != "target" and "target" in inspect.signature(_class(path)).parameters:
+        base["target"] = "x"
+    recipe = str(write_recipe(tmp_path, path, {}))
+    for recorded, expected in (({old: value}, value), ({old: value, new: other}, other)):
+        ckpt = tmp_path / "old.ckpt"
+        torch.save({"hyper_parameters": {**base, **recorded}, "state_dict": {}}, ckpt)
+        with pytest.raises(_Parsed) as parsed:
+            _ResumeReader(["fit", "--config", recipe, "--seed_everything", "0", "--ckpt_path", str(ckpt)])
+        init_args = parsed.value.args[0].fit.model.init_args
+        assert old not in init_args and init_args[new] == expected
+
+
+def _class(path: str) -> type:
+    module, name = path.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)
+
+
 def test_fit_refuses_an_old_key_with_status_2(tmp_path, capsys):
     kd = "trainer.methods.draft_model.kd.KnowledgeDistillation"
     with pytest.raises(SystemExit) as exited:
