@@ -192,19 +192,25 @@ class _ResumeReader(DraftsmithCLI):
         raise _Parsed(self.config)
 
 
+def resumed_model(tmp_path: Path, path: str, hparams: dict):
+    """``fit.model`` as ``draftsmith fit --config RECIPE --ckpt_path FILE`` parses it, FILE a checkpoint of ``path``
+    that recorded ``hparams`` and RECIPE one that sets none of them."""
+    ckpt = tmp_path / "old.ckpt"
+    instantiator = {"_class_path": path, "_instantiator": "lightning.pytorch.cli.instantiate_module"}
+    torch.save({"hyper_parameters": {**instantiator, **hparams}, "state_dict": {}}, ckpt)
+    recipe = str(write_recipe(tmp_path, path, {}))
+    with pytest.raises(_Parsed) as parsed:
+        _ResumeReader(["fit", "--config", recipe, "--seed_everything", "0", "--ckpt_path", str(ckpt)])
+    return parsed.value.args[0].fit.model
+
+
 @pytest.mark.parametrize(
     "path, key, old, new", VALUES, ids=[f"{p.rsplit('.', 1)[-1]}.{k}.{o}" for p, k, o, _ in VALUES]
 )
 def test_a_checkpoint_saved_before_a_rename_resumes_with_the_new_spelling(path, key, old, new, tmp_path):
     """LightningCLI parses the hyper-parameters a ``--ckpt_path`` file recorded over the recipe's: an old value there
     is read in its new spelling (the meaning it was trained with), not refused for a value no recipe can change."""
-    ckpt = tmp_path / "old.ckpt"
-    hparams = {"_class_path": path, "_instantiator": "lightning.pytorch.cli.instantiate_module", "target": "x"}
-    torch.save({"hyper_parameters": {**hparams, key: old}, "state_dict": {}}, ckpt)
-    recipe = str(write_recipe(tmp_path, path, {}))
-    with pytest.raises(_Parsed) as parsed:
-        _ResumeReader(["fit", "--config", recipe, "--seed_everything", "0", "--ckpt_path", str(ckpt)])
-    model = parsed.value.args[0].fit.model
+    model = resumed_model(tmp_path, path, {"target": "x", key: old})
     assert model.class_path == path and model.init_args[key] == new
 
 
@@ -241,22 +247,11 @@ def test_a_checkpoint_saved_before_a_key_was_renamed_resumes_under_the_new_name(
     """An old key among a ``--ckpt_path`` file's hyper-parameters is read under its new name, its value kept (not
     passed on as an unknown argument); a key recorded under both names keeps the new one's value."""
     value, other = RECORDED[new]
-    base = {"_class_path": path, "_instantiator": "lightning.pytorch.cli.instantiate_module"}
-    if new != "target" and "target" in inspect.signature(_class(path)).parameters:
-        base["target"] = "x"
-    recipe = str(write_recipe(tmp_path, path, {}))
+    needs_target = new != "target" and "target" in inspect.signature(OBJECTIVES[path]).parameters
+    base = {"target": "x"} if needs_target else {}
     for recorded, expected in (({old: value}, value), ({old: value, new: other}, other)):
-        ckpt = tmp_path / "old.ckpt"
-        torch.save({"hyper_parameters": {**base, **recorded}, "state_dict": {}}, ckpt)
-        with pytest.raises(_Parsed) as parsed:
-            _ResumeReader(["fit", "--config", recipe, "--seed_everything", "0", "--ckpt_path", str(ckpt)])
-        init_args = parsed.value.args[0].fit.model.init_args
+        init_args = resumed_model(tmp_path, path, {**base, **recorded}).init_args
         assert old not in init_args and init_args[new] == expected
-
-
-def _class(path: str) -> type:
-    module, name = path.rsplit(".", 1)
-    return getattr(importlib.import_module(module), name)
 
 
 def test_fit_refuses_an_old_key_with_status_2(tmp_path, capsys):

@@ -160,32 +160,41 @@ class LayerSkipLM(nn.Module):
         total, losses, kl = 0.0, [], None
         for layer, scale in zip(layers, scales):
             normed = norm(states[layer])  # [B, S, H]
+            logits = scaling(head(normed).float()) if whole_logits else None  # [B, S, V]
             divergence = None
-            if whole_logits:
-                logits = scaling(head(normed).float())  # [B, S, V]
-                if original is not None and (distill or layer == layers[-1]):
-                    hidden_o, weight_o, mask_o, scaling_o = original
-                    with torch.no_grad():
-                        reference = scaling_o(hidden_o @ weight_o.t())  # [B, S, V]
-                    divergence = kd_loss(logits, reference, mask_o, chunk_size=self.chunk_size).loss
-                if not distill:
-                    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
-            else:
-                if original is not None and (distill or layer == layers[-1]):
-                    hidden_o, weight_o, mask_o, scaling_o = original
-                    divergence = fused_kd_loss(
-                        normed, head.weight, hidden_o, weight_o, mask_o,
-                        chunk_size=self.chunk_size, student_scaling=scaling, teacher_scaling=scaling_o,
-                    ).loss  # fmt: skip
-                if not distill:
-                    loss = chunked_cross_entropy(normed, head.weight, labels, self.chunk_size, scaling=scaling)
+            if original is not None and (distill or layer == layers[-1]):
+                divergence = self._kl_to_original(normed, logits, head.weight, scaling, original)
             if distill:
                 loss = divergence
+            elif logits is not None:
+                loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+            else:
+                loss = chunked_cross_entropy(normed, head.weight, labels, self.chunk_size, scaling=scaling)
             if layer == layers[-1]:
                 kl = divergence
             total = total + scale * loss
             losses.append(loss)
         return total, losses, kl
+
+    def _kl_to_original(
+        self,
+        normed: torch.Tensor,
+        logits: torch.Tensor | None,
+        weight: torch.Tensor,
+        scaling: LogitScaling,
+        original: tuple[torch.Tensor, torch.Tensor, torch.Tensor, LogitScaling],
+    ) -> torch.Tensor:
+        """``KL(p_original || q)`` of one exit over the original's positions: from its whole ``logits`` [B, S, V]
+        when given (ZeRO-3), else from its normed hidden states [B, S, H] and the lm_head ``weight``, chunked."""
+        hidden_o, weight_o, mask_o, scaling_o = original
+        if logits is not None:
+            with torch.no_grad():
+                reference = scaling_o(hidden_o @ weight_o.t())  # [B, S, V]
+            return kd_loss(logits, reference, mask_o, chunk_size=self.chunk_size).loss
+        return fused_kd_loss(
+            normed, weight, hidden_o, weight_o, mask_o,
+            chunk_size=self.chunk_size, student_scaling=scaling, teacher_scaling=scaling_o,
+        ).loss  # fmt: skip
 
 
 class LayerSkip(DraftObjective):
