@@ -496,6 +496,32 @@ def sparse_kd_loss(
 # Cross entropy with its gradients taken at once (the heads of parallel multi-token prediction).
 
 
+@dataclass(frozen=True)
+class SoftTargets:
+    """A frozen teacher's next-token distribution, projected a chunk of positions at a time from its final normed
+    hidden states (never its whole [B, S, V] logits).
+
+    Attributes:
+        hidden: ``[B, S, Ht]`` the teacher's final normed hidden states, aligned with the student's positions.
+        lm_head_weight: ``[V, Ht]`` its output projection.
+        scaling: the output scaling its forward applies after its lm_head (None: none).
+    """
+
+    hidden: torch.Tensor
+    lm_head_weight: torch.Tensor
+    scaling: LogitScaling | None = None
+
+    def log_probs(self, flat_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``[C, V]`` log-probabilities (in ``dtype``) at the flat positions ``flat_ids`` [C] (``b * S + s``)."""
+        with torch.no_grad():
+            rows = self.hidden.detach().reshape(-1, self.hidden.shape[-1]).index_select(0, flat_ids)  # [C, Ht]
+            logits = (rows @ self.lm_head_weight.detach().t()).to(dtype)  # [C, V]
+            scaling = _active(self.scaling)
+            if scaling is not None:
+                logits = scaling(logits)
+            return torch.log_softmax(logits, dim=-1)
+
+
 def cross_entropy_with_grads(
     hidden: torch.Tensor,
     lm_head_weight: torch.Tensor,
@@ -506,6 +532,7 @@ def cross_entropy_with_grads(
     scale: float = 1.0,
     weight_grad_out: torch.Tensor | None = None,
     scaling: LogitScaling | None = None,
+    soft_targets: SoftTargets | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Mean cross entropy of ``scaling(hidden @ lm_head_weight.T)`` over labels != -100 and, computed at once without
     autograd, the gradients of ``scale * loss`` with respect to ``hidden`` and ``lm_head_weight``.
@@ -524,12 +551,22 @@ def cross_entropy_with_grads(
     summing several losses' gradients then hold one such tensor, not one per loss). ``scaling``: the output scaling
     the model's forward applies after its lm_head (None: none); the gradient with respect to the raw logits is then
     the one above times ``multiplier * (1 - tanh^2)`` of the soft-cap (``multiplier`` alone without one).
+
+    ``soft_targets``: a teacher's distribution per position (:class:`SoftTargets`, aligned with ``hidden``) in place of
+    the labels' tokens: the loss is then the mean forward ``KL(p || q)`` over the labelled positions (the labels only
+    select them) and ``onehot(label)`` becomes ``p`` in the gradient (the KL and the soft cross entropy differ by the
+    teacher's entropy, a constant).
     """
     _check_options("forward_kl", 0.5, 1.0, 1.0, chunk_size)
     b, s, h = _check_3d(hidden, "hidden")
     v = _check_head(lm_head_weight, hidden, "lm_head_weight")
     if tuple(labels.shape) != (b, s):
         raise ValueError(f"labels must be [B, S] = {(b, s)}, got shape {tuple(labels.shape)}")
+    if soft_targets is not None:
+        _check_3d(soft_targets.hidden, "soft_targets.hidden", (b, s))
+        if _check_head(soft_targets.lm_head_weight, soft_targets.hidden, "soft_targets.lm_head_weight") != v:
+            raise ValueError(f"soft_targets.lm_head_weight has {soft_targets.lm_head_weight.shape[0]} rows, the "
+                             f"student's vocabulary {v}")  # fmt: skip
     compute = torch.promote_types(hidden.dtype, torch.float32)
     flat = hidden.detach().reshape(b * s, h)  # [N, H]
     weight = lm_head_weight.detach()  # [V, H]
@@ -559,11 +596,18 @@ def cross_entropy_with_grads(
             if scaling.softcap is not None and (grad_hidden or grad_weight):
                 tanh_grad = 1.0 - (logits / scaling.softcap).square()  # [C, V] 1 - tanh^2 of the soft-cap
         lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [C, 1]
-        total += (lse[:, 0] - logits.gather(-1, targets[:, None])[:, 0]).sum()
+        teacher = None if soft_targets is None else soft_targets.log_probs(ids, compute)  # [C, V] log p
+        if teacher is None:
+            total += (lse[:, 0] - logits.gather(-1, targets[:, None])[:, 0]).sum()
+        else:
+            total += kl_from_log_probs(teacher, logits - lse).sum()
         if not (grad_hidden or grad_weight):
             continue
         g = logits.sub_(lse).exp_()  # [C, V] softmax, in place of the logits
-        g[torch.arange(ids.numel(), device=g.device), targets] -= 1.0
+        if teacher is None:
+            g[torch.arange(ids.numel(), device=g.device), targets] -= 1.0
+        else:
+            g.sub_(teacher.exp_())  # [C, V] q - p
         g.mul_(scale / n if scaling is None else scale / n * scaling.multiplier)
         if tanh_grad is not None:
             g.mul_(tanh_grad)  # [C, V] the gradient w.r.t. the raw logits

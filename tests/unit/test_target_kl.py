@@ -1,5 +1,5 @@
 """The KL to the frozen original target of the fine-tunes that change their target (``target_kl_weight`` of
-parallel MTP heads and LayerSkip, and LayerSkip's exits trained on the original's distribution): the loss against a
+parallel MTP heads and LayerSkip, and their heads and exits trained on the original's distribution): the loss against a
 naive per-position formula, the naive gradients through every head backward, the frozen original kept out of the
 module tree and checkpoints (its fingerprint kept), the exports recording the original, the refusals, and the changed
 target measured beside its original (``draftsmith eval --original_target``)."""
@@ -20,6 +20,7 @@ from trainer.methods.layerskip import kind as layerskip_kind
 from trainer.methods.layerskip.objective import LayerSkip, exit_scales
 from trainer.methods.mtp_heads import export as mtp_export
 from trainer.methods.mtp_heads import kind as mtp_kind
+from trainer.methods.mtp_heads.module import head_labels
 from trainer.methods.mtp_heads.objective import ParallelMTPHeads
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -112,6 +113,57 @@ def test_mtp_heads_gradients_of_the_kl_are_the_naive_ones_through_every_backward
         for name, p in mtp.named_parameters():
             torch.testing.assert_close(p.grad, reference[name], rtol=1e-4, atol=1e-7, msg=f"{backward}: {name}")
     assert not any(p.requires_grad for p in objective.target.model.parameters())
+
+
+@pytest.mark.parametrize("weight", [0.0, WEIGHT])
+def test_mtp_heads_learning_the_original_are_each_scored_by_their_kl_to_it_a_few_positions_later(
+    model_dir, weight
+) -> None:
+    """``labels: original``: head i's loss at position t is the naive KL from the frozen original's distribution at
+    t + i, over the positions where head i has a label; head 0's once more at ``target_kl_weight``; in every backward
+    and in validation, with autograd's gradients through those formulas."""
+    objective = mtp_objective(model_dir, target_kl_weight=weight, labels="original")
+    assert objective.target is not None  # the original is loaded for the labels even without the KL term
+    b = batch(6)
+    move(objective.mtp, 7)
+    n, mtp = objective.mtp.num_heads, objective.mtp
+
+    def expected_losses(grad: bool) -> list[torch.Tensor]:
+        with torch.set_grad_enabled(grad):
+            logits = mtp.all_logits(b["input_ids"])  # [B, S, n, V]
+        with torch.no_grad():
+            original = objective.target.model(b["input_ids"]).logits  # [B, S, V]
+        losses = []
+        for i in range(n):
+            later = F.pad(original[:, i:], (0, 0, 0, i))  # [B, S, V]: position t holds the original's t + i
+            mask = head_labels(b["labels"], i) != -100  # [B, S]
+            kl = kl_by_autograd if grad else naive_kl
+            losses.append(kl(later, logits[:, :, i], mask))
+        return losses
+
+    kls = expected_losses(grad=False)
+    assert min(float(kl) for kl in kls) > 1e-3
+    expected = sum(kls) + weight * kls[0]
+    mtp.zero_grad(set_to_none=True)
+    (sum(expected_losses(grad=True)) + weight * expected_losses(grad=True)[0]).backward()
+    reference = {name: p.grad.clone() for name, p in mtp.named_parameters()}
+    for backward in ("sequential", "checkpoint", "naive"):
+        objective.head_backward = backward
+        mtp.zero_grad(set_to_none=True)
+        loss, metrics = objective.compute_loss(b)
+        torch.testing.assert_close(loss.double(), expected, rtol=1e-4, atol=1e-7, msg=backward)
+        for i in range(n):
+            torch.testing.assert_close(metrics[f"loss_head{i}"].double(), kls[i], rtol=1e-4, atol=1e-7)
+        assert ("target_kl" in metrics) == (weight > 0)
+        loss.backward()
+        for name, p in mtp.named_parameters():
+            torch.testing.assert_close(p.grad, reference[name], rtol=1e-4, atol=1e-7, msg=f"{backward}: {name}")
+    with torch.no_grad():  # validation: the same losses, one chunk at a time
+        loss, metrics = objective.compute_loss(b)
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-4, atol=1e-7)
+    for i in range(n):
+        torch.testing.assert_close(metrics[f"loss_head{i}"].double(), kls[i], rtol=1e-4, atol=1e-7)
+    assert objective.drafter_record().config["labels"] == "original"
 
 
 def test_layerskip_loss_is_the_exits_loss_plus_the_weighted_kl_to_the_original(model_dir) -> None:
@@ -219,8 +271,12 @@ def test_the_exports_record_the_original_and_read_it_back(model_dir, tmp_path) -
     mtp_kind.write(objective.mtp, record, tmp_path / "mtp")
     settings = mtp_export.read_config(tmp_path / "mtp")
     assert settings["fine_tuned_from"] == str(model_dir) and settings["target_kl_weight"] == WEIGHT
+    assert settings["labels"] == "data"
     _, loaded = mtp_kind.load(tmp_path / "mtp")
-    assert loaded.config["fine_tuned_from"] == str(model_dir)
+    assert loaded.config["fine_tuned_from"] == str(model_dir) and loaded.config["labels"] == "data"
+    distilled = mtp_objective(model_dir, labels="original")
+    mtp_kind.write(distilled.mtp, distilled.drafter_record(), tmp_path / "distilled")
+    assert mtp_kind.load(tmp_path / "distilled")[1].config["labels"] == "original"
     layerskip = LayerSkip(str(model_dir), target_kl_weight=WEIGHT)
     layerskip_kind.write(layerskip.model, layerskip.drafter_record(), tmp_path / "layerskip")
     marker = json.loads((tmp_path / "layerskip" / layerskip_kind.MARKER).read_text())
@@ -242,6 +298,8 @@ def test_a_kl_without_an_original_or_below_zero_is_refused_naming_the_key(model_
         LayerSkip(tokenizer="unused", target_kl_weight=1.0)
     with pytest.raises(RecipeError, match="model.labels=original .* needs model.target"):
         LayerSkip(tokenizer="unused", labels="original")
+    with pytest.raises(RecipeError, match="model.labels=original .* needs model.target"):
+        ParallelMTPHeads(tokenizer="unused", labels="original")
 
 
 def test_a_changed_target_is_measured_beside_its_original() -> None:

@@ -20,7 +20,8 @@ A folder written by :func:`save` holds
        "agreement": [[...], ...] or null,    # [n - 1][R] measured top-k agreement of the extra heads (see below)
        "agreement_count": N,                  # positions it was measured on (0: never)
        "fine_tuned_from": "DIR" or null,      # the model the fine-tune started from (the original target)
-       "target_kl_weight": w}                 # the weight of the KL that kept the model close to it (0: none)
+       "target_kl_weight": w,                 # the weight of the KL that kept the model close to it (0: none)
+       "labels": "data" or "original"}        # what the heads learned: the data's tokens, or that model's outputs
 
   ``agreement[i - 1][r]``: how often the rank-``r`` token of head ``i`` at position ``t`` was head 0's argmax at
   position ``t + i`` on held-out data (what greedy self-speculative decoding verifies); trees are built from it.
@@ -67,12 +68,14 @@ def save(
     state_dict: dict[str, torch.Tensor] | None = None,
     fine_tuned_from: str | None = None,
     target_kl_weight: float = 0.0,
+    labels: str = "data",
 ) -> Path:
     """Write the model (HF checkpoint, tokenizer from ``tokenizer_from`` when found) and the extra heads beside it.
 
     ``state_dict``: the module's full state dict when its own parameters are shards (FSDP2, ZeRO-3).
-    ``fine_tuned_from``, ``target_kl_weight``: the model a fine-tune started from and the weight of its KL to it,
-    recorded in ``mtp_heads.json`` (``draftsmith eval --original_target`` compares the two models).
+    ``fine_tuned_from``, ``target_kl_weight``, ``labels``: the model a fine-tune started from, the weight of its KL to
+    it and what the heads learned, recorded in ``mtp_heads.json`` (``draftsmith eval --original_target`` compares the
+    two models).
     """
     path = Path(out_dir)
     model_state = None
@@ -98,6 +101,7 @@ def save(
         "agreement_count": float(heads.agreement_count) if agreement is not None else 0.0,
         "fine_tuned_from": fine_tuned_from,
         "target_kl_weight": float(target_kl_weight),
+        "labels": labels,
     }
     (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return path

@@ -40,6 +40,7 @@ def make_record(
     tokenizer: str | None,
     fine_tuned_from: str | None = None,
     target_kl_weight: float = 0.0,
+    labels: str = "data",
 ) -> DrafterRecord:
     """The record of a model trained with parallel heads.
 
@@ -50,6 +51,7 @@ def make_record(
         tokenizer: the tokenizer directory, when known.
         fine_tuned_from: the model a fine-tune started from (the original target), None for a fresh model.
         target_kl_weight: the weight of the KL that kept the model close to that original (0: none).
+        labels: what the heads learned: "data" (the rows' tokens) or "original" (that original's distribution).
     """
     config = heads.model.config
     return DrafterRecord(
@@ -60,6 +62,7 @@ def make_record(
             "model_config": config.to_dict(),
             "fine_tuned_from": fine_tuned_from,
             "target_kl_weight": float(target_kl_weight),
+            "labels": labels,
         },
         components={component: component + "."},
         target=target,
@@ -98,8 +101,9 @@ def write(module: MTPHeads, record: DrafterRecord, out_dir: Path) -> Path:
     """The model as an HF checkpoint with its tokenizer, the heads beside it (export.py)."""
     settings = record.config
     return formats.save(
-        module, out_dir, record.tokenizer, None, settings.get("fine_tuned_from"), settings.get("target_kl_weight", 0.0)
-    )
+        module, out_dir, record.tokenizer, None, settings.get("fine_tuned_from"), settings.get("target_kl_weight", 0.0),
+        settings.get("labels", "data"),
+    )  # fmt: skip
 
 
 def load(folder: Path) -> tuple[MTPHeads, DrafterRecord]:
@@ -108,8 +112,9 @@ def load(folder: Path) -> tuple[MTPHeads, DrafterRecord]:
     tokenizer = str(folder) if (folder / "tokenizer_config.json").is_file() else None
     settings = formats.read_config(folder)
     return module, make_record(
-        module, "mtp", str(folder), tokenizer, settings.get("fine_tuned_from"), settings.get("target_kl_weight", 0.0)
-    )
+        module, "mtp", str(folder), tokenizer, settings.get("fine_tuned_from"), settings.get("target_kl_weight", 0.0),
+        settings.get("labels", "data"),
+    )  # fmt: skip
 
 
 def same_model(heads: MTPHeads, target: PreTrainedModel) -> bool:

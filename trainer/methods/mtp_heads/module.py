@@ -10,7 +10,10 @@ scales, Gemma-2's soft-cap; the identity for Llama) is part of that shared outpu
 loss and in drafting, are the scaled ones, as head 0's are the model's own.
 
 Training loss: ``sum_i w_i * CE_i``, ``CE_i`` the mean cross entropy of head ``i`` over the positions whose token
-``t + 1 + i`` is a trained label (``labels`` shifted by ``i``, the last ``i`` positions unlabelled).
+``t + 1 + i`` is a trained label (``labels`` shifted by ``i``, the last ``i`` positions unlabelled). With ``distill``
+(fine-tuning), ``CE_i`` is replaced by head ``i``'s forward KL from a frozen original's next-token distribution at
+``t + i`` (its prediction of the same token) over the same positions: every head learns what the model it started
+from predicts, not the data's tokens (:func:`head_soft_targets`).
 
 Three ways to run the heads' backward (:data:`HEAD_BACKWARDS`), all giving the naive gradients (tested in float64):
 
@@ -57,7 +60,7 @@ from transformers.masking_utils import create_causal_mask
 
 from trainer.decoding.session import slice_refusal
 from trainer.logit_scaling import LogitScaling
-from trainer.losses import cross_entropy_with_grads, fused_kd_loss, kd_loss
+from trainer.losses import SoftTargets, cross_entropy_with_grads, fused_kd_loss, kd_loss, kl_from_log_probs
 
 HEAD_BACKWARDS = ("sequential", "checkpoint", "naive")
 IGNORE_INDEX = -100
@@ -70,6 +73,15 @@ def head_labels(labels: torch.Tensor, i: int) -> torch.Tensor:
     if i == 0:
         return labels
     return F.pad(labels[:, i:], (0, min(i, labels.shape[1])), value=IGNORE_INDEX)[:, : labels.shape[1]]  # [B, S]
+
+
+def head_soft_targets(original: Original, i: int) -> SoftTargets:
+    """What head ``i`` learns with ``distill``: at position t, the original's next-token distribution at t + i (its
+    prediction of token t + 1 + i, the token head i guesses at t); past the end, zeros (unlabelled there)."""
+    hidden = original.hidden  # [B, S, Ho]
+    if i > 0:
+        hidden = F.pad(hidden[:, i:], (0, 0, 0, min(i, hidden.shape[1])))[:, : hidden.shape[1]]  # [B, S, Ho]
+    return SoftTargets(hidden, original.lm_head_weight, original.scaling)
 
 
 @dataclass
@@ -236,6 +248,7 @@ class MTPHeads(nn.Module):
         weights: Sequence[float] | None = None,
         measure: bool = False,
         original: Original | None = None,
+        distill: bool = False,
     ) -> HeadsOutput:
         """The heads' loss on a batch (module docstring). Without grad mode (validation) the heads run one at a time,
         their logits a chunk at a time, whatever ``backward`` says.
@@ -248,6 +261,9 @@ class MTPHeads(nn.Module):
             weights: ``w_i`` per head (default all 1).
             measure: in evaluation, also the heads' accuracies and the extra heads' agreement with head 0.
             original: also ``target_kl``, head 0's KL from this frozen original (module docstring).
+            distill: every head's loss is its forward KL from the original's distribution (:func:`head_soft_targets`)
+                over the positions it has a label at, instead of its cross entropy on the labels (needs ``original``);
+                ``target_kl`` is then not computed (head 0's loss is that KL over the labelled positions).
         """
         if backward not in HEAD_BACKWARDS:
             raise ValueError(f"backward={backward!r} is not one of {HEAD_BACKWARDS}")
@@ -257,24 +273,28 @@ class MTPHeads(nn.Module):
             raise ValueError(f"{len(weights)} head weights for {n} heads")
         if tuple(labels.shape) != tuple(input_ids.shape):
             raise ValueError(f"labels {tuple(labels.shape)} and input_ids {tuple(input_ids.shape)} differ in shape")
+        if distill and original is None:
+            raise ValueError("distill needs the original's hidden states")
         z, inputs = self.trunk(input_ids)
         per_head = [head_labels(labels, i) for i in range(n)]
+        soft = [head_soft_targets(original, i) if distill else None for i in range(n)]
         params = [p for p in self.parameters() if p.requires_grad]
         if not torch.is_grad_enabled() or not (z.requires_grad or params):
-            out = self._evaluate(z, inputs, per_head, weights, chunk_size, measure)
-            out.target_kl = None if original is None else self.target_kl(z, inputs, original, "sequential", chunk_size)
+            out = self._evaluate(z, inputs, per_head, soft, weights, chunk_size, measure)
+            if original is not None and not distill:
+                out.target_kl = self.target_kl(z, inputs, original, "sequential", chunk_size)
             return out
-        kl = None if original is None else self.target_kl(z, inputs, original, backward, chunk_size)
+        kl = None if original is None or distill else self.target_kl(z, inputs, original, backward, chunk_size)
         if backward == "sequential":
-            plan = _Plan(self, inputs, per_head, weights, chunk_size)
+            plan = _Plan(self, inputs, per_head, soft, weights, chunk_size)
             loss, losses = _SequentialHeads.apply(plan, z, *plan.params)
             return HeadsOutput(loss=loss, head_losses=losses, target_kl=kl)
         losses = []
         for i in range(n):
             if backward == "checkpoint":
-                losses.append(checkpoint(self._head_loss, i, z, inputs, per_head[i], use_reentrant=False))
+                losses.append(checkpoint(self._head_loss, i, z, inputs, per_head[i], soft[i], use_reentrant=False))
             else:
-                losses.append(self._head_loss(i, z, inputs, per_head[i]))
+                losses.append(self._head_loss(i, z, inputs, per_head[i], soft[i]))
         loss = sum(w * loss_i for w, loss_i in zip(weights, losses))
         return HeadsOutput(loss=loss, head_losses=torch.stack([x.detach() for x in losses]), target_kl=kl)
 
@@ -305,12 +325,23 @@ class MTPHeads(nn.Module):
             reference = original.scaling(original.hidden @ original.lm_head_weight.t())  # [B, S, V]
         return kd_loss(logits, reference, original.mask, chunk_size=chunk_size).loss
 
-    def _head_loss(self, i: int, z: torch.Tensor, inputs: HeadInputs, labels: torch.Tensor) -> torch.Tensor:
-        """Mean cross entropy of head ``i`` from its full logits, widened to float32 (0 when it has no label)."""
+    def _head_loss(
+        self, i: int, z: torch.Tensor, inputs: HeadInputs, labels: torch.Tensor, soft: SoftTargets | None
+    ) -> torch.Tensor:
+        """Mean cross entropy of head ``i`` from its full logits, widened to float32, or with ``soft`` its mean KL from
+        their distribution over the labelled positions (0 when it has no label)."""
         logits = self.head_logits(i, z, inputs)  # [B, S, V]
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        labelled = labels != IGNORE_INDEX  # [B, S]
+        if soft is not None:
+            if not bool(labelled.any()):
+                return logits.sum() * 0.0
+            with torch.no_grad():
+                reference = soft.hidden @ soft.lm_head_weight.t()  # [B, S, V]
+                reference = reference if soft.scaling is None else soft.scaling(reference)
+            return kd_loss(logits, reference, labelled).loss
         total = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-        return total / max(1, int((labels != IGNORE_INDEX).sum()))
+        return total / max(1, int(labelled.sum()))
 
     @torch.no_grad()
     def _evaluate(
@@ -318,11 +349,13 @@ class MTPHeads(nn.Module):
         z: torch.Tensor,
         inputs: HeadInputs,
         per_head: list[torch.Tensor],
+        soft: list[SoftTargets | None],
         weights: list[float],
         chunk_size: int | None,
         measure: bool,
     ) -> HeadsOutput:
-        """Every head's loss (and accuracies), one head and one chunk of logits at a time, without gradients."""
+        """Every head's loss (and accuracies), one head and one chunk of logits at a time, without gradients: the cross
+        entropy on its labels, or its KL from ``soft[i]`` where given (the accuracies are against the labels)."""
         n, top_k = self.num_heads, self.agreement.shape[1]
         weight = self.model.lm_head.weight  # [V, H]
         scaling = self.scaling
@@ -358,7 +391,11 @@ class MTPHeads(nn.Module):
                 valid = lab != IGNORE_INDEX  # [C]
                 if bool(valid.any()):
                     lse = torch.logsumexp(logits[valid], dim=-1)  # [c]
-                    ce_sum += float((lse - logits[valid].gather(-1, lab[valid][:, None])[:, 0]).sum())
+                    if soft[i] is None:
+                        ce_sum += float((lse - logits[valid].gather(-1, lab[valid][:, None])[:, 0]).sum())
+                    else:
+                        teacher = soft[i].log_probs(ids[valid], logits.dtype)  # [c, V]
+                        ce_sum += float(kl_from_log_probs(teacher, logits[valid] - lse[:, None]).sum())
                     hits += float((logits[valid].argmax(-1) == lab[valid]).sum())
                     count += int(valid.sum())
                 if reference is not None:
@@ -416,10 +453,12 @@ class _Plan:
         heads: MTPHeads,
         inputs: HeadInputs,
         labels: list[torch.Tensor],
+        soft_targets: list[SoftTargets | None],
         weights: list[float],
         chunk_size: int | None,
     ) -> None:
         self.inputs, self.labels, self.weights, self.chunk_size = inputs, labels, weights, chunk_size
+        self.soft_targets = soft_targets
         self.modules = [heads.head(i) for i in range(heads.num_heads)]
         self.norm = heads.model.get_decoder().norm
         self.unembedding = heads.model.lm_head.weight  # [V, H]
@@ -466,7 +505,7 @@ class _SequentialHeads(torch.autograd.Function):
             # g_normed [B, S, H]; the lm_head's gradient added to g_params[u]
             loss, g_normed, _ = cross_entropy_with_grads(
                 normed, leaves[u], plan.labels[i], plan.chunk_size, bool(wrt), needs[u], plan.weights[i], g_params[u],
-                scaling=plan.scaling,
+                scaling=plan.scaling, soft_targets=plan.soft_targets[i],
             )  # fmt: skip
             if wrt:
                 grads = torch.autograd.grad(normed, wrt, grad_outputs=g_normed)

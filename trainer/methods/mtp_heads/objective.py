@@ -28,6 +28,11 @@ logged as ``target_kl``. The copy is declared with ``track_frozen`` (as ``origin
 never its weights) and kept out of the module tree. Trained on the target's own greedy completions without it, the
 fine-tune drifts towards repeating itself (docs/methods/mtp-heads.md).
 
+What the heads learn (``labels``): the data's tokens (cross entropy, the paper's), or the frozen original's
+distribution (``original``: head i's loss at position t is its forward KL from the original's next-token distribution
+at t + i, head 0's included, which then also carries ``target_kl_weight``), so that no head pulls the shared trunk
+towards the data where the original predicts otherwise.
+
 Validation also measures every head's accuracy (``val/acc_head{i}``) and how often extra head i's top-k tokens hold
 head 0's argmax i positions later (``val/agree_head{i}``, top 1): the last measurement is kept in the module and
 exported, and the drafting tree for a node budget is built from it. At the end of fit the model is written to
@@ -105,6 +110,7 @@ class ParallelMTPHeads(DraftObjective):
         head_backward: Literal["auto", "sequential", "checkpoint", "naive"] = "auto",
         heads_lr_multiplier: float = 1.0,
         target_kl_weight: float = 0.0,
+        labels: Literal["data", "original"] = "data",
         loss_chunk_size: int = 256,
         target_dtype: str = "float32",
         export_dir: str | None = None,
@@ -132,6 +138,11 @@ class ParallelMTPHeads(DraftObjective):
                 forward KL from a frozen copy of ``target`` to the model's next-token distribution, added to the
                 heads' loss so that the model keeps its outputs (0: off; >= 0). Needs ``target``; the frozen copy
                 costs one more model in memory and its forward in every step.
+            labels: what every head (head 0 included) learns: "data", the rows' next tokens (cross entropy), or
+                "original", the frozen copy of ``target``'s next-token distribution (head i at t: the forward KL from
+                the copy's distribution at t + i, over the positions with a label), so that the heads draft what the
+                model predicts rather than the data, and the model's own output is held to the original's. Needs
+                ``target``; the frozen copy costs what ``target_kl_weight`` costs.
             loss_chunk_size: positions per chunk of a head's logits.
             target_dtype: the weights' dtype (float32, bfloat16, float16, float64).
             export_dir: where the model (HF checkpoint and tokenizer) and its heads are written at the end of fit.
@@ -159,6 +170,13 @@ class ParallelMTPHeads(DraftObjective):
                 "from: it needs model.target and train: all (a fresh model has no original, and train: heads never "
                 "changes the model); set it to 0"
             )
+        if labels not in ("data", "original"):
+            raise RecipeError(f"model.labels={labels!r} is not 'data' or 'original'")
+        if labels == "original" and target is None:
+            raise RecipeError(
+                "model.labels=original trains every head on the distribution of the model it started from: it needs "
+                "model.target (a fresh model has no original); use labels: data"
+            )
         torch_dtype = resolve_dtype(target_dtype) if target_dtype != "float64" else torch.float64
         if target is not None:
             if target_config:
@@ -168,7 +186,7 @@ class ParallelMTPHeads(DraftObjective):
             hf_model = AutoModelForCausalLM.from_pretrained(
                 target, dtype=torch_dtype, trust_remote_code=trust_remote_code
             )
-            if target_kl_weight > 0:  # the frozen original: out of the module tree, its fingerprint in checkpoints
+            if target_kl_weight > 0 or labels == "original":  # the frozen original, out of the module tree
                 read_as = "float32" if torch_dtype == torch.float64 else target_dtype
                 self.load_target(target, "online", read_as, trust_remote_code, record_as="original")
                 self.target.to(torch_dtype)
@@ -190,7 +208,7 @@ class ParallelMTPHeads(DraftObjective):
         self.head_weights = head_weights
         self.train_mode, self.head_backward, self.heads_lr_multiplier = train, head_backward, heads_lr_multiplier
         self.loss_chunk_size, self.export_dir = loss_chunk_size, export_dir
-        self.target_kl_weight = target_kl_weight
+        self.target_kl_weight, self.labels = target_kl_weight, labels
         self._agreement: list[torch.Tensor] = []
 
     def trainable_module(self) -> nn.Module:
@@ -220,17 +238,24 @@ class ParallelMTPHeads(DraftObjective):
     # ---- training ----------------------------------------------------------------------------------------------------
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         measure = not torch.is_grad_enabled()  # validation: accuracies and agreement too
+        distill = self.labels == "original"
+        weights = self.head_weights or [1.0] * self.mtp.num_heads
+        if distill:  # head 0's loss is the KL to the original: target_kl_weight adds to its weight
+            weights = [weights[0] + self.target_kl_weight, *weights[1:]]
         out = self.mtp(
             batch["input_ids"],
             batch["labels"],
             backward=self.backward_mode(),
             chunk_size=self.loss_chunk_size,
-            weights=self.head_weights,
+            weights=weights,
             measure=measure,
             original=self.original(batch),
+            distill=distill,
         )
         metrics = {f"loss_head{i}": out.head_losses[i].float() for i in range(self.mtp.num_heads)}
         loss = out.loss.float()
+        if distill and self.target_kl_weight > 0:
+            metrics["target_kl"] = out.head_losses[0].float()
         if out.target_kl is not None:
             loss = loss + self.target_kl_weight * out.target_kl
             metrics["target_kl"] = out.target_kl.detach()
@@ -243,8 +268,9 @@ class ParallelMTPHeads(DraftObjective):
         return loss, metrics
 
     def original(self, batch: dict[str, torch.Tensor]) -> Original | None:
-        """The frozen original's final normed hidden states on the batch (``target_kl_weight > 0``), else None."""
-        if self.target_kl_weight <= 0:
+        """The frozen original's final normed hidden states on the batch (``target_kl_weight > 0`` or ``labels:
+        original``), else None."""
+        if self.target_kl_weight <= 0 and self.labels != "original":
             return None
         frozen = self.target_on(self.device)
         ids = batch["input_ids"]  # [B, S]
@@ -264,7 +290,10 @@ class ParallelMTPHeads(DraftObjective):
 
     def flops_per_token(self) -> float:
         flops = 3.0 * mtp_flops_per_token(self.mtp, self.data_seq_len())
-        if self.target_kl_weight > 0:  # the original's forward, head 0 and both projections once more
+        if self.labels == "original":  # the original's forward, its projection for every head's KL (no more of ours)
+            flops += causal_lm_flops_per_token(self.mtp.model, self.data_seq_len())
+            flops += self.mtp.num_heads * 2.0 * self.mtp.model.lm_head.weight.numel()
+        elif self.target_kl_weight > 0:  # the original's forward, head 0 and both projections once more
             model = self.mtp.model
             unembedding = 2.0 * model.lm_head.weight.numel()
             flops += causal_lm_flops_per_token(model, self.data_seq_len()) + unembedding
@@ -275,7 +304,7 @@ class ParallelMTPHeads(DraftObjective):
     def drafter_record(self) -> DrafterRecord:
         """Kind ``mtp_heads``: the model with its heads, its own target (at ``export_dir`` once written)."""
         return mtp_kind.make_record(
-            self.mtp, "mtp", self.export_dir, self.tokenizer_path, self.target_path, self.target_kl_weight
+            self.mtp, "mtp", self.export_dir, self.tokenizer_path, self.target_path, self.target_kl_weight, self.labels
         )
 
     def speculative_eval_target(self) -> PreTrainedModel:
@@ -308,6 +337,6 @@ class ParallelMTPHeads(DraftObjective):
     @rank_zero_only
     def _save(self, state: dict[str, torch.Tensor] | None) -> None:
         path = mtp_export.save(
-            self.mtp, self.export_dir, self.tokenizer_path, state, self.target_path, self.target_kl_weight
+            self.mtp, self.export_dir, self.tokenizer_path, state, self.target_path, self.target_kl_weight, self.labels
         )
         log.info("model and %d heads saved to %s", self.mtp.num_heads, path)
