@@ -68,6 +68,7 @@ def test_finetuning_logs_tau_and_exports_a_plain_model_with_heads(finetuned, tin
     assert settings["agreement"] is not None
     # the recipe keeps the model close to the target it started from: recorded, with the original's fingerprint
     assert settings["fine_tuned_from"] == str(tiny_target) and settings["target_kl_weight"] == 4.0
+    assert settings["labels"] == "original"  # every head learned the original's distribution
     assert set(torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["frozen_models"]) == {"original"}
     assert load_export(out).num_heads == 3
     # draftsmith eval of the checkpoint against the exported model: greedy identical to the model alone (eval
