@@ -39,6 +39,7 @@ Steps, each skipped when its output already exists under ``--out`` (delete a fil
 
 ``--speculators-optimizer adamw`` trains speculators' side with AdamW instead of its default Muon (the optimizer of
 our recipes; Muon's learning rate is the same peak lr, as speculators sets ``muon_lr`` by default).
+``--peak-lr`` trains both sides at another peak learning rate than the recipe's (the same schedule otherwise).
 ``--speculators-loss ce`` trains it on the target's argmax over the draft vocabulary (its ``--loss-fn``; default
 ``kl_div`` for EAGLE-3 and P-EAGLE), the labels of our ``labels: argmax``.
 
@@ -215,9 +216,13 @@ def main_project(args: argparse.Namespace) -> int:
         save_rows(art, train_file, args.steps, rows)
     ours_run, theirs_dir = method_dir / "ours", method_dir / "speculators"
     lr, warmup = recipe_optim(args.method)
+    fit_args = args.fit_args
+    if args.peak_lr is not None:  # both sides at another peak learning rate than the recipe's
+        lr = args.peak_lr
+        fit_args = f"{fit_args} --model.init_args.optim.lr {lr}".strip()
     procs, started, seconds_file = {}, time.perf_counter(), method_dir / "fit_seconds.json"
     if not (ours_run / "checkpoints" / "last.ckpt").is_file():
-        cmd = fit_cmd(args.method, ours_run, train_file, args.steps, target, args.fit_args)
+        cmd = fit_cmd(args.method, ours_run, train_file, args.steps, target, fit_args)
         procs["ours"] = run(cmd, method_dir / "fit_ours.log")
     if not (theirs_dir / "drafter" / "config.json").is_file():
         optimizer, loss = args.speculators_optimizer, args.speculators_loss
@@ -260,6 +265,7 @@ def main_project(args: argparse.Namespace) -> int:
             f"greedy, K = {k}, {args.prompts} held-out prompts of {PROMPT_CHARS} characters, {args.max_new_tokens} "
             "new tokens each."
             + (f" Ours with `{args.fit_args}`." if args.fit_args else "")
+            + (f" Both at peak learning rate {args.peak_lr}." if args.peak_lr is not None else "")
             + f" speculators with its {args.speculators_optimizer} optimizer"
             + (f" and `--loss-fn {args.speculators_loss}`." if args.speculators_loss else "."),
             "",
@@ -399,6 +405,9 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=15, help="held-out prompts in the evaluation")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="output tokens per evaluation prompt")
     parser.add_argument("--fit-args", default="", help="more `draftsmith fit` arguments for our side, one string")
+    parser.add_argument(
+        "--peak-lr", type=float, help="both sides' peak learning rate (default: the recipe's, given to both)"
+    )
     parser.add_argument("--export-format", help="our export format (default: the method's; dspark for DSpark heads)")
     parser.add_argument(
         "--speculators-optimizer", choices=["muon", "adamw"], default="muon",
