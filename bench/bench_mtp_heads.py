@@ -4,6 +4,7 @@ decoding with the heads, and the held-out next-token loss of a model pre-trained
     python bench/bench_mtp_heads.py memory     # one training step, 4 heads, V = 32768: naive vs sequential
     python bench/bench_mtp_heads.py tau --model artifacts/mtp_finetuned [--model artifacts/mtp_target]
     python bench/bench_mtp_heads.py heldout --with-heads artifacts/mtp_target --without-heads artifacts/tiny_target
+    python bench/bench_mtp_heads.py labels --target artifacts/tiny_target   # a fine-tune step: data vs original
 
 ``memory``: each variant (``naive``: every head's full logits alive until backward; ``sequential``: the heads one
 after the other inside one backward, logits chunked; ``checkpoint``: per-head activation checkpointing, the ZeRO-3 /
@@ -23,6 +24,12 @@ agreement, on the held-out prompts ``make demo`` wrote.
 a model pre-trained with heads (recipes/quickstart/mtp_heads_pretrain.yaml, trunk + head 0) against the same shape
 trained without heads for the same steps (recipes/quickstart/tiny_target.yaml: same data, schedule, seed and initial
 weights).
+
+``labels``: one training step (``compute_loss`` and backward, the sequential head backward) of the fine-tune recipe's
+objective (4 heads, ``head_weights [0, 1, 1, 1]``, ``target_kl_weight 4``, chunks of 512 positions) on a random
+batch of 8 x 256 tokens, with ``labels: data`` (head 0's KL to the frozen original apart) and ``labels: original``
+(every head's KL to it), alternated over ``--rounds`` after one warm-up step each; the median step time of each and
+their ratio, one thread.
 """
 
 import argparse
@@ -155,6 +162,41 @@ def heldout(args: argparse.Namespace) -> None:
         print(f"{label:<14} {path}: held-out next-token loss {heldout_loss(model, data.val_dataloader()):.4f} nats")
 
 
+def labels(args: argparse.Namespace) -> None:
+    import torch
+
+    from trainer.methods.mtp_heads.objective import ParallelMTPHeads
+
+    torch.set_num_threads(args.threads)
+    objectives = {}
+    for value in ("data", "original"):
+        objectives[value] = ParallelMTPHeads(
+            target=args.target, num_heads=4, head_weights=[0.0, 1.0, 1.0, 1.0], target_kl_weight=4.0, labels=value,
+            head_backward="sequential", loss_chunk_size=512,
+        )  # fmt: skip
+    vocab = objectives["data"].mtp.model.config.vocab_size
+    ids = torch.randint(0, vocab, (8, 257), generator=torch.Generator().manual_seed(0))  # [B, S + 1]
+    batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "loss_mask": torch.ones(8, 256, dtype=torch.bool)}
+
+    def step(objective: ParallelMTPHeads) -> float:
+        objective.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        objective.compute_loss(batch)[0].backward()
+        return time.perf_counter() - start
+
+    times: dict[str, list[float]] = {value: [] for value in objectives}
+    for objective in objectives.values():
+        step(objective)  # warm-up
+    for _ in range(args.rounds):
+        for value, objective in objectives.items():
+            times[value].append(step(objective))
+    data, original = statistics.median(times["data"]), statistics.median(times["original"])
+    print(
+        f"one fine-tune step of 8 x 256 tokens, 4 heads, {args.threads} thread(s), median of {args.rounds}: "
+        f"labels: data {data:.2f} s, labels: original {original:.2f} s, ratio {original / data:.2f}x"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -185,8 +227,12 @@ def main() -> None:
     p.add_argument("--without-heads", required=True)
     p.add_argument("--corpus", default=str(ROOT / "artifacts" / "corpus"))
     p.add_argument("--threads", type=int, default=1)
+    p = sub.add_parser("labels")
+    p.add_argument("--target", default=str(ROOT / "artifacts" / "tiny_target"))
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    {"memory": memory, "child": child, "tau": tau, "heldout": heldout}[args.command](args)
+    {"memory": memory, "child": child, "tau": tau, "heldout": heldout, "labels": labels}[args.command](args)
 
 
 if __name__ == "__main__":
