@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from trainer.logit_scaling import LogitScaling
-from trainer.losses import chunked_cross_entropy, cross_entropy_with_grads, fused_kd_loss, kd_loss, sparse_kd_loss
+from trainer.losses import (
+    SoftTargets,
+    chunked_cross_entropy,
+    cross_entropy_with_grads,
+    fused_kd_loss,
+    kd_loss,
+    sparse_kd_loss,
+)
 
 B, S, V, H, HT = 2, 5, 11, 6, 7
 
@@ -399,6 +406,37 @@ def test_chunked_cross_entropy_with_output_scaling_matches_the_scaled_reference(
     torch.testing.assert_close(loss64, ref.detach())
     torch.testing.assert_close(g_hidden, 0.5 * ref_grads[0])
     torch.testing.assert_close(g_weight, 0.5 * ref_grads[1])
+
+
+@pytest.mark.parametrize("multiplier,softcap", [(1.0, None), (0.7, 2.0)])
+@pytest.mark.parametrize("chunk_size", [None, 4])
+def test_cross_entropy_with_grads_on_soft_targets_is_the_forward_kl_and_its_gradients(multiplier, softcap, chunk_size):
+    """``soft_targets``: the mean ``KL(p || q)`` over the labelled positions, p a teacher's (scaled) distribution from
+    its hidden states, with autograd's gradients of it (float64), the labels only selecting the positions."""
+    g = torch.Generator().manual_seed(15)
+    _, _, _, labels = make_inputs(15)
+    labels[0, 1] = -100
+    h64 = torch.randn(B, S, H, generator=g, dtype=torch.float64, requires_grad=True)
+    w64 = torch.randn(V, H, generator=g, dtype=torch.float64, requires_grad=True)
+    ht, wt = (
+        torch.randn(B, S, HT, generator=g, dtype=torch.float64),
+        torch.randn(V, HT, generator=g, dtype=torch.float64),
+    )
+    scaling = LogitScaling(multiplier, softcap)
+    log_p = torch.log_softmax(scaled_by_hand(ht @ wt.t(), multiplier, softcap), -1)  # [B, S, V]
+    log_q = torch.log_softmax(scaled_by_hand(h64 @ w64.t(), multiplier, softcap), -1)  # [B, S, V]
+    kept = labels != -100
+    ref = (log_p.exp() * (log_p - log_q)).sum(-1)[kept].mean()
+    ref_grads = torch.autograd.grad(ref, [h64, w64])
+    teacher = SoftTargets(ht, wt, scaling)
+    loss, g_hidden, g_weight = cross_entropy_with_grads(
+        h64, w64, labels, chunk_size, scale=0.5, scaling=scaling, soft_targets=teacher
+    )
+    torch.testing.assert_close(loss, ref.detach())
+    torch.testing.assert_close(g_hidden, 0.5 * ref_grads[0])
+    torch.testing.assert_close(g_weight, 0.5 * ref_grads[1])
+    with pytest.raises(ValueError, match="soft_targets.hidden has"):
+        cross_entropy_with_grads(h64, w64, labels, soft_targets=SoftTargets(ht[:, :-1], wt))
 
 
 def test_identity_scaling_changes_nothing():
