@@ -84,6 +84,54 @@ def test_stage1_loss_is_the_decayed_sum_of_head_cross_entropies(target_dir, labe
     assert not any(p.grad is not None for p in target.parameters())
 
 
+def naive_head_kls(model: Medusa, hidden: torch.Tensor, frozen_logits: torch.Tensor, labels: torch.Tensor) -> list:
+    """Head k's mean forward KL from the frozen model's distribution 1 + k positions later, over the positions whose
+    token t + 2 + k is trained, from every head's full logits (float64, differentiable)."""
+    logits = model.drafter.heads(hidden)  # [B, S, K, V]
+    kls = []
+    for k in range(logits.shape[2]):
+        kept = shifted(labels, k) != -100  # [B, S]
+        log_p = F.pad(frozen_logits[:, 1 + k :], (0, 0, 0, 1 + k)).double().log_softmax(-1)  # [B, S, V]
+        log_q = logits[:, :, k].double().log_softmax(-1)  # [B, S, V]
+        kls.append((log_p.exp() * (log_p - log_q)).sum(-1)[kept].mean())
+    return kls
+
+
+def test_heads_learning_the_original_are_scored_by_their_kl_to_it_at_both_stages(target_dir) -> None:
+    """``labels: original``: head k's loss is its KL from the frozen target's distribution at t + 1 + k (stage 1), or
+    the frozen original's with Medusa-2's self-distillation (stage 2, the trained target moved away from it), with
+    autograd's gradients through the naive formula."""
+    b = batch(5)
+    ids = b["input_ids"]
+    model = Medusa(str(target_dir), num_heads=3, num_layers=1, labels="original", loss_chunk_size=5)
+    randomise(model.drafter.heads, 6)
+    with torch.no_grad():
+        out = model.target.model(ids, output_hidden_states=True)
+    kls = naive_head_kls(model, out.hidden_states[-1], out.logits, b["labels"])
+    loss, metrics = model.compute_loss(b)
+    for k, kl in enumerate(kls):
+        torch.testing.assert_close(metrics[f"loss_{k}"].double(), kl, rtol=1e-4, atol=1e-7)
+    expected = sum(w * kl for w, kl in zip([1.0, 0.8, 0.64], kls))
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-4, atol=1e-7)
+    grads = torch.autograd.grad(loss, list(model.drafter.heads.parameters()))
+    reference = torch.autograd.grad(expected, list(model.drafter.heads.parameters()))
+    for got, want in zip(grads, reference):
+        torch.testing.assert_close(got.double(), want.double(), rtol=1e-4, atol=1e-6)
+    stage2 = Medusa(str(target_dir), num_heads=2, stage=2, self_distillation=True, labels="original", loss_chunk_size=5)
+    randomise(stage2.drafter.heads, 7)
+    g = torch.Generator().manual_seed(8)
+    with torch.no_grad():  # the trained target moved away from the original
+        for p in stage2.drafter.model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    _, metrics = stage2.compute_loss(b)
+    with torch.no_grad():
+        trained_hidden = stage2.drafter.model(ids, output_hidden_states=True).hidden_states[-1]  # [B, S, H]
+        original_logits = stage2.original.model(ids).logits  # [B, S, V]
+        kls = naive_head_kls(stage2, trained_hidden, original_logits, b["labels"])
+    for k, kl in enumerate(kls):
+        torch.testing.assert_close(metrics[f"loss_{k}"].double(), kl, rtol=1e-4, atol=1e-7)
+
+
 def test_labels_shift_and_heads_start_from_the_target_head(target_dir, caplog) -> None:
     labels = torch.arange(6)[None]
     assert shifted(labels, 0).tolist() == [[1, 2, 3, 4, 5, -100]]
@@ -162,6 +210,8 @@ def test_stage2_target_loss_is_on_a_soft_capping_targets_own_logits(tmp_path) ->
         ({"stage": 2, "trained_target_layers": 5}, "must be in 1..2"),
         ({"num_heads": 0}, "num_heads"),
         ({"stage": 2, "target_signals": "shards"}, "shards cannot"),
+        ({"stage": 2, "labels": "original"}, "labels=original .* self_distillation: true"),
+        ({"labels": "original", "target_signals": "shards"}, "labels=original .* target_signals: online"),
     ],
 )
 def test_bad_settings_are_named(target_dir, settings, message) -> None:

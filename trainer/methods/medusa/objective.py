@@ -4,7 +4,9 @@ trained together).
 Head k (0-based) reads the target's final normed hidden state at position t and predicts token t + 2 + k (the
 target's own head predicts t + 1): its labels are the data's tokens (``labels: data``) or the target's own greedy
 tokens, its argmax (``labels: argmax``; with regenerated data this is how Medusa is trained in practice), shifted by
-1 + k, under the loss mask of that token.
+1 + k, under the loss mask of that token; or (``labels: original``) the target's whole next-token distribution at
+t + 1 + k, the frozen target's at stage 1 and the frozen original's with Medusa-2's self-distillation: head k's loss
+is then its forward KL from that distribution over the same positions (the paper's self-distillation of the heads).
 
 - Medusa-1 (``stage: 1``): loss ``sum_k step_decay^k CE_k``; the target is frozen (a FrozenTarget: never in a
   checkpoint), or never built when its final hidden states come from shards (``target_signals: shards``, data
@@ -28,6 +30,7 @@ import math
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
@@ -82,7 +85,7 @@ class Medusa(DraftObjective):
         head_bias: bool = True,
         stage: Literal[1, 2] = 1,
         step_decay: float = 0.8,
-        labels: Literal["data", "argmax"] = "data",
+        labels: Literal["data", "argmax", "original"] = "data",
         heads_coefficient: float = 0.2,
         heads_warmup: Literal["constant", "linear", "sine"] = "linear",
         heads_warmup_steps: int = 0,
@@ -105,7 +108,9 @@ class Medusa(DraftObjective):
             head_bias: the blocks' linear layers have a bias (vLLM's medusa_fc_bias).
             stage: 1 trains the heads on the frozen target (Medusa-1); 2 trains heads and target together.
             step_decay: head k's loss weight is step_decay ** k.
-            labels: "data" (the rows' tokens) or "argmax" (the target's own greedy tokens, its argmax).
+            labels: "data" (the rows' tokens), "argmax" (the target's own greedy tokens, its argmax) or "original"
+                (the frozen target's distribution, the forward KL from it; at stage 2 the frozen original's, which
+                needs self_distillation; online target signals only).
             heads_coefficient: stage 2: the heads' loss weight beside the target's loss.
             heads_warmup: stage 2: how the heads' weight rises over heads_warmup_steps (constant, linear, sine).
             heads_warmup_steps: stage 2: optimizer steps of that warm-up (0: none).
@@ -145,6 +150,12 @@ class Medusa(DraftObjective):
             )
         if stage == 1 and (self_distillation or trained_target_layers is not None):
             raise RecipeError("model.self_distillation and model.trained_target_layers apply to stage 2 only")
+        if labels == "original" and (target_signals == "shards" or (stage == 2 and not self_distillation)):
+            raise RecipeError(
+                "model.labels=original trains the heads on the frozen target's distribution: it needs "
+                "target_signals: online and, at stage 2, self_distillation: true (the frozen original)",
+                hint="use labels: argmax, or set what the message names",
+            )
         self.stage, self.step_decay, self.labels, self.loss_chunk_size = stage, step_decay, labels, loss_chunk_size
         self.heads_coefficient, self.heads_warmup, self.heads_warmup_steps = (
             heads_coefficient,
@@ -229,17 +240,19 @@ class Medusa(DraftObjective):
 
     # ---- training ------------------------------------------------------------------------------------------------
     def _signals(self, batch: dict[str, torch.Tensor]):
-        """(final normed hidden [B, S, H], the target's loss or None, the target's argmax [B, S] or None)."""
+        """(final normed hidden [B, S, H], the target's loss or None, the target's argmax [B, S] or None, the frozen
+        target's (hidden [B, S, H], lm_head weight [V, H], output scaling) with ``labels: original``, else None)."""
         ids = batch["input_ids"]  # [B, S]
         need_argmax = self.labels == "argmax"
         if self.target_signals == "shards":
             hidden = batch["teacher_hidden"][:, 0].to(self.drafter.heads.lm_heads[0].weight.dtype)  # [B, S, H]
-            return hidden, None, batch["teacher_topk_ids"][..., 0].long() if need_argmax else None
+            return hidden, None, batch["teacher_topk_ids"][..., 0].long() if need_argmax else None, None
         if self.stage == 1:
             hidden = self.target.final_hidden(ids)  # [B, S, H], no gradient
             # the bare head's argmax is the target's greedy token: its output scaling, if any, keeps the argmax
             argmax = chunked_argmax(hidden, self.target.lm_head_weight, self.loss_chunk_size) if need_argmax else None
-            return hidden, None, argmax
+            frozen = (hidden, self.target.lm_head_weight, self.target.logit_scaling)
+            return hidden, None, argmax, frozen if self.labels == "original" else None
         model = self.drafter.model
         hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state  # [B, S, H], trained
         weight = model.get_output_embeddings().weight  # [V, H]
@@ -256,7 +269,10 @@ class Medusa(DraftObjective):
         source = teacher if self.self_distillation else hidden.detach()
         source_weight = self.original.lm_head_weight if self.self_distillation else weight.detach()
         argmax = chunked_argmax(source, source_weight, self.loss_chunk_size) if need_argmax else None
-        return hidden, lm, argmax
+        frozen = None
+        if self.labels == "original":  # self-distillation (checked at construction): the frozen original's
+            frozen = (teacher, self.original.lm_head_weight, self.original.logit_scaling)
+        return hidden, lm, argmax, frozen
 
     def head_weights(self) -> list[float]:
         """The loss weight of every head at this step."""
@@ -267,7 +283,7 @@ class Medusa(DraftObjective):
         return [self.heads_coefficient * ramp * w for w in weights]
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        hidden, lm, argmax = self._signals(batch)
+        hidden, lm, argmax, frozen = self._signals(batch)
         labels = batch["labels"]  # [B, S], -100 where not trained
         if argmax is not None:
             labels = torch.where(batch["loss_mask"].bool(), argmax, IGNORE_INDEX)
@@ -282,7 +298,14 @@ class Medusa(DraftObjective):
             features = heads.head_hidden(hidden, k)  # [B, S, H]
             # the heads' own output layers: not the target's output scaling (the export declares none, and the
             # heads are served without one)
-            loss_k = chunked_cross_entropy(features, heads.lm_heads[k].weight, target_k, self.loss_chunk_size)
+            if frozen is None:
+                loss_k = chunked_cross_entropy(features, heads.lm_heads[k].weight, target_k, self.loss_chunk_size)
+            else:  # the frozen target's distribution at t + 1 + k, its prediction of token t + 2 + k
+                later = F.pad(frozen[0][:, 1 + k :], (0, 0, 0, 1 + k))  # [B, S, H]
+                loss_k = fused_kd_loss(
+                    features, heads.lm_heads[k].weight, later, frozen[1], trained,
+                    chunk_size=self.loss_chunk_size, teacher_scaling=frozen[2],
+                ).loss  # fmt: skip
             total = total + weight * loss_k
             metrics[f"loss_{k}"] = loss_k.detach()
             if self._log_accuracy():  # one more projection per head: only at the steps that are logged
