@@ -95,6 +95,7 @@ def test_medusa2_exports_its_trained_target_beside_the_heads(tiny_corpus, tiny_t
     cli = fit("quickstart/medusa2.yaml", override, run)
     saved = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert not any(k.startswith("original.") for k in saved["state_dict"])  # the frozen original is not saved
+    assert cli.model.labels == "original"  # the recipe's heads learn the frozen original's distribution
     out = tmp_path / "medusa2"
     assert export_main(["--ckpt", str(run / "checkpoints" / "last.ckpt"), "--out", str(out)]) == 0
     exported = AutoModelForCausalLM.from_pretrained(out / "target")
