@@ -56,6 +56,14 @@ def randomise(heads: nn.Module, seed: int) -> None:
             p.copy_(0.3 * torch.randn(p.shape, generator=g))
 
 
+def move_away(model: nn.Module, seed: int) -> None:
+    """What training does to Medusa-2's target: every weight moved away from the original's."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+
+
 def naive_head_loss(model: Medusa, hidden: torch.Tensor, labels: torch.Tensor, weights: list[float]) -> torch.Tensor:
     """Every head's full logits at once, cross entropy against the label 1 + k positions later."""
     heads, total = model.drafter.heads, 0.0
@@ -119,10 +127,7 @@ def test_heads_learning_the_original_are_scored_by_their_kl_to_it_at_both_stages
         torch.testing.assert_close(got.double(), want.double(), rtol=1e-4, atol=1e-6)
     stage2 = Medusa(str(target_dir), num_heads=2, stage=2, self_distillation=True, labels="original", loss_chunk_size=5)
     randomise(stage2.drafter.heads, 7)
-    g = torch.Generator().manual_seed(8)
-    with torch.no_grad():  # the trained target moved away from the original
-        for p in stage2.drafter.model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    move_away(stage2.drafter.model, 8)
     _, metrics = stage2.compute_loss(b)
     with torch.no_grad():
         trained_hidden = stage2.drafter.model(ids, output_hidden_states=True).hidden_states[-1]  # [B, S, H]
@@ -189,10 +194,7 @@ def test_stage2_target_loss_is_on_a_soft_capping_targets_own_logits(tmp_path) ->
     expected = F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), ignore_index=-100)
     torch.testing.assert_close(metrics["lm"], expected, rtol=1e-5, atol=1e-6)
     distilled = Medusa(str(tmp_path / "gemma2"), num_heads=2, stage=2, self_distillation=True, loss_chunk_size=5)
-    g = torch.Generator().manual_seed(4)
-    with torch.no_grad():  # the trained target moved away from the original
-        for p in distilled.drafter.model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    move_away(distilled.drafter.model, 4)
     _, metrics = distilled.compute_loss(b)
     with torch.no_grad():
         log_p = distilled.original.model(ids).logits.double().log_softmax(-1)  # [B, S, V]
