@@ -511,15 +511,29 @@ class SoftTargets:
     lm_head_weight: torch.Tensor
     scaling: LogitScaling | None = None
 
+    def later(self, n: int) -> SoftTargets:
+        """The same teacher with position t holding its distribution at t + ``n`` (zeros past the row's end, where
+        the caller trains nothing): what a head that guesses n tokens further ahead learns."""
+        if n == 0:
+            return self
+        s = self.hidden.shape[1]
+        hidden = F.pad(self.hidden[:, n:], (0, 0, 0, min(n, s)))[:, :s]  # [B, S, Ht]
+        return SoftTargets(hidden, self.lm_head_weight, self.scaling)
+
+    @torch.no_grad()
+    def logits(self, flat_ids: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The teacher's own (scaled) logits: ``[C, V]`` at the flat positions ``flat_ids`` [C] (``b * S + s``), or
+        ``[B, S, V]`` at every position when None; in ``dtype`` (default: the hidden states')."""
+        rows = self.hidden.detach()  # [B, S, Ht]
+        if flat_ids is not None:
+            rows = rows.reshape(-1, rows.shape[-1]).index_select(0, flat_ids)  # [C, Ht]
+        logits = (rows @ self.lm_head_weight.detach().t()).to(dtype or rows.dtype)  # [..., V]
+        scaling = _active(self.scaling)
+        return logits if scaling is None else scaling(logits)
+
     def log_probs(self, flat_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``[C, V]`` log-probabilities (in ``dtype``) at the flat positions ``flat_ids`` [C] (``b * S + s``)."""
-        with torch.no_grad():
-            rows = self.hidden.detach().reshape(-1, self.hidden.shape[-1]).index_select(0, flat_ids)  # [C, Ht]
-            logits = (rows @ self.lm_head_weight.detach().t()).to(dtype)  # [C, V]
-            scaling = _active(self.scaling)
-            if scaling is not None:
-                logits = scaling(logits)
-            return torch.log_softmax(logits, dim=-1)
+        return torch.log_softmax(self.logits(flat_ids, dtype), dim=-1)
 
 
 def cross_entropy_with_grads(

@@ -30,14 +30,13 @@ import math
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from trainer.data.vocab import load_tokenizer_if_present
 from trainer.errors import RecipeError
 from trainer.logit_scaling import LogitScaling
-from trainer.losses import chunked_cross_entropy, fused_kd_loss
+from trainer.losses import SoftTargets, chunked_cross_entropy, fused_kd_loss
 from trainer.methods.medusa import kind as medusa_kind
 from trainer.methods.medusa.module import MedusaConfig, MedusaDrafter
 from trainer.objective import DraftObjective, Optim, TargetSignals, causal_lm_flops_per_token, count_params
@@ -241,7 +240,7 @@ class Medusa(DraftObjective):
     # ---- training ------------------------------------------------------------------------------------------------
     def _signals(self, batch: dict[str, torch.Tensor]):
         """(final normed hidden [B, S, H], the target's loss or None, the target's argmax [B, S] or None, the frozen
-        target's (hidden [B, S, H], lm_head weight [V, H], output scaling) with ``labels: original``, else None)."""
+        target's distribution with ``labels: original``, else None)."""
         ids = batch["input_ids"]  # [B, S]
         need_argmax = self.labels == "argmax"
         if self.target_signals == "shards":
@@ -251,8 +250,9 @@ class Medusa(DraftObjective):
             hidden = self.target.final_hidden(ids)  # [B, S, H], no gradient
             # the bare head's argmax is the target's greedy token: its output scaling, if any, keeps the argmax
             argmax = chunked_argmax(hidden, self.target.lm_head_weight, self.loss_chunk_size) if need_argmax else None
-            frozen = (hidden, self.target.lm_head_weight, self.target.logit_scaling)
-            return hidden, None, argmax, frozen if self.labels == "original" else None
+            if self.labels != "original":
+                return hidden, None, argmax, None
+            return hidden, None, argmax, SoftTargets(hidden, self.target.lm_head_weight, self.target.logit_scaling)
         model = self.drafter.model
         hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state  # [B, S, H], trained
         weight = model.get_output_embeddings().weight  # [V, H]
@@ -271,7 +271,7 @@ class Medusa(DraftObjective):
         argmax = chunked_argmax(source, source_weight, self.loss_chunk_size) if need_argmax else None
         frozen = None
         if self.labels == "original":  # self-distillation (checked at construction): the frozen original's
-            frozen = (teacher, self.original.lm_head_weight, self.original.logit_scaling)
+            frozen = SoftTargets(teacher, self.original.lm_head_weight, self.original.logit_scaling)
         return hidden, lm, argmax, frozen
 
     def head_weights(self) -> list[float]:
@@ -301,10 +301,10 @@ class Medusa(DraftObjective):
             if frozen is None:
                 loss_k = chunked_cross_entropy(features, heads.lm_heads[k].weight, target_k, self.loss_chunk_size)
             else:  # the frozen target's distribution at t + 1 + k, its prediction of token t + 2 + k
-                later = F.pad(frozen[0][:, 1 + k :], (0, 0, 0, 1 + k))  # [B, S, H]
+                later = frozen.later(1 + k)  # hidden [B, S, H]: position t holds the target's t + 1 + k
                 loss_k = fused_kd_loss(
-                    features, heads.lm_heads[k].weight, later, frozen[1], trained,
-                    chunk_size=self.loss_chunk_size, teacher_scaling=frozen[2],
+                    features, heads.lm_heads[k].weight, later.hidden, later.lm_head_weight, trained,
+                    chunk_size=self.loss_chunk_size, teacher_scaling=later.scaling,
                 ).loss  # fmt: skip
             total = total + weight * loss_k
             metrics[f"loss_{k}"] = loss_k.detach()

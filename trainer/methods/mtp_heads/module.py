@@ -78,10 +78,7 @@ def head_labels(labels: torch.Tensor, i: int) -> torch.Tensor:
 def head_soft_targets(original: Original, i: int) -> SoftTargets:
     """What head ``i`` learns with ``distill``: at position t, the original's next-token distribution at t + i (its
     prediction of token t + 1 + i, the token head i guesses at t); past the end, zeros (unlabelled there)."""
-    hidden = original.hidden  # [B, S, Ho]
-    if i > 0:
-        hidden = F.pad(hidden[:, i:], (0, 0, 0, min(i, hidden.shape[1])))[:, : hidden.shape[1]]  # [B, S, Ho]
-    return SoftTargets(hidden, original.lm_head_weight, original.scaling)
+    return SoftTargets(original.hidden, original.lm_head_weight, original.scaling).later(i)
 
 
 @dataclass
@@ -321,8 +318,7 @@ class MTPHeads(nn.Module):
     ) -> torch.Tensor:
         """:meth:`target_kl` from head 0's full logits through the modules' own forwards (sharded weights)."""
         logits = self.head_logits(0, z, inputs)  # [B, S, V]
-        with torch.no_grad():
-            reference = original.scaling(original.hidden @ original.lm_head_weight.t())  # [B, S, V]
+        reference = head_soft_targets(original, 0).logits()  # [B, S, V]
         return kd_loss(logits, reference, original.mask, chunk_size=chunk_size).loss
 
     def _head_loss(
@@ -336,10 +332,7 @@ class MTPHeads(nn.Module):
         if soft is not None:
             if not bool(labelled.any()):
                 return logits.sum() * 0.0
-            with torch.no_grad():
-                reference = soft.hidden @ soft.lm_head_weight.t()  # [B, S, V]
-                reference = reference if soft.scaling is None else soft.scaling(reference)
-            return kd_loss(logits, reference, labelled).loss
+            return kd_loss(logits, soft.logits(), labelled).loss  # soft.logits(): [B, S, V]
         total = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
         return total / max(1, int(labelled.sum()))
 
