@@ -165,12 +165,22 @@ def fit_cmd(method: str, run_dir: Path, train_file: Path, steps: int, target: Pa
 
 
 def speculators_cmd(
-    method: str, art: Path, data: Path, out: Path, steps: int, lr: float, warmup: int, optimizer: str, loss: str
+    method: str,
+    art: Path,
+    data: Path,
+    out: Path,
+    steps: int,
+    lr: float,
+    warmup: int,
+    optimizer: str,
+    loss: str,
+    layers: int | None,
 ) -> list[str]:
     return [
         str(Path(__file__).resolve()), "--side", "speculators", "--method", method, "--target",
         str(art / "tiny_target"), "--rows", str(data), "--out", str(out), "--steps", str(steps), "--lr", str(lr),
         "--warmup", str(warmup), "--speculators-optimizer", optimizer, "--speculators-loss", loss,
+        *([] if layers is None else ["--draft-layers", str(layers)]),
     ]  # fmt: skip
 
 
@@ -217,6 +227,8 @@ def main_project(args: argparse.Namespace) -> int:
     ours_run, theirs_dir = method_dir / "ours", method_dir / "speculators"
     lr, warmup = recipe_optim(args.method)
     fit_args = args.fit_args
+    if args.draft_layers is not None:  # both drafters this many decoder layers deep
+        fit_args = f"{fit_args} --model.init_args.num_layers {args.draft_layers}".strip()
     if args.peak_lr is not None:  # both sides at another peak learning rate than the recipe's
         lr = args.peak_lr
         fit_args = f"{fit_args} --model.init_args.optim.lr {lr}".strip()
@@ -226,7 +238,8 @@ def main_project(args: argparse.Namespace) -> int:
         procs["ours"] = run(cmd, method_dir / "fit_ours.log")
     if not (theirs_dir / "drafter" / "config.json").is_file():
         optimizer, loss = args.speculators_optimizer, args.speculators_loss
-        cmd = speculators_cmd(args.method, art, rows, theirs_dir, args.steps, lr, warmup, optimizer, loss)
+        layers = args.draft_layers
+        cmd = speculators_cmd(args.method, art, rows, theirs_dir, args.steps, lr, warmup, optimizer, loss, layers)
         procs["speculators"] = run(cmd, method_dir / "fit_speculators.log", python=SPECULATORS_PYTHON)
     seconds = json.loads(seconds_file.read_text()) if seconds_file.is_file() else {}
     for name, proc in procs.items():
@@ -266,6 +279,7 @@ def main_project(args: argparse.Namespace) -> int:
             "new tokens each."
             + (f" Ours with `{args.fit_args}`." if args.fit_args else "")
             + (f" Both at peak learning rate {args.peak_lr}." if args.peak_lr is not None else "")
+            + (f" Both drafters {args.draft_layers} layers deep." if args.draft_layers is not None else "")
             + f" speculators with its {args.speculators_optimizer} optimizer"
             + (f" and `--loss-fn {args.speculators_loss}`." if args.speculators_loss else "."),
             "",
@@ -315,13 +329,15 @@ def main_speculators(args: argparse.Namespace) -> int:
         argv += ["--loss-fn", args.speculators_loss]
     if shift:  # EAGLE-3 and P-EAGLE draft over ours' reduced vocabulary; DFlash over the target's (both trainers)
         argv += ["--draft-vocab-size", str(DRAFT_VOCAB)]
+    if args.draft_layers is not None and shift:
+        argv += ["--num-layers", str(args.draft_layers)]
     if args.method == "eagle3":  # EAGLE-3.1 as ours runs it: fc_norm (not norm_before_fc), norm_output
         argv += ["--ttt-steps", "3", "--fc-norm", "--no-norm-before-fc", "--norm-output", "--norm-before-residual"]
     elif args.method == "peagle":
         argv += ["--num-depths", "4", "--mask-token-id", str(MASK_TOKEN), "--draft-arch", "llama"]
         argv += ["--no-norm-before-residual"]
     else:
-        argv += ["--num-layers", "2", "--block-size", "16", "--mask-token-id", str(MASK_TOKEN)]
+        argv += ["--num-layers", str(args.draft_layers or 2), "--block-size", "16", "--mask-token-id", str(MASK_TOKEN)]
         argv += ["--max-anchors", str(32 * ids.shape[1])]
     cfg = TrainConfig.resolve(argv)
     flat = argparse.Namespace(**cfg.flatten())
@@ -408,6 +424,10 @@ def main() -> int:
     parser.add_argument(
         "--peak-lr", type=float, help="both sides' peak learning rate (default: the recipe's, given to both)"
     )
+    parser.add_argument(
+        "--draft-layers", type=int,
+        help="both drafters' decoder layers (default: each side's recipe; speculators' is 1 for eagle3 and peagle)",
+    )  # fmt: skip
     parser.add_argument("--export-format", help="our export format (default: the method's; dspark for DSpark heads)")
     parser.add_argument(
         "--speculators-optimizer", choices=["muon", "adamw"], default="muon",

@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     report["model_class"] = type(model).__name__
     report["mask_token_id"] = model.mask_token_id
     report["steps"] = model.config.speculators_config.proposal_methods[0].speculative_tokens
+    report["layers"] = len(model.layers)
     flags = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
     report["config_flags"] = {flag: getattr(model.config, flag, None) for flag in flags}
     if report["missing"] or report["differ_from_file"] or report["nan"]:

@@ -39,6 +39,7 @@ FLAGS = {
     "fc_norm": {"fc_norm": True},
     "norm_before_fc": {"norm_before_fc": True, "norm_before_residual": True},
 }
+LAYERS = {"plain": 1, "fc_norm": 3, "norm_before_fc": 2}  # decoder layers: layers.0 and layers.1.. after it
 
 
 @pytest.fixture(scope="session")
@@ -57,7 +58,7 @@ def test_speculators_reads_our_peagle_logits(client_python, tmp_path, flags, att
     target = LlamaForCausalLM(target_config).eval()
     target.save_pretrained(str(tmp_path / "target"))
     base = Eagle3Config.from_target(target_config, draft_vocab_size=96, aux_layers=AUX, **FLAGS[flags])
-    drafter = PEagleDrafter(PEagleConfig(**base.to_dict(), mask_token_id=255))
+    drafter = PEagleDrafter(PEagleConfig(**base.to_dict(), mask_token_id=255, num_layers=LAYERS[flags]))
     for p in drafter.parameters():
         nn.init.normal_(p, std=0.3)
     drafter.set_vocab_map(*build_vocab_map(torch.randint(0, 100, (256,)), 96))
@@ -85,6 +86,7 @@ def test_speculators_reads_our_peagle_logits(client_python, tmp_path, flags, att
     report = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
     assert report is not None, f"speculators_peagle_forward.py failed (rc {done.returncode}):\n{done.stderr[-4000:]}"
     assert report["model_class"] == "PEagleDraftModel" and report["mask_token_id"] == 255 and report["steps"] == K
+    assert report["layers"] == LAYERS[flags]
     assert not report["missing"] and not report["differ_from_file"] and not report["nan"] and not report["unused"]
     assert done.returncode == 0, done.stderr[-4000:]
     for flag, on in FLAGS[flags].items():

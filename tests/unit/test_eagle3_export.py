@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.unit.test_eagle3_drafter import small_drafter
+from trainer.errors import ModelFolderError
 from trainer.export.files import WEIGHTS
 from trainer.methods.eagle3.export import load_native, load_speculators, save_native, save_speculators
 from trainer.registry import load_drafter, recognise
@@ -102,6 +103,11 @@ def test_speculators_loader_rejects_native_names_and_a_missing_embedding(tmp_pat
         load_speculators(str(tmp_path / "spec"))
     save_file({**native, "embed_tokens.weight": embedding.weight.detach()}, str(tmp_path / "spec" / WEIGHTS))
     with pytest.raises(ValueError, match="not consumed"):
+        load_speculators(str(tmp_path / "spec"))
+    config = json.loads((tmp_path / "spec" / "config.json").read_text())
+    config["transformer_layer_config"]["num_hidden_layers"] = 2  # a deeper EAGLE-3 drafter: named, not misread
+    (tmp_path / "spec" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelFolderError, match="num_hidden_layers is 2: draftsmith's EAGLE-3 drafter has one"):
         load_speculators(str(tmp_path / "spec"))
 
 

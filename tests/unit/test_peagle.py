@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from tests.helpers import tiny_llama
@@ -27,12 +28,13 @@ from trainer.registry import load_drafter, recognise
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def drafter_for(target, seed: int = 0, draft_vocab: int | None = None, **flags) -> PEagleDrafter:
+def drafter_for(target, seed: int = 0, draft_vocab: int | None = None, num_layers: int = 1, **flags) -> PEagleDrafter:
     """A random float64 P-EAGLE drafter over ``target`` (norms and placeholders non-trivial)."""
     torch.manual_seed(seed)
     vocab = target.config.vocab_size
     base = Eagle3Config.from_target(target.config, draft_vocab or vocab // 2, **flags)
-    drafter = PEagleDrafter(PEagleConfig(**base.to_dict(), mask_token_id=vocab - 1)).double()
+    config = PEagleConfig(**base.to_dict(), mask_token_id=vocab - 1, num_layers=num_layers)
+    drafter = PEagleDrafter(config).double()
     for name, p in drafter.named_parameters():
         if "norm" in name:
             nn.init.normal_(p, mean=1.0, std=0.3)
@@ -92,14 +94,15 @@ def test_mask_matches_its_definition_and_flex_matches_dense():
                                atol=1e-5)  # fmt: skip
 
 
-def test_the_split_dense_pass_equals_one_masked_pass_over_every_element_and_flex():
+@pytest.mark.parametrize("num_layers", [1, 3])
+def test_the_split_dense_pass_equals_one_masked_pass_over_every_element_and_flex(num_layers):
     """``parallel`` projects the placeholders once and splits the attention (causal depth-0 block, masked
-    placeholders): the same logits as projecting every element and attending under the whole mask, and as flex;
-    elements out of COD sampling's order are refused."""
+    placeholders): the same logits as projecting every element and attending under the whole mask in every layer, and
+    as flex; elements out of COD sampling's order are refused."""
     from trainer.methods.eagle3.module import masked_attention
 
     target = tiny_llama(seed=3)
-    drafter = drafter_for(target, seed=4)
+    drafter = drafter_for(target, seed=4, num_layers=num_layers)
     S, K = 12, 4
     trained = torch.ones(2, S + 1, dtype=torch.bool)
     trained[1, 7] = False
@@ -122,8 +125,11 @@ def test_the_split_dense_pass_equals_one_masked_pass_over_every_element_and_flex
         all_hidden = torch.cat([hidden, ph.expand(2, -1, -1)], 1)
         cos, sin = drafter.rope(all_hidden, anchor + depth)
         q, k, v = drafter.midlayer.qkv(all_embeds, all_hidden, cos, sin)
-        attn = masked_attention(q, k, v, peagle_mask(anchor, depth, valid))
-        whole = drafter.outputs(drafter.midlayer.finish(all_hidden, attn))[1]
+        allowed = peagle_mask(anchor, depth, valid)
+        h = drafter.midlayer.finish(all_hidden, masked_attention(q, k, v, allowed))
+        for layer in drafter.deep_layers:
+            h = layer.finish(h, masked_attention(*layer.qkv(h, cos, sin), allowed))
+        whole = drafter.outputs(h)[1]
     real = valid[..., None].expand_as(split)
     torch.testing.assert_close(split[real], whole[real], rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(flex[real], whole[real], rtol=1e-9, atol=1e-9)
@@ -136,17 +142,26 @@ def objective(tmp_path, **kwargs) -> PEagle:
     return PEagle(str(tmp_path / "target"), draft_vocab_size=32, target_layers=[0, 1, 2], mask_token_id=63, **kwargs)
 
 
-@pytest.mark.parametrize(("loss_mean", "argmax_weight"), [("element", 0.0), ("depth", 0.0), ("element", 0.3)])
+@pytest.mark.parametrize(
+    ("loss_mean", "argmax_weight", "num_layers"), [("element", 0.0, 1), ("depth", 0.0, 1), ("element", 0.3, 2)]
+)
 def test_every_trained_element_is_what_drafting_computes_and_the_loss_is_the_naive_one(
-    tmp_path, loss_mean, argmax_weight
+    tmp_path, loss_mean, argmax_weight, num_layers
 ):
     """Element (a, d) of the parallel pass equals the last logits of a plain forward over entries 0..a and d
     placeholders (what the proposer runs); the loss is the soft CE of the trained elements (mixed with argmax_weight
     times the CE of the soft label's argmax), weighted 0.8 ** d: one
     mean over all of them (``element``), or the sum over depths of each depth's mean (``depth``)."""
     obj = objective(
-        tmp_path, num_depths=3, cod_ratio=0.8, step_decay=0.8, loss_mean=loss_mean, argmax_weight=argmax_weight
+        tmp_path,
+        num_depths=3,
+        cod_ratio=0.8,
+        step_decay=0.8,
+        loss_mean=loss_mean,
+        argmax_weight=argmax_weight,
+        num_layers=num_layers,
     )
+    assert len(obj.drafter.deep_layers) == num_layers - 1
     rows = torch.randint(0, 60, (2, 10), generator=torch.Generator().manual_seed(1))
     obj.install_vocab_map([(rows.numpy(), (rows > 3).numpy())])
     for p in obj.drafter.parameters():
@@ -198,6 +213,8 @@ def test_recipe_values_are_checked(tmp_path):
     for bad in (-0.1, 1.5, float("nan")):
         with pytest.raises(RecipeError, match=r"model.argmax_weight must be in \[0, 1\], got"):
             PEagle(target, argmax_weight=bad, mask_token_id=63)
+    with pytest.raises(RecipeError, match=r"model.num_layers must be >= 1, got 0"):
+        PEagle(target, num_layers=0, mask_token_id=63)
     with pytest.raises(RecipeError, match=r"model.max_anchors must be >= 1 \(or null: every trained position\), got 0"):
         PEagle(target, max_anchors=0, mask_token_id=63)
     with pytest.raises(RecipeError, match="model.mask_token_id: the target's tokenizer uses every id") as err:
@@ -207,10 +224,10 @@ def test_recipe_values_are_checked(tmp_path):
         PEagle(target, draft_vocab_size=32, mask_token_id=64)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_greedy_drafting_is_lossless_and_one_forward_per_round(seed):
+@pytest.mark.parametrize(("seed", "num_layers"), [(0, 1), (1, 1), (2, 3)])
+def test_greedy_drafting_is_lossless_and_one_forward_per_round(seed, num_layers):
     target = tiny_llama(seed, 96, layers=4)
-    drafter = drafter_for(target, seed, fc_norm=True)
+    drafter = drafter_for(target, seed, num_layers=num_layers, fc_norm=True)
     calls, rounds = [], []
     drafter.register_forward_hook(lambda *_: calls.append(1))
     proposer = PEagleProposer(drafter, 4)
@@ -303,9 +320,11 @@ def test_speculative_sampling_with_peagle_is_distributed_as_the_target():
     assert chi_square_p(counts, expected) > 1e-3
 
 
-def test_export_round_trip_and_refusals(tmp_path):
+@pytest.mark.parametrize("num_layers", [1, 3])
+def test_export_round_trip_and_refusals(tmp_path, num_layers):
+    """Every tensor back under its name (decoder layer j as ``layers.{j}.*``), the same drafts, and the refusals."""
     target = tiny_llama(4, 96, layers=4)
-    drafter = drafter_for(target, 4, norm_before_fc=True)
+    drafter = drafter_for(target, 4, num_layers=num_layers, norm_before_fc=True)
     save_peagle(drafter, str(tmp_path / "export"), verifier="some/target", speculative_tokens=4)
     kind, fmt = recognise(tmp_path / "export")
     assert (kind.name, fmt.name) == ("peagle", "peagle-speculators")
@@ -314,6 +333,9 @@ def test_export_round_trip_and_refusals(tmp_path):
     config = json.loads((tmp_path / "export" / "config.json").read_text())
     assert config["speculators_model_type"] == "peagle" and config["architectures"] == ["PEagleSpeculator"]
     assert config["mask_token_id"] == 95 and config["norm_before_fc"] is True
+    assert config["transformer_layer_config"]["num_hidden_layers"] == num_layers
+    names = safe_open(tmp_path / "export" / "model.safetensors", "pt").keys()
+    assert {n.split(".")[1] for n in names if n.startswith("layers.")} == {str(j) for j in range(num_layers)}
     for key, value in drafter.state_dict().items():
         torch.testing.assert_close(reloaded.state_dict()[key], value, rtol=0, atol=0)
     tokens = torch.randint(0, 95, (15,))
@@ -327,4 +349,9 @@ def test_export_round_trip_and_refusals(tmp_path):
     config["mask_token_id"] = None
     (tmp_path / "export" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelFolderError, match="mask_token_id must be a token id"):
+        load_peagle(str(tmp_path / "export"))
+    config["mask_token_id"] = 95
+    config["transformer_layer_config"]["num_hidden_layers"] = 0
+    (tmp_path / "export" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelFolderError, match=r"transformer_layer_config.num_hidden_layers must be >= 1, got 0"):
         load_peagle(str(tmp_path / "export"))

@@ -1,6 +1,6 @@
 """P-EAGLE through the real CLI: a short fit of recipes/quickstart/peagle.yaml on a random target with the tiny corpus'
 tokenizer, the checkpoint's record, ``draftsmith export`` to ``peagle-speculators`` and back with identical drafts,
-lossless decoding with the registry's proposer, and init_from refusing other norm flags."""
+lossless decoding with the registry's proposer, and init_from refusing other norm flags or another depth."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ def test_fit_export_and_lossless_decoding(tiny_corpus, tmp_path):
     state, record = load_training_checkpoint(str(ckpt))
     assert record["kind"] == "peagle" and record["draft_tokens"] == 4 and record["config"]["mask_token_id"] == 2
     assert {"drafter.mask_hidden", "drafter.embed_tokens.weight"} <= set(state)
+    assert record["config"]["num_layers"] == 2 and "drafter.deep_layers.0.mlp.up_proj.weight" in state  # the recipe's
     assert export_main(["--ckpt", str(ckpt), "--out", str(tmp_path / "export"), "--format", "peagle-speculators"]) in (
         0,
         None,
@@ -51,4 +52,6 @@ def test_fit_export_and_lossless_decoding(tiny_corpus, tmp_path):
     alone = speculative_generate(model, prompt, NoProposer(), k=0, max_new_tokens=12).tokens
     assert speculative_generate(model, prompt, proposer, k=4, max_new_tokens=12).tokens == alone
     with pytest.raises(RecipeError, match="model.fc_norm is true but model.init_from .* fc_norm: false"):
-        PEagle(str(target), init_from=str(ckpt), fc_norm=True)
+        PEagle(str(target), init_from=str(ckpt), fc_norm=True, num_layers=2)
+    with pytest.raises(RecipeError, match="model.num_layers is 1 but model.init_from .* num_layers: 2"):
+        PEagle(str(target), init_from=str(ckpt))

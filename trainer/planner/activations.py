@@ -155,7 +155,8 @@ def _eagle(objective: nn.Module, name: str, batch: int, seq: int, a: int, a_t: i
     step = layer_saved(d, n, a, extra_hidden=2) + n * vd * (a + 2 * F32)
     if name == "PEagle":
         elements = batch * objective.elements_per_row(seq)  # the COD-sampled elements of every depth
-        step = layer_saved(d, int(elements), a, extra_hidden=2) + int(elements) * vd * (a + 3 * F32)
+        deeper = (drafter.num_decoder_layers - 1) * layer_saved(d, int(elements), a)  # plain layers after the first
+        step = layer_saved(d, int(elements), a, extra_hidden=2) + deeper + int(elements) * vd * (a + 3 * F32)
         return max(target_phase, handed + n * layers_kept * t.hidden_size * a_t + step)
     steps = min(objective.ttt_steps, seq - 1)
     if objective.recompute:

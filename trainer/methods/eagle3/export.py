@@ -41,8 +41,8 @@ from trainer.methods.eagle3.module import NORM_FLAGS, Eagle3Config, Eagle3Drafte
 NATIVE_FLAGS = ("norm_before_residual", "norm_before_fc")  # what the native format's loaders read
 
 
-def _layer_keys(config: Eagle3Config) -> dict:
-    """Llama keys of the drafter layer (both formats)."""
+def _layer_keys(config: Eagle3Config, layers: int = 1) -> dict:
+    """Llama keys of the drafter's ``layers`` decoder layers (both formats)."""
     llama = config.llama_config().to_dict()
     keep = (
         "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
@@ -50,7 +50,7 @@ def _layer_keys(config: Eagle3Config) -> dict:
     )  # fmt: skip
     out = {k: llama[k] for k in keep}
     out["model_type"] = "llama"
-    out["num_hidden_layers"] = 1
+    out["num_hidden_layers"] = layers
     out["tie_word_embeddings"] = False
     rope = dict(config.rope_parameters)
     out["rope_theta"] = rope.get("rope_theta", 10000.0)  # older engine versions read these two keys
@@ -119,7 +119,7 @@ def speculators_config(
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures or [])},
         },
-        "transformer_layer_config": _layer_keys(c),
+        "transformer_layer_config": _layer_keys(c, drafter.num_decoder_layers),
         "draft_vocab_size": c.draft_vocab_size,
         "target_hidden_size": c.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(c.aux_layers),
@@ -163,12 +163,34 @@ def save_speculators(
 def speculators_tensors(
     drafter: nn.Module, dtype: torch.dtype | None, extra: dict[str, torch.Tensor] | None = None
 ) -> dict[str, torch.Tensor]:
-    """The drafter's tensors under the speculators names (``midlayer.*`` -> ``layers.0.*``) with ``extra`` added, in
-    ``dtype`` (None: as they are)."""
-    tensors = {k.replace("midlayer.", "layers.0.", 1): v for k, v in cpu_tensors(drafter).items()} | (extra or {})
+    """The drafter's tensors under the speculators names (``midlayer.*`` -> ``layers.0.*``, a P-EAGLE drafter's
+    ``deep_layers.{i}.*`` -> ``layers.{i + 1}.*``) with ``extra`` added, in ``dtype`` (None: as they are)."""
+    tensors = {speculators_name(k): v for k, v in cpu_tensors(drafter).items()} | (extra or {})
     if dtype is not None:
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     return tensors
+
+
+def speculators_name(name: str) -> str:
+    """A drafter tensor's name in the speculators format (``layers.{j}.*`` for decoder layer j)."""
+    if name.startswith("midlayer."):
+        return "layers.0." + name.removeprefix("midlayer.")
+    if name.startswith("deep_layers."):
+        index, rest = name.removeprefix("deep_layers.").split(".", 1)
+        return f"layers.{int(index) + 1}.{rest}"
+    return name
+
+
+def module_name(name: str) -> str:
+    """The inverse of :func:`speculators_name` (``""`` for our own layer names, which vLLM would not load)."""
+    if name.startswith(("midlayer.", "deep_layers.")):
+        return ""
+    if name.startswith("layers."):
+        index, rest = name.removeprefix("layers.").split(".", 1)
+        if not index.isdigit():
+            return name
+        return f"midlayer.{rest}" if int(index) == 0 else f"deep_layers.{int(index) - 1}.{rest}"
+    return name
 
 
 # ---- loaders -----------------------------------------------------------------------------------------------------
@@ -273,6 +295,12 @@ def load_speculators(path: str) -> Eagle3Drafter:
     layer = config.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise ValueError(f"{path}: transformer_layer_config must be a dict")
+    layers = layer.get("num_hidden_layers", 1)
+    if layers != 1:
+        raise ModelFolderError(
+            f"{path}: transformer_layer_config.num_hidden_layers is {layers!r}: draftsmith's EAGLE-3 drafter has one "
+            "decoder layer (a P-EAGLE drafter may have several)"
+        )
     flags = _flags(config, NORM_FLAGS, path)
     drafter = Eagle3Drafter(_config(layer, config, config["eagle_aux_hidden_state_layer_ids"], path, flags))
 
@@ -285,9 +313,4 @@ def load_speculators(path: str) -> Eagle3Drafter:
             "(speculators keeps uninitialised memory for a missing one)"
         )
 
-    def rename(name: str) -> str:
-        if name.startswith("layers.0."):
-            return "midlayer." + name.removeprefix("layers.0.")
-        return "" if name.startswith("midlayer.") else name  # vLLM would not load midlayer.* from this format
-
-    return _consume(drafter, tensors, rename, path)
+    return _consume(drafter, tensors, module_name, path)

@@ -203,6 +203,45 @@ class MidLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class DecoderLayer(nn.Module):
+    """A plain Llama decoder layer over the features alone (H wide): the layers after the first of a drafter with
+    several (speculators' ``num_layers``, ``layers.1.*`` onwards in its format)."""
+
+    def __init__(self, config: Eagle3Config) -> None:
+        """
+        Args:
+            config: the drafter's shape.
+        """
+        super().__init__()
+        c = config
+        self.config = config
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = AttentionProjections(
+            c.hidden_size, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        )
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size)
+
+    def qkv(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden: [B, S, H]; cos, sin: [B, S, D] -> q [B, nh, S, D], k and v [B, nkv, S, D] (rotated)."""
+        c = self.config
+        B, S, _ = hidden.shape
+        x = self.input_layernorm(hidden)  # [B, S, H]
+        q = self.self_attn.q_proj(x).view(B, S, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = self.self_attn.k_proj(x).view(B, S, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = self.self_attn.v_proj(x).view(B, S, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def finish(self, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """hidden: [B, S, H] the layer's input; attn: [B, nh, S, D] -> the layer output [B, S, H]."""
+        B, _, S, _ = attn.shape
+        h = hidden + self.self_attn.o_proj(attn.transpose(1, 2).reshape(B, S, -1))  # [B, S, H]
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """q: [B, nh, N, D]; k, v: [B, nkv, M, D]; allowed: [N, M] or [B, 1, N, M] bool -> [B, nh, N, D]."""
     groups = q.shape[1] // k.shape[1]
@@ -282,6 +321,11 @@ class Eagle3Drafter(nn.Module):
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=0.02)
+
+    @property
+    def num_decoder_layers(self) -> int:
+        """The decoder layers: EAGLE-3's one (``midlayer``)."""
+        return 1
 
     def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         """Install the reduced vocabulary (see vocab_map.py)."""

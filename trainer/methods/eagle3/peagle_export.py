@@ -1,7 +1,8 @@
 """P-EAGLE export: the speculators format ``peagle`` (speculators 0.9 ``PEagleSpeculatorConfig``), with its loader.
 
 As the EAGLE-3 speculators format (export.py: ``layers.0.*``, the Llama layer config under
-``transformer_layer_config``, the norm flags as trained), with ``speculators_model_type: "peagle"``,
+``transformer_layer_config``, the norm flags as trained; with several decoder layers ``layers.{j}.*`` for layer j and
+``num_hidden_layers`` in the layer config), with ``speculators_model_type: "peagle"``,
 ``architectures: ["PEagleSpeculator"]``, ``mask_token_id``, ``embed_requires_grad: true`` (the embedding is trained),
 and the drafter's own tensors ``embed_tokens.weight`` (its trained embedding, not the target's) and ``mask_hidden``
 [1, 1, n * H] (speculators lists both among the keys it may miss and then keeps uninitialised memory, so both are
@@ -16,7 +17,14 @@ import torch
 
 from trainer.errors import ModelFolderError
 from trainer.export.files import read_folder, write_folder
-from trainer.methods.eagle3.export import _config, _consume, _flags, speculators_config, speculators_tensors
+from trainer.methods.eagle3.export import (
+    _config,
+    _consume,
+    _flags,
+    module_name,
+    speculators_config,
+    speculators_tensors,
+)
 from trainer.methods.eagle3.module import NORM_FLAGS
 from trainer.methods.eagle3.peagle_module import PEagleConfig, PEagleDrafter
 
@@ -49,12 +57,9 @@ def load_peagle(path: str) -> PEagleDrafter:
     mask_id = config.get("mask_token_id")
     if not isinstance(mask_id, int):
         raise ModelFolderError(f"{path}: mask_token_id must be a token id, got {mask_id!r}")
+    layers = layer.get("num_hidden_layers", 1)
+    if not isinstance(layers, int) or layers < 1:
+        raise ModelFolderError(f"{path}: transformer_layer_config.num_hidden_layers must be >= 1, got {layers!r}")
     base = _config(layer, config, config["eagle_aux_hidden_state_layer_ids"], path, _flags(config, NORM_FLAGS, path))
-    drafter = PEagleDrafter(PEagleConfig(**base.to_dict(), mask_token_id=mask_id))
-
-    def rename(name: str) -> str:
-        if name.startswith("layers.0."):
-            return "midlayer." + name.removeprefix("layers.0.")
-        return "" if name.startswith("midlayer.") else name
-
-    return _consume(drafter, tensors, rename, path)
+    drafter = PEagleDrafter(PEagleConfig(**base.to_dict(), mask_token_id=mask_id, num_layers=layers))
+    return _consume(drafter, tensors, module_name, path)

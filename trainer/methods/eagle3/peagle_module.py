@@ -1,13 +1,18 @@
 """P-EAGLE (parallel EAGLE, arXiv 2602.01469): the EAGLE-3 drafter drafting K tokens in one forward.
 
-The network is the EAGLE-3 drafter of module.py (``fc``, one decoder layer, ``norm``, ``lm_head``, the vocabulary map,
-the norm flags), plus two learned placeholders and a trainable input embedding, as speculators 0.9's
+The network is the EAGLE-3 drafter of module.py (``fc``, its decoder layer ``midlayer``, ``norm``, ``lm_head``, the
+vocabulary map, the norm flags), plus two learned placeholders, a trainable input embedding and, with
+``num_layers > 1``, plain Llama decoder layers after the first (``deep_layers``), as speculators 0.9's
 ``PEagleDraftModel``:
 
 - ``embed_tokens`` [V, H]: the drafter's own input embedding (initialised from the target's and trained);
 - ``mask_hidden`` [1, 1, n * Ht]: the placeholder of the concatenated target hidden states, fused like real ones
   (``input_norm`` / ``fc_norm`` then ``fc``);
-- ``config.mask_token_id``: a token id the target never uses, whose (trained) embedding is the placeholder token.
+- ``config.mask_token_id``: a token id the target never uses, whose (trained) embedding is the placeholder token;
+- ``deep_layers.{i}``: decoder layer ``i + 1`` (``layers.{i + 1}.*`` in speculators' format), over the features alone,
+  under the same mask. The paper's released drafters have 4 layers: a placeholder's query at the first layer is the
+  same for every anchor (its inputs are), so what it can gather from the context is set by position alone until a
+  later layer.
 
 Elements are pairs (anchor ``a``, depth ``d``). Depth 0 is EAGLE-3's element ``a``: the target features of token ``a``
 with the embedding of token ``a + 1``; depth ``d >= 1`` of anchor ``a`` is a placeholder (``mask_hidden``,
@@ -20,6 +25,7 @@ one forward adds the placeholders of the last one: K drafts in one drafter forwa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -28,21 +34,26 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from trainer.block_attention import Impl, flex_attention, resolve_impl
 from trainer.layers import repeat_kv
-from trainer.methods.eagle3.module import Eagle3Config, Eagle3Drafter, masked_attention
+from trainer.methods.eagle3.module import DecoderLayer, Eagle3Config, Eagle3Drafter, masked_attention
 
 
 @dataclass
 class PEagleConfig(Eagle3Config):
-    """The EAGLE-3 shape plus the placeholder token.
+    """The EAGLE-3 shape plus the placeholder token and the depth of the network.
 
     Attributes:
         mask_token_id: the placeholder token id (one the target's tokenizer never produces); -1 is unset (refused).
+        num_layers: decoder layers: the first (``midlayer``, over the embedding and the features) and
+            ``num_layers - 1`` plain ones after it.
     """
 
     mask_token_id: int = -1
+    num_layers: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} must be a token id in 0..{self.vocab_size - 1}")
 
@@ -86,6 +97,15 @@ class PEagleDrafter(Eagle3Drafter):
         c = config
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.mask_hidden = nn.Parameter(torch.randn(1, 1, len(c.aux_layers) * c.target_hidden_size))
+        self.deep_layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers - 1))
+        for module in self.deep_layers.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
+
+    @property
+    def num_decoder_layers(self) -> int:
+        """``midlayer`` and the ``deep_layers`` after it."""
+        return 1 + len(self.deep_layers)
 
     def placeholder(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(embeds [1, n, H], fused features [1, n, H]) of n placeholder elements."""
@@ -114,9 +134,9 @@ class PEagleDrafter(Eagle3Drafter):
             impl: the :func:`peagle_mask` attention, dense or flex (trainer/block_attention.py, CUDA for training).
 
         Every placeholder has the same inputs (``mask_token_id``'s embedding, the fused ``mask_hidden``), so their
-        queries, keys and values are projected once and differ by the rotary embedding alone. The dense path splits
-        the mask: depth-0 queries see the depth-0 keys causally (SDPA's causal kernel, no mask), placeholders every
-        key under :func:`peagle_mask`.
+        first-layer queries, keys and values are projected once and differ by the rotary embedding alone (the deeper
+        layers' inputs differ). The dense path splits the mask: depth-0 queries see the depth-0 keys causally (SDPA's
+        causal kernel, no mask), placeholders every key under :func:`peagle_mask`.
         """
         B, n, _ = hidden.shape
         order = torch.arange(n, device=anchor.device)
@@ -130,12 +150,78 @@ class PEagleDrafter(Eagle3Drafter):
         qp, kp, vp = (t.expand(B, -1, P, -1) for t in self.midlayer.project(place_embeds, place_fused))
         q, k = apply_rotary_pos_emb(torch.cat([q0, qp], 2), torch.cat([k0, kp], 2), cos, sin)
         v = torch.cat([v0, vp], dim=2)  # [B, nkv, N, D]
-        if resolve_impl(impl, q.device, torch.is_grad_enabled() and q.requires_grad) == "flex":
-            attn = flex_attention(q, k, v, peagle_mask_mod(anchor, depth, valid), B)
-        else:
-            groups = q.shape[1] // k.shape[1]
-            keys0, values0 = repeat_kv(k[:, :, :n], groups), repeat_kv(v0, groups)
-            first = F.scaled_dot_product_attention(q[:, :, :n], keys0, values0, is_causal=True)  # [B, nh, n, D]
-            rest = masked_attention(q[:, :, n:], k, v, peagle_mask(anchor, depth, valid)[:, :, n:])  # [B, nh, P, D]
-            attn = torch.cat([first, rest], dim=2)  # [B, nh, N, D]
-        return self.outputs(self.midlayer.finish(features, attn))[1]
+        mask = _ParallelMask(n, anchor, depth, valid, impl)
+        h = self.midlayer.finish(features, mask.attend(q, k, v))  # [B, N, H]
+        for layer in self.deep_layers:
+            h = layer.finish(h, mask.attend(*layer.qkv(h, cos, sin)))
+        return self.outputs(h)[1]
+
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        past: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        allowed: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """One drafting pass over new elements through every layer, attending to ``past`` and to each other.
+
+        Args:
+            embeds: [B, N, H] embeddings of the tokens one ahead of ``hidden`` (``mask_token_id``'s for placeholders).
+            hidden: [B, N, H] fused target features (``mask_hidden`` fused for placeholders).
+            positions: [B, N] rotary positions.
+            past: one cached (k, v) per decoder layer, each [B, nkv, M, D], or None.
+            allowed: [N, M + N] (or [B, 1, N, M + N]) bool over past then new keys; None is causal over the new
+                elements after all of ``past``.
+
+        Returns:
+            the last layer's output [B, N, H] (post-norm with ``norm_output``), logits [B, N, Vd], and each layer's
+            (k, v) of the new elements.
+        """
+        cos, sin = self.rope(hidden, positions)
+        N, M = hidden.shape[1], 0 if past is None else past[0][0].shape[2]
+        if allowed is None:
+            allowed = torch.ones(N, M + N, dtype=torch.bool, device=hidden.device).tril(M)  # [N, M + N]
+        new: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            new.append((k, v))
+            cached = None if past is None else past[len(new) - 1]
+            keys = k if cached is None else torch.cat([cached[0], k], dim=2)  # [B, nkv, M + N, D]
+            values = v if cached is None else torch.cat([cached[1], v], dim=2)
+            return masked_attention(q, keys, values, allowed)  # [B, nh, N, D]
+
+        h = self.midlayer.finish(hidden, attend(*self.midlayer.qkv(embeds, hidden, cos, sin)))  # [B, N, H]
+        for layer in self.deep_layers:
+            h = layer.finish(h, attend(*layer.qkv(h, cos, sin)))
+        out, logits = self.outputs(h)
+        return out, logits, new
+
+
+@dataclass
+class _ParallelMask:
+    """The training pass's attention under :func:`peagle_mask`, for every layer: elements ``0..n-1`` of each row are
+    the depth-0 ones (queries among them see the depth-0 keys causally: SDPA's causal kernel, no mask), the rest
+    placeholders or padding (masked), or one flex pass."""
+
+    n: int
+    anchor: torch.Tensor  # [B, N]
+    depth: torch.Tensor  # [B, N]
+    valid: torch.Tensor  # [B, N]
+    impl: Impl
+
+    @cached_property
+    def placeholder_rows(self) -> torch.Tensor:
+        """[B, 1, P, N] the mask's rows of the elements after the depth-0 ones (built once for every layer)."""
+        return peagle_mask(self.anchor, self.depth, self.valid)[:, :, self.n :]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [B, nh, N, D]; k, v: [B, nkv, N, D] -> [B, nh, N, D]."""
+        n, B = self.n, q.shape[0]
+        if resolve_impl(self.impl, q.device, torch.is_grad_enabled() and q.requires_grad) == "flex":
+            return flex_attention(q, k, v, peagle_mask_mod(self.anchor, self.depth, self.valid), B)
+        groups = q.shape[1] // k.shape[1]
+        keys0, values0 = repeat_kv(k[:, :, :n], groups), repeat_kv(v[:, :, :n], groups)
+        first = F.scaled_dot_product_attention(q[:, :, :n], keys0, values0, is_causal=True)  # [B, nh, n, D]
+        rest = masked_attention(q[:, :, n:], k, v, self.placeholder_rows)  # [B, nh, P, D]
+        return torch.cat([first, rest], dim=2)

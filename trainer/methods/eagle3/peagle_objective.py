@@ -88,6 +88,7 @@ class PEagle(DraftObjective):
         mask_token_id: int | None = None,
         draft_vocab_size: int = 32000,
         target_layers: list[int] | None = None,
+        num_layers: int = 1,
         step_decay: float = 1.0,
         loss_mean: Literal["element", "depth"] = "element",
         argmax_weight: float = 0.0,
@@ -118,6 +119,9 @@ class PEagle(DraftObjective):
             draft_vocab_size: size of the reduced draft vocabulary (the most frequent trained tokens).
             target_layers: the target layers fused by the drafter, in HF hidden_states indices; None uses 2, L // 2,
                 L - 3.
+            num_layers: the drafter's decoder layers: EAGLE-3's first (over the embedding and the fused features)
+                and ``num_layers - 1`` plain Llama layers after it, all under the cross-depth mask (speculators'
+                ``num_layers``; the paper's released drafters have 4).
             step_decay: the loss weight of depth d is step_decay ** d.
             loss_mean: "element", one mean over every trained element (deeper depths, sampled less, count less:
                 speculators' reduction, which measured better, docs/methods/peagle.md); "depth", the sum of the
@@ -152,6 +156,8 @@ class PEagle(DraftObjective):
             raise RecipeError(f"model.step_decay must be in (0, 1], got {step_decay}")
         if norm_before_fc and fc_norm:
             raise RecipeError("model.norm_before_fc and model.fc_norm are mutually exclusive: set one of them")
+        if num_layers < 1:
+            raise RecipeError(f"model.num_layers must be >= 1, got {num_layers}")
         self.num_depths, self.cod_ratio, self.cod_min_ratio = num_depths, cod_ratio, cod_min_ratio
         self.max_anchors = max_anchors
         self.step_decay, self.loss_mean, self.attention = step_decay, loss_mean, attention
@@ -162,8 +168,8 @@ class PEagle(DraftObjective):
         self.vocab_fixed = init_from is not None
         if init_from is not None:
             self.drafter = self.drafter_from_checkpoint(init_from, peagle_kind.KIND)
-            trained = self.drafter.config.flags()
-            for name, asked in flags.items():
+            trained = self.drafter.config.flags() | {"num_layers": self.drafter.config.num_layers}
+            for name, asked in (flags | {"num_layers": num_layers}).items():
                 if trained[name] != asked:
                     raise RecipeError(
                         f"model.{name} is {str(asked).lower()} but model.init_from {init_from!r} was trained with "
@@ -179,7 +185,7 @@ class PEagle(DraftObjective):
                     raise RecipeError(
                         f"model.target_layers: {i} is outside the target's hidden_states 0..{frozen.num_layers}"
                     )
-            self.drafter = PEagleDrafter(PEagleConfig(**base.to_dict(), mask_token_id=mask_id))
+            self.drafter = PEagleDrafter(PEagleConfig(**base.to_dict(), mask_token_id=mask_id, num_layers=num_layers))
             with torch.no_grad():
                 self.drafter.embed_tokens.weight.copy_(frozen.model.get_input_embeddings().weight.float())
         self.drafter.to(resolve_dtype(drafter_dtype))

@@ -1,8 +1,8 @@
 """P-EAGLE proposer: K drafts in one drafter forward (peagle_module.py), as a chain or a tree.
 
-The drafter's cache holds the depth-0 element of every committed position, as EAGLE-3's proposer keeps it
-(proposer.py): each round's forward appends the positions whose target hidden states arrived with the context and, in
-the same forward, ``k - 1`` placeholders (``mask_hidden``, ``mask_token_id``) of the last one at positions
+The drafter's cache holds the depth-0 element of every committed position in each decoder layer, as EAGLE-3's proposer
+keeps it (proposer.py): each round's forward appends the positions whose target hidden states arrived with the context
+and, in the same forward, ``k - 1`` placeholders (``mask_hidden``, ``mask_token_id``) of the last one at positions
 ``T - 1 .. T + k - 3``. The last new entry's logits give draft 1 and placeholder ``d`` gives draft ``d + 1``; the
 placeholders see the whole cache, the new entries and the placeholders before them (peagle_module.peagle_mask), and
 are dropped after the round.
@@ -43,7 +43,7 @@ class PEagleProposer(ParallelHeadsProposer):
         super().__init__(drafter.config.aux_layers[0], depths, choices)
         self.drafter = drafter.eval()
         self.needs_hidden_states = tuple(drafter.config.aux_layers)
-        self.past: tuple[torch.Tensor, torch.Tensor] | None = None  # each [1, nkv, C, D]
+        self.past: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per decoder layer, each [1, nkv, C, D]
         self.depth_logits: torch.Tensor | None = None  # [k, V] of the round being drafted
 
     def reset(self) -> None:
@@ -51,7 +51,7 @@ class PEagleProposer(ParallelHeadsProposer):
         self.past = None
 
     def _cached(self) -> int:
-        return 0 if self.past is None else self.past[0].shape[2]
+        return 0 if self.past is None else self.past[0][0].shape[2]
 
     @torch.no_grad()
     def propose(self, ctx: ProposalContext) -> DraftTree:
@@ -89,9 +89,15 @@ class PEagleProposer(ParallelHeadsProposer):
             embeds, fused = torch.cat([embeds, place_embeds], 1), torch.cat([fused, place_fused], 1)
         N = n + P
         allowed = torch.ones(N, C + N, dtype=torch.bool, device=tokens.device).tril(C)  # [N, C + N]
-        _, logits, (k, v) = drafter(embeds, fused, positions, self.past, allowed)  # logits [1, N, Vd]
-        k, v = k[:, :, :n], v[:, :, :n]  # the placeholders are not kept
-        self.past = (k, v) if self.past is None else (torch.cat([self.past[0], k], 2), torch.cat([self.past[1], v], 2))
+        _, logits, new = drafter(embeds, fused, positions, self.past, allowed)  # logits [1, N, Vd]
+        new = [(k[:, :, :n], v[:, :, :n]) for k, v in new]  # the placeholders are not kept
+        self.past = (
+            new
+            if self.past is None
+            else [
+                (torch.cat([k0, k], 2), torch.cat([v0, v], 2)) for (k0, v0), (k, v) in zip(self.past, new, strict=True)
+            ]
+        )
         if ctx.k <= 0:
             return None
         depth_logits = logits[0, n - 1 :]  # [k, Vd]
