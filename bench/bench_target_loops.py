@@ -1,6 +1,7 @@
 """How much of the tiny target's greedy output sits in loops, for variants of its training at the demo's budget.
 
     python bench/bench_target_loops.py [--steps 400] [--variants 8x256,16x128,lr4e-3,tied] [--parallel 2]
+    python bench/bench_target_loops.py --noise 0.001,0.003,0.01 [--model artifacts/tiny_target] [--seeds 3]
 
 Needs the demo's corpus (``make demo`` or ``draftsmith prepare``). Every variant trains
 recipes/quickstart/tiny_target.yaml for ``--steps`` optimizer steps (the demo's 400) with its own changes,
@@ -9,6 +10,11 @@ demo's held-out prompts (the first 160 characters of the first 10 held-out files
 8 x 256-token batches), and the share of greedy output positions inside loops (trainer/decoding/metrics.loop_mask,
 window 16, period <= 8, as ``draftsmith eval`` counts them) at 48 and 128 new tokens. Writes OUT/loops.md and prints
 it.
+
+``--noise``: no training; the null experiment for a changed target's loop share. Every weight of ``--model`` gets
+Gaussian noise of ``sigma`` times that tensor's standard deviation (``--seeds`` draws per sigma), and the same
+measures are taken, with how many of the 10 greedy outputs (48 tokens) stay identical to the model's own: how much
+the loop share moves when the model changes at random rather than by training. Writes OUT/noise.md.
 """
 
 from __future__ import annotations
@@ -72,7 +78,12 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=400, help="optimizer steps of every variant (the demo's 400)")
     parser.add_argument("--variants", default="8x256,16x128,lr4e-3,tied", help=f"among {', '.join(VARIANTS)}")
     parser.add_argument("--parallel", type=int, default=2, help="variants trained at once, one thread each")
+    parser.add_argument("--noise", help="comma-separated relative noise levels: measure --model perturbed instead")
+    parser.add_argument("--model", default="artifacts/tiny_target", help="the model --noise perturbs")
+    parser.add_argument("--seeds", type=int, default=3, help="noise draws per level")
     args = parser.parse_args()
+    if args.noise:
+        return noise(args)
     out, corpus = Path(args.out), Path(args.artifacts) / "corpus"
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
@@ -115,6 +126,52 @@ def main() -> int:
             f"| {name} | {changes} | {loss:.3f} | {short:.0%} | {long:.0%} | {seconds.get(name, float('nan')):.0f} |"
         )
     (out / "loops.md").write_text("\n".join(rows) + "\n")
+    print("\n".join(rows))
+    return 0
+
+
+def noise(args: argparse.Namespace) -> int:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(2)
+    out, corpus = Path(args.out), Path(args.artifacts) / "corpus"
+    data = heldout_data(corpus)
+    lines = (corpus / "heldout.jsonl").read_text().splitlines()[:10]
+    prompts = [json.loads(line)["text"][:160] for line in lines]
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    original = AutoModelForCausalLM.from_pretrained(args.model).eval()
+
+    def measure(model) -> tuple[float, float, list[list[int]]]:
+        outputs = []
+        for prompt in prompts:
+            ids = torch.tensor([tokenizer(prompt).input_ids])
+            with torch.no_grad():
+                out_ids = model.generate(ids, max_new_tokens=48, min_new_tokens=48, do_sample=False)
+            outputs.append(out_ids[0, ids.shape[1] :].tolist())
+        inside = sum(sum(loop_mask(o, 16, 8)) for o in outputs)
+        return heldout_loss(model, data.val_dataloader()), inside / sum(len(o) for o in outputs), outputs
+
+    loss0, share0, outputs0 = measure(original)
+    rows = [
+        f"`{args.model}` with every weight tensor plus Gaussian noise of sigma times its standard deviation; loop "
+        "share of the greedy output (48 tokens) of the demo's 10 held-out prompts.",
+        "",
+        "| sigma | seed | held-out loss | loop share | outputs identical to the model's |",
+        "|---|---|---|---|---|",
+        f"| 0 | | {loss0:.3f} | {share0:.0%} | 10 / 10 |",
+    ]
+    for sigma in (float(x) for x in args.noise.split(",")):
+        for seed in range(args.seeds):
+            model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+            generator = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                for weight in model.parameters():
+                    weight.add_(torch.randn(weight.shape, generator=generator) * sigma * weight.float().std())
+            loss, share, outputs = measure(model)
+            same = sum(a == b for a, b in zip(outputs, outputs0, strict=True))
+            rows.append(f"| {sigma:g} | {seed} | {loss:.3f} | {share:.0%} | {same} / {len(prompts)} |")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "noise.md").write_text("\n".join(rows) + "\n")
     print("\n".join(rows))
     return 0
 
