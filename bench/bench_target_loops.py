@@ -60,15 +60,30 @@ def train(name: str, extra: list[str], out: Path, steps: int) -> subprocess.Pope
     return subprocess.Popen(args, cwd=ROOT, env=env, stdout=(run / "fit.log").open("w"), stderr=subprocess.STDOUT)
 
 
-def loop_share(model, tokenizer, prompts: list[str], new_tokens: int) -> float:
-    inside = total = 0
+def heldout_prompts(corpus: Path) -> list[str]:
+    """The demo's held-out prompts: the first 160 characters of the first 10 held-out files."""
+    lines = (corpus / "heldout.jsonl").read_text().splitlines()[:10]
+    return [json.loads(line)["text"][:160] for line in lines]
+
+
+def greedy_outputs(model, tokenizer, prompts: list[str], new_tokens: int) -> list[list[int]]:
+    """Each prompt's ``new_tokens`` greedy output tokens."""
+    outputs = []
     for prompt in prompts:
         ids = torch.tensor([tokenizer(prompt).input_ids])
         with torch.no_grad():
             out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-        mask = loop_mask(out[0, ids.shape[1] :].tolist(), 16, 8)
-        inside, total = inside + sum(mask), total + len(mask)
-    return inside / total
+        outputs.append(out[0, ids.shape[1] :].tolist())
+    return outputs
+
+
+def share_in_loops(outputs: list[list[int]]) -> float:
+    """The share of the outputs' positions inside loops (window 16, period <= 8, as ``draftsmith eval``)."""
+    return sum(sum(loop_mask(o, 16, 8)) for o in outputs) / sum(len(o) for o in outputs)
+
+
+def loop_share(model, tokenizer, prompts: list[str], new_tokens: int) -> float:
+    return share_in_loops(greedy_outputs(model, tokenizer, prompts, new_tokens))
 
 
 def main() -> int:
@@ -106,8 +121,7 @@ def main() -> int:
 
     torch.set_num_threads(2)
     data = heldout_data(corpus)
-    lines = (corpus / "heldout.jsonl").read_text().splitlines()[:10]
-    prompts = [json.loads(line)["text"][:160] for line in lines]
+    prompts = heldout_prompts(corpus)
     rows = [
         f"{args.steps} optimizer steps each (the demo's budget), trained {args.parallel} at a time on one thread each; "
         "loop share of the greedy output of the demo's 10 held-out prompts.",
@@ -136,20 +150,13 @@ def noise(args: argparse.Namespace) -> int:
     torch.set_num_threads(2)
     out, corpus = Path(args.out), Path(args.artifacts) / "corpus"
     data = heldout_data(corpus)
-    lines = (corpus / "heldout.jsonl").read_text().splitlines()[:10]
-    prompts = [json.loads(line)["text"][:160] for line in lines]
+    prompts = heldout_prompts(corpus)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     original = AutoModelForCausalLM.from_pretrained(args.model).eval()
 
     def measure(model) -> tuple[float, float, list[list[int]]]:
-        outputs = []
-        for prompt in prompts:
-            ids = torch.tensor([tokenizer(prompt).input_ids])
-            with torch.no_grad():
-                out_ids = model.generate(ids, max_new_tokens=48, min_new_tokens=48, do_sample=False)
-            outputs.append(out_ids[0, ids.shape[1] :].tolist())
-        inside = sum(sum(loop_mask(o, 16, 8)) for o in outputs)
-        return heldout_loss(model, data.val_dataloader()), inside / sum(len(o) for o in outputs), outputs
+        outputs = greedy_outputs(model, tokenizer, prompts, 48)
+        return heldout_loss(model, data.val_dataloader()), share_in_loops(outputs), outputs
 
     loss0, share0, outputs0 = measure(original)
     rows = [

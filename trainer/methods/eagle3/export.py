@@ -207,6 +207,15 @@ def _flags(config: dict, names: tuple[str, ...], where: str) -> dict[str, bool]:
     return out
 
 
+def decoder_layers(layer: dict, where: str) -> int:
+    """The decoder layers of a speculators export: ``transformer_layer_config.num_hidden_layers`` (1 when absent, as
+    in exports written before several were trained), refused unless an integer >= 1."""
+    layers = layer.get("num_hidden_layers", 1)
+    if not isinstance(layers, int) or layers < 1:
+        raise ModelFolderError(f"{where}: transformer_layer_config.num_hidden_layers must be >= 1, got {layers!r}")
+    return layers
+
+
 def _config(layer: dict, top: dict, aux_layers: list[int], where: str, flags: dict[str, bool]) -> Eagle3Config:
     if flags.get("norm_before_fc") and flags.get("fc_norm"):
         raise ModelFolderError(f"{where}: config.json sets both norm_before_fc and fc_norm (mutually exclusive)")
@@ -295,7 +304,7 @@ def load_speculators(path: str) -> Eagle3Drafter:
     layer = config.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise ValueError(f"{path}: transformer_layer_config must be a dict")
-    layers = layer.get("num_hidden_layers", 1)
+    layers = decoder_layers(layer, path)
     if layers != 1:
         raise ModelFolderError(
             f"{path}: transformer_layer_config.num_hidden_layers is {layers!r}: draftsmith's EAGLE-3 drafter has one "

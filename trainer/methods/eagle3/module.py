@@ -157,7 +157,32 @@ class Eagle3Config:
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 
-class MidLayer(nn.Module):
+class _Layer(nn.Module):
+    """What the drafter's decoder layers share once their modules exist: the projections split into heads and the
+    attention output, residual and MLP (``self_attn``, ``post_attention_layernorm``, ``mlp`` and ``config``)."""
+
+    config: Eagle3Config
+    self_attn: AttentionProjections
+    post_attention_layernorm: RMSNorm
+    mlp: GatedMLP
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [B, S, in] the normed input -> q [B, nh, S, D], k and v [B, nkv, S, D], before the rotary embedding."""
+        c = self.config
+        B, S, _ = x.shape
+        q = self.self_attn.q_proj(x).view(B, S, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = self.self_attn.k_proj(x).view(B, S, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = self.self_attn.v_proj(x).view(B, S, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        return q, k, v
+
+    def block(self, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """residual: [B, S, H]; attn: [B, nh, S, D] attention output -> the layer output [B, S, H]."""
+        B, _, S, _ = attn.shape
+        h = residual + self.self_attn.o_proj(attn.transpose(1, 2).reshape(B, S, -1))  # [B, S, H]
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class MidLayer(_Layer):
     """The EAGLE-3 decoder layer (``midlayer`` in the native format)."""
 
     def __init__(self, config: Eagle3Config) -> None:
@@ -186,24 +211,15 @@ class MidLayer(nn.Module):
 
     def project(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """embeds, hidden: [B, S, H] -> q [B, nh, S, D], k and v [B, nkv, S, D], before the rotary embedding."""
-        c = self.config
-        B, S, _ = hidden.shape
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [B, S, 2H]
-        q = self.self_attn.q_proj(x).view(B, S, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        k = self.self_attn.k_proj(x).view(B, S, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        v = self.self_attn.v_proj(x).view(B, S, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        return q, k, v
+        return self.heads(torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1))  # in: 2H
 
     def finish(self, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """hidden: [B, S, H] the layer's input features; attn: [B, nh, S, D] attention output -> the layer output
         [B, S, H]. The residual is ``hidden`` (``hidden_norm(hidden)`` with ``norm_before_residual``)."""
-        B, _, S, _ = attn.shape
-        residual = self.hidden_norm(hidden) if self.config.norm_before_residual else hidden  # [B, S, H]
-        h = residual + self.self_attn.o_proj(attn.transpose(1, 2).reshape(B, S, -1))  # [B, S, H]
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return self.block(self.hidden_norm(hidden) if self.config.norm_before_residual else hidden, attn)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(_Layer):
     """A plain Llama decoder layer over the features alone (H wide): the layers after the first of a drafter with
     several (speculators' ``num_layers``, ``layers.1.*`` onwards in its format)."""
 
@@ -226,26 +242,39 @@ class DecoderLayer(nn.Module):
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden: [B, S, H]; cos, sin: [B, S, D] -> q [B, nh, S, D], k and v [B, nkv, S, D] (rotated)."""
-        c = self.config
-        B, S, _ = hidden.shape
-        x = self.input_layernorm(hidden)  # [B, S, H]
-        q = self.self_attn.q_proj(x).view(B, S, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        k = self.self_attn.k_proj(x).view(B, S, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        v = self.self_attn.v_proj(x).view(B, S, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        q, k, v = self.heads(self.input_layernorm(hidden))
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         return q, k, v
 
     def finish(self, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """hidden: [B, S, H] the layer's input; attn: [B, nh, S, D] -> the layer output [B, S, H]."""
-        B, _, S, _ = attn.shape
-        h = hidden + self.self_attn.o_proj(attn.transpose(1, 2).reshape(B, S, -1))  # [B, S, H]
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return self.block(hidden, attn)
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """q: [B, nh, N, D]; k, v: [B, nkv, M, D]; allowed: [N, M] or [B, 1, N, M] bool -> [B, nh, N, D]."""
     groups = q.shape[1] // k.shape[1]
     return F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=allowed)
+
+
+def causal_after(n: int, m: int, device: torch.device | str) -> torch.Tensor:
+    """[n, m + n] bool: ``n`` new elements each see all ``m`` cached ones and the new ones up to themselves."""
+    return torch.ones(n, m + n, dtype=torch.bool, device=device).tril(m)
+
+
+def cached_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    past: tuple[torch.Tensor, torch.Tensor] | None,
+    allowed: torch.Tensor,
+) -> torch.Tensor:
+    """Drafting attention of new elements over a cache and themselves. q: [B, nh, N, D]; k, v: [B, nkv, N, D] the new
+    elements'; past: cached (k, v), each [B, nkv, M, D], or None; allowed: [N, M + N] (or [B, 1, N, M + N]) bool over
+    past then new keys -> [B, nh, N, D]."""
+    keys = k if past is None else torch.cat([past[0], k], dim=2)  # [B, nkv, M + N, D]
+    values = v if past is None else torch.cat([past[1], v], dim=2)
+    return masked_attention(q, keys, values, allowed)
 
 
 def ttt_attention(
@@ -393,13 +422,9 @@ class Eagle3Drafter(nn.Module):
         """
         cos, sin = self.rope(hidden, positions)
         q, k, v = self.midlayer.qkv(embeds, hidden, cos, sin)  # [B, nh, N, D], [B, nkv, N, D] x2
-        N = hidden.shape[1]
-        M = 0 if past is None else past[0].shape[2]
         if allowed is None:
-            allowed = torch.ones(N, M + N, dtype=torch.bool, device=hidden.device).tril(M)  # [N, M + N]
-        keys = k if past is None else torch.cat([past[0], k], dim=2)  # [B, nkv, M + N, D]
-        values = v if past is None else torch.cat([past[1], v], dim=2)
-        out, logits = self.outputs(self.midlayer.finish(hidden, masked_attention(q, keys, values, allowed)))
+            allowed = causal_after(hidden.shape[1], 0 if past is None else past[0].shape[2], hidden.device)
+        out, logits = self.outputs(self.midlayer.finish(hidden, cached_attention(q, k, v, past, allowed)))
         return out, logits, (k, v)
 
     def ttt_step(

@@ -21,6 +21,7 @@ from trainer.methods.eagle3.export import (
     _config,
     _consume,
     _flags,
+    decoder_layers,
     module_name,
     speculators_config,
     speculators_tensors,
@@ -57,9 +58,7 @@ def load_peagle(path: str) -> PEagleDrafter:
     mask_id = config.get("mask_token_id")
     if not isinstance(mask_id, int):
         raise ModelFolderError(f"{path}: mask_token_id must be a token id, got {mask_id!r}")
-    layers = layer.get("num_hidden_layers", 1)
-    if not isinstance(layers, int) or layers < 1:
-        raise ModelFolderError(f"{path}: transformer_layer_config.num_hidden_layers must be >= 1, got {layers!r}")
+    layers = decoder_layers(layer, path)
     base = _config(layer, config, config["eagle_aux_hidden_state_layer_ids"], path, _flags(config, NORM_FLAGS, path))
     drafter = PEagleDrafter(PEagleConfig(**base.to_dict(), mask_token_id=mask_id, num_layers=layers))
     return _consume(drafter, tensors, module_name, path)

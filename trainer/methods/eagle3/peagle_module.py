@@ -34,7 +34,14 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from trainer.block_attention import Impl, flex_attention, resolve_impl
 from trainer.layers import repeat_kv
-from trainer.methods.eagle3.module import DecoderLayer, Eagle3Config, Eagle3Drafter, masked_attention
+from trainer.methods.eagle3.module import (
+    DecoderLayer,
+    Eagle3Config,
+    Eagle3Drafter,
+    cached_attention,
+    causal_after,
+    masked_attention,
+)
 
 
 @dataclass
@@ -179,17 +186,13 @@ class PEagleDrafter(Eagle3Drafter):
             (k, v) of the new elements.
         """
         cos, sin = self.rope(hidden, positions)
-        N, M = hidden.shape[1], 0 if past is None else past[0][0].shape[2]
         if allowed is None:
-            allowed = torch.ones(N, M + N, dtype=torch.bool, device=hidden.device).tril(M)  # [N, M + N]
+            allowed = causal_after(hidden.shape[1], 0 if past is None else past[0][0].shape[2], hidden.device)
         new: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             new.append((k, v))
-            cached = None if past is None else past[len(new) - 1]
-            keys = k if cached is None else torch.cat([cached[0], k], dim=2)  # [B, nkv, M + N, D]
-            values = v if cached is None else torch.cat([cached[1], v], dim=2)
-            return masked_attention(q, keys, values, allowed)  # [B, nh, N, D]
+            return cached_attention(q, k, v, None if past is None else past[len(new) - 1], allowed)  # [B, nh, N, D]
 
         h = self.midlayer.finish(hidden, attend(*self.midlayer.qkv(embeds, hidden, cos, sin)))  # [B, N, H]
         for layer in self.deep_layers:

@@ -87,9 +87,7 @@ class PEagleProposer(ParallelHeadsProposer):
         if P:
             place_embeds, place_fused = drafter.placeholder(P)  # [1, P, H] each
             embeds, fused = torch.cat([embeds, place_embeds], 1), torch.cat([fused, place_fused], 1)
-        N = n + P
-        allowed = torch.ones(N, C + N, dtype=torch.bool, device=tokens.device).tril(C)  # [N, C + N]
-        _, logits, new = drafter(embeds, fused, positions, self.past, allowed)  # logits [1, N, Vd]
+        _, logits, new = drafter(embeds, fused, positions, self.past)  # causal after the cache; logits [1, n + P, Vd]
         new = [(k[:, :, :n], v[:, :, :n]) for k, v in new]  # the placeholders are not kept
         self.past = (
             new
