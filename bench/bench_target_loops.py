@@ -2,6 +2,7 @@
 
     python bench/bench_target_loops.py [--steps 400] [--variants 8x256,16x128,lr4e-3,tied] [--parallel 2]
     python bench/bench_target_loops.py --noise 0.001,0.003,0.01 [--model artifacts/tiny_target] [--seeds 3]
+    python bench/bench_target_loops.py --finetune 0.0002,0.0001 [--model artifacts/tiny_target] [--seeds 3]
 
 Needs the demo's corpus (``make demo`` or ``draftsmith prepare``). Every variant trains
 recipes/quickstart/tiny_target.yaml for ``--steps`` optimizer steps (the demo's 400) with its own changes,
@@ -15,12 +16,19 @@ it.
 Gaussian noise of ``sigma`` times that tensor's standard deviation (``--seeds`` draws per sigma), and the same
 measures are taken, with how many of the 10 greedy outputs (48 tokens) stay identical to the model's own: how much
 the loop share moves when the model changes at random rather than by training. Writes OUT/noise.md.
+
+``--finetune``: the null experiment by training: ``--model`` goes on with its own pre-training, nothing else (its
+next-token loss on the corpus' training text, AdamW at each given peak learning rate, 20 warm-up steps, cosine to a
+tenth), for a fine-tune's budget (``--finetune-steps`` of 8 x 256 tokens: the 64 steps ``draftsmith compare`` gives a
+target-changing method), ``--seeds`` batch orders per rate; the same measures as ``--noise``: how far the loop share
+moves when the model trains on nothing but what it was made from. Writes OUT/finetune.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -95,10 +103,12 @@ def main() -> int:
     parser.add_argument("--parallel", type=int, default=2, help="variants trained at once, one thread each")
     parser.add_argument("--noise", help="comma-separated relative noise levels: measure --model perturbed instead")
     parser.add_argument("--model", default="artifacts/tiny_target", help="the model --noise perturbs")
-    parser.add_argument("--seeds", type=int, default=3, help="noise draws per level")
+    parser.add_argument("--seeds", type=int, default=3, help="noise draws per level, batch orders per learning rate")
+    parser.add_argument("--finetune", help="comma-separated peak learning rates: continue --model's pre-training")
+    parser.add_argument("--finetune-steps", type=int, default=64, help="optimizer steps of 8 x 256 tokens")
     args = parser.parse_args()
-    if args.noise:
-        return noise(args)
+    if args.noise or args.finetune:
+        return perturbed(args)
     out, corpus = Path(args.out), Path(args.artifacts) / "corpus"
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
@@ -144,7 +154,9 @@ def main() -> int:
     return 0
 
 
-def noise(args: argparse.Namespace) -> int:
+def perturbed(args: argparse.Namespace) -> int:
+    """The null experiments: the original against itself perturbed by noise (--noise) or by its own pre-training
+    (--finetune), on the held-out loss, the loop share and the greedy outputs that stay the same."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(2)
@@ -159,28 +171,76 @@ def noise(args: argparse.Namespace) -> int:
         return heldout_loss(model, data.val_dataloader()), share_in_loops(outputs), outputs
 
     loss0, share0, outputs0 = measure(original)
+    if args.noise:
+        name, what, levels, change = "noise", "sigma", args.noise, add_noise
+        head = f"`{args.model}` with every weight tensor plus Gaussian noise of sigma times its standard deviation"
+    else:
+        name, what, levels, change = "finetune", "peak learning rate", args.finetune, continue_pretraining
+        head = (
+            f"`{args.model}` after {args.finetune_steps} more steps of its own pre-training (8 x 256 tokens of the "
+            "corpus' training text, AdamW, 20 warm-up steps, cosine to a tenth of the peak; the seed orders the "
+            "batches)"
+        )
     rows = [
-        f"`{args.model}` with every weight tensor plus Gaussian noise of sigma times its standard deviation; loop "
-        "share of the greedy output (48 tokens) of the demo's 10 held-out prompts.",
+        f"{head}; loop share of the greedy output (48 tokens) of the demo's 10 held-out prompts.",
         "",
-        "| sigma | seed | held-out loss | loop share | outputs identical to the model's |",
+        f"| {what} | seed | held-out loss | loop share | outputs identical to the model's |",
         "|---|---|---|---|---|",
         f"| 0 | | {loss0:.3f} | {share0:.0%} | 10 / 10 |",
     ]
-    for sigma in (float(x) for x in args.noise.split(",")):
+    for level in (float(x) for x in levels.split(",")):
         for seed in range(args.seeds):
-            model = AutoModelForCausalLM.from_pretrained(args.model).eval()
-            generator = torch.Generator().manual_seed(seed)
-            with torch.no_grad():
-                for weight in model.parameters():
-                    weight.add_(torch.randn(weight.shape, generator=generator) * sigma * weight.float().std())
-            loss, share, outputs = measure(model)
+            model = AutoModelForCausalLM.from_pretrained(args.model)
+            change(model, level, seed, corpus, args.finetune_steps)
+            loss, share, outputs = measure(model.eval())
             same = sum(a == b for a, b in zip(outputs, outputs0, strict=True))
-            rows.append(f"| {sigma:g} | {seed} | {loss:.3f} | {share:.0%} | {same} / {len(prompts)} |")
+            rows.append(f"| {level:g} | {seed} | {loss:.3f} | {share:.0%} | {same} / {len(prompts)} |")
+            print(rows[-1], flush=True)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "noise.md").write_text("\n".join(rows) + "\n")
+    (out / f"{name}.md").write_text("\n".join(rows) + "\n")
     print("\n".join(rows))
     return 0
+
+
+def add_noise(model, sigma: float, seed: int, corpus: Path, steps: int) -> None:
+    """Every weight tensor plus Gaussian noise of ``sigma`` times its standard deviation."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for weight in model.parameters():
+            weight.add_(torch.randn(weight.shape, generator=generator) * sigma * weight.float().std())
+
+
+def continue_pretraining(model, lr: float, seed: int, corpus: Path, steps: int) -> None:
+    """``steps`` AdamW steps of the model's next-token loss on the corpus' training text (8 x 256-token batches in
+    the order ``seed`` draws), ``lr`` at the peak after 20 warm-up steps, cosine to a tenth."""
+    from trainer.data.text import TextDataModule
+
+    data = TextDataModule(
+        tokenizer=str(corpus / "tokenizer"), train_files=[str(corpus / "train.jsonl")], seq_len=256, batch_size=8,
+        seed=seed,
+    )  # fmt: skip
+    data.setup("fit")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    warmup = 20
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    model.train()
+    batches = iter(data.train_dataloader())
+    for _ in range(steps):
+        batch = next(batches)
+        logits = model(input_ids=batch["input_ids"]).logits  # [B, S, V]
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
 
 
 def _read(path: Path) -> dict:
