@@ -1,6 +1,8 @@
 """Reads a training checkpoint into a plain state dict, whatever strategy wrote it.
 
-A Lightning checkpoint file is read with ``torch.load(weights_only=True)``; a DeepSpeed checkpoint directory is
+A Lightning checkpoint file is read with ``torch.load(weights_only=True)``, memory-mapped (a tensor is read from
+disk when it is used: exporting a drafter never reads the optimizer's moments, two thirds of an AdamW checkpoint); a
+DeepSpeed checkpoint directory is
 consolidated to full float32 tensors first; an FSDP2 distributed checkpoint directory (``.metadata``, one ``.distcp``
 file per rank, Lightning's ``meta.pt``) has its shards put together in the model's dtype. Objectives record in the
 checkpoint what the drafter is (``checkpoint["drafter"]``: its kind, config and the state-dict prefix of its weights),
@@ -123,8 +125,9 @@ def explain_load_error(path: Path, err: BaseException, what: str = "checkpoint")
 
 
 def torch_load_checked(path: str | Path, what: str = "checkpoint") -> Any:
-    """``torch.load(path, map_location="cpu", weights_only=True)``; a file that is not a whole checkpoint, or one
-    holding objects weights_only refuses, is a :class:`CheckpointError` naming it (see :func:`explain_load_error`).
+    """``torch.load(path, map_location="cpu", weights_only=True)``, memory-mapped when the file is torch.save's zip
+    (its tensors read from disk as they are used); a file that is not a whole checkpoint, or one holding objects
+    weights_only refuses, is a :class:`CheckpointError` naming it (see :func:`explain_load_error`).
 
     Args:
         path: the file.
@@ -135,8 +138,10 @@ def torch_load_checked(path: str | Path, what: str = "checkpoint") -> Any:
         raise PathError(f"{what} {file}: no such file")
     if file.stat().st_size == 0:
         raise _not_a_checkpoint(file, what, "empty file (0 bytes): not a checkpoint")
+    with open(file, "rb") as f:
+        zipped = f.read(4) == _ZIP_MAGIC  # mmap reads only torch.save's zip; anything else is explained below
     try:
-        return torch.load(file, map_location="cpu", weights_only=True)
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=zipped)
     except Exception as err:
         explained = explain_load_error(file, err, what)
         if explained is None:
