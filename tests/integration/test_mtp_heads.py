@@ -84,6 +84,25 @@ def test_finetuning_logs_tau_and_exports_a_plain_model_with_heads(finetuned, tin
     assert drift["original_path"] == str(tiny_target) and drift["target"]["loop_share"] == report["loops"]["share"]
     assert drift["tokens"] == 38 and drift["original"]["heldout_loss"] != drift["target"]["heldout_loss"]
     assert "changed target against its original" in (tmp_path / "eval" / "report.md").read_text()
+    # on held-out documents cut to their first 6 tokens: each model's mean next-token cross entropy over those
+    heldout = tmp_path / "heldout.jsonl"
+    documents = [list(range(30, 50)), list(range(60, 69)), [7, 8, 9]]
+    heldout.write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in documents))
+    cut = ["--original_target", str(tiny_target), "--heldout", str(heldout), "--heldout_tokens", "6"]
+    assert eval_main([*args, "--k", "2", *cut]) == 0, capsys.readouterr().err
+    drift = json.loads((tmp_path / "eval" / "report.json").read_text())["original_target"]
+    assert drift["tokens"] == 5 + 5 + 2 and drift["heldout"] == f"{heldout}, the first 6 tokens of each document"
+    for name, folder in (("target", model_dir), ("original", tiny_target)):
+        model = AutoModelForCausalLM.from_pretrained(folder).eval()
+        losses = []
+        for ids in documents:
+            row = torch.tensor(ids[:6])
+            with torch.no_grad():
+                logits = model(input_ids=row[None]).logits[0]  # [S, V]
+            losses += [-torch.log_softmax(logits[i], -1)[row[i + 1]] for i in range(len(row) - 1)]
+        assert drift[name]["heldout_loss"] == pytest.approx(float(torch.stack(losses).mean()), rel=1e-5), name
+    assert draftsmith(["eval", *args, *cut[:-1], "1"]) == 2
+    assert "--heldout_tokens must be 0 (the target's context) or at least 2, got 1" in capsys.readouterr().err
     assert draftsmith(["eval", *args, "--k", "3"]) == 2
     assert "drafts at most 2 tokens per round" in capsys.readouterr().err
 

@@ -271,7 +271,9 @@ def test_a_changed_target_is_evaluated_and_reported_beside_the_recipes_target(tm
     """A method whose eval target is not the recipe's: eval gets ``--original_target`` the recipe's target (read back
     by eval's own parser), and the row gives the loop share and held-out loss as ``original -> changed``."""
     text = BASE.replace("target: t", f"target: t\nout: {tmp_path / 'out'}") + '    eval_target: "{export}"\n'
-    text = text.replace("evaluation: {prompts: p.jsonl}", "evaluation: {prompts: p.jsonl, heldout: h.jsonl}")
+    text = text.replace(
+        "evaluation: {prompts: p.jsonl}", "evaluation: {prompts: p.jsonl, heldout: h.jsonl, heldout_tokens: 128}"
+    )
     config = read_config(write_recipe(tmp_path, text))
     comparison = Comparison(config, "compare.yaml")
     stages: dict[str, list[str]] = {}
@@ -282,6 +284,7 @@ def test_a_changed_target_is_evaluated_and_reported_beside_the_recipes_target(tm
         parsed = eval_parser().parse_args(stages["eval"][1:])
         changed = method.name == "kd"
         assert (parsed.original_target, parsed.heldout) == (("t", "h.jsonl") if changed else (None, None))
+        assert parsed.heldout_tokens == (128 if changed else 0)
     kd = tmp_path / "out" / "methods" / "kd"
     (kd / "eval").mkdir(parents=True)
     report = _eval_report({2: 1.5}, {2: 1.1})
@@ -296,7 +299,8 @@ def test_a_changed_target_is_evaluated_and_reported_beside_the_recipes_target(tm
     assert rows["kd"]["heldout_loss"] == 3.75 and rows["kd"]["original_heldout_loss"] == 3.5
     assert "original_loop_share" not in rows["lookup"]
     markdown = (tmp_path / "out" / "report.md").read_text()
-    assert "| 30% -> 50% | yes | 3.500 -> 3.750 |" in markdown and "on h.jsonl" in markdown
+    assert "| 30% -> 50% | yes | 3.500 -> 3.750 |" in markdown
+    assert "on the first 128 tokens of each document of h.jsonl" in markdown
 
 
 def test_every_method_of_a_thirteen_method_comparison_gets_its_own_color():

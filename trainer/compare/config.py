@@ -105,6 +105,8 @@ class Evaluation:
         callback_prompts: prompts of those measurements.
         heldout: jsonl of held-out text (such as the corpus' held-out file) the held-out loss of a changed target and
             of the recipe's target is measured on (eval's ``--heldout``); None: the prompts.
+        heldout_tokens: score each held-out document's first this many tokens (eval's ``--heldout_tokens``; 0: up
+            to the target's context): for a target trained on shorter rows than its config's context, that length.
         device: eval's ``--device`` (and ``draftsmith generate``'s for regenerated data).
         dtype: eval's ``--dtype``: float32, float64, bfloat16 or float16.
     """
@@ -119,6 +121,7 @@ class Evaluation:
     training_evals: int = 3
     callback_prompts: int = 4
     heldout: str | None = None
+    heldout_tokens: int = 0
     device: str = "auto"
     dtype: str = "float32"
 

@@ -159,7 +159,7 @@ def render_markdown(report: dict) -> str:
         f"T = {setup['temperature']}, speedups side by side ({setup['repeats']} pass(es)). Compare wall time "
         f"{report['seconds']:.0f} s. Loop share: of the greedy output of the target each method is verified against; "
         "for a changed target `original -> changed`, with its held-out loss (nats per token, on "
-        f"{setup.get('heldout') or 'the prompts'}) the same way.",
+        f"{_heldout_text(setup)}) the same way.",
         "",
         "| method | kind | parameters | extra serving MiB | training | tokens | time (s) | loop share | target "
         "changed | held-out loss | export formats |",
@@ -219,6 +219,7 @@ def write_report(config: CompareConfig, out: Path, stability: Path | None = None
             "temperature": evaluation.temperature,
             "repeats": evaluation.repeats,
             "heldout": evaluation.heldout,
+            "heldout_tokens": evaluation.heldout_tokens,
         },
         "machine": describe_machine(config.machine),
         "seconds": sum(seconds),
@@ -239,3 +240,11 @@ def write_report(config: CompareConfig, out: Path, stability: Path | None = None
 
 
 PLOTS = ("tau_vs_cost", "acceptance", "tau_vs_tokens", "speedup")
+
+
+def _heldout_text(setup: dict) -> str:
+    """What the held-out losses were measured on, for the report's header."""
+    if not setup.get("heldout"):
+        return "the prompts"
+    cut = setup.get("heldout_tokens")
+    return f"the first {cut} tokens of each document of {setup['heldout']}" if cut else setup["heldout"]

@@ -312,6 +312,7 @@ class Comparison:
         if method.eval_target != "{target}":  # a changed target: measured beside the recipe's target, its original
             args += ["--original_target", self.config.target]
             args += ["--heldout", evaluation.heldout] if evaluation.heldout else []
+            args += ["--heldout_tokens", str(evaluation.heldout_tokens)] if evaluation.heldout_tokens else []
         self.say(f"{method.name}: eval, K = {', '.join(map(str, ks))}")
         self._run_stage("eval", args, folder.root / "eval.log")
 

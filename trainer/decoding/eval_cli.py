@@ -17,6 +17,7 @@ recorded (unless ``--allow_other_target``); trainer/decoding/evaluate.py holds b
 
 from __future__ import annotations
 
+import argparse
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -96,12 +97,31 @@ def build_parser() -> ToolParser:
         default=None,
         metavar="FILE",
         help="with --original_target: jsonl of held-out text ('text' documents, such as the corpus' held-out file; "
-        "each cut to the target's context) the two models' held-out loss is measured on (default: the prompts)",
+        "each cut to the target's context, or to --heldout_tokens) the two models' held-out loss is measured on "
+        "(default: the prompts)",
+    )
+    parser.add_argument(
+        "--heldout_tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="score each --heldout document's first N tokens (0: up to the target's context); for a target trained on "
+        "rows shorter than its config's context, the length it was trained at: past it the original extrapolates, and "
+        "a fine-tune on longer rows 'improves' there whatever it did to the positions both were trained at",
     )
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda when available)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
     add_option_arguments(parser)
     return parser
+
+
+def heldout_source(args: argparse.Namespace) -> str:
+    """What the held-out loss is measured on, as the report names it."""
+    if not args.heldout:
+        return "the prompts"
+    if not args.heldout_tokens:
+        return args.heldout
+    return f"{args.heldout}, the first {args.heldout_tokens} tokens of each document"
 
 
 def load_target(path: str, dtype: str, device: torch.device) -> tuple[PreTrainedModel, object]:
@@ -129,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``draftsmith eval``; returns the exit status: 2 for a bad input or a greedy output mismatch (a
     :class:`~trainer.errors.UserError` goes to the command's handler, which prints it and exits 2)."""
     args = build_parser().parse_args(argv)
+    if args.heldout_tokens < 0 or args.heldout_tokens == 1:
+        raise UsageError(f"--heldout_tokens must be 0 (the target's context) or at least 2, got {args.heldout_tokens}")
     if args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
@@ -187,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.original_target:
         try:
             original, _ = load_target(args.original_target, args.dtype, device)
-            heldout = load_prompts(args.heldout, tokenizer, None, cut=context) if args.heldout else None
+            cut = min(args.heldout_tokens, context or args.heldout_tokens) if args.heldout_tokens else context
+            heldout = load_prompts(args.heldout, tokenizer, None, cut=cut) if args.heldout else None
         except UserError:
             raise
         except (OSError, ValueError) as err:
@@ -212,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         if original is not None:
             report["original_target"] = target_drift(
                 original, target, prompts, args.max_new_tokens, eos, report["loops"]["share"], args.original_target,
-                heldout, args.heldout or "the prompts",
+                heldout, heldout_source(args),
             )  # fmt: skip
         written = write_report(report, out)
         for entry in report["greedy"]:
