@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -43,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 from bench.compare_drafters import heldout_data  # noqa: E402
 from trainer.decoding.metrics import loop_mask  # noqa: E402
 from trainer.heldout import heldout_loss  # noqa: E402
+from trainer.objective import Optim, lr_factor  # noqa: E402
 
 BEFORE = ["--data.init_args.seq_len", "256", "--data.init_args.batch_size", "8"]  # the demo's target until 2026-12
 VARIANTS = {
@@ -221,15 +221,8 @@ def continue_pretraining(model, lr: float, seed: int, corpus: Path, steps: int) 
     )  # fmt: skip
     data.setup("fit")
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    warmup = 20
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, steps - warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    shape = Optim(lr=lr, warmup_steps=20, min_lr_ratio=0.1)  # the schedule every recipe's optim gets
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, shape, steps))
     model.train()
     batches = iter(data.train_dataloader())
     for _ in range(steps):

@@ -91,7 +91,7 @@ def test_finetuning_logs_tau_and_exports_a_plain_model_with_heads(finetuned, tin
     cut = ["--original_target", str(tiny_target), "--heldout", str(heldout), "--heldout_tokens", "6"]
     assert eval_main([*args, "--k", "2", *cut]) == 0, capsys.readouterr().err
     drift = json.loads((tmp_path / "eval" / "report.json").read_text())["original_target"]
-    assert drift["tokens"] == 5 + 5 + 2 and drift["heldout"] == f"{heldout}, the first 6 tokens of each document"
+    assert drift["tokens"] == 5 + 5 + 2 and drift["heldout"] == f"the first 6 tokens of each document of {heldout}"
     for name, folder in (("target", model_dir), ("original", tiny_target)):
         model = AutoModelForCausalLM.from_pretrained(folder).eval()
         losses = []

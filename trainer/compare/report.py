@@ -15,6 +15,7 @@ from pathlib import Path
 
 from trainer.compare.config import CompareConfig, Method
 from trainer.compare.fit_logs import tokens_at
+from trainer.decoding.drift import heldout_text
 from trainer.errors import PathError
 
 METRICS = {
@@ -159,7 +160,7 @@ def render_markdown(report: dict) -> str:
         f"T = {setup['temperature']}, speedups side by side ({setup['repeats']} pass(es)). Compare wall time "
         f"{report['seconds']:.0f} s. Loop share: of the greedy output of the target each method is verified against; "
         "for a changed target `original -> changed`, with its held-out loss (nats per token, on "
-        f"{_heldout_text(setup)}) the same way.",
+        f"{heldout_text(setup.get('heldout'), setup.get('heldout_tokens') or 0)}) the same way.",
         "",
         "| method | kind | parameters | extra serving MiB | training | tokens | time (s) | loop share | target "
         "changed | held-out loss | export formats |",
@@ -240,11 +241,3 @@ def write_report(config: CompareConfig, out: Path, stability: Path | None = None
 
 
 PLOTS = ("tau_vs_cost", "acceptance", "tau_vs_tokens", "speedup")
-
-
-def _heldout_text(setup: dict) -> str:
-    """What the held-out losses were measured on, for the report's header."""
-    if not setup.get("heldout"):
-        return "the prompts"
-    cut = setup.get("heldout_tokens")
-    return f"the first {cut} tokens of each document of {setup['heldout']}" if cut else setup["heldout"]

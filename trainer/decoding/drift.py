@@ -24,6 +24,14 @@ from trainer.decoding.evaluate import loop_statistics, run_prompts
 from trainer.decoding.proposers import NoProposer
 
 
+def heldout_text(heldout: str | None, tokens: int = 0) -> str:
+    """What a held-out loss is measured on, as eval's and compare's reports name it: ``heldout`` (a jsonl of held-out
+    text; None: the prompts) and ``tokens`` (each document's first this many; 0: up to the target's context)."""
+    if not heldout:
+        return "the prompts"
+    return f"the first {tokens} tokens of each document of {heldout}" if tokens else heldout
+
+
 @torch.no_grad()
 def prompt_loss(model: PreTrainedModel, prompts: Sequence[Sequence[int]]) -> tuple[float, int]:
     """Mean next-token cross entropy of ``model`` over every prompt's tokens, and how many tokens were scored."""

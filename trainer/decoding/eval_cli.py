@@ -17,7 +17,6 @@ recorded (unless ``--allow_other_target``); trainer/decoding/evaluate.py holds b
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from trainer.decoding.drift import target_drift
+from trainer.decoding.drift import heldout_text, target_drift
 from trainer.decoding.evaluate import evaluate_drafter, load_prompts, refuse_drafter_as_target, resolve_drafter
 from trainer.decoding.identity import SpeculativeMismatchError
 from trainer.decoding.options import ProposerOptions, add_option_arguments, options_from_arguments, positive_ints
@@ -115,15 +114,6 @@ def build_parser() -> ToolParser:
     return parser
 
 
-def heldout_source(args: argparse.Namespace) -> str:
-    """What the held-out loss is measured on, as the report names it."""
-    if not args.heldout:
-        return "the prompts"
-    if not args.heldout_tokens:
-        return args.heldout
-    return f"{args.heldout}, the first {args.heldout_tokens} tokens of each document"
-
-
 def load_target(path: str, dtype: str, device: torch.device) -> tuple[PreTrainedModel, object]:
     """The HF target and its tokenizer from a local folder, with an error that says what the folder lacks."""
     folder = Path(path)
@@ -209,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.original_target:
         try:
             original, _ = load_target(args.original_target, args.dtype, device)
-            cut = min(args.heldout_tokens, context or args.heldout_tokens) if args.heldout_tokens else context
+            cut = min((n for n in (context, args.heldout_tokens) if n), default=None)  # the tighter limit given
             heldout = load_prompts(args.heldout, tokenizer, None, cut=cut) if args.heldout else None
         except UserError:
             raise
@@ -235,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         if original is not None:
             report["original_target"] = target_drift(
                 original, target, prompts, args.max_new_tokens, eos, report["loops"]["share"], args.original_target,
-                heldout, heldout_source(args),
+                heldout, heldout_text(args.heldout, args.heldout_tokens),
             )  # fmt: skip
         written = write_report(report, out)
         for entry in report["greedy"]:
