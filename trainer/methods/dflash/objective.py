@@ -124,9 +124,8 @@ class DFlash(DraftObjective):
                 its log-confidence, from the drafter's own losses in the step, slot_loss.block_dpace_weights); "dpace"
                 needs token labels ("argmax" or "data").
             dpace_alpha: D-PACE's smoothing of each slot's confidence, ``(1 - a) * exp(-loss) + a``, in (0, 1].
-            labels: "argmax" (the default, which measured best: docs/methods/dflash.md) trains on the target's argmax
-                (cross entropy), what greedy verification accepts; "data" on the rows' own tokens, "soft" on the
-                target's distribution (KL).
+            labels: "argmax" (the default) trains on the target's argmax (cross entropy), what greedy verification
+                accepts; "data" on the rows' own tokens, "soft" on the target's distribution (KL).
             attention: the block-sparse attention: "flex" (CUDA), "dense", or "auto" (flex on CUDA).
             loss_chunk_size: slots projected to the vocabulary at a time (slot_loss.py).
             init_from: a training checkpoint of a DFlash run to start from (its weights and shape).

@@ -11,8 +11,8 @@ Speculators: ``architectures: ["Eagle3Speculator"]``, ``speculators_model_type: 
 weights under ``layers.0.*`` instead of ``midlayer.*``; vLLM reads ``eagle_aux_hidden_state_layer_ids`` as inputs.
 
 The speculators format also carries the target's input embedding as ``embed_tokens.weight`` (speculators 0.9 reads
-it from the file and keeps uninitialised memory when it is missing: drafts at tau 1.23 instead of 4.04 were measured
-that way), the TTT steps as ``speculative_tokens``, and the norm flags written explicitly; the native format carries
+it from the file and keeps uninitialised memory when it is missing, so the drafter would draft from garbage
+embeddings), the TTT steps as ``speculative_tokens``, and the norm flags written explicitly; the native format carries
 no embedding (SGLang and vLLM use the target's). tests/clients/ runs the speculators library itself on the export.
 
 Norm flags (module.py, EAGLE-3.1): the speculators format writes all four as trained (``norm_before_residual``,

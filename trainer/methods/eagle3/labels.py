@@ -4,9 +4,8 @@ Soft labels are the target's distribution over the draft vocabulary, renormalise
 drafter is the forward KL up to a constant, what sampling verification accepts (the overlap of the two
 distributions). Greedy verification accepts a draft only when it is the target's most likely token, so
 ``argmax_weight`` mixes in the cross entropy on that token: ``(1 - w) * soft + w * CE(argmax)``, the cross entropy
-against the labels ``(1 - w) * probs + w * onehot(argmax)`` (:func:`mix_argmax`). On the tiny target a
-weight of 0.3 lifted greedy tau to nearly what argmax labels alone give while sampling tau stayed that of soft labels
-(argmax labels alone lost a quarter of it): docs/methods/eagle3.md.
+against the labels ``(1 - w) * probs + w * onehot(argmax)`` (:func:`mix_argmax`). w = 0 is the soft labels alone,
+w = 1 the argmax alone; the figures of each are in docs/benchmarks/eagle3.md.
 """
 
 from __future__ import annotations
@@ -37,8 +36,8 @@ def mix_argmax(probs: torch.Tensor, argmax_weight: float) -> torch.Tensor:
     once per batch costs what mixing the losses at every TTT step would not. w = 0 returns ``probs`` itself."""
     if argmax_weight == 0.0:
         return probs
-    # the target's most likely token of the draft vocabulary: max's indices are argmax's (the first of ties) and 2.7x
-    # faster on CPU over the last dimension
+    # the target's most likely token of the draft vocabulary: max's indices are argmax's (the first of ties), and
+    # faster than argmax on CPU over the last dimension
     top = probs.max(-1, keepdim=True).indices  # [..., 1]
     mixed = probs * (1.0 - argmax_weight)  # [..., Vd]
     return mixed.scatter_add_(-1, top, torch.full_like(top, argmax_weight, dtype=mixed.dtype))

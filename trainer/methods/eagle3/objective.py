@@ -13,9 +13,7 @@ of step ``i - 1`` (``predicted``); see module.py for the attention.
 Why data tokens by default: the label of step ``i`` is the target's prediction after the row's tokens. Where the
 drafter's step ``i - 1`` guess is wrong, a ``predicted`` input contradicts that label, and the drafter learns to
 predict the row's continuation whatever token it is fed; at inference a chain only continues past a right guess, where
-the two inputs are the same token. Measured on the tiny target (README, EAGLE-3; 6 TTT steps, trained side by side):
-acceptance at the second draft given the first 0.72 with predicted inputs against 0.79 with data inputs,
-teacher-forced tau 3.62 against 4.05.
+the two inputs are the same token.
 
 Offline mode (``target_signals: shards``): the batches of a ShardDataModule carry the aux layers' hidden states and
 the target's top-k next tokens at temperature 1, written by ``draftsmith precompute`` (recipes/quickstart/
@@ -29,12 +27,10 @@ With k equal to the vocabulary and float32 shards it is the online objective.
 Accuracies (``acc_i``) count the drafts equal to the target's most likely token: among the draft vocabulary's tokens
 with soft labels (what the loss sees, and what speculators reports), among all tokens with argmax labels.
 
-Memory: a step's activations would grow linearly in K (5.9x at K = 7 against K = 1). With ``recompute``
-(the default) the steps 0..K-2 keep only their inputs and outputs (features, keys and values: what later steps read)
-and are rerun in backward, their logits and loss included; the last step, the first one backward needs, is stored as
-before. bench/bench_eagle3_ttt.py measures K = 7 at 1.4x the memory held for backward of K = 1 (1.5x at the peak),
-for 1.2-1.3x the step time of storing every step (1.18x at K = 3, 1.28x at K = 7, on CPU); the loss and gradients
-are unchanged (tested).
+Memory: a step's activations would grow linearly in K. With ``recompute`` (the default) the steps 0..K-2 keep only
+their inputs and outputs (features, keys and values: what later steps read) and are rerun in backward, their logits
+and loss included; the last step, the first one backward needs, is stored as before. It trades step time for memory
+(bench/bench_eagle3_ttt.py measures both; docs/benchmarks/memory.md); the loss and gradients are unchanged (tested).
 ``attention: flex`` (or ``auto``) runs the TTT mask through flex attention on CUDA
 (trainer/block_attention.py), which stores no attention probabilities; it is checked against the dense
 path on CPU (forward) but has not been run on a GPU in this repository, so the default stays ``dense``.
@@ -112,8 +108,8 @@ class Eagle3(DraftObjective):
                 outside the draft vocabulary are skipped).
             argmax_weight: with soft labels, the weight w of a cross entropy on the target's most likely token of the
                 draft vocabulary: each position's loss is ``(1 - w) * soft + w * CE(argmax)``, in [0, 1]. The argmax is
-                what greedy verification accepts; the soft part keeps the distribution sampling accepts (0.3 lifted
-                greedy tau 1.08x at unchanged sampling tau on the tiny target, docs/methods/eagle3.md).
+                what greedy verification accepts; the soft part keeps the distribution sampling accepts. Default 0
+                (soft labels alone).
             ttt_inputs: tokens fed at steps i > 0: "data" (the row's own next tokens, which the labels are
                 conditioned on, as the reference implementations do) or "predicted" (the drafter's own argmax of step
                 i - 1, which contradicts the label wherever that guess was wrong; see the module docstring).
@@ -128,8 +124,8 @@ class Eagle3(DraftObjective):
                 hidden_layers are the target_layers (written by ``draftsmith precompute``), loading only the target's
                 config, embedding and lm_head, never the model.
             recompute: recompute TTT steps 0..K-2 in backward instead of storing their activations (each keeps its
-                inputs and outputs only; the last step is stored, as it is the first one backward needs): at K = 7
-                the step holds 1.4x the memory K = 1 holds for backward instead of 5.9x (bench/bench_eagle3_ttt.py).
+                inputs and outputs only; the last step is stored, as it is the first one backward needs): less
+                memory held for backward, for a longer step (bench/bench_eagle3_ttt.py measures both).
             attention: the TTT attention: "dense" (mask-aware, the default), "flex" (flex attention, CUDA) or "auto"
                 (flex on CUDA, dense elsewhere).
             norm_before_residual: the drafter layer's residual is its normed input features (``hidden_norm(h)``)

@@ -124,8 +124,7 @@ class PEagle(DraftObjective):
                 ``num_layers``; the paper's released drafters have 4).
             step_decay: the loss weight of depth d is step_decay ** d.
             loss_mean: "element", one mean over every trained element (deeper depths, sampled less, count less:
-                speculators' reduction, which measured better, docs/methods/peagle.md); "depth", the sum of the
-                per-depth means (every depth counted alike).
+                speculators' reduction); "depth", the sum of the per-depth means (every depth counted alike).
             argmax_weight: the weight w of a cross entropy on the target's most likely token of the draft vocabulary
                 mixed into each element's soft-label loss, ``(1 - w) * soft + w * CE(argmax)``, in [0, 1] (as
                 EAGLE-3's: the argmax is what greedy verification accepts).

@@ -21,7 +21,7 @@ Training (Elhoushi et al. 2024; torchtune's names):
   chunked like the exits' losses and logged as ``target_kl``. The copy is declared with ``track_frozen`` (as
   ``original``: checkpoints keep its fingerprint, never its weights) and kept out of the module tree. Trained on the
   target's own greedy completions without it, the fine-tune drifts towards repeating itself
-  (docs/methods/layerskip.md).
+  (docs/benchmarks/layerskip.md).
 - what the exits learn (``labels``): the data's next tokens (cross entropy, the paper's), or the frozen original's
   next-token distribution (``original``: every exit's loss is its ``KL(p_original || q_exit)``, the last layer's
   included), so that the exits draft what the model predicts and the model's output stays the original's.

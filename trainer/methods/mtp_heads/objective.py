@@ -26,7 +26,7 @@ Keeping the model's outputs (``target_kl_weight``, fine-tuning with ``train: all
 (``target``) to the model's own next-token distribution (trunk + head 0), averaged over the trained positions and
 logged as ``target_kl``. The copy is declared with ``track_frozen`` (as ``original``: checkpoints keep its fingerprint,
 never its weights) and kept out of the module tree. Trained on the target's own greedy completions without it, the
-fine-tune drifts towards repeating itself (docs/methods/mtp-heads.md).
+fine-tune drifts towards repeating itself (docs/benchmarks/mtp-heads.md).
 
 What the heads learn (``labels``): the data's tokens (cross entropy, the paper's), or the frozen original's
 distribution (``original``: head i's loss at position t is its forward KL from the original's next-token distribution
