@@ -3,7 +3,7 @@
 (``trainer.checkpoints.reading.load_training_checkpoint`` now), each followed by what an export does with it: every
 tensor of the drafter's weights read once.
 
-    python bench/bench_checkpoint_read.py --ckpt RUN/checkpoints/last.ckpt [--repeats 3]
+    python -m bench.bench_checkpoint_read --ckpt RUN/checkpoints/last.ckpt [--repeats 3]
 
 A real-width checkpoint shows the difference (the drafter's weights are a third of an AdamW checkpoint, the moments
 the rest); the rehearsal keeps one: ``DRAFTSMITH_REHEARSAL_KEEP=1 pytest tests/rehearsal/test_rehearsal.py -k
@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.common import ROOT
 
 READ = """
 import json, resource, sys, time

@@ -1,6 +1,6 @@
 """Size of a quickstart KD checkpoint without the frozen teacher (now) against the same checkpoint with it (before).
 
-    python bench/bench_checkpoint_size.py [--artifacts artifacts]
+    python -m bench.bench_checkpoint_size [--artifacts artifacts]
 
 Runs recipes/quickstart/kd.yaml for 2 steps on the tiny target ``make demo`` trained, into a temporary folder, and
 measures its ``last.ckpt``. The earlier layout is rebuilt from it: the same checkpoint plus the teacher's weights
@@ -17,10 +17,8 @@ from pathlib import Path
 import torch
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from trainer.recipe import DraftsmithCLI  # noqa: E402
+from bench.common import ROOT
+from trainer.recipe import DraftsmithCLI
 
 
 def main() -> int:

@@ -2,12 +2,12 @@
 decoding (tau, greedy and sampling, chain and tree, acceptance per position), the drafting cost of one round, and the
 cost of a training step.
 
-    python bench/bench_dflash.py [--prepare-only] [--train-seconds 600] [--layers 1,2,5] [--prompts 10]
+    python -m bench.bench_dflash [--prepare-only] [--train-seconds 600] [--layers 1,2,5] [--prompts 10]
 
 Needs the demo's artifacts (``make demo``: the corpus and the tiny target). Steps, each skipped when its output
 already exists under ``--out`` (default artifacts/dflash; delete a file to redo its step):
 
-1. training prompts cut from the corpus' training files (as bench/compare_drafters.py cuts them) and
+1. training prompts cut from the corpus' training files (as ``draftsmith compare`` cuts them) and
    ``draftsmith generate --prompt_field prompt``: the target's own greedy completions, which the method expects
    (``--prepare-only`` stops here: recipes/quickstart/dflash.yaml trains on them);
 2. DFlash drafters of each ``--layers`` count (recipes/quickstart/dflash.yaml) and the quickstart EAGLE-3 drafter
@@ -33,7 +33,7 @@ then ``evaluate_drafter`` greedy (K = ``--dflash-k``) on the held-out prompts: t
 ``OUT/labels.md``. ``--artifacts`` may name any folder holding ``corpus/`` (``draftsmith prepare``) and
 ``tiny_target/``:
 
-    python bench/bench_dflash.py --labels data,argmax,soft --artifacts ART --out ART/labels --label-steps 300
+    python -m bench.bench_dflash --labels data,argmax,soft --artifacts ART --out ART/labels --label-steps 300
 """
 
 from __future__ import annotations
@@ -47,15 +47,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
-
-from bench_eagle3_ttt import memory  # noqa: E402
-from compare_drafters import PROMPT_CHARS, fit_cmd, run, training_prompts, wait  # noqa: E402
-
-from trainer.decoding.evaluate import evaluate_drafter, load_prompts, resolve_drafter, run_prompts  # noqa: E402
-from trainer.decoding.options import ProposerOptions  # noqa: E402
-from trainer.decoding.proposers import NoProposer  # noqa: E402
+from bench.common import fit_cmd, run, step_memory, training_prompts, wait, write_heldout_prompts
+from trainer.decoding.evaluate import evaluate_drafter, load_prompts, resolve_drafter, run_prompts
+from trainer.decoding.options import ProposerOptions
+from trainer.decoding.proposers import NoProposer
 
 
 def prepare(art: Path, out: Path, per_file: int, new_tokens: int) -> Path:
@@ -178,7 +173,7 @@ def training_step(art: Path, completions: Path, layers: list[int], repeats: int)
             objective.compute_loss(batch)[0].backward()
             times.append(time.perf_counter() - started)
         objective.trainable_module().zero_grad(set_to_none=True)
-        _, peak = memory(lambda o=objective: o.compute_loss(batch)[0], torch.device("cpu"))
+        _, peak = step_memory(lambda o=objective: o.compute_loss(batch)[0], torch.device("cpu"))
         results[label] = (batch["input_ids"].numel() / statistics.median(times[1:]), peak)
     return results
 
@@ -225,9 +220,7 @@ def compare_labels(args, art: Path, out: Path) -> int:
     torch.set_num_threads(1)
     target = AutoModelForCausalLM.from_pretrained(art / "tiny_target").eval()
     tokenizer = AutoTokenizer.from_pretrained(art / "tiny_target")
-    heldout = out / "heldout_prompts.jsonl"
-    lines = (art / "corpus" / "heldout.jsonl").read_text().splitlines()[: args.prompts]
-    heldout.write_text("".join(json.dumps({"prompt": json.loads(x)["text"][:PROMPT_CHARS]}) + "\n" for x in lines))
+    heldout = write_heldout_prompts(art / "corpus", out / "heldout_prompts.jsonl", args.prompts)
     prompts = load_prompts(heldout, tokenizer)
     rows = [
         f"DFlash label options, recipes/quickstart/dflash.yaml for {args.label_steps} steps each on {train_file} "
@@ -295,9 +288,7 @@ def main() -> int:
     torch.set_num_threads(1)
     target = AutoModelForCausalLM.from_pretrained(art / "tiny_target").eval()
     tokenizer = AutoTokenizer.from_pretrained(art / "tiny_target")
-    heldout = out / "heldout_prompts.jsonl"
-    lines = (art / "corpus" / "heldout.jsonl").read_text().splitlines()[: args.prompts]
-    heldout.write_text("".join(json.dumps({"prompt": json.loads(x)["text"][:PROMPT_CHARS]}) + "\n" for x in lines))
+    heldout = write_heldout_prompts(art / "corpus", out / "heldout_prompts.jsonl", args.prompts)
     prompts = load_prompts(heldout, tokenizer)
     reports = evaluate(target, tokenizer, exports, prompts, args, out / "reports.json")
     costs = drafting_cost(target, tokenizer, exports, prompts, args)

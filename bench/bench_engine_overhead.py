@@ -2,7 +2,7 @@
 speedup over the target alone is K + 1 if a forward over K + 1 tokens cost the same as a forward over one. This prints
 tokens per target forward (must be K + 1) and the measured wall-clock speedup against that ideal, side by side.
 
-    python bench/bench_engine_overhead.py [--hidden 512 --layers 8 --vocab 4096 --new-tokens 96 --device cpu]
+    python -m bench.bench_engine_overhead [--hidden 512 --layers 8 --vocab 4096 --new-tokens 96 --device cpu]
 
 The ratio measured/ideal mixes the engine's bookkeeping (drafting, verification, cache cropping) with the extra
 cost of verifying K + 1 tokens at once, which grows with K on a compute-bound CPU and stays small on a GPU.

@@ -7,8 +7,8 @@ loading the model (the server is started before; the in-process runs share one l
 turns for --rounds rounds and each keeps its fastest (the machine is shared). Every run writes a fresh output, and
 each output is compared with the in-process one at batch size 1.
 
-    python bench/bench_generate_server.py --target artifacts/tiny_target --rows 48 --max_new_tokens 32
-    python bench/bench_generate_server.py --random artifacts/corpus/tokenizer --continuous_batching
+    python -m bench.bench_generate_server --target artifacts/tiny_target --rows 48 --max_new_tokens 32
+    python -m bench.bench_generate_server --random artifacts/corpus/tokenizer --continuous_batching
 """
 
 from __future__ import annotations

@@ -8,22 +8,18 @@ of a few further repetitions. Variants:
 - chunked: full logits (the model's output), reduced by ``trainer.losses.kd_loss`` with ``chunk_size``;
 - fused:   ``trainer.losses.fused_kd_loss`` on the hidden states and head weights (no full logits at all).
 
-    python bench/bench_kd_loss_memory.py            # B=4, S=512, H=512, V=32768, chunk 256
+    python -m bench.bench_kd_loss_memory            # B=4, S=512, H=512, V=32768, chunk 256
 """
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
-import sys
 import time
 
+from bench.common import ROOT, module_command, peak_rss_mib
+
 VARIANTS = ("naive", "chunked", "fused")
-
-
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
 
 
 def child(args: argparse.Namespace) -> None:
@@ -92,10 +88,10 @@ def main() -> None:
 
     results = {}
     for variant in VARIANTS:
-        cmd = [sys.executable, __file__, "--variant", variant] + [
+        cmd = module_command("bench.bench_kd_loss_memory", "--variant", variant) + [
             f"--{k.replace('_', '-')}={val}" for k, val in vars(args).items() if k != "variant"
         ]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT).stdout
         results[variant] = json.loads(out.strip().splitlines()[-1])
 
     n = args.batch * args.seq * args.vocab * 4 / 2**20

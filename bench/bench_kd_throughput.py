@@ -1,6 +1,6 @@
 """KD training throughput (tokens/s) and MFU against a matmul peak measured in the same run.
 
-    python bench/bench_kd_throughput.py [--steps 20] [--batch 8] [--seq 256]
+    python -m bench.bench_kd_throughput [--steps 20] [--batch 8] [--seq 256]
 
 Builds a random teacher of the quickstart target's shape (4 layers, hidden 256, vocab 8192) and the quickstart
 student (2 layers, hidden 128), runs the KD objective's own training step (fused chunked loss, AdamW) for a few steps

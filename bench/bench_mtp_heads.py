@@ -1,10 +1,10 @@
 """Parallel multi-token-prediction heads: training memory and time of the heads' backwards, tau of self-speculative
 decoding with the heads, and the held-out next-token loss of a model pre-trained with heads.
 
-    python bench/bench_mtp_heads.py memory     # one training step, 4 heads, V = 32768: naive vs sequential
-    python bench/bench_mtp_heads.py tau --model artifacts/mtp_finetuned [--model artifacts/mtp_target]
-    python bench/bench_mtp_heads.py heldout --with-heads artifacts/mtp_target --without-heads artifacts/tiny_target
-    python bench/bench_mtp_heads.py labels --target artifacts/tiny_target   # a fine-tune step: data vs original
+    python -m bench.bench_mtp_heads memory     # one training step, 4 heads, V = 32768: naive vs sequential
+    python -m bench.bench_mtp_heads tau --model artifacts/mtp_finetuned [--model artifacts/mtp_target]
+    python -m bench.bench_mtp_heads heldout --with-heads artifacts/mtp_target --without-heads artifacts/tiny_target
+    python -m bench.bench_mtp_heads labels --target artifacts/tiny_target   # a fine-tune step: data vs original
 
 ``memory``: each variant (``naive``: every head's full logits alive until backward; ``sequential``: the heads one
 after the other inside one backward, logits chunked; ``checkpoint``: per-head activation checkpointing, the ZeRO-3 /
@@ -34,19 +34,14 @@ their ratio, one thread.
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+from bench.common import ROOT, heldout_data, module_command, peak_rss_mib
+
 VARIANTS = ("naive", "sequential", "checkpoint")
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
 
 
 def child(args: argparse.Namespace) -> None:
@@ -94,7 +89,7 @@ def memory(args: argparse.Namespace) -> None:
               str(args.chunk_size), "--reps", str(args.reps)]  # fmt: skip
     for _ in range(args.rounds):
         for variant in VARIANTS:
-            cmd = [sys.executable, __file__, "child", "--variant", variant, *common]
+            cmd = module_command("bench.bench_mtp_heads", "child", "--variant", variant, *common)
             done = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
             results[variant].append(json.loads(done.stdout.strip().splitlines()[-1]))
     naive_peak = statistics.median(r["peak_mib"] for r in results["naive"])
@@ -152,7 +147,6 @@ def heldout(args: argparse.Namespace) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from bench.compare_drafters import heldout_data
     from trainer.heldout import heldout_loss
 
     torch.set_num_threads(args.threads)
@@ -236,5 +230,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     main()

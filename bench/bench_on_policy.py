@@ -11,8 +11,8 @@ and the quickstart recipe's student, then times, side by side in one process and
 It prints the generation / training ratio of an on-policy step and the on-policy step / data step ratio, so that the
 cost of lmbda can be read off: an epoch at lmbda costs about (1 - lmbda) + lmbda * (on-policy / data) data steps.
 
-    python bench/bench_on_policy.py                     # tiny target 4x256 and 2x128 student, B=8, 32 + 64 tokens
-    python bench/bench_on_policy.py --max-new-tokens 128 --batch-size 4
+    python -m bench.bench_on_policy                     # tiny target 4x256 and 2x128 student, B=8, 32 + 64 tokens
+    python -m bench.bench_on_policy --max-new-tokens 128 --batch-size 4
 """
 
 from __future__ import annotations

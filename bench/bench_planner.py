@@ -3,7 +3,7 @@ target config (its published shape, fewer layers, random weights), one training 
 random batch of the recipe's shape, and the process's peak resident memory against the planner's one-process estimate
 (``draftsmith plan --cpu``) for the same recipe, cut and precision.
 
-    python bench/bench_planner.py --config recipes/eagle3_llama31_8b.yaml \\
+    python -m bench.bench_planner --config recipes/eagle3_llama31_8b.yaml \\
         --target_config tests/fixtures/real_configs/llama31_8b/config.json --layers 4 --seq_len 512
 
 Run one at a time (a 4-layer cut of an 8B model holds about 4 GB of bf16 weights). Prints one markdown row.

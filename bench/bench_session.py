@@ -1,7 +1,7 @@
 """Decoding speed of the target session's own layer loop against the model's own forward (the engine before the
 session), side by side, prompt lookup at K = 4 on the tiny target.
 
-    python bench/bench_session.py [--target artifacts/tiny_target] [--prompts 10] [--repeats 3]
+    python -m bench.bench_session [--target artifacts/tiny_target] [--prompts 10] [--repeats 3]
 
 Both paths run the same engine (trainer/decoding/generate.py); ``TargetSession(sliced=False)`` runs every forward
 through the HF model's ``forward`` (what the engine did before the session), ``sliced=True`` through the session's
@@ -21,12 +21,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from trainer.decoding.generate import speculative_generate  # noqa: E402
-from trainer.decoding.proposers import PromptLookupProposer  # noqa: E402
-from trainer.decoding.session import TargetSession  # noqa: E402
+from trainer.decoding.generate import speculative_generate
+from trainer.decoding.proposers import PromptLookupProposer
+from trainer.decoding.session import TargetSession
 
 
 def load(target: str, prompts: int, chars: int):

@@ -1,7 +1,7 @@
 """Teacher shards: bytes on disk per token (top-k against full-vocabulary logits), and shard write and read throughput
 against what an offline KD step consumes, measured side by side in one run.
 
-    python bench/bench_shards.py [--seq-len 256] [--k 64] [--samples 256]
+    python -m bench.bench_shards [--seq-len 256] [--k 64] [--samples 256]
 
 1. Bytes per token: shards of top-k ids (int32) and log-probabilities (float16) written with the project's writer,
    against shards holding the full-vocabulary float16 logits per position (the alternative to top-k), for the tiny

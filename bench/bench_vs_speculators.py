@@ -2,7 +2,7 @@
 target, the same data rows in the same order, the same optimizer steps, run at the same time with one thread each,
 then both drafters measured by our engine (``draftsmith eval``) on the same held-out prompts.
 
-    python bench/bench_vs_speculators.py --method eagle3 [--steps 300] [--prompts 15] [--out artifacts/vs_speculators]
+    python -m bench.bench_vs_speculators --method eagle3 [--steps 300] [--prompts 15] [--out artifacts/vs_speculators]
 
 ``--method`` is ``eagle3`` (EAGLE-3.1: ``fc_norm``, ``norm_output`` and ``norm_before_residual`` on, in both),
 ``peagle`` or ``dflash``. Needs the demo's artifacts (the corpus and ``artifacts/tiny_target``) and speculators'
@@ -19,7 +19,7 @@ Steps, each skipped when its output already exists under ``--out`` (delete a fil
 3. training, both at once with ``OMP_NUM_THREADS=1``: ours is ``draftsmith fit`` of the quickstart recipe
    (``recipes/quickstart/{eagle3,peagle,dflash}.yaml``) with the steps and data overridden; speculators' is its
    ``speculators.train`` code (``TrainConfig`` defaults, ``parse_vocab_mappings``, ``build_draft_model``,
-   ``get_trainer_kwargs``, ``Trainer.run_training``) in its own virtualenv, this file run there with ``--side
+   ``get_trainer_kwargs``, ``Trainer.run_training``) in its own virtualenv, this module run there with ``--side
    speculators``; the only change to its code path is the data loader, which runs the target's decoder on the step's
    rows (online, as ours does; not its lm_head, which speculators' loss applies itself) and hands the hidden states to
    speculators' ``CollateFn`` (with its ``shift_batch`` for EAGLE-3 and P-EAGLE). Its defaults are kept except what must
@@ -33,7 +33,7 @@ Steps, each skipped when its output already exists under ``--out`` (delete a fil
 4. export ours (``eagle3-speculators``, ``peagle-speculators``, ``dflash``); speculators' folder is its own
    ``save_pretrained``; ``draftsmith eval`` reads both;
 5. ``draftsmith eval`` of both, greedy, on the first ``--prompts`` held-out files (160-character prompts, as
-   ``bench/compare_drafters.py`` cuts them), ``--max-new-tokens`` each, K = 4 (EAGLE-3, P-EAGLE) or 15 (DFlash):
+   ``draftsmith compare`` cuts them), ``--max-new-tokens`` each, K = 4 (EAGLE-3, P-EAGLE) or 15 (DFlash):
    tau, acceptance per draft position; training tokens/s: ours the median of ``train/tokens_per_s`` (TensorBoard),
    speculators' the median time between its optimizer steps (the target forward included, as in ours).
 
@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import statistics
 import subprocess
@@ -58,9 +57,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.common import PROMPT_CHARS, ROOT, run_dirs, training_prompts, wait, write_heldout_prompts
+from bench.common import run as start
+
 SPECULATORS_PYTHON = ROOT / ".cache" / "clients" / "speculators" / "bin" / "python"
-PROMPT_CHARS = 160
 ROWS, SEQ = 4, 256  # the quickstart recipes' batch: 4 rows of 256 tokens (257 with the last label)
 TARGET_LAYERS = [1, 2, 3]  # HF hidden_states indices, the recipes' layers
 MASK_TOKEN = 2  # the recipes' mask / placeholder token (<|system|>, absent from the corpus)
@@ -81,34 +81,19 @@ METHODS = {
 
 # ---- the project's side ---------------------------------------------------------------------------------------------
 def run(cmd: list[str], log: Path, python: Path | None = None) -> subprocess.Popen:
-    """Starts ``cmd`` (a ``draftsmith`` subcommand, or a script under ``python``) with one thread, output in ``log``."""
-    if python is None:
-        cmd = [str(Path(sys.executable).parent / "draftsmith"), *cmd[1:]]
-    else:
-        cmd = [str(python), *cmd]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    log.parent.mkdir(parents=True, exist_ok=True)
-    print("$", " ".join(cmd), f"> {log}", flush=True)
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-
-
-def wait(proc: subprocess.Popen, log: Path) -> None:
-    if proc.wait() != 0:
-        sys.exit(f"failed (exit {proc.returncode}), see {log}:\n" + "".join(log.read_text().splitlines(True)[-30:]))
+    """Starts ``cmd`` (a ``draftsmith`` subcommand, or a module under ``python``) with one thread, output in ``log``."""
+    return start(cmd, log, threads=1, python=python)
 
 
 def completions(art: Path, data: Path) -> Path:
     """The target's greedy completions of compare's training prompts (made once)."""
-    sys.path.insert(0, str(ROOT))
-    from trainer.compare.run import training_prompts
-
     done = data / "train_completions.jsonl"
     if done.is_file():
         return done
     prompts, partial = data / "train_prompts.jsonl", data / "train_completions.partial.jsonl"
     data.mkdir(parents=True, exist_ok=True)  # a new --out
     if not prompts.is_file():
-        training_prompts(art / "corpus" / "train.jsonl", prompts, PROMPT_CHARS, 1, 0)
+        training_prompts(art / "corpus" / "train.jsonl", prompts, 1, 0)
     generate = [
         "draftsmith", "generate", "--target", str(art / "tiny_target"), "--input", str(prompts),
         "--output", str(partial), "--prompt_field", "prompt", "--max_new_tokens", "160", "--batch_size", "32",
@@ -124,7 +109,6 @@ def save_rows(art: Path, train_file: Path, steps: int, out: Path) -> None:
     of each token as a label) and the token counts of the trained tokens (speculators' ``token_freq.pt``)."""
     import torch
 
-    sys.path.insert(0, str(ROOT))
     from trainer.data.text import TextDataModule
 
     data = TextDataModule(
@@ -151,14 +135,9 @@ def save_rows(art: Path, train_file: Path, steps: int, out: Path) -> None:
 
 def fit_cmd(method: str, run_dir: Path, train_file: Path, steps: int, target: Path, more: str = "") -> list[str]:
     recipe, _, _, extra = METHODS[method]
-    checkpoint = {
-        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-        "init_args": {"dirpath": str(run_dir / "checkpoints"), "save_top_k": 0, "save_last": True},
-    }
     return [
-        "draftsmith", "fit", "--config", recipe, "--trainer.max_steps", str(steps),
-        "--trainer.default_root_dir", str(run_dir), "--trainer.logger.init_args.save_dir", str(run_dir),
-        "--trainer.callbacks", json.dumps([checkpoint]), "--trainer.limit_val_batches", "0",
+        "draftsmith", "fit", "--config", recipe, "--trainer.max_steps", str(steps), *run_dirs(run_dir),
+        "--trainer.limit_val_batches", "0",
         "--trainer.log_every_n_steps", str(max(1, min(10, steps // 3))), "--model.init_args.target", str(target),
         "--data.init_args.train_files", json.dumps([str(train_file)]), *extra, *shlex.split(more),
     ]  # fmt: skip
@@ -177,7 +156,7 @@ def speculators_cmd(
     layers: int | None,
 ) -> list[str]:
     return [
-        str(Path(__file__).resolve()), "--side", "speculators", "--method", method, "--target",
+        "-m", "bench.bench_vs_speculators", "--side", "speculators", "--method", method, "--target",
         str(art / "tiny_target"), "--rows", str(data), "--out", str(out), "--steps", str(steps), "--lr", str(lr),
         "--warmup", str(warmup), "--speculators-optimizer", optimizer, "--speculators-loss", loss,
         *([] if layers is None else ["--draft-layers", str(layers)]),
@@ -193,7 +172,6 @@ def recipe_optim(method: str) -> tuple[float, int]:
 
 
 def our_tokens_per_s(run_dir: Path) -> float:
-    sys.path.insert(0, str(ROOT))
     from trainer.compare.fit_logs import read_scalars
 
     values = read_scalars(run_dir / "tensorboard", ("train/tokens_per_s",)).get("train/tokens_per_s", {})
@@ -253,9 +231,7 @@ def main_project(args: argparse.Namespace) -> int:
     if not (export / "config.json").is_file():
         cmd = ["draftsmith", "export", "--ckpt", str(ours_run / "checkpoints" / "last.ckpt"), "--out", str(export)]
         wait(run([*cmd, "--format", fmt], method_dir / "export.log"), method_dir / "export.log")
-    heldout = out / "heldout_prompts.jsonl"
-    lines = (art / "corpus" / "heldout.jsonl").read_text().splitlines()[: args.prompts]
-    heldout.write_text("".join(json.dumps({"prompt": json.loads(x)["text"][:PROMPT_CHARS]}) + "\n" for x in lines))
+    heldout = write_heldout_prompts(art / "corpus", out / "heldout_prompts.jsonl", args.prompts)
     ours = evaluate(target, export, heldout, k, args.max_new_tokens, method_dir / "eval_ours")
     theirs = evaluate(target, theirs_dir / "drafter", heldout, k, args.max_new_tokens, method_dir / "eval_speculators")
     ours_tps = our_tokens_per_s(ours_run)

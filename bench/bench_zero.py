@@ -6,8 +6,8 @@ Each strategy trains the same toy Llama (tests/integration/_toy_fit.py, Adam) fo
 of its peak resident set size during training over the RSS it had at the start of training (the model, the
 strategy's buffers and the optimizer created). Ratios are to DDP.
 
-    python bench/bench_zero.py [--steps 30] [--hidden 512] [--layers 4] [--vocab 16384]
-    python bench/bench_zero.py --plan-only      # just the planner's table
+    python -m bench.bench_zero [--steps 30] [--hidden 512] [--layers 4] [--vocab 16384]
+    python -m bench.bench_zero --plan-only      # just the planner's table
 
 The first DeepSpeed run on a machine compiles DeepSpeed's CPU collective (about a minute); set TORCH_EXTENSIONS_DIR
 (the Makefile does) to keep it.
@@ -29,7 +29,8 @@ from pathlib import Path
 
 import lightning as L
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.common import ROOT
+
 STRATEGIES = {
     "ddp": "ddp.yaml",
     "zero1": "deepspeed_zero1.yaml",
@@ -86,9 +87,10 @@ def run_strategy(name: str, args: argparse.Namespace, work: Path) -> list[dict]:
     cmd += ["--model.num_layers", str(args.layers), "--data.vocab_size", str(args.vocab)]
     cmd += ["--data.seq_len", str(args.seq), "--data.batch_size", str(args.batch)]
     cmd += ["--data.num_samples", str(2 * args.batch * (args.steps + 2))]
-    cmd += ["--trainer.callbacks+=bench_zero.Measure", "--trainer.callbacks.out", str(out)]
+    cmd += ["--trainer.callbacks+=bench.bench_zero.Measure", "--trainer.callbacks.out", str(out)]
     env = dict(os.environ, DS_ACCELERATOR="cpu")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "bench"), env.get("PYTHONPATH", "")])
+    # the run's folder is its working directory: the repository root is where its callback's package is found
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=work)
     if proc.returncode != 0:
         raise RuntimeError(f"{name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")

@@ -1,6 +1,6 @@
 """Drafters side by side on the tiny target: prompt lookup, a KD student and EAGLE-3 (chain and tree), K = 6 greedy.
 
-    python bench/compare_drafters.py [--train-seconds 300 | --steps 500,770] [--prompts 10]
+    python -m bench.studies.compare_drafters [--train-seconds 300 | --steps 500,770] [--prompts 10]
 
 Needs the demo's artifacts (``make demo``: the corpus and the tiny target). Steps, each skipped when its output
 already exists under ``--out`` (delete the folder to start over):
@@ -32,89 +32,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from trainer.compare.run import training_prompts as cut_prompts  # noqa: E402
-from trainer.decoding.evaluate import load_prompts  # noqa: E402
-from trainer.decoding.metrics import loop_mask  # noqa: E402
-from trainer.registry import load_drafter  # noqa: E402
-
-PROMPT_CHARS = 160
-
-
-def run(cmd: list[str], log: Path, threads: int | None = None) -> subprocess.Popen:
-    """Starts ``draftsmith ...`` (the one installed beside this Python) with its output in ``log``."""
-    cmd = [shutil.which("draftsmith") or str(Path(sys.executable).parent / "draftsmith"), *cmd[1:]]
-    env = dict(os.environ)
-    log.parent.mkdir(parents=True, exist_ok=True)
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = str(threads)
-    print("$", " ".join(cmd), f"> {log}", flush=True)
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-
-
-def wait(proc: subprocess.Popen, log: Path) -> None:
-    if proc.wait() != 0:
-        sys.exit(f"failed (exit {proc.returncode}), see {log}:\n" + "".join(log.read_text().splitlines(True)[-20:]))
-
-
-def heldout_data(corpus: Path):
-    """The demo's held-out batches (8 x 256 tokens of the corpus' held-out files), set up: what the benchmarks'
-    held-out losses are measured on, as ``draftsmith demo`` measures them."""
-    from trainer.data.text import TextDataModule
-
-    data = TextDataModule(
-        tokenizer=str(corpus / "tokenizer"), train_files=[str(corpus / "train.jsonl")],
-        val_files=[str(corpus / "heldout.jsonl")], seq_len=256, batch_size=8,
-    )  # fmt: skip
-    data.setup("fit")
-    return data
-
-
-def training_prompts(train_file: Path, out: Path, per_file: int, seed: int) -> None:
-    """The benchmarks' training prompts: ``draftsmith compare``'s own cut (trainer/compare/run.py), 160 characters."""
-    cut_prompts(train_file, out, PROMPT_CHARS, per_file, seed)
-
-
-def fit_cmd(
-    recipe: str, run_dir: Path, train_file: Path, seconds: int, steps: int | None, extra: list[str]
-) -> list[str]:
-    """``draftsmith fit`` of ``recipe`` for ``steps`` optimizer steps (cosine decay), or ``seconds`` (constant)."""
-    checkpoint = {
-        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-        "init_args": {"dirpath": str(run_dir / "checkpoints"), "save_top_k": 0, "save_last": True},
-    }
-    if steps is not None:
-        length = ["--trainer.max_steps", str(steps)]
-    else:
-        hms = time.strftime("%H:%M:%S", time.gmtime(seconds))
-        length = [
-            "--trainer.max_steps",
-            "-1",
-            "--trainer.max_time",
-            f"00:{hms}",
-            "--model.init_args.optim.decay",
-            "constant",
-        ]  # the length of the run is a time, not a step count
-    return [
-        "draftsmith", "fit", "--config", recipe,
-        "--trainer.default_root_dir", str(run_dir),
-        "--trainer.logger.init_args.save_dir", str(run_dir),
-        "--trainer.callbacks", json.dumps([checkpoint]), "--trainer.limit_val_batches", "0", *length,
-        "--data.init_args.train_files", json.dumps([str(train_file)]),
-        *extra,
-    ]  # fmt: skip
+from bench.common import fit_cmd, run, training_prompts, wait, write_heldout_prompts
+from trainer.decoding.evaluate import load_prompts
+from trainer.decoding.metrics import loop_mask
+from trainer.registry import load_drafter
 
 
 def greedy_continuations(
@@ -238,9 +166,7 @@ def main() -> int:
         export = ["draftsmith", "export", "--ckpt", str(ckpt), "--out", str(eagle_dir), "--format", "eagle3"]
         wait(run(export, out / "export_eagle3.log"), out / "export_eagle3.log")
 
-    heldout = out / "heldout_prompts.jsonl"
-    lines = (corpus / "heldout.jsonl").read_text().splitlines()[: args.prompts]
-    heldout.write_text("".join(json.dumps({"prompt": json.loads(x)["text"][:PROMPT_CHARS]}) + "\n" for x in lines))
+    heldout = write_heldout_prompts(corpus, out / "heldout_prompts.jsonl", args.prompts)
     drafters = {
         "prompt lookup": "prompt-lookup",
         "KD student": str(kd_dir),

@@ -1,7 +1,7 @@
 """Medusa-1 and Medusa-2 on the tiny target: tau of the heads (chain and the paper's tree, greedy and sampling) and how
 far Medusa-2 moves the target (held-out loss), with and without self-distillation.
 
-    python bench/bench_medusa.py [--medusa1-steps 400] [--medusa2-steps 200] [--new-tokens 48]
+    python -m bench.studies.medusa [--medusa1-steps 400] [--medusa2-steps 200] [--new-tokens 48]
 
 Needs the demo's artifacts (``make demo``). Trains, each skipped when its export already exists under ``--out``:
 Medusa-1 (recipes/quickstart/medusa1.yaml), Medusa-2 with self-distillation (recipes/quickstart/medusa2.yaml) and
@@ -20,10 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.compare_drafters import heldout_data, run, wait  # noqa: E402
+from bench.common import ROOT, heldout_data, run, run_dirs, wait
 
 
 def fit(name: str, recipe: str, steps: int, out: Path, extra: list[str]) -> float:
@@ -32,14 +29,8 @@ def fit(name: str, recipe: str, steps: int, out: Path, extra: list[str]) -> floa
     if (export / "config.json").is_file():
         return float("nan")
     runs = out / "runs" / name
-    checkpoint = {
-        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-        "init_args": {"dirpath": str(runs / "checkpoints"), "save_top_k": 0, "save_last": True},
-    }
     cmd = ["draftsmith", "fit", "--config", str(ROOT / "recipes" / "quickstart" / recipe),
-           "--trainer.max_steps", str(steps), "--trainer.default_root_dir", str(runs),
-           "--trainer.logger.init_args.save_dir", str(runs),
-           "--trainer.callbacks", json.dumps([checkpoint]), *extra]  # fmt: skip
+           "--trainer.max_steps", str(steps), *run_dirs(runs), *extra]  # fmt: skip
     start = time.perf_counter()
     wait(run(cmd, out / f"fit_{name}.log"), out / f"fit_{name}.log")
     seconds = time.perf_counter() - start

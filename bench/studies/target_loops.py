@@ -1,8 +1,8 @@
 """How much of the tiny target's greedy output sits in loops, for variants of its training at the demo's budget.
 
-    python bench/bench_target_loops.py [--steps 400] [--variants 8x256,16x128,lr4e-3,tied] [--parallel 2]
-    python bench/bench_target_loops.py --noise 0.001,0.003,0.01 [--model artifacts/tiny_target] [--seeds 3]
-    python bench/bench_target_loops.py --finetune 0.0002,0.0001 [--model artifacts/tiny_target] [--seeds 3]
+    python -m bench.studies.target_loops [--steps 400] [--variants 8x256,16x128,lr4e-3,tied] [--parallel 2]
+    python -m bench.studies.target_loops --noise 0.001,0.003,0.01 [--model artifacts/tiny_target] [--seeds 3]
+    python -m bench.studies.target_loops --finetune 0.0002,0.0001 [--model artifacts/tiny_target] [--seeds 3]
 
 Needs the demo's corpus (``make demo`` or ``draftsmith prepare``). Every variant trains
 recipes/quickstart/tiny_target.yaml for ``--steps`` optimizer steps (the demo's 400) with its own changes,
@@ -36,13 +36,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.compare_drafters import heldout_data  # noqa: E402
-from trainer.decoding.metrics import loop_mask  # noqa: E402
-from trainer.heldout import heldout_loss  # noqa: E402
-from trainer.objective import Optim, lr_factor  # noqa: E402
+from bench.common import ROOT, heldout_data, heldout_texts
+from trainer.decoding.metrics import loop_mask
+from trainer.heldout import heldout_loss
+from trainer.objective import Optim, lr_factor
 
 BEFORE = ["--data.init_args.seq_len", "256", "--data.init_args.batch_size", "8"]  # the demo's target until 2026-12
 VARIANTS = {
@@ -66,12 +63,6 @@ def train(name: str, extra: list[str], out: Path, steps: int) -> subprocess.Pope
     run.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(args, cwd=ROOT, env=env, stdout=(run / "fit.log").open("w"), stderr=subprocess.STDOUT)
-
-
-def heldout_prompts(corpus: Path) -> list[str]:
-    """The demo's held-out prompts: the first 160 characters of the first 10 held-out files."""
-    lines = (corpus / "heldout.jsonl").read_text().splitlines()[:10]
-    return [json.loads(line)["text"][:160] for line in lines]
 
 
 def greedy_outputs(model, tokenizer, prompts: list[str], new_tokens: int) -> list[list[int]]:
@@ -131,7 +122,7 @@ def main() -> int:
 
     torch.set_num_threads(2)
     data = heldout_data(corpus)
-    prompts = heldout_prompts(corpus)
+    prompts = heldout_texts(corpus, 10)
     rows = [
         f"{args.steps} optimizer steps each (the demo's budget), trained {args.parallel} at a time on one thread each; "
         "loop share of the greedy output of the demo's 10 held-out prompts.",
@@ -162,7 +153,7 @@ def perturbed(args: argparse.Namespace) -> int:
     torch.set_num_threads(2)
     out, corpus = Path(args.out), Path(args.artifacts) / "corpus"
     data = heldout_data(corpus)
-    prompts = heldout_prompts(corpus)
+    prompts = heldout_texts(corpus, 10)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     original = AutoModelForCausalLM.from_pretrained(args.model).eval()
 

@@ -1,11 +1,11 @@
 """Sequential MTP on the tiny target: pre-training with and without modules, refresh, extend, and what MTP costs.
 
-    python bench/bench_mtp.py [--steps 400] [--stage all | prompts,pretrain,heldout,regen,refresh,extend,eval,cost]
+    python -m bench.studies.mtp [--steps 400] [--stage all | prompts,pretrain,heldout,regen,refresh,extend,eval,cost]
 
 Needs the demo's corpus (``make demo`` or ``draftsmith prepare --out artifacts/corpus``). Every stage is skipped when
 its output exists under ``--out`` (default artifacts/bench_mtp; delete a folder to redo a stage):
 
-1. ``prompts``: 160-character training prompts (bench/compare_drafters.py's), ``artifacts/mtp_seq_prompts.jsonl``;
+1. ``prompts``: 160-character training prompts (``draftsmith compare``'s cut), ``artifacts/mtp_seq_prompts.jsonl``;
 2. ``pretrain``: recipes/quickstart/tiny_target.yaml (D = 0) and recipes/quickstart/mtp_pretrain.yaml (D = 1) for the
    same ``--steps``, side by side, one thread each: same data order, schedule, seed and initial trunk weights;
 3. ``heldout``: the held-out next-token loss of both trained models (the corpus' held-out files, 256-token rows);
@@ -29,18 +29,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from compare_drafters import heldout_data, training_prompts  # noqa: E402
+from bench.common import ROOT, heldout_data, module_command, run, run_dirs, training_prompts, wait
 
 ARTIFACTS = ROOT / "artifacts"
 SHAPE = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -48,32 +43,14 @@ SHAPE = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4, "
 
 
 def draftsmith(args: list[str], log: Path, threads: int | None = None) -> subprocess.Popen:
-    """``draftsmith ...`` (the one beside this Python), output in ``log``."""
-    exe = shutil.which("draftsmith") or str(Path(sys.executable).parent / "draftsmith")
-    env = dict(os.environ)
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = str(threads)
-    log.parent.mkdir(parents=True, exist_ok=True)
-    print("$ draftsmith", " ".join(args), f"> {log}", flush=True)
-    return subprocess.Popen([exe, *args], cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    """``draftsmith ARGS`` started from the repository root, its output in ``log``."""
+    return run(["draftsmith", *args], log, threads)
 
 
-def wait(*procs: tuple[subprocess.Popen, Path]) -> None:
+def wait_all(*procs: tuple[subprocess.Popen, Path]) -> None:
+    """Waits for every (process, log) in turn; exits at the first that failed."""
     for proc, log in procs:
-        if proc.wait() != 0:
-            sys.exit(f"failed (exit {proc.returncode}), see {log}:\n" + "".join(log.read_text().splitlines(True)[-20:]))
-
-
-def run_dirs(run: Path) -> list[str]:
-    """Trainer overrides that keep a run's logs and checkpoints under ``run``."""
-    checkpoint = {
-        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-        "init_args": {"dirpath": str(run / "checkpoints"), "save_top_k": 0, "save_last": True},
-    }
-    return [
-        "--trainer.default_root_dir", str(run), "--trainer.logger.init_args.save_dir", str(run),
-        "--trainer.callbacks", json.dumps([checkpoint]),
-    ]  # fmt: skip
+        wait(proc, log)
 
 
 def stage_pretrain(out: Path, steps: int, d0_model: str | None) -> None:
@@ -88,7 +65,7 @@ def stage_pretrain(out: Path, steps: int, d0_model: str | None) -> None:
                 "--model.init_args.export_dir", str(d1 / "model"), *run_dirs(d1)]  # fmt: skip
         runs.append((draftsmith(args, d1 / "fit.log", threads=1 if runs else None), d1 / "fit.log"))
     start = time.perf_counter()
-    wait(*runs)
+    wait_all(*runs)
     if runs:
         (out / "pretrain_seconds.txt").write_text(f"{time.perf_counter() - start:.0f}\n")
 
@@ -116,7 +93,7 @@ def stage_finetune(out: Path, name: str, recipe: str, init_from: Path, steps: in
                 "--trainer.val_check_interval", str(steps), "--model.init_args.target", str(out / "d1" / "model"),
                 "--model.init_args.init_from", str(init_from),
                 "--data.init_args.train_files", json.dumps([str(out / "regen.jsonl")]), *run_dirs(run)]  # fmt: skip
-        wait((draftsmith(args, run / "fit.log"), run / "fit.log"))
+        wait_all((draftsmith(args, run / "fit.log"), run / "fit.log"))
     return ckpt
 
 
@@ -128,7 +105,7 @@ def stage_eval(out: Path, name: str, drafter: Path, new_tokens: int, ks: str, pr
                 "--max_new_tokens", str(new_tokens), "--max_prompts", str(prompts),
                 "--out", str(report.parent)]  # fmt: skip
         log = out / "eval" / f"{name}.log"
-        wait((draftsmith(args, log), log))
+        wait_all((draftsmith(args, log), log))
     return json.loads(report.read_text())
 
 
@@ -203,7 +180,7 @@ def stage_cost(rounds: int, steps: int) -> dict:
     for r in range(rounds):
         for depth in (0, 1, 2):
             env = dict(os.environ, OMP_NUM_THREADS="1")
-            cmd = [sys.executable, __file__, "--cost-child", str(depth), "--cost-steps", str(steps)]
+            cmd = module_command("bench.studies.mtp", "--cost-child", str(depth), "--cost-steps", str(steps))
             done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=True)
             line = json.loads(done.stdout.strip().splitlines()[-1])
             results[depth]["times"].append(statistics.median(line["times"]))
@@ -266,7 +243,7 @@ def main() -> int:
         subset = out / "regen_prompts.jsonl"
         subset.write_text("".join(prompts.read_text().splitlines(True)[: args.regen_prompts]))
         log = out / "regen.log"
-        wait((draftsmith(["generate", "--target", str(out / "d1" / "model"), "--input", str(subset), "--output",
+        wait_all((draftsmith(["generate", "--target", str(out / "d1" / "model"), "--input", str(subset), "--output",
                           str(regen), "--prompt_field", "prompt", "--max_new_tokens", "192", "--batch_size", "32"],
                          log), log))  # fmt: skip
         regen_done.touch()

@@ -1,7 +1,7 @@
 """LayerSkip on the tiny target: tau of every early exit with and without LayerSkip training, what the training costs
 the full model (held-out loss), and our self-speculative decoding against transformers' ``assistant_early_exit``.
 
-    python bench/bench_layerskip.py [--steps 400] [--k 4] [--baseline DIR]
+    python -m bench.studies.layerskip [--steps 400] [--k 4] [--baseline DIR]
 
 Needs the demo's artifacts (``make demo``: the corpus, the tiny target trained for 400 steps, the held-out prompts).
 Trains recipes/quickstart/layerskip_pretrain.yaml for ``--steps`` steps (skipped when its model exists under
@@ -31,10 +31,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.compare_drafters import heldout_data, run, wait  # noqa: E402
+from bench.common import ROOT, heldout_data, run, run_dirs, wait
 
 
 def train(out: Path, artifacts: Path, steps: int) -> Path:
@@ -42,14 +39,8 @@ def train(out: Path, artifacts: Path, steps: int) -> Path:
     if (model / "layerskip.json").is_file():
         return model
     runs = out / "run"
-    checkpoint = {
-        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-        "init_args": {"dirpath": str(runs / "checkpoints"), "save_top_k": 0, "save_last": True},
-    }
     cmd = ["draftsmith", "fit", "--config", str(ROOT / "recipes" / "quickstart" / "layerskip_pretrain.yaml"),
-           "--trainer.max_steps", str(steps), "--trainer.default_root_dir", str(runs),
-           "--trainer.logger.init_args.save_dir", str(runs), "--trainer.callbacks", json.dumps([checkpoint]),
-           "--model.init_args.export_dir", str(model),
+           "--trainer.max_steps", str(steps), *run_dirs(runs), "--model.init_args.export_dir", str(model),
            "--model.init_args.tokenizer", str(artifacts / "corpus" / "tokenizer")]  # fmt: skip
     wait(run(cmd, out / "fit.log"), out / "fit.log")
     return model
