@@ -24,8 +24,9 @@ from tests.clients.test_speculators_dflash_client import ANCHORS, AUX, BLOCK, SP
 from tests.clients.test_speculators_dflash_client import target as target  # noqa: F401 (the module's fixture)
 from tests.clients.venvs import client_python as venv_python
 from tests.clients.venvs import opt_in
-from trainer.methods.dflash import kind as dflash_kind
-from trainer.methods.dflash.module import DFlashConfig, DFlashDrafter
+from trainer.methods.dflash.module import DFlashConfig
+from trainer.methods.dspark import kind as dspark_kind
+from trainer.methods.dspark.module import DSparkConfig, DSparkDrafter
 from trainer.registry import load_drafter
 
 RANK = 16
@@ -38,7 +39,7 @@ def client_python() -> Path:
     return venv_python("speculators", SPECULATORS)
 
 
-def ours(drafter: DFlashDrafter, model, ids: torch.Tensor, hidden) -> tuple[torch.Tensor, torch.Tensor]:
+def ours(drafter: DSparkDrafter, model, ids: torch.Tensor, hidden) -> tuple[torch.Tensor, torch.Tensor]:
     """Our logits [N * b, V] and confidence logits [N * b] of every anchored block, slot 0 included."""
     embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     logits, confidence = [], []
@@ -68,16 +69,16 @@ def compare(client_python, root: Path, export: Path, drafter, model, name: str) 
 def test_our_dspark_export_gives_speculators_our_logits_and_confidences(client_python, target):  # noqa: F811
     root, model = target
     config = DFlashConfig.from_target(model.config, 2, AUX, block_size=BLOCK, mask_token_id=V - 1)
-    config = DFlashConfig(
+    config = DSparkConfig(
         **{**config.to_dict(), "markov_rank": RANK, "enable_confidence_head": True, "confidence_head_with_markov": True}
     )
     torch.manual_seed(0)
-    drafter = DFlashDrafter(config)
+    drafter = DSparkDrafter(config)
     with torch.no_grad():
         for p in drafter.parameters():
             p.copy_((1.0 if p.ndim == 1 and p.numel() > 1 else 0.0) + 0.1 * torch.randn(p.shape))
-    record = dflash_kind.make_record(config, str(root / "target"), ["LlamaForCausalLM"])
-    export = dflash_kind.DSPARK.write(drafter, record, root / "ours_dspark")
+    record = dspark_kind.make_record(config, str(root / "target"), ["LlamaForCausalLM"])
+    export = dspark_kind.DSPARK.write(drafter, record, root / "ours_dspark")
     compare(client_python, root, export, drafter, model, "ours")
 
 
@@ -89,5 +90,5 @@ def test_a_dspark_drafter_speculators_saved_drafts_what_speculators_drafts(clien
     config = json.loads((export / "config.json").read_text())
     assert config["speculators_model_type"] == "dspark" and config["markov_rank"] == RANK
     drafter, record = load_drafter(str(export))
-    assert record.kind == "dflash" and drafter.config.markov_rank == RANK and drafter.config.enable_confidence_head
+    assert record.kind == "dspark" and drafter.config.markov_rank == RANK and drafter.config.enable_confidence_head
     compare(client_python, root, export, drafter, model, "theirs")

@@ -143,6 +143,7 @@ def test_fits_with_gradient_clipping_in_each_precision_and_every_part_learns(
     from their seeded initialisation."""
     heads = {"markov_rank": 8, "enable_confidence_head": True, "confidence_head_with_markov": True}
     override = dflash_override(tmp_path, tiny_corpus, tiny_target, 2, 2, **heads)
+    override["model"]["class_path"] = "trainer.methods.dspark.objective.DSpark"  # DFlash's recipe, DSpark's heads
     override["trainer"]["precision"] = precision
     override["model"]["init_args"]["optim"] = {"name": optimizer, "lr": 0.001, "warmup_steps": 20}
     cli = fit("quickstart/dflash.yaml", override, tmp_path)

@@ -1,8 +1,9 @@
 """What ``draftsmith eval`` accepts is what training scores: the engine's accepted drafts per round equal the training
 forward's teacher-forced leading run of right slots at the round's root, walked as the engine anchors its rounds (the
-next root after the accepted drafts and the bonus token), for plain DFlash and with DSpark's Markov head (teacher
-forcing its previous token changes nothing while the drafts before are right). Per-position acceptance over rounds is
-therefore lower than the training log's per-anchor ``prefix_k`` only because rounds skip over what they accept."""
+next root after the accepted drafts and the bonus token), for plain DFlash and with DSpark's Markov head
+(trainer/methods/dspark/: teacher forcing its previous token changes nothing while the drafts before are right).
+Per-position acceptance over rounds is therefore lower than the training log's per-anchor ``prefix_k`` only because
+rounds skip over what they accept."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from trainer.decoding.generate import speculative_generate
 from trainer.decoding.proposers import NoProposer
 from trainer.methods.dflash.module import DFlashConfig, DFlashDrafter
 from trainer.methods.dflash.proposer import DFlashProposer
+from trainer.methods.dspark.module import DSparkConfig, DSparkDrafter
+from trainer.methods.dspark.proposer import DSparkProposer
 
 VOCAB, K = 4, 4  # a small vocabulary: random drafts are often right, so rounds accept runs of several lengths
 
@@ -35,7 +38,9 @@ def teacher_forced_walk(target, drafter: DFlashDrafter, sequence: torch.Tensor, 
             truth = sequence[root + 1 : root + b]  # [<= b - 1]
             prev = torch.cat([sequence[root : root + 1], truth[:-1]])  # the token before each slot's, teacher-forced
             n = truth.numel()
-            logits, _ = drafter.apply_heads(out[:n], out[:n] @ head.t(), prev)
+            logits = out[:n] @ head.t()  # [n, V]
+            if isinstance(drafter, DSparkDrafter):
+                logits, _ = drafter.apply_heads(out[:n], logits, prev)
         k = min(K, T - 2 - root)  # the engine drafts no more than the tokens left to generate, less the bonus
         lead = int((logits.argmax(-1)[:k] == truth[:k]).long().cumprod(0).sum())
         accepted.append(lead)
@@ -50,9 +55,11 @@ def test_the_engines_rounds_accept_the_teacher_forced_leading_runs(markov, one_t
     # root 3 accepts 2 drafts (a head that read the root instead of the previous draft would accept 1)
     target = tiny_llama(2 if markov else 3, vocab=VOCAB, layers=4)  # float64, eval
     config = DFlashConfig.from_target(target.config, 2, (1, 3), block_size=6, mask_token_id=VOCAB - 1)
-    config = DFlashConfig(**{**config.to_dict(), "markov_rank": VOCAB if markov else 0})
+    if markov:
+        heads = dict(markov_rank=VOCAB, enable_confidence_head=False, confidence_head_with_markov=False)
+        config = DSparkConfig(**config.to_dict(), **heads)
     torch.manual_seed(1)
-    drafter = DFlashDrafter(config)
+    drafter = DSparkDrafter(config) if markov else DFlashDrafter(config)
     for p in drafter.parameters():
         nn.init.normal_(p, std=0.3)
     if markov:
@@ -63,7 +70,8 @@ def test_the_engines_rounds_accept_the_teacher_forced_leading_runs(markov, one_t
     drafter = drafter.to(torch.float64).eval()
     embedding, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     prompt = torch.randint(0, VOCAB - 1, (7,), generator=torch.Generator().manual_seed(0))
-    result = speculative_generate(target, prompt, DFlashProposer(drafter, embedding, head), k=K, max_new_tokens=40)
+    proposer = (DSparkProposer if markov else DFlashProposer)(drafter, embedding, head)
+    result = speculative_generate(target, prompt, proposer, k=K, max_new_tokens=40)
     assert result.tokens == speculative_generate(target, prompt, NoProposer(), k=0, max_new_tokens=40).tokens
     engine = [r.accepted for r in result.rounds[1:]]  # the first forward is the prefill: nothing drafted
     walked = teacher_forced_walk(target, drafter, torch.cat([prompt, torch.tensor(result.tokens)]), prompt.numel())

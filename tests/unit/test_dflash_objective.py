@@ -243,3 +243,15 @@ def test_bad_input_is_refused_naming_the_value(tok, tmp_path):
     clean.train_dataset.ids[1, 4] = 2
     with pytest.raises(ValueError, match=r"mask_token_id=2 \('<\|system\|>'\) occurs 1 times in the training data"):
         objective.check_training_data(clean)
+
+
+def test_prefix_rates_are_the_leading_runs_of_right_slots(tmp_path):
+    """prefix_k: the blocks whose slots 1..k are all right, among those whose slots 1..k are all trained."""
+    save_target(tmp_path / "target")
+    objective = DFlash(str(tmp_path / "target"), num_draft_layers=1, block_size=4, mask_token_id=V - 1, max_anchors=6)
+    ids = torch.randint(0, 8, (2, 20), generator=torch.Generator().manual_seed(0))  # few ids: some slots right
+    loss_mask = torch.ones(2, 20, dtype=torch.bool)
+    with torch.no_grad():
+        _, metrics = objective.compute_loss({"input_ids": ids, "loss_mask": loss_mask})
+    prefix = [float(metrics[f"prefix_{k}"]) for k in (1, 2, 3)]
+    assert prefix[0] == pytest.approx(float(metrics["acc_1"])) and prefix[0] >= prefix[1] >= prefix[2]

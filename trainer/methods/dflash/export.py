@@ -25,12 +25,11 @@ speculators' trainer declares its draft layers ``sliding_attention`` with ``slid
 its ``create_anchor_block_mask_mod`` makes causal inside the block and windowed over the context (module.py reads
 both); ``sample_from_anchor: true`` (the anchor slot drafts the first token) is refused by name.
 
-DSpark format (``speculators_model_type: "dspark"``, ``DSparkSpeculator``: speculators 0.9 ``models/dspark``): the
-speculators DFlash format plus its four fields, ``markov_rank``, ``markov_head_type``, ``enable_confidence_head`` and
-``confidence_head_with_markov``, and the heads' weights under speculators' names (heads.py); ``sample_from_anchor``
-is written false (DSpark's default is true: the anchor slot drafting the first token, which draftsmith does not
-implement, so a DSpark folder without the key is refused by name). The z-lab and speculators DFlash writers refuse a
-drafter with heads (their readers have no field for them) and name this format.
+A block refiner's format (refiner.py) is the speculators format under its own ``speculators_model_type`` and
+``architectures``, with its config fields beside (``save_speculators`` and ``load_speculators`` take them) and its
+heads' weights in the same file; its reader may default ``sample_from_anchor`` to true, refused by name when the key
+is absent. The z-lab and speculators DFlash writers refuse a drafter with a refiner's modules (their readers would not
+load them).
 
 The z-lab format has no field for a block's causal attention: a z-lab folder whose ``layer_types`` make a layer
 sliding is refused by name, and so is a drafter with sliding layers given to its writer.
@@ -43,8 +42,9 @@ sizes that disagree, or a field it does not implement (named with its value).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -54,22 +54,16 @@ from trainer.methods.dflash.module import FULL, LAYER_TYPES, SLIDING, DFlashConf
 
 ZLAB_ARCHITECTURES = ["DFlashDraftModel"]
 SPECULATORS_ARCHITECTURES = ["DFlashSpeculator"]
-DSPARK_ARCHITECTURES = ["DSparkSpeculator"]
-HEAD_KEYS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
-DSPARK_DEFAULTS = {
-    "markov_rank": 256,
-    "markov_head_type": "vanilla",
-    "enable_confidence_head": True,
-    "confidence_head_with_markov": True,
-}  # speculators' DSparkSpeculatorConfig defaults, for a file that leaves a key out
+SPECULATORS_MODEL_TYPE = "dflash"
 
 
-def _refuse_heads(c: DFlashConfig, fmt: str) -> None:
-    if c.dspark:
+def _refuse_refiner(drafter: DFlashDrafter, fmt: str) -> None:
+    """Refuse a drafter with a block refiner's modules in a format whose readers would not load them."""
+    if type(drafter).refiner_modules:
         raise ModelFolderError(
-            f"the {fmt} format has no field for DSpark's heads (markov_rank {c.markov_rank}, enable_confidence_head "
-            f"{c.enable_confidence_head}): its readers would not load them",
-            hint="write it with --format dspark",
+            f"the {fmt} format has no field for the heads of a {type(drafter).__name__} "
+            f"({', '.join(type(drafter).refiner_modules)}): its readers would not load them",
+            hint="write it in its own kind's format (draftsmith export writes that one by default)",
         )
 
 
@@ -109,7 +103,7 @@ def save_zlab(drafter: DFlashDrafter, out_dir: str, dtype: torch.dtype | None = 
     """Write the z-lab checkpoint (``DFlashDraftModel``: SGLang, vLLM, ``DFlashDraftModel.from_pretrained``); a
     drafter with sliding-window layers is refused (the format has no field for their causal block)."""
     c = drafter.config
-    _refuse_heads(c, "z-lab dflash")
+    _refuse_refiner(drafter, "z-lab dflash")
     if not c.all_full:
         raise ModelFolderError(
             f"layer_types {list(c.layer_types or [])} (sliding_window {c.sliding_window}, sliding_window_non_causal "
@@ -140,10 +134,12 @@ def save_speculators(
     verifier: str,
     verifier_architectures: list[str] | None = None,
     dtype: torch.dtype | None = None,
-    dspark: bool = False,
+    model_type: str = SPECULATORS_MODEL_TYPE,
+    architectures: Sequence[str] = tuple(SPECULATORS_ARCHITECTURES),
+    fields: Sequence[str] = (),
 ) -> Path:
-    """Write the speculators-format checkpoint (``DFlashSpeculator``), or with ``dspark`` speculators' DSpark format
-    (``DSparkSpeculator``, the heads' fields and weights beside).
+    """Write the speculators-format checkpoint (``DFlashSpeculator``), or a block refiner's (its model type,
+    architectures and config fields; its heads' weights beside the backbone's).
 
     Args:
         drafter: the drafter.
@@ -151,17 +147,20 @@ def save_speculators(
         verifier: the target's directory or hub id (speculators rebuilds the embedding and lm_head from it).
         verifier_architectures: the target config's ``architectures``.
         dtype: the weights' dtype in the file (default: the drafter's).
-        dspark: write the DSpark format (else a drafter with heads is refused).
+        model_type: ``speculators_model_type`` and the algorithm: ``dflash`` (a drafter with a refiner's modules
+            is refused), or a refiner's.
+        architectures: the ``architectures`` written.
+        fields: the drafter config's fields written beside the DFlash keys (a refiner's).
     """
     if not verifier:
         raise ValueError("the speculators format names its verifier (the target): none given")
     c = drafter.config
-    if not dspark:
-        _refuse_heads(c, "dflash-speculators")
-    algorithm = "dspark" if dspark else "dflash"
+    if model_type == SPECULATORS_MODEL_TYPE:
+        _refuse_refiner(drafter, "dflash-speculators")
+    algorithm = model_type
     dtype_name = str(dtype or drafter.fc.weight.dtype).removeprefix("torch.")
     config = {
-        "architectures": DSPARK_ARCHITECTURES if dspark else SPECULATORS_ARCHITECTURES,
+        "architectures": list(architectures),
         "speculators_model_type": algorithm,
         "speculators_config": {
             "algorithm": algorithm,
@@ -177,7 +176,7 @@ def save_speculators(
         "mask_token_id": c.mask_token_id,
         "sliding_window_non_causal": bool(c.sliding_window_non_causal),
         "sample_from_anchor": False,
-        **({key: getattr(c, key) for key in HEAD_KEYS} if dspark else {}),
+        **{key: getattr(c, key) for key in fields},
         "num_target_layers": c.num_target_layers,
         "dtype": dtype_name,
         "torch_dtype": dtype_name,
@@ -269,16 +268,24 @@ def _attention(layer: dict, non_causal, where: str, key: str) -> dict:
 
 
 def _config(
-    layer: dict, target_layers: list[int], num_target_layers, block, mask, where: str, attention: dict | None = None
+    layer: dict,
+    target_layers: list[int],
+    num_target_layers,
+    block,
+    mask,
+    where: str,
+    attention: dict | None = None,
+    config_class: type[DFlashConfig] = DFlashConfig,
 ) -> DFlashConfig:
-    """The drafter config of a normalised layer config (:func:`layer_config`) and the format's own keys."""
+    """The drafter config (a ``config_class``) of a normalised layer config (:func:`layer_config`) and the format's
+    own keys (``attention``: the layers' attention and a refiner's fields)."""
     if layer.get("attention_bias"):
         raise _refuse(where, "attention_bias", True, "DFlash's attention projections have no bias")
     try:
         for key, value in (("mask_token_id", mask), ("num_target_layers", num_target_layers), ("block_size", block)):
             if value is None:
                 raise KeyError(key)
-        return DFlashConfig(
+        return config_class(
             hidden_size=layer["hidden_size"],
             intermediate_size=layer["intermediate_size"],
             num_hidden_layers=layer["num_hidden_layers"],
@@ -351,13 +358,29 @@ def load_zlab(path: str, reading: Reading = "vllm") -> DFlashDrafter:
     return _consume(drafter, tensors, path)
 
 
-def load_speculators(path: str, model_type: Literal["dflash", "dspark"] = "dflash") -> DFlashDrafter:
+def load_speculators(
+    path: str,
+    model_type: str = SPECULATORS_MODEL_TYPE,
+    drafter_class: type[DFlashDrafter] = DFlashDrafter,
+    config_class: type[DFlashConfig] = DFlashConfig,
+    fields: dict[str, Any] | None = None,
+    sample_from_anchor: bool = False,
+) -> DFlashDrafter:
     """Read a speculators export by its rules (speculators' ``DFlashSpeculatorConfig`` and ``DFlashDraftModel``, or
-    with ``model_type`` dspark ``DSparkSpeculatorConfig`` and ``DSparkDraftModel``): the layer config under
-    ``transformer_layer_config``, layer ids in ``aux_hidden_state_layer_ids`` (HF indices), a full-vocabulary draft
-    (no vocabulary map), ``target_hidden_size`` None or the layers' width, the layers' attention (``layer_types``,
-    ``sliding_window``, ``sliding_window_non_causal``), ``sample_from_anchor`` false (DSpark's default is true), and
-    DSpark's head fields with speculators' defaults for those left out."""
+    a block refiner's, a subclass of them): the layer config under ``transformer_layer_config``, layer ids in
+    ``aux_hidden_state_layer_ids`` (HF indices), a full-vocabulary draft (no vocabulary map), ``target_hidden_size``
+    None or the layers' width, the layers' attention (``layer_types``, ``sliding_window``,
+    ``sliding_window_non_causal``), ``sample_from_anchor`` false, and a refiner's config fields.
+
+    Args:
+        path: the folder.
+        model_type: the ``speculators_model_type`` expected.
+        drafter_class: the drafter to build (a refiner's, whose heads' weights the file holds).
+        config_class: its config.
+        fields: a refiner's config fields read from the file, with the value of each the file leaves out (its
+            reader's default).
+        sample_from_anchor: the reader's default of ``sample_from_anchor`` (true is refused, by name when absent).
+    """
     config, tensors = read_folder(path, f"a {model_type} export")
     if config.get("speculators_model_type") != model_type:
         raise ModelFolderError(
@@ -377,11 +400,12 @@ def load_speculators(path: str, model_type: Literal["dflash", "dspark"] = "dflas
             path, "target_hidden_size", config["target_hidden_size"],
             f"speculators' fc reads hidden states of the layers' width, {layer['hidden_size']}",
         )  # fmt: skip
-    from_anchor = config.get("sample_from_anchor", model_type == "dspark")  # absent: DSpark's default is true
+    from_anchor = config.get("sample_from_anchor", sample_from_anchor)  # absent: the reader's default
     if from_anchor is not False:
+        absent = f"(absent: speculators {model_type} default) " if "sample_from_anchor" not in config else ""
         raise _refuse(
             path, "sample_from_anchor", from_anchor,
-            f"{'(absent: speculators DSpark default) ' if 'sample_from_anchor' not in config else ''}the anchor slot "
+            f"{absent}the anchor slot "
             "drafting the first token is not implemented by draftsmith's DFlash proposer (slots 1..b-1 draft)",
         )  # fmt: skip
     layers = config.get("aux_hidden_state_layer_ids")
@@ -404,9 +428,9 @@ def load_speculators(path: str, model_type: Literal["dflash", "dspark"] = "dflas
             hint="run from the folder the verifier path is relative to, or add num_target_layers to config.json",
         )
     attention = _attention(layer, config.get("sliding_window_non_causal", False), path, "transformer_layer_config")
-    if model_type == "dspark":
-        attention.update({key: config.get(key, default) for key, default in DSPARK_DEFAULTS.items()})
-    drafter = DFlashDrafter(_config(layer, layers, depth, block, config.get("mask_token_id"), path, attention))
+    attention.update({key: config.get(key, default) for key, default in (fields or {}).items()})
+    drafter_config = _config(layer, layers, depth, block, config.get("mask_token_id"), path, attention, config_class)
+    drafter = drafter_class(drafter_config)
     return _consume(drafter, tensors, path)
 
 

@@ -1,9 +1,9 @@
 """Drafter kind ``dflash``: a block-diffusion drafter over the target's hidden states (module.py).
 
-Exported in the z-lab format (``dflash``: SGLang, vLLM and the z-lab ``dflash`` package, ``DFlashDraftModel``), the
-speculators format (``dflash-speculators``: ``DFlashSpeculator``) or, with DSpark's heads (heads.py), speculators'
-DSpark format (``dspark``: ``DSparkSpeculator``); drafted one block per round as a chain, or as a
-DDTree with ``--tree`` (proposer.py), through the target's own embedding and lm_head.
+Exported in the z-lab format (``dflash``: SGLang, vLLM and the z-lab ``dflash`` package, ``DFlashDraftModel``) or the
+speculators format (``dflash-speculators``: ``DFlashSpeculator``); drafted one block per round as a chain, or as a
+DDTree with ``--tree`` (proposer.py), through the target's own embedding and lm_head. A block refiner's kind
+(refiner.py) builds its record with :func:`make_record` and its proposers with :func:`proposer_factory`.
 
 A folder is recognised as the speculators format by its ``speculators_model_type`` first: speculators' own
 ``save_pretrained`` writes ``architectures: ["DFlashDraftModel"]``, the z-lab format's name, beside it.
@@ -11,6 +11,7 @@ A folder is recognised as the speculators format by its ``speculators_model_type
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from transformers import PreTrainedModel
@@ -25,10 +26,13 @@ from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, register_
 KIND = "dflash"
 
 
-def make_record(config: DFlashConfig, target: str | None, target_architectures: list[str]) -> DrafterRecord:
-    """The record of a drafter trained against ``target`` (or read back from an export, ``target`` None)."""
+def make_record(
+    config: DFlashConfig, target: str | None, target_architectures: list[str], kind: str = KIND
+) -> DrafterRecord:
+    """The record of a drafter trained against ``target`` (or read back from an export, ``target`` None), of drafter
+    kind ``kind`` (a block refiner's, or ``dflash``)."""
     return DrafterRecord(
-        kind=KIND,
+        kind=kind,
         config=config.to_dict(),
         components={"drafter": "drafter."},
         target=target,
@@ -39,11 +43,6 @@ def make_record(config: DFlashConfig, target: str | None, target_architectures: 
         tokenizer=target,
         draft_tokens=config.block_size - 1,
     )
-
-
-def is_dspark(config: dict) -> bool:
-    """A speculators DSpark config (``speculators_model_type: "dspark"``)."""
-    return config.get("speculators_model_type") == "dspark"
 
 
 def is_speculators(config: dict) -> bool:
@@ -66,34 +65,47 @@ def load_zlab(folder: Path) -> tuple[DFlashDrafter, DrafterRecord]:
     return drafter, make_record(drafter.config, None, [])
 
 
+def verifier_of(folder: Path) -> str | None:
+    """The verifier a speculators export names (``speculators_config.verifier.name_or_path``), or None."""
+    return ((folder_config(folder).get("speculators_config") or {}).get("verifier") or {}).get("name_or_path") or None
+
+
 def load_speculators(folder: Path) -> tuple[DFlashDrafter, DrafterRecord]:
     drafter = formats.load_speculators(str(folder))
-    verifier = ((folder_config(folder).get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
-    return drafter, make_record(drafter.config, verifier or None, [])
+    return drafter, make_record(drafter.config, verifier_of(folder), [])
 
 
-def load_dspark(folder: Path) -> tuple[DFlashDrafter, DrafterRecord]:
-    drafter = formats.load_speculators(str(folder), "dspark")
-    verifier = ((folder_config(folder).get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
-    return drafter, make_record(drafter.config, verifier or None, [])
-
-
-def write_speculators(drafter: DFlashDrafter, record: DrafterRecord, out_dir: Path, dspark: bool = False) -> Path:
+def verifier(record: DrafterRecord) -> str:
+    """The target a speculators export names as its verifier: the record's."""
     if not record.target:
         raise ValueError("the speculators format names the verifier: the drafter record lacks its target")
-    return formats.save_speculators(drafter, str(out_dir), record.target, record.target_architectures, dspark=dspark)
+    return record.target
 
 
-def proposer(drafter: DFlashDrafter, record: DrafterRecord, target: PreTrainedModel, options: ProposerOptions):
-    """Chain drafting, or a DDTree with ``options.tree``."""
-    embedding = target.get_input_embeddings().weight
-    lm_head = target.get_output_embeddings().weight
-    if options.tree:
-        return DFlashTreeProposer(
-            drafter, embedding, lm_head, top_k=options.tree_top_k, budget=options.tree_nodes,
-            rank_temperature=options.rank_temperature,
-        )  # fmt: skip
-    return DFlashProposer(drafter, embedding, lm_head)
+def write_speculators(drafter: DFlashDrafter, record: DrafterRecord, out_dir: Path) -> Path:
+    return formats.save_speculators(drafter, str(out_dir), verifier(record), record.target_architectures)
+
+
+def proposer_factory(
+    chain: type[DFlashProposer], tree: type[DFlashTreeProposer]
+) -> Callable[[DFlashDrafter, DrafterRecord, PreTrainedModel, ProposerOptions], DFlashProposer]:
+    """The kind's proposer factory of a chain and a DDTree proposer class (DFlash's, or a block refiner's)."""
+
+    def proposer(drafter: DFlashDrafter, record: DrafterRecord, target: PreTrainedModel, options: ProposerOptions):
+        """Chain drafting, or a DDTree with ``options.tree``."""
+        embedding = target.get_input_embeddings().weight
+        lm_head = target.get_output_embeddings().weight
+        if options.tree:
+            return tree(
+                drafter, embedding, lm_head, top_k=options.tree_top_k, budget=options.tree_nodes,
+                rank_temperature=options.rank_temperature,
+            )  # fmt: skip
+        return chain(drafter, embedding, lm_head)
+
+    return proposer
+
+
+proposer = proposer_factory(DFlashProposer, DFlashTreeProposer)
 
 
 ZLAB = ExportFormat(
@@ -111,12 +123,4 @@ SPECULATORS = ExportFormat(
     recognise=lambda folder: is_speculators(folder_config(folder)),
 )
 
-DSPARK = ExportFormat(
-    name="dspark",
-    description="DFlash with DSpark's Markov and confidence heads, speculators' DSpark format (DSparkSpeculator)",
-    write=lambda drafter, record, out: write_speculators(drafter, record, out, dspark=True),
-    load=load_dspark,
-    recognise=lambda folder: is_dspark(folder_config(folder)),
-)
-
-register_kind(DrafterKind(name=KIND, build=build, formats=(ZLAB, SPECULATORS, DSPARK), proposer=proposer))
+register_kind(DrafterKind(name=KIND, build=build, formats=(ZLAB, SPECULATORS), proposer=proposer))

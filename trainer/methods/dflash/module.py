@@ -50,7 +50,6 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from trainer.block_attention import Impl, anchored_block_attention
 from trainer.layers import AttentionProjections, GatedMLP, RMSNorm, repeat_kv
-from trainer.methods.dflash.heads import ConfidenceHead, MarkovHead, check_heads
 
 KV = tuple[torch.Tensor, torch.Tensor]
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -113,11 +112,8 @@ class DFlashConfig:
             ``transformer_layer_config.sliding_window``); None makes a sliding layer a full one.
         sliding_window_non_causal: a sliding layer's slots see the whole block (speculators' top-level key; its
             default, False, makes slot k see slots 0..k).
-        markov_rank: r, the rank of the Markov logit-bias head (DSpark, heads.py): slot k's logits gain
-            ``markov_w2(markov_w1[token at slot k - 1])``; 0: no such head (plain DFlash).
-        markov_head_type: the Markov head's variant; ``vanilla`` (a first-order bias) is the one implemented.
-        enable_confidence_head: a linear head predicting each slot's acceptance probability (DSpark).
-        confidence_head_with_markov: the confidence head also reads the previous token's ``markov_w1`` row.
+
+    A block refiner's config (refiner.py) is a subclass that adds its own fields.
     """
 
     hidden_size: int
@@ -138,16 +134,9 @@ class DFlashConfig:
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None
     sliding_window_non_causal: bool = False
-    markov_rank: int = 0
-    markov_head_type: str = "vanilla"
-    enable_confidence_head: bool = False
-    confidence_head_with_markov: bool = False
 
     def __post_init__(self) -> None:
         self.target_layers = tuple(int(i) for i in self.target_layers)
-        check_heads(
-            self.markov_rank, self.markov_head_type, self.enable_confidence_head, self.confidence_head_with_markov
-        )
         if self.layer_types is not None:
             self.layer_types = tuple(str(t) for t in self.layer_types)
             if len(self.layer_types) != self.num_hidden_layers:
@@ -225,11 +214,6 @@ class DFlashConfig:
     def windowed(self, layer: int) -> bool:
         """Layer ``layer`` sees a window of the context (a ``sliding_attention`` layer with a ``sliding_window``)."""
         return self.layer_types is not None and self.layer_types[layer] == SLIDING and self.sliding_window is not None
-
-    @property
-    def dspark(self) -> bool:
-        """The drafter has a Markov or a confidence head (exported in speculators' ``dspark`` format only)."""
-        return self.markov_rank > 0 or self.enable_confidence_head
 
     @property
     def all_full(self) -> bool:
@@ -328,7 +312,14 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 class DFlashDrafter(nn.Module):
-    """The drafter: ``fc`` and ``hidden_norm`` make the context, ``layers`` fill the block, ``norm`` ends it."""
+    """The drafter: ``fc`` and ``hidden_norm`` make the context, ``layers`` fill the block, ``norm`` ends it.
+
+    A block refiner's drafter (refiner.py) is a subclass that adds its modules after the backbone's, named in
+    :attr:`refiner_modules`.
+    """
+
+    refiner_modules: tuple[str, ...] = ()
+    """The attributes holding a block refiner's modules (their weights are not the backbone's); none here."""
 
     def __init__(self, config: DFlashConfig) -> None:
         """
@@ -346,14 +337,6 @@ class DFlashDrafter(nn.Module):
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=0.02)
-        # DSpark's heads (heads.py), built after the loop above: they keep speculators' own initialisation
-        self.markov_head = MarkovHead(c.vocab_size, c.markov_rank) if c.markov_rank > 0 else None
-        if c.enable_confidence_head:
-            self.confidence_head = ConfidenceHead(
-                c.hidden_size + (c.markov_rank if c.confidence_head_with_markov else 0)
-            )
-        else:
-            self.confidence_head = None
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [B, T] -> cos, sin [B, T, D] in x's dtype."""
@@ -411,30 +394,6 @@ class DFlashDrafter(nn.Module):
         """The training pass: :meth:`context` of the target hidden states ([B, S, H] each, in ``target_layers``
         order), then :meth:`train_blocks` (as the module's forward, so that sharding strategies gather ``fc``)."""
         return self.train_blocks(self.context(hidden), embeds, anchors, impl)
-
-    def apply_heads(
-        self, hidden: torch.Tensor, logits: torch.Tensor, prev: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """DSpark's heads (heads.py) on slots: the Markov-biased logits and the confidence logits.
-
-        hidden: [..., H] the slots' normed outputs; logits: [..., V] their lm_head logits; prev: [...] the token
-        before each slot's token (teacher-forced in training, the previous draft when drafting). Returns the logits
-        [..., V] (unchanged without a Markov head) and the confidence logits [...] (None without that head).
-        """
-        prev_emb = None if self.markov_head is None else self.markov_head.prev_embeddings(prev)  # [..., r]
-        if prev_emb is not None:
-            logits = logits + self.markov_head.bias(prev_emb).to(logits.dtype)  # [..., V]
-        return logits, self.confidence(hidden, prev_emb)
-
-    def confidence(self, hidden: torch.Tensor, prev_emb: torch.Tensor | None) -> torch.Tensor | None:
-        """The confidence head's logits [...] of slots' normed outputs ``hidden`` [..., H] and their previous tokens'
-        Markov embeddings ``prev_emb`` [..., r] (None without a Markov head); None without a confidence head."""
-        if self.confidence_head is None:
-            return None
-        features = hidden
-        if self.config.confidence_head_with_markov:
-            features = torch.cat([hidden, prev_emb.to(hidden.dtype)], dim=-1)  # [..., H + r]
-        return self.confidence_head(features.to(self.confidence_head.proj.weight.dtype))
 
     def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> list[KV]:
         """Keys and values of context entries for every layer (the proposer caches them).

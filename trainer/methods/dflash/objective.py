@@ -35,13 +35,15 @@ Logged per step: the loss, ``acc_k`` (slot k's argmax equals its label token, or
 labels), ``prefix_k`` (slots 1..k of a block all right, over the blocks whose slots 1..k are all trained: the
 teacher-forced counterpart of ``draftsmith eval``'s acceptance per draft position, had every position been a round's
 root) and ``block_tau`` (1 + the leading slots of a block that are right, over the blocks: the teacher-forced
-accepted length of one block); with DSpark's confidence head also ``confidence_loss``, ``confidence_abs_error``,
-``confidence_pred_mean`` and ``accept_rate`` (heads.py).
+accepted length of one block); a block refiner adds its own (refiner.py).
+
+A block refiner's objective subclasses this one and overrides the hooks of the seam (refiner.py): the drafter it
+builds, its slots' logit bias, whether it reads their acceptance rates, and its loss terms and metrics; DFlash has no
+refiner.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import replace
 from typing import Literal
 
@@ -51,9 +53,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.block_attention import Impl
-from trainer.errors import RecipeError, UserError
+from trainer.errors import CheckpointError, RecipeError, UserError
 from trainer.methods.dflash import kind as dflash_kind
-from trainer.methods.dflash.heads import check_heads
 from trainer.methods.dflash.module import (
     DFlashConfig,
     DFlashDrafter,
@@ -61,6 +62,7 @@ from trainer.methods.dflash.module import (
     default_gamma,
     default_target_layers,
 )
+from trainer.methods.dflash.refiner import LogitBias, backbone_config, refit
 from trainer.methods.dflash.slot_loss import ChunkLabels, Weights, block_chunks, block_dpace_weights, slot_loss
 from trainer.objective import (
     DraftObjective,
@@ -70,13 +72,15 @@ from trainer.objective import (
     count_params,
     derived_seed,
 )
+from trainer.registry import DrafterRecord, check_target, load_drafter
 from trainer.target import FrozenTarget, resolve_dtype
-
-log = logging.getLogger(__name__)
 
 
 class DFlash(DraftObjective):
     """Trains a DFlash drafter against an online frozen target, or from precomputed target shards."""
+
+    drafter_class: type[DFlashDrafter] = DFlashDrafter
+    """The drafter this objective builds (a block refiner's objective names its own, refiner.py)."""
 
     def __init__(
         self,
@@ -99,11 +103,6 @@ class DFlash(DraftObjective):
         trust_remote_code: bool = False,
         seed: int = 0,
         target_signals: TargetSignals = "online",
-        markov_rank: int = 0,
-        markov_head_type: str = "vanilla",
-        enable_confidence_head: bool = False,
-        confidence_head_with_markov: bool = False,
-        confidence_head_alpha: float = 1.0,
         optim: Optim = Optim(),
     ) -> None:
         """
@@ -117,8 +116,8 @@ class DFlash(DraftObjective):
             mask_token_id: the id whose embedding fills the mask slots, one the tokenizer does not use; None: the
                 tokenizer's mask token, else ``len(tokenizer)`` when the target's embedding has that row.
             max_anchors: the most blocks drawn per sequence.
-            gamma: slot k's loss weight is exp(-(k - 1) / gamma) with ``position_weights: decay``, and its confidence
-                loss's weight with DSpark's confidence head; None: 7 at b = 16, 4 at b = 8.
+            gamma: slot k's loss weight is exp(-(k - 1) / gamma) with ``position_weights: decay``; None: 7 at b = 16,
+                4 at b = 8.
             position_weights: "decay" (the DFlash paper's fixed weights, ``gamma``) or "dpace" (speculators' default for
                 DFlash, D-PACE: slot k weighted by the block's expected accepted length's derivative with respect to
                 its log-confidence, from the drafter's own losses in the step, slot_loss.block_dpace_weights); "dpace"
@@ -128,20 +127,14 @@ class DFlash(DraftObjective):
                 accepts; "data" on the rows' own tokens, "soft" on the target's distribution (KL).
             attention: the block-sparse attention: "flex" (CUDA), "dense", or "auto" (flex on CUDA).
             loss_chunk_size: slots projected to the vocabulary at a time (slot_loss.py).
-            init_from: a training checkpoint of a DFlash run to start from (its weights and shape).
+            init_from: a training checkpoint or export of a DFlash drafter to start from (its weights and shape; a
+                block refiner's drafter gives its backbone, refiner.py ``refit``).
             target_dtype: the target's weights dtype (float32, bfloat16, float16).
             drafter_dtype: the drafter's weights dtype.
             trust_remote_code: allow custom modelling code in the target directory (off by default).
             seed: seed of the drafter's initialisation and of the anchors.
             target_signals: "online" runs the target in every step; "shards" reads its hidden states of
                 ``target_layers`` (and top-k next tokens, for soft labels) from a ShardDataModule, never building it.
-            markov_rank: DSpark's Markov logit-bias head (heads.py): its rank r, slot k biased by the token before
-                its own (the draft of slot k - 1 when drafting); 0: none (plain DFlash). speculators uses 256.
-            markov_head_type: the Markov head's variant: "vanilla" (speculators' "gated" and "rnn" are refused).
-            enable_confidence_head: DSpark's confidence head, predicting each slot's acceptance probability.
-            confidence_head_with_markov: the confidence head also reads the previous token's Markov embedding (needs
-                both heads).
-            confidence_head_alpha: the confidence head's binary cross entropy is added to the loss times this.
             optim: optimizer and learning-rate schedule.
         """
         super().__init__(optim)
@@ -152,16 +145,6 @@ class DFlash(DraftObjective):
             )
         if block_size < 2:
             raise RecipeError(f"model.block_size={block_size}: a block needs the anchor and at least one mask slot")
-        if confidence_head_alpha < 0:
-            raise RecipeError(f"model.confidence_head_alpha={confidence_head_alpha} must be >= 0")
-        heads = dict(
-            markov_rank=markov_rank, markov_head_type=markov_head_type, enable_confidence_head=enable_confidence_head,
-            confidence_head_with_markov=confidence_head_with_markov,
-        )  # fmt: skip
-        try:
-            check_heads(markov_rank, markov_head_type, enable_confidence_head, confidence_head_with_markov)
-        except ValueError as err:
-            raise RecipeError(f"model.{err}") from err
         if position_weights == "dpace" and labels == "soft":
             raise RecipeError(
                 "model.position_weights: dpace weighs each slot by its probability of a token label: set model.labels "
@@ -170,12 +153,14 @@ class DFlash(DraftObjective):
         if not 0.0 < dpace_alpha <= 1.0:
             raise RecipeError(f"model.dpace_alpha={dpace_alpha} must be in (0, 1]")
         self.position_weights, self.dpace_alpha = position_weights, float(dpace_alpha)
-        self.labels, self.attention, self.confidence_alpha = labels, attention, float(confidence_head_alpha)
+        self.labels, self.attention = labels, attention
         self.max_anchors, self.loss_chunk_size, self.seed = max_anchors, loss_chunk_size, seed
         frozen = self.load_target(target, target_signals, target_dtype, trust_remote_code)
         torch.manual_seed(seed)
         if init_from is not None:
-            self.drafter = with_heads(self.drafter_from_checkpoint(init_from, dflash_kind.KIND), heads, init_from)
+            start = self.initial_drafter(init_from)
+            config = self.drafter_config(backbone_config(start.config))
+            self.drafter = refit(start, self.drafter_class, config, init_from)
         else:
             L = frozen.num_layers
             layers = list(target_layers) if target_layers else list(default_target_layers(L, context_layers))
@@ -193,8 +178,7 @@ class DFlash(DraftObjective):
             except ValueError as err:  # the check names model.mask_token_id: a recipe value
                 raise RecipeError(str(err)) from err
             config = DFlashConfig.from_target(frozen.config, num_draft_layers, layers, block_size, mask)
-            config = replace(config, vocab_size=rows, **heads)
-            self.drafter = DFlashDrafter(config)
+            self.drafter = self.drafter_class(self.drafter_config(replace(config, vocab_size=rows)))
         self.drafter.to(resolve_dtype(drafter_dtype))
         b = self.drafter.config.block_size
         self.gamma = default_gamma(b) if gamma is None else gamma
@@ -202,7 +186,44 @@ class DFlash(DraftObjective):
             raise RecipeError(f"model.gamma={gamma} must be > 0")
         decay = torch.exp(-torch.arange(b - 1, dtype=torch.float32) / self.gamma)  # slot k = 1..b-1
         self.register_buffer("decay", decay / decay.sum(), persistent=False)  # normalised over the block
-        self.register_buffer("conf_decay", decay, persistent=False)  # the confidence loss's weights, as speculators'
+
+    # ---- the block-refiner seam (refiner.py): a refiner's objective overrides these; DFlash has no refiner ----------
+    def drafter_config(self, config: DFlashConfig) -> DFlashConfig:
+        """The config of the drafter to build (:attr:`drafter_class`) from the backbone's ``config``: DFlash's own."""
+        return config
+
+    def initial_drafter(self, init_from: str) -> DFlashDrafter:
+        """The drafter of ``model.init_from``: a DFlash drafter (of this target), or a block refiner's, whose backbone
+        :func:`~trainer.methods.dflash.refiner.refit` carries over."""
+        drafter, record = load_drafter(init_from)
+        where = f"model.init_from {init_from!r}"
+        if not isinstance(drafter, DFlashDrafter):
+            raise CheckpointError(f"{where}: holds a drafter of kind {record.kind!r}, not a DFlash drafter")
+        check_target(record, self.target_config, where)
+        return drafter
+
+    def slot_bias(self, prev: torch.Tensor) -> LogitBias | None:
+        """The low-rank logit bias of the trained slots given the token before each slot's token ``prev`` [n] (the
+        data's: teacher forcing), or None: DFlash's logits are the lm_head's alone."""
+        return None
+
+    def wants_acceptance(self) -> bool:
+        """The slot loss also gives each slot's analytical acceptance rate (slot_loss.py ``ChunkLabels``) for
+        :meth:`refiner_loss`: not in DFlash."""
+        return False
+
+    def refiner_loss(
+        self, hidden: torch.Tensor, bias: LogitBias | None, accept: torch.Tensor, slot: torch.Tensor
+    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        """A block refiner's loss term (added to the slot loss) and metrics of the n >= 1 trained slots: their outputs
+        ``hidden`` [n, H], their :meth:`slot_bias`, acceptance rates ``accept`` [n] (empty unless
+        :meth:`wants_acceptance`) and index ``slot`` [n] (k - 1 for slot k). DFlash: none."""
+        return None, {}
+
+    def drafter_record(self) -> DrafterRecord:
+        """The drafter's record (kind ``dflash``; a block refiner's objective names its own kind)."""
+        architectures = getattr(self.target.config, "architectures", None) or []
+        return dflash_kind.make_record(self.drafter.config, self.target_path, architectures)
 
     def trainable_module(self) -> nn.Module:
         return self.drafter
@@ -289,11 +310,6 @@ class DFlash(DraftObjective):
         selected = keep[:, :, None] & inside & trained[rows, safe]  # [B, N, b - 1]
         idx = selected.flatten().nonzero()[:, 0]  # [n]
         flat_rows, flat_pos = rows.flatten()[idx], safe.flatten()[idx]  # [n] each
-        if drafter.config.dspark and self.weights_are_sharded():
-            raise RecipeError(
-                "model.markov_rank / enable_confidence_head: DSpark's heads are read outside the drafter's forward, "
-                "which FSDP2 and ZeRO-3 shard; train them with DDP or on one device"
-            )
         if self.position_weights == "dpace":  # weights from each block's losses, per chunk of whole blocks
             block, slot = idx // (b - 1), idx % (b - 1)  # [n] each
             chunks = block_chunks(block, self.loss_chunk_size)
@@ -306,17 +322,15 @@ class DFlash(DraftObjective):
             chunks = self.loss_chunk_size
             w = self.decay.to(ids.device)[None, None, :].expand_as(positions).flatten()[idx]  # [n]
             w = w / w.sum().clamp(min=torch.finfo(w.dtype).tiny)  # the loss is the weighted mean of the slots' losses
-        slot_out = self._slot_losses(slots.flatten(0, 2)[idx], w, chunks, ids, batch, final, flat_rows, flat_pos)
-        loss, hits, bce, accept, confidence = slot_out  # [], then [n] each (the last three empty without that head)
+        hidden = slots.flatten(0, 2)[idx]  # [n, H]
+        bias = self.slot_bias(ids[flat_rows, flat_pos - 1])  # the token before each slot's token
+        loss, hits, accept = self._slot_losses(hidden, bias, w, chunks, ids, batch, final, flat_rows, flat_pos)
         metrics: dict[str, torch.Tensor] = {}
-        if drafter.confidence_head is not None and idx.numel():
+        if idx.numel():
             slot_of = torch.arange(b - 1, device=ids.device).expand(B, N, b - 1).flatten()[idx]  # [n]: k - 1
-            confidence_loss = (bce * self.conf_decay.to(ids.device)[slot_of]).sum() / idx.numel()
-            loss = loss + self.confidence_alpha * confidence_loss
-            metrics["confidence_loss"] = confidence_loss.detach()
-            metrics["confidence_abs_error"] = (confidence - accept).abs().mean()
-            metrics["confidence_pred_mean"] = confidence.mean()
-            metrics["accept_rate"] = accept.mean()
+            extra, metrics = self.refiner_loss(hidden, bias, accept, slot_of)
+            if extra is not None:
+                loss = loss + extra
         with torch.no_grad():
             right = torch.zeros(B * N * (b - 1), dtype=torch.bool, device=ids.device)
             right[idx] = hits
@@ -336,6 +350,7 @@ class DFlash(DraftObjective):
     def _slot_losses(
         self,
         hidden: torch.Tensor,
+        bias: LogitBias | None,
         weights: Weights,
         chunks: int | list[slice],
         ids: torch.Tensor,
@@ -344,27 +359,23 @@ class DFlash(DraftObjective):
         rows: torch.Tensor,
         positions: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        """The weighted loss [] of the selected slots and their right-argmax flags [n], and with a confidence head its
-        binary cross entropies [n], the slots' analytical acceptance rates [n] and the predicted ones [n].
+        """The weighted loss [] of the selected slots, their right-argmax flags [n] and their analytical acceptance
+        rates [n] (empty unless :meth:`wants_acceptance`).
 
-        hidden: [n, H] the slots' outputs; weights: [n] their weights in the loss, or a function of a chunk's losses
-        (slot_loss.py); chunks: slots per chunk or the chunks; rows, positions: [n] the batch row and position of each
-        slot's token. Soft and argmax labels come from the target's distribution at ``position - 1`` (online: from
-        ``final`` [B, S, H]; shards: the batch's top-k), ``data`` labels are the token itself; the Markov head reads
-        the token at ``position - 1``. Argmax labels are taken once per position (slots of overlapping blocks share
-        them); the vocabulary projections run one chunk of slots at a time, their gradients taken in the same pass
-        (slot_loss.py).
+        hidden: [n, H] the slots' outputs; bias: their logit bias (:meth:`slot_bias`) or None; weights: [n] their
+        weights in the loss, or a function of a chunk's losses (slot_loss.py); chunks: slots per chunk or the chunks;
+        rows, positions: [n] the batch row and position of each slot's token. Soft and argmax labels come from the
+        target's distribution at ``position - 1`` (online: from ``final`` [B, S, H]; shards: the batch's top-k),
+        ``data`` labels are the token itself. Argmax labels are taken once per position (slots of overlapping blocks
+        share them); the vocabulary projections run one chunk of slots at a time, their gradients taken in the same
+        pass (slot_loss.py).
         """
-        drafter = self.drafter
         head = self.target.lm_head_weight.detach()  # [V, H]
-        prev = ids[rows, positions - 1]  # [n]
-        markov = drafter.markov_head
-        prev_emb = None if markov is None else markov.prev_embeddings(prev)  # [n, r]
         if self.labels == "argmax":
             tokens = self._target_argmax(final, head, batch, rows, positions - 1)  # [n]
         else:
             tokens = ids[rows, positions] if self.labels == "data" else None  # [n], or None: soft labels
-        want_accept = drafter.confidence_head is not None
+        want_accept = self.wants_acceptance()
 
         def labels(part: slice) -> ChunkLabels:
             chunk = ChunkLabels(ids=None if tokens is None else tokens[part], want_accept=want_accept)
@@ -379,14 +390,9 @@ class DFlash(DraftObjective):
                 chunk.sparse = (batch["teacher_topk_ids"][before].long(), probs)
             return chunk
 
-        w2 = None if markov is None else markov.markov_w2.weight
-        loss, _, hits, accept = slot_loss(hidden, head, weights, labels, chunks, prev_emb, w2)
-        confidence = drafter.confidence(hidden, prev_emb)  # [n] logits, or None
-        if confidence is None:
-            empty = accept.new_zeros(0)
-            return loss, hits, empty, empty, empty
-        bce = F.binary_cross_entropy_with_logits(confidence.float(), accept, reduction="none")  # [n]
-        return loss, hits, bce, accept, torch.sigmoid(confidence.detach().float())
+        features, weight = (None, None) if bias is None else (bias.features, bias.weight)
+        loss, _, hits, accept = slot_loss(hidden, head, weights, labels, chunks, features, weight)
+        return loss, hits, accept
 
     @torch.no_grad()
     def _target_argmax(
@@ -418,32 +424,3 @@ class DFlash(DraftObjective):
         if self.target_signals == "shards":
             return drafter
         return drafter + causal_lm_flops_per_token(self.target.model, S)
-
-    def drafter_record(self):
-        architectures = getattr(self.target.config, "architectures", None) or []
-        return dflash_kind.make_record(self.drafter.config, self.target_path, architectures)
-
-
-def with_heads(drafter: DFlashDrafter, heads: dict, init_from: str) -> DFlashDrafter:
-    """The drafter of ``init_from`` with the recipe's DSpark heads (``heads``: the config's head fields): unchanged
-    when they are its own, else a drafter of its shape with those heads: the backbone's weights copied, a head of the
-    same shape kept, new or reshaped heads from their initialisation, heads the recipe leaves out dropped (warned)."""
-    config = drafter.config
-    if all(getattr(config, key) == value for key, value in heads.items()):
-        return drafter
-    rebuilt = DFlashDrafter(replace(config, **heads)).to(drafter.fc.weight.dtype)
-    fresh = rebuilt.state_dict()
-    heads_only = ("markov_head.", "confidence_head.")
-    old = drafter.state_dict()
-    kept = {k: v for k, v in old.items() if not k.startswith(heads_only) or (k in fresh and fresh[k].shape == v.shape)}
-    missing, _ = rebuilt.load_state_dict(kept, strict=False)
-    stray = [k for k in missing if not k.startswith(heads_only)]
-    if stray:  # cannot happen for a drafter of the same shape: a bug, not a user error
-        raise RuntimeError(f"model.init_from {init_from!r}: weights {stray} do not carry over")
-    dropped = sorted(k for k in old if k not in kept or k not in fresh)
-    if dropped:
-        log.warning(
-            "model.init_from %s: DSpark head weights %s dropped (the recipe's heads: %s)", init_from, dropped, heads
-        )
-    log.info("model.init_from %s: DSpark heads set to %s (weights %s start untrained)", init_from, heads, missing)
-    return rebuilt

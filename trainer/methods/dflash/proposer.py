@@ -18,18 +18,18 @@ Diffusion Draft Trees") from the per-slot top-k of the same forward: a node at d
 it. The target verifies the tree with tree attention; at a temperature the tree is verified by speculative sampling
 with deterministic (one-hot) candidates, which stays lossless.
 
-With DSpark's heads (heads.py) the block is resolved left to right after the forward: slot ``k``'s logits gain the
-Markov bias of the token drafted at slot ``k - 1`` (the root for slot 1), so a chain's draft at slot k is the argmax,
-or a sample, of its biased logits, and the returned distribution of a sampled draft is the one it was drawn from given
-the drafts before it (speculative sampling stays lossless); a DDTree node's children are ranked by the biased logits
-of their slot given the node's token. The confidence head's predicted acceptance of each drafted slot of the last
-chain is :meth:`DFlashProposer.slot_acceptance`.
+A block refiner's proposer (refiner.py) subclasses :class:`DFlashProposer` and overrides its proposer step: with
+``conditioned`` a slot's logits depend on the token drafted before it (:meth:`DFlashProposer.slot_logits`), so a
+DDTree node's children are ranked by their slot's logits given the node's token, and :meth:`DFlashProposer.draft_chain`
+drafts a chain (resolving the block left to right, each sampled draft's distribution the one it was drawn from given
+the drafts before it: speculative sampling stays lossless) with the refiner's predicted acceptance of each draft,
+:meth:`DFlashProposer.slot_acceptance`. A DFlash slot's logits are its own: the chain's drafts are independent.
 
 Dynamic draft length (``ctx.accept_threshold`` above 0, trainer/decoding/proposers.py): both proposers estimate
 acceptance (``estimates_acceptance``) and give every draft a ``confidence``, its predicted acceptance given that its
-parent is accepted: a chain's from the confidence head when the drafter has one (it reads the slot's output and the
-token before it, never the draft itself), else the drafter's probability at temperature 1 of its draft (of its top
-token for a sampled draft); a DDTree node's from the drafter's probability of its token after its parent.
+parent is accepted: a chain's from the refiner's prediction when it makes one, else the drafter's probability at
+temperature 1 of its draft (of its top token for a sampled draft); a DDTree node's from the drafter's probability of
+its token after its parent.
 
 Drafting cost: ``blocks`` and ``draft_seconds`` count the drafter forwards (context extension included) of every
 round since construction, so ``draft_seconds / blocks`` is the measured cost of one block.
@@ -54,7 +54,7 @@ from trainer.methods.dflash.module import KV, DFlashDrafter
 class DFlashProposer(BaseProposer):
     """DFlash chain drafting: one block per round."""
 
-    estimates_acceptance = True  # dynamic draft length: the confidence head, else the drafter's probability
+    estimates_acceptance = True  # dynamic draft length: the refiner's prediction, else the drafter's probability
 
     def __init__(self, drafter: DFlashDrafter, embedding: torch.Tensor, lm_head: torch.Tensor) -> None:
         """
@@ -71,7 +71,7 @@ class DFlashProposer(BaseProposer):
         self.past: list[KV] | None = None  # per layer (k, v) [1, nkv, C, D] of the committed context
         self.blocks = 0
         self.draft_seconds = 0.0
-        self.slot_hidden: torch.Tensor | None = None  # [b - 1, H] the last block's slot outputs (DSpark's heads)
+        self.slot_hidden: torch.Tensor | None = None  # [b - 1, H] the last block's slot outputs (a refiner reads them)
         self.last_acceptance: torch.Tensor | None = None  # [k] predicted acceptance of the last chain's slots
 
     def reset(self) -> None:
@@ -80,9 +80,9 @@ class DFlashProposer(BaseProposer):
         self.last_acceptance = None
 
     def slot_acceptance(self) -> torch.Tensor | None:
-        """The confidence head's predicted acceptance probability of each draft of the last chain proposed, [k]
-        float32 in [0, 1] (slot 1 first; each the probability that the target accepts that draft given the drafts
-        before it), or None: no confidence head, or no chain proposed yet in this sequence."""
+        """A block refiner's predicted acceptance probability of each draft of the last chain proposed, [k] float32
+        in [0, 1] (slot 1 first; each the probability that the target accepts that draft given the drafts before
+        it), or None: the drafter predicts none, or no chain proposed yet in this sequence."""
         return self.last_acceptance
 
     def cached(self) -> int:
@@ -128,29 +128,36 @@ class DFlashProposer(BaseProposer):
         self.draft_seconds += time.perf_counter() - started
         return logits
 
-    def slot_heads(self, slot: int, prev: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slot ``slot`` (0-based among the drafts) of the last block given the token before it (``prev``, a [1]
-        id): its Markov-biased logits [V] and its confidence logit [1] (NaN without that head)."""
-        hidden = self.slot_hidden[slot : slot + 1]  # [1, H]
-        biased, confidence = self.drafter.apply_heads(hidden, logits[slot : slot + 1].to(hidden.dtype), prev)
-        return biased[0], (confidence if confidence is not None else hidden.new_full((1,), float("nan")))
+    # ---- the block-refiner seam (refiner.py): a refiner's proposer overrides these; DFlash has no refiner -----------
+    @property
+    def conditioned(self) -> bool:
+        """A slot's logits depend on the token drafted before it (:meth:`slot_logits`): not in DFlash."""
+        return False
+
+    def slot_logits(self, slot: int, prev: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Slot ``slot``'s logits [V] (0-based among the drafts) of the last block (``logits`` [k, V], from
+        :meth:`block_logits`) given the token before it, ``prev`` (a [1] id): its own row in DFlash."""
+        return logits[slot]
+
+    def draft_chain(
+        self, ctx: ProposalContext, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """The chain of the block's first k slots (``logits`` [k, V]): ([k] drafts, [k, V] the distributions they
+        were drawn from (None when greedy), [k, V] the logits their probabilities at temperature 1 are read from,
+        [k] the predicted acceptance of each draft, or None). DFlash: each slot's argmax, or an independent sample
+        of each slot's distribution at ``ctx.temperature``; no prediction."""
+        if ctx.temperature <= 0:
+            return logits.argmax(-1), None, logits, None  # [k]
+        probs = torch.softmax(logits.float() / ctx.temperature, dim=-1)  # [k, V]
+        tokens = torch.multinomial(probs, 1, generator=ctx.generator)[:, 0]  # [k]: one independent draw per slot
+        return tokens, probs, logits, None
 
     @torch.no_grad()
     def propose(self, ctx: ProposalContext) -> DraftTree:
-        """The first ``ctx.k`` slots of the block as a chain (resolved left to right with a Markov head); with
-        ``ctx.accept_threshold`` above 0 each draft carries its predicted acceptance (``DraftTree.confidence``)."""
+        """The first ``ctx.k`` slots of the block as a chain (:meth:`draft_chain`); with ``ctx.accept_threshold``
+        above 0 each draft carries its predicted acceptance (``DraftTree.confidence``)."""
         logits = self.block_logits(ctx)[: ctx.k]  # [k, V]
-        config = self.drafter.config
-        self.last_acceptance = None
-        if config.dspark:
-            tokens, probs, logits, heads = self._resolve(ctx, logits)  # [k], [k, V] or None, [k, V], [k] or None
-            if heads is not None:
-                self.last_acceptance = torch.sigmoid(heads.float())  # [k]
-        elif ctx.temperature <= 0:
-            tokens, probs = logits.argmax(-1), None  # [k]
-        else:
-            probs = torch.softmax(logits.float() / ctx.temperature, dim=-1)  # [k, V]
-            tokens = torch.multinomial(probs, 1, generator=ctx.generator)[:, 0]  # [k]: one independent draw per slot
+        tokens, probs, logits, self.last_acceptance = self.draft_chain(ctx, logits)
         if getattr(ctx, "accept_threshold", 0.0) <= 0:
             return DraftTree.chain(tokens, probs)
         confidence = self.last_acceptance
@@ -158,29 +165,6 @@ class DFlashProposer(BaseProposer):
             p = torch.softmax(logits.float(), dim=-1)  # [k, V] at temperature 1
             confidence = p.amax(-1) if probs is not None else p.gather(-1, tokens[:, None])[:, 0]  # [k]
         return DraftTree.chain(tokens, probs, confidence=confidence)
-
-    def _resolve(self, ctx: ProposalContext, logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """DSpark's heads on the block: the drafts slot after slot (each Markov bias from the draft before), then the
-        confidence head on all slots at once. Returns ([k] drafts, [k, V] the distributions they were drawn from (None
-        when greedy), [k, V] the Markov-biased logits, [k] the confidence logits (None without that head))."""
-        markov = self.drafter.markov_head
-        prev = ctx.tokens[-1:]  # [1]: slot 1 follows the root
-        drafted, dists = [], []
-        for slot in range(logits.shape[0]):
-            row = logits[slot]  # [V]
-            if markov is not None:
-                row = row + markov.bias(markov.prev_embeddings(prev))[0].to(row.dtype)  # [V]
-            if ctx.temperature <= 0:
-                prev = row.argmax()[None]  # [1]
-            else:
-                dists.append(torch.softmax(row.float() / ctx.temperature, dim=-1))  # [V]: drawn from, given prev
-                prev = torch.multinomial(dists[-1], 1, generator=ctx.generator)  # [1]
-            drafted.append(prev)
-        tokens = torch.cat(drafted)  # [k]
-        prevs = torch.cat([ctx.tokens[-1:], tokens[:-1]])  # [k]: the token before each draft
-        hidden = self.slot_hidden[: tokens.numel()]  # [k, H]
-        rows, heads = self.drafter.apply_heads(hidden, logits.to(hidden.dtype), prevs)  # [k, V], [k] or None
-        return tokens, (torch.stack(dists) if dists else None), rows, heads
 
 
 class DFlashTreeProposer(DFlashProposer):
@@ -213,16 +197,17 @@ class DFlashTreeProposer(DFlashProposer):
         """The ``budget`` most probable prefixes of depth at most ``ctx.k``, best first."""
         logits = self.block_logits(ctx)[: ctx.k]  # [k, V]
         self.last_acceptance = None
-        markov = self.drafter.config.markov_rank > 0
+        conditioned = self.conditioned
         width = min(self.top_k, logits.shape[-1])
         ranked: dict[tuple[int, int], tuple[list[float], list[int], list[float]]] = {}
 
         def children(d: int, prev: int) -> tuple[list[float], list[int], list[float]]:
-            """The best ``width`` tokens of slot ``d`` after token ``prev`` (any token without a Markov head): their
-            scores at ``rank_temperature``, ids, and probabilities at temperature 1 (their acceptance estimates)."""
-            key = (d, prev if markov else -1)
+            """The best ``width`` tokens of slot ``d`` after token ``prev`` (any token unless :attr:`conditioned`):
+            their scores at ``rank_temperature``, ids, and probabilities at temperature 1 (their acceptance
+            estimates)."""
+            key = (d, prev if conditioned else -1)
             if key not in ranked:
-                row = self.slot_heads(d, torch.tensor([prev], device=logits.device), logits)[0] if markov else logits[d]
+                row = self.slot_logits(d, torch.tensor([prev], device=logits.device), logits)
                 top = torch.topk(torch.log_softmax(row.float() / self.rank_temperature, dim=-1), width)
                 p = torch.softmax(row.float(), dim=-1)[top.indices]  # [width]
                 ranked[key] = (top.values.tolist(), top.indices.tolist(), p.tolist())

@@ -1,8 +1,8 @@
 """DFlash's slot loss with its gradients taken in forward, one chunk of slots at a time.
 
-A slot's logits are ``h @ head.T`` (the target's frozen lm_head, bare, as the proposer computes them), plus with
-DSpark's Markov head the bias ``e @ w2.T`` of the previous token's Markov embedding ``e`` (heads.py): both linear in
-the trained inputs, so the gradient of the loss with respect to the logits, ``G = w * (q - p)`` (q the drafter's
+A slot's logits are ``h @ head.T`` (the target's frozen lm_head, bare, as the proposer computes them), plus with a
+block refiner's low-rank logit bias (refiner.py ``LogitBias``) ``e @ w2.T`` of the slot's features ``e``: both linear
+in the trained inputs, so the gradient of the loss with respect to the logits, ``G = w * (q - p)`` (q the drafter's
 distribution, p the label's: one-hot for token labels, the target's distribution for soft ones, w the slot's weight),
 gives every gradient at once: ``G @ head`` for ``h``, ``G @ w2`` for ``e`` and ``G.T @ e`` for ``w2``. Only one
 chunk's [C, V] logits exist at a time, and none is recomputed in backward: a checkpointed chunk costs three
@@ -35,8 +35,8 @@ class ChunkLabels:
         ids: [C] token ids, or None.
         probs: [C, V] the target's distribution, or None.
         sparse: ([C, k] ids, [C, k] probabilities summing to 1), the target's top-k renormalised, or None.
-        want_accept: compute the slots' acceptance rates (DSpark's confidence head): over the whole vocabulary with
-            ``probs``, the overlap over the stored ids with ``sparse``.
+        want_accept: compute the slots' acceptance rates (a block refiner's loss terms read them): over the whole
+            vocabulary with ``probs``, the overlap over the stored ids with ``sparse``.
     """
 
     ids: torch.Tensor | None = None
@@ -74,33 +74,33 @@ def _chunk_terms(logits: torch.Tensor, labels: ChunkLabels) -> tuple[torch.Tenso
 
 class _SlotLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, markov_emb, markov_w2, head, weights: Weights, labels: Labels, chunks: list[slice]):
+    def forward(ctx, hidden, bias_features, bias_weight, head, weights: Weights, labels: Labels, chunks: list[slice]):
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # [n, H]
         grad_emb = grad_w2 = None
-        if markov_emb is not None:
-            grad_emb = torch.zeros(markov_emb.shape, dtype=torch.float32, device=hidden.device)  # [n, r]
-            grad_w2 = torch.zeros(markov_w2.shape, dtype=torch.float32, device=hidden.device)  # [V, r]
+        if bias_features is not None:
+            grad_emb = torch.zeros(bias_features.shape, dtype=torch.float32, device=hidden.device)  # [n, r]
+            grad_w2 = torch.zeros(bias_weight.shape, dtype=torch.float32, device=hidden.device)  # [V, r]
         head_t = head.to(hidden.dtype)  # [V, H]
         losses, hits, accepts = [], [], []
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for part in chunks:
             logits = (hidden[part] @ head_t.t()).float()  # [C, V]
-            if markov_emb is not None:
-                emb = markov_emb[part].to(markov_w2.dtype)  # [C, r]
-                logits = logits + (emb @ markov_w2.t()).float()
+            if bias_features is not None:
+                emb = bias_features[part].to(bias_weight.dtype)  # [C, r]
+                logits = logits + (emb @ bias_weight.t()).float()
             loss, grad, hit, accept = _chunk_terms(logits, labels(part))
             w = (weights(part, loss) if callable(weights) else weights[part]).detach().float()  # [C]
             total = total + (loss * w).sum()
             grad.mul_(w[:, None])  # [C, V]: d total / d logits
             grad_hidden[part] = grad.to(hidden.dtype) @ head_t  # [C, H]
-            if markov_emb is not None:
-                grad_emb[part] = grad @ markov_w2.float()  # [C, r]
+            if bias_features is not None:
+                grad_emb[part] = grad @ bias_weight.float()  # [C, r]
                 grad_w2.addmm_(grad.t(), emb.float())  # [V, r]
             losses.append(loss)
             hits.append(hit)
             accepts.append(accept)
         ctx.save_for_backward(grad_hidden, grad_emb, grad_w2)
-        ctx.dtypes = (hidden.dtype, None if markov_emb is None else (markov_emb.dtype, markov_w2.dtype))
+        ctx.dtypes = (hidden.dtype, None if bias_features is None else (bias_features.dtype, bias_weight.dtype))
         loss, hit, accept = torch.cat(losses), torch.cat(hits), torch.cat(accepts)
         ctx.mark_non_differentiable(loss, hit, accept)
         return total, loss, hit, accept
@@ -108,12 +108,12 @@ class _SlotLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total, *_unused):
         grad_hidden, grad_emb, grad_w2 = ctx.saved_tensors
-        hidden_dtype, markov_dtypes = ctx.dtypes
+        hidden_dtype, bias_dtypes = ctx.dtypes
         g_hidden = (grad_hidden * grad_total).to(hidden_dtype)
-        if markov_dtypes is None:
+        if bias_dtypes is None:
             return g_hidden, None, None, None, None, None, None
-        g_emb = (grad_emb * grad_total).to(markov_dtypes[0])
-        g_w2 = (grad_w2 * grad_total).to(markov_dtypes[1])
+        g_emb = (grad_emb * grad_total).to(bias_dtypes[0])
+        g_w2 = (grad_w2 * grad_total).to(bias_dtypes[1])
         return g_hidden, g_emb, g_w2, None, None, None, None
 
 
@@ -123,11 +123,11 @@ def slot_loss(
     weights: Weights,
     labels: Labels,
     chunks: int | list[slice],
-    markov_emb: torch.Tensor | None = None,
-    markov_w2: torch.Tensor | None = None,
+    bias_features: torch.Tensor | None = None,
+    bias_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The weighted loss of n slots, ``sum_i weights_i * loss_i``, differentiable in ``hidden``, ``markov_emb`` and
-    ``markov_w2`` (the module docstring), with its detached parts.
+    """The weighted loss of n slots, ``sum_i weights_i * loss_i``, differentiable in ``hidden``, ``bias_features``
+    and ``bias_weight`` (the module docstring), with its detached parts.
 
     Args:
         hidden: [n, H] the slots' normed outputs.
@@ -138,8 +138,8 @@ def slot_loss(
             chunk so that only one chunk's dense labels exist at a time.
         chunks: slots per chunk, or the chunks themselves (consecutive slices covering 0..n-1; whole blocks each
             when the weights depend on a block's losses, :func:`block_chunks`).
-        markov_emb: [n, r] the Markov embedding of each slot's previous token, or None (no Markov head).
-        markov_w2: [V, r] the Markov head's output map (with ``markov_emb``).
+        bias_features: [n, r] the features of each slot's low-rank logit bias, or None (no bias).
+        bias_weight: [V, r] the bias's map onto the vocabulary (with ``bias_features``).
 
     Returns:
         the weighted sum [] float32, the slots' losses [n], their right-argmax flags [n] and their acceptance rates
@@ -151,7 +151,7 @@ def slot_loss(
     n = hidden.shape[0]
     parts = [slice(s, min(s + chunks, n)) for s in range(0, n, chunks)] if isinstance(chunks, int) else chunks
     weights = weights if callable(weights) else weights.detach()
-    return _SlotLoss.apply(hidden, markov_emb, markov_w2, head.detach(), weights, labels, parts)
+    return _SlotLoss.apply(hidden, bias_features, bias_weight, head.detach(), weights, labels, parts)
 
 
 def block_chunks(block: torch.Tensor, chunk_size: int) -> list[slice]:

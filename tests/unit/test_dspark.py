@@ -1,7 +1,8 @@
-"""DSpark's heads on a DFlash drafter (trainer/methods/dflash/heads.py): the loss against a naive reference (each
-block drafted alone, the Markov bias of the data's previous token, the confidence head's cross entropy against
-1 - TV of the draft and target distributions), chain and tree drafting lossless and resolved left to right, the
-``dspark`` export reloaded with identical logits, and bad input refused naming the value."""
+"""DSpark, DFlash's block refiner (trainer/methods/dspark/): the loss against a naive reference (each block drafted
+alone, the Markov bias of the data's previous token, the confidence head's cross entropy against 1 - TV of the draft
+and target distributions), chain and tree drafting lossless and resolved left to right, the ``dspark`` export
+reloaded with identical logits, bad input refused naming the value, ``init_from`` between DFlash and DSpark, and a
+checkpoint or recipe of the time DSpark was an option of DFlash read or refused naming the new class."""
 
 from __future__ import annotations
 
@@ -17,17 +18,21 @@ from tests.helpers import tiny_llama
 from tests.unit.test_dflash_objective import V, save_target
 from trainer.decoding.generate import speculative_generate
 from trainer.decoding.proposers import NoProposer, ProposalContext
-from trainer.errors import ModelFolderError, RecipeError
-from trainer.methods.dflash import export as formats
+from trainer.errors import ModelFolderError, RecipeError, UsageError
 from trainer.methods.dflash import kind as dflash_kind
-from trainer.methods.dflash.module import DFlashConfig, DFlashDrafter
+from trainer.methods.dflash.module import DFlashConfig
 from trainer.methods.dflash.objective import DFlash
-from trainer.methods.dflash.proposer import DFlashProposer, DFlashTreeProposer
+from trainer.methods.dspark import kind as dspark_kind
+from trainer.methods.dspark.module import HEAD_KEYS, DSparkConfig, DSparkDrafter
+from trainer.methods.dspark.objective import DSpark
+from trainer.methods.dspark.proposer import DSparkProposer, DSparkTreeProposer
+from trainer.registry import get_kind
 
 HEADS = dict(markov_rank=6, enable_confidence_head=True, confidence_head_with_markov=True)
+NO_HEADS = dict(markov_rank=0, enable_confidence_head=False, confidence_head_with_markov=False)
 
 
-def naive_dspark_loss(objective: DFlash, ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[float, float]:
+def naive_dspark_loss(objective: DSpark, ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[float, float]:
     """(total loss, confidence loss): the data-label slot losses with the Markov bias of the data's previous token,
     weighted exp(-(k - 1) / gamma) and normalised by the weights, plus alpha times the confidence head's BCE against
     sum_v min(q_v, p_v), weighted exp(-(k - 1) / gamma) and averaged over the slots."""
@@ -70,7 +75,7 @@ def naive_dspark_loss(objective: DFlash, ids: torch.Tensor, loss_mask: torch.Ten
 
 def test_the_loss_equals_blocks_drafted_alone_with_the_heads(tmp_path):
     save_target(tmp_path / "target")
-    objective = DFlash(
+    objective = DSpark(
         str(tmp_path / "target"), num_draft_layers=1, target_layers=[1, 3], block_size=4, mask_token_id=V - 1,
         max_anchors=3, labels="data", loss_chunk_size=4, confidence_head_alpha=0.7, **HEADS,
     )  # fmt: skip
@@ -91,12 +96,12 @@ def test_the_loss_equals_blocks_drafted_alone_with_the_heads(tmp_path):
     assert all(m.weight.grad.abs().sum() > 0 for m in (*heads, objective.drafter.confidence_head.proj))
 
 
-def setup(seed: int = 0, **heads) -> tuple[nn.Module, DFlashDrafter]:
+def setup(seed: int = 0, **heads) -> tuple[nn.Module, DSparkDrafter]:
     target = tiny_llama(seed, vocab=128, layers=4)  # float64, eval
     config = DFlashConfig.from_target(target.config, 2, (1, 3), block_size=5, mask_token_id=127)
-    config = DFlashConfig(**{**config.to_dict(), **(heads or HEADS)})
+    config = DSparkConfig(**{**config.to_dict(), **(heads or HEADS)})
     torch.manual_seed(seed)
-    drafter = DFlashDrafter(config)
+    drafter = DSparkDrafter(config)
     for p in drafter.parameters():
         nn.init.normal_(p, std=0.3)
     return target, drafter.to(torch.float64).eval()
@@ -107,8 +112,8 @@ def test_chains_and_trees_are_lossless_and_resolve_the_markov_bias_left_to_right
     embedding, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     prompt = torch.randint(0, 127, (11,), generator=torch.Generator().manual_seed(0))
     alone = speculative_generate(target, prompt, NoProposer(), k=0, max_new_tokens=30).tokens
-    chain = DFlashProposer(drafter, embedding, head)
-    for proposer in (chain, DFlashTreeProposer(drafter, embedding, head, top_k=3, budget=10)):
+    chain = DSparkProposer(drafter, embedding, head)
+    for proposer in (chain, DSparkTreeProposer(drafter, embedding, head, top_k=3, budget=10)):
         assert speculative_generate(target, prompt, proposer, k=4, max_new_tokens=30).tokens == alone
     # one round by hand: slot k's draft is the argmax of its logits plus the bias of slot k - 1's draft
     hidden = {i: torch.randn(6, 32, dtype=torch.float64) for i in drafter.config.target_layers}
@@ -135,7 +140,7 @@ def test_chains_and_trees_are_lossless_and_resolve_the_markov_bias_left_to_right
 def test_sampled_chains_return_the_distributions_given_the_drafts_before(one_thread):
     target, drafter = setup(1)
     embedding, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
-    proposer = DFlashProposer(drafter, embedding, head)
+    proposer = DSparkProposer(drafter, embedding, head)
     prompt = torch.randint(0, 127, (9,), generator=torch.Generator().manual_seed(1))
     result = speculative_generate(target, prompt, proposer, 4, 20, temperature=0.8, generator=torch.Generator())
     assert len(result.tokens) == 20
@@ -153,20 +158,25 @@ def test_sampled_chains_return_the_distributions_given_the_drafts_before(one_thr
         prev = int(tree.tokens[k])
 
 
-@pytest.mark.parametrize("heads", [HEADS, dict(markov_rank=3), dict(enable_confidence_head=True)])
+@pytest.mark.parametrize(
+    "heads",
+    [HEADS, {**NO_HEADS, "markov_rank": 3}, {**NO_HEADS, "enable_confidence_head": True}, NO_HEADS],
+)
 def test_the_dspark_export_reloads_with_identical_logits(heads, tmp_path):
     target, drafter = setup(2, **heads)
     drafter = drafter.float()
-    record = dflash_kind.make_record(drafter.config, "some/target", ["LlamaForCausalLM"])
-    folder = dflash_kind.DSPARK.write(drafter, record, tmp_path / "dspark")
+    record = dspark_kind.make_record(drafter.config, "some/target", ["LlamaForCausalLM"])
+    assert record.kind == "dspark"
+    folder = dspark_kind.DSPARK.write(drafter, record, tmp_path / "dspark")
     config = json.loads((folder / "config.json").read_text())
     assert config["speculators_model_type"] == "dspark" and config["architectures"] == ["DSparkSpeculator"]
     assert config["sample_from_anchor"] is False
-    for key in formats.HEAD_KEYS:
+    for key in HEAD_KEYS:
         assert config[key] == getattr(drafter.config, key)
-    assert dflash_kind.DSPARK.recognise(folder) and not dflash_kind.SPECULATORS.recognise(folder)
-    again, again_record = dflash_kind.DSPARK.load(folder)
+    assert dspark_kind.DSPARK.recognise(folder) and not dflash_kind.SPECULATORS.recognise(folder)
+    again, again_record = dspark_kind.DSPARK.load(folder)
     assert again_record.target == "some/target" and again.config == drafter.config
+    assert again_record.kind == "dspark" and isinstance(again, DSparkDrafter)
     embedding = target.get_input_embeddings().weight.float()
     x = F.embedding(torch.tensor([[7, 127, 127, 127, 127]]), embedding)
     past = drafter.context_kv(torch.randn(1, 6, 32), torch.arange(6)[None])
@@ -177,11 +187,14 @@ def test_the_dspark_export_reloads_with_identical_logits(heads, tmp_path):
     assert torch.equal(heads_out[0][0], heads_out[1][0])
     if drafter.confidence_head is not None:
         assert torch.equal(heads_out[0][1], heads_out[1][1])
-    # the formats without fields for the heads refuse them, naming the one to use
+    # the DFlash formats have no fields for the heads: draftsmith export lists the kind's one format, and DFlash's
+    # writers refuse the heads
+    with pytest.raises(UsageError, match=r"kind 'dspark' cannot be written as 'dflash'; it writes: dspark \("):
+        get_kind(record.kind, "test").format("dflash")
     for fmt in (dflash_kind.ZLAB, dflash_kind.SPECULATORS):
-        with pytest.raises(ModelFolderError, match="no field for DSpark's heads") as err:
+        with pytest.raises(ModelFolderError, match="no field for the heads of a DSparkDrafter") as err:
             fmt.write(drafter, record, tmp_path / fmt.name)
-        assert "--format dspark" in (err.value.hint or "")
+        assert "its own kind's format" in (err.value.hint or "")
 
 
 def test_bad_input_is_refused_naming_the_value(tok, tmp_path):
@@ -189,29 +202,29 @@ def test_bad_input_is_refused_naming_the_value(tok, tmp_path):
     path = str(tmp_path / "target")
     options = dict(num_draft_layers=1, block_size=4, mask_token_id=V - 1)
     with pytest.raises(RecipeError, match=r"model.markov_rank=-1 must be an integer >= 0"):
-        DFlash(path, markov_rank=-1, **options)
+        DSpark(path, markov_rank=-1, **options)
     with pytest.raises(RecipeError, match=r"model.markov_head_type='gated' is not implemented.*use 'vanilla'"):
-        DFlash(path, markov_rank=4, markov_head_type="gated", **options)
+        DSpark(path, markov_rank=4, markov_head_type="gated", **options)
     with pytest.raises(RecipeError, match=r"model.confidence_head_with_markov=True needs enable_confidence_head"):
-        DFlash(path, markov_rank=0, enable_confidence_head=True, confidence_head_with_markov=True, **options)
+        DSpark(path, markov_rank=0, enable_confidence_head=True, confidence_head_with_markov=True, **options)
     with pytest.raises(RecipeError, match=r"model.confidence_head_alpha=-1.0 must be >= 0"):
-        DFlash(path, enable_confidence_head=True, confidence_head_alpha=-1.0, **options)
+        DSpark(path, enable_confidence_head=True, confidence_head_alpha=-1.0, **options)
     # DSpark of a target whose embedding has no row the tokenizer leaves unused: the mask token must be named
     save_target(tmp_path / "full", vocab=len(tok), tokenizer=tok)
     with pytest.raises(RecipeError, match=r"mask_token_id is not set and the target's embedding has no row past"):
-        DFlash(str(tmp_path / "full"), num_draft_layers=1, **HEADS)
+        DSpark(str(tmp_path / "full"), num_draft_layers=1, **HEADS)
     # a DSpark folder: speculators' other head types, and its default sample_from_anchor (true), refused by name
     _, drafter = setup(0)
-    record = dflash_kind.make_record(drafter.config, "t", [])
-    folder = dflash_kind.DSPARK.write(drafter.float(), record, tmp_path / "dspark")
+    record = dspark_kind.make_record(drafter.config, "t", [])
+    folder = dspark_kind.DSPARK.write(drafter.float(), record, tmp_path / "dspark")
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "markov_head_type": "rnn"}))
     with pytest.raises(ModelFolderError, match=r"markov_head_type='rnn' is not implemented"):
-        dflash_kind.DSPARK.load(folder)
+        dspark_kind.DSPARK.load(folder)
     del config["sample_from_anchor"]
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelFolderError, match=r"sample_from_anchor true: \(absent: speculators DSpark default\)"):
-        dflash_kind.DSPARK.load(folder)
+    with pytest.raises(ModelFolderError, match=r"sample_from_anchor true: \(absent: speculators dspark default\)"):
+        dspark_kind.DSPARK.load(folder)
 
 
 def test_dynamic_draft_length_reads_the_confidence_head(one_thread):
@@ -219,8 +232,8 @@ def test_dynamic_draft_length_reads_the_confidence_head(one_thread):
     confidence head's predictions and the DDTree the drafter's probabilities; decoding stays lossless."""
     target, drafter = setup(3)
     embedding, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
-    chain = DFlashProposer(drafter, embedding, head)
-    tree_proposer = DFlashTreeProposer(drafter, embedding, head, top_k=2, budget=6)
+    chain = DSparkProposer(drafter, embedding, head)
+    tree_proposer = DSparkTreeProposer(drafter, embedding, head, top_k=2, budget=6)
     assert chain.estimates_acceptance and tree_proposer.estimates_acceptance
     hidden = {i: torch.randn(6, 32, dtype=torch.float64) for i in drafter.config.target_layers}
     tokens = torch.tensor([5, 9, 17, 4, 60, 33, 2])
@@ -238,26 +251,15 @@ def test_dynamic_draft_length_reads_the_confidence_head(one_thread):
         assert result.tokens == alone
 
 
-def test_prefix_rates_are_the_leading_runs_of_right_slots(tmp_path):
-    """prefix_k: the blocks whose slots 1..k are all right, among those whose slots 1..k are all trained."""
-    save_target(tmp_path / "target")
-    objective = DFlash(str(tmp_path / "target"), num_draft_layers=1, block_size=4, mask_token_id=V - 1, max_anchors=6)
-    ids = torch.randint(0, 8, (2, 20), generator=torch.Generator().manual_seed(0))  # few ids: some slots right
-    loss_mask = torch.ones(2, 20, dtype=torch.bool)
-    with torch.no_grad():
-        _, metrics = objective.compute_loss({"input_ids": ids, "loss_mask": loss_mask})
-    prefix = [float(metrics[f"prefix_{k}"]) for k in (1, 2, 3)]
-    assert prefix[0] == pytest.approx(float(metrics["acc_1"])) and prefix[0] >= prefix[1] >= prefix[2]
-
-
 def test_init_from_a_plain_dflash_adds_the_heads_and_keeps_the_backbone(tmp_path):
     save_target(tmp_path / "target")
     path = str(tmp_path / "target")
     plain = DFlash(path, num_draft_layers=1, target_layers=[1, 3], block_size=4, mask_token_id=V - 1)
     record = dflash_kind.make_record(plain.drafter.config, path, ["LlamaForCausalLM"])
     folder = dflash_kind.SPECULATORS.write(plain.drafter, record, tmp_path / "plain")
-    grown = DFlash(path, init_from=str(folder), block_size=4, **HEADS)
+    grown = DSpark(path, init_from=str(folder), block_size=4, **HEADS)
     assert grown.drafter.config.markov_rank == 6 and grown.drafter.config.enable_confidence_head
+    assert grown.drafter_record().kind == "dspark"
     state = grown.drafter.state_dict()
     for name, tensor in plain.drafter.state_dict().items():
         assert torch.equal(state[name], tensor), name
@@ -265,3 +267,27 @@ def test_init_from_a_plain_dflash_adds_the_heads_and_keeps_the_backbone(tmp_path
         "markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight",
         "confidence_head.proj.bias",
     }  # fmt: skip
+
+
+def test_init_from_a_dspark_drafter_gives_dflash_its_backbone_and_dspark_its_heads(tmp_path, caplog):
+    save_target(tmp_path / "target")
+    path = str(tmp_path / "target")
+    options = dict(num_draft_layers=1, target_layers=[1, 3], block_size=4, mask_token_id=V - 1)
+    dspark = DSpark(path, **options, **HEADS)
+    record = dspark.drafter_record()
+    folder = dspark_kind.DSPARK.write(dspark.drafter, record, tmp_path / "dspark")
+    plain = DFlash(path, init_from=str(folder), block_size=4)
+    assert type(plain.drafter) is not DSparkDrafter and plain.drafter_record().kind == "dflash"
+    state = dspark.drafter.state_dict()
+    kept = plain.drafter.state_dict()
+    assert set(state) - set(kept) == {k for k in state if k.startswith(("markov_head.", "confidence_head."))}
+    assert all(torch.equal(kept[k], state[k]) for k in kept)
+    assert "not carried over" in caplog.text
+    again = DSpark(path, init_from=str(folder), block_size=4, **HEADS)  # its own heads: the drafter read as it is
+    assert all(torch.equal(again.drafter.state_dict()[k], v) for k, v in state.items())
+    smaller = DSpark(path, init_from=str(folder), block_size=4, **{**HEADS, "markov_rank": 3})
+    resized = smaller.drafter.state_dict()
+    assert resized["markov_head.markov_w1.weight"].shape == (V, 3)
+    assert smaller.drafter.confidence_head.proj.weight.shape == (1, 16 + 3)  # reads the new Markov embedding
+    reshaped = ("markov_head.", "confidence_head.proj.weight")
+    assert all(torch.equal(resized[k], v) for k, v in state.items() if not k.startswith(reshaped))

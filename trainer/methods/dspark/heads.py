@@ -1,4 +1,4 @@
-"""DSpark's two small heads on a DFlash drafter (speculators 0.9 ``models/dspark``), options of the DFlash method.
+"""DSpark's two small heads on a DFlash drafter (speculators 0.9 ``models/dspark``), the block refiner of this method.
 
 A DFlash block drafts every slot at once, so slot ``k`` cannot know what slot ``k - 1`` drafted. The Markov head adds
 a first-order logit bias: slot ``k``'s logits are ``lm_head(h_k) + markov_w2(markov_w1[t_{k-1}])``, with ``t_{k-1}``
