@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainer.methods.eagle3.objective import Eagle3
-from trainer.methods.eagle3.peagle_objective import PEagle
+from trainer.methods.peagle.objective import PEagle
 
 COD = {"cod 0.7/0.2": (0.7, 0.2), "cod 1": (1.0, 1.0)}  # P-EAGLE's configurations: (cod_ratio, cod_min_ratio)
 

@@ -179,7 +179,7 @@ def objective_kwargs(name: str, target: Path, settings: Settings) -> tuple[type,
         kwargs = {"draft_vocab_size": min(p.draft_vocab_size, rows), "target_layers": aux_layers(layers)}
         return Eagle3, {**common, **kwargs, "ttt_steps": 7, "step_decay": 0.8, "labels": "soft"}, {}
     if name == "peagle":
-        from trainer.methods.eagle3.peagle_objective import PEagle
+        from trainer.methods.peagle.objective import PEagle
 
         kwargs = {"draft_vocab_size": min(p.draft_vocab_size, rows), "target_layers": aux_layers(layers)}
         cod = {"num_depths": 4, "cod_ratio": 0.7, "cod_min_ratio": 0.2, "mask_token_id": unused}

@@ -2,8 +2,9 @@
 the same parser without building anything (``draftsmith plan``, ``slurm submit`` and ``compare`` use it).
 
 The objective is chosen by ``model.class_path``; every ``__init__`` signature is the config schema; unknown or
-misspelled keys are rejected with the key named, and a renamed key with its new name (trainer/renamed_keys.py); the
-resolved config is saved beside the logs and every checkpoint directory (trainer/run_folder.py).
+misspelled keys are rejected with the key named, a renamed key or a moved class path with its new name
+(trainer/renamed_keys.py); the resolved config is saved beside the logs and every checkpoint directory
+(trainer/run_folder.py).
 """
 
 from __future__ import annotations

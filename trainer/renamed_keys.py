@@ -11,8 +11,9 @@ test_recipe_vocabulary.py checks that every new name is a parameter of its objec
 with :data:`RENAMED_PRECOMPUTE_KEYS`. A value that was renamed (:data:`RENAMED_VALUES`: one value, one meaning across
 objectives) is refused the same way, naming its new spelling: ``labels``, what a loss is trained towards, is ``data``
 for the rows' own tokens (DFlash's old ``hard``) and ``argmax`` for the target's most likely token (EAGLE-3's old
-``hard``, Medusa's old ``target``) in every objective. A checkpoint that recorded an old key or value resumes with its
-new name and spelling (:func:`checkpoint_names_renamed`).
+``hard``, Medusa's old ``target``) in every objective. An objective that moved (:data:`RENAMED_CLASS_PATHS`: a method
+that now lives in its own folder) is refused in a recipe naming its new ``class_path``. A checkpoint that recorded an
+old key, value or class path resumes with its new name, spelling and class (:func:`checkpoint_names_renamed`).
 """
 
 from __future__ import annotations
@@ -76,6 +77,23 @@ RENAMED_VALUES: dict[str, dict[str, dict[str, str]]] = {
 }
 """Objective class path -> {``model.init_args`` key: {old value: its new spelling}}."""
 
+RENAMED_CLASS_PATHS: dict[str, str] = {
+    "trainer.methods.eagle3.peagle_objective.PEagle": "trainer.methods.peagle.objective.PEagle",
+}
+"""Old objective class path (``model.class_path``) -> the class path that names it now.
+
+A method that moves (P-EAGLE out of the EAGLE-3 folder into ``trainer/methods/peagle/``) adds its old path here and
+nothing else: a recipe naming the old path is refused in one line naming the new one (:func:`renamed_key_message`),
+and ``draftsmith fit --ckpt_path`` resumes a checkpoint whose hyper-parameters name the old path as the new class
+(:func:`checkpoint_names_renamed`; the tables above are keyed by the new path, and the drafter record's kind, which
+export and eval dispatch on, does not change with the folder). A move that depends on the options a recipe sets (a
+DFlash recipe that sets DSpark's options now naming ``trainer.methods.dspark``) is a rule of
+:func:`moved_class_path`, which sees the recorded ``init_args``; its recipe side is an old key of the class that
+stays, refused with a message naming the new class (:data:`RENAMED_KEYS` and :func:`renamed_key_message`).
+"""
+
+WHY_MOVED = "each method lives in its own folder, trainer/methods/<method>/"
+
 RENAMED_PRECOMPUTE_KEYS: dict[str, str] = dict(_TARGET)
 """Old key of a ``draftsmith precompute`` recipe (trainer/data/precompute.py) -> its new name."""
 
@@ -100,9 +118,19 @@ def renamed(old_prefix: str, old: str, new: str) -> str:
     return f"{old_prefix}{old} was renamed to {old_prefix}{new} ({WHY})"
 
 
+def moved_class_path(class_path: str, init_args: dict[str, Any]) -> str:
+    """The class path that names ``class_path`` now (:data:`RENAMED_CLASS_PATHS`), given the ``init_args`` a
+    checkpoint recorded with it; ``class_path`` itself when it did not move."""
+    return RENAMED_CLASS_PATHS.get(class_path, class_path)
+
+
 def renamed_key_message(parser_error: str) -> str | None:
-    """The message for a ``draftsmith fit`` parser error that refuses a renamed ``model.init_args`` key, or None when
-    the error is about something else (the parser's own message then stands)."""
+    """The message for a ``draftsmith fit`` parser error that refuses a moved class path (:data:`RENAMED_CLASS_PATHS`)
+    or a renamed ``model.init_args`` key, or None when the error is about something else (the parser's own message
+    then stands)."""
+    for old, new in RENAMED_CLASS_PATHS.items():
+        if re.search(rf"(?<![\w.]){re.escape(old)}(?![\w.])", parser_error):
+            return f"model.class_path {old} was renamed to {new} ({WHY_MOVED})"
     for found in _UNKNOWN_INIT_ARG.finditer(parser_error):
         new = RENAMED_KEYS.get(found["cls"], {}).get(found["key"])
         if new is not None:
@@ -115,8 +143,9 @@ def renamed_key_message(parser_error: str) -> str | None:
 
 
 def checkpoint_names_renamed(config: Any) -> Any:
-    """A checkpoint's hyper-parameters with every renamed key (:data:`RENAMED_KEYS`) under its new name and every
-    renamed value (:data:`RENAMED_VALUES`) in its new spelling.
+    """A checkpoint's hyper-parameters with a moved class path (:func:`moved_class_path`) under its new path, every
+    renamed key (:data:`RENAMED_KEYS`) under its new name and every renamed value (:data:`RENAMED_VALUES`) in its new
+    spelling.
 
     ``draftsmith fit --ckpt_path FILE`` parses the hyper-parameters the checkpoint recorded over the recipe's
     (LightningCLI's ``_parse_ckpt_path``, as ``{subcommand: {"model": {"class_path": C, "dict_kwargs": {...}}}}``):
@@ -132,7 +161,12 @@ def checkpoint_names_renamed(config: Any) -> Any:
         model = section.get("model") if isinstance(section, dict) else None
         if not isinstance(model, dict) or not isinstance(model.get("dict_kwargs"), dict):
             continue
-        class_path = str(model.get("class_path"))
+        recorded = str(model.get("class_path"))
+        class_path = moved_class_path(recorded, model["dict_kwargs"])
+        moved = {}
+        if class_path != recorded:
+            log.info("the checkpoint's model.class_path %s is read as %s, its new name", recorded, class_path)
+            moved = {"class_path": class_path}
         keys, values = RENAMED_KEYS.get(class_path, {}), RENAMED_VALUES.get(class_path, {})
         kwargs: dict[str, Any] = {}
         for key, value in model["dict_kwargs"].items():
@@ -146,7 +180,7 @@ def checkpoint_names_renamed(config: Any) -> Any:
                 log.info("the checkpoint's model.init_args.%s: %s is read as %s, its new spelling", name, value, new)
                 value = new
             kwargs[name] = value
-        out[subcommand] = {**section, "model": {**model, "dict_kwargs": kwargs}}
+        out[subcommand] = {**section, "model": {**model, **moved, "dict_kwargs": kwargs}}
     return out
 
 

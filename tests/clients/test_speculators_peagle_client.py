@@ -22,10 +22,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from tests.clients.venvs import client_python as venv_python
 from tests.clients.venvs import opt_in
 from trainer.methods.eagle3.module import Eagle3Config
-from trainer.methods.eagle3.peagle_export import save_peagle
-from trainer.methods.eagle3.peagle_module import PEagleConfig, PEagleDrafter
-from trainer.methods.eagle3.peagle_objective import cod_sample
 from trainer.methods.eagle3.vocab_map import build_vocab_map
+from trainer.methods.peagle.export import save_peagle
+from trainer.methods.peagle.module import PEagleConfig, PEagleDrafter
+from trainer.methods.peagle.objective import cod_sample
 
 SCRIPT = Path(__file__).with_name("speculators_peagle_forward.py")
 SPECULATORS = "speculators==0.9.0"

@@ -37,8 +37,6 @@ from trainer.decoding.verify import sampling_verify_chain
 from trainer.errors import UsageError
 from trainer.methods.draft_model.proposer import DraftModelProposer
 from trainer.methods.eagle3.module import Eagle3Config, Eagle3Drafter
-from trainer.methods.eagle3.peagle_module import PEagleConfig, PEagleDrafter
-from trainer.methods.eagle3.peagle_proposer import PEagleProposer
 from trainer.methods.eagle3.proposer import Eagle3Proposer, Eagle3TreeProposer
 from trainer.methods.eagle3.vocab_map import build_vocab_map
 from trainer.methods.medusa.module import MedusaConfig, MedusaDrafter
@@ -47,6 +45,8 @@ from trainer.methods.mtp.module import MTPConfig, MTPDrafter
 from trainer.methods.mtp.proposer import MTPProposer
 from trainer.methods.mtp_heads.module import MTPHeads
 from trainer.methods.mtp_heads.proposer import MTPHeadsProposer
+from trainer.methods.peagle.module import PEagleConfig, PEagleDrafter
+from trainer.methods.peagle.proposer import PEagleProposer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

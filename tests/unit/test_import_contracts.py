@@ -1,6 +1,8 @@
 """The import contracts of pyproject.toml (``[tool.importlinter]``, run by ``make lint``): the tree keeps them, and
 each contract breaks on the import it forbids, written into a copy of the package (a shared module importing a
-method, one method importing another, a cycle, a new module placed in no layer)."""
+method, one method importing another, a cycle, a new module placed in no layer). A method may extend one parent
+method, a family declared in the independence contract (P-EAGLE extends EAGLE-3): the child's imports of its parent
+are allowed by the declaration alone, and an undeclared sibling import or the parent importing its child is refused."""
 
 from __future__ import annotations
 
@@ -93,8 +95,37 @@ def prepend(file: Path, line: str) -> None:
             ACYCLIC,
             "No cycles are allowed in trainer.methods.mtp.",
         ),
+        # a child imports a method other than its declared parent
+        (
+            "trainer/methods/peagle/module.py",
+            "import trainer.methods.dflash.module",
+            INDEPENDENT,
+            "trainer.methods.peagle.module -> trainer.methods.dflash.module",
+        ),
+        # a parent imports its child (a family goes one way)
+        (
+            "trainer/methods/eagle3/labels.py",
+            "import trainer.methods.peagle.module",
+            INDEPENDENT,
+            "trainer.methods.eagle3.labels -> trainer.methods.peagle.module",
+        ),
+        # ... which is also a cycle between the two methods (the child imports its parent)
+        (
+            "trainer/methods/eagle3/labels.py",
+            "import trainer.methods.peagle.module",
+            ACYCLIC,
+            "No cycles are allowed in trainer.methods.",
+        ),
     ],
-    ids=["shared-imports-method", "method-imports-method", "cycle-in-shared-layer", "cycle-in-a-method"],
+    ids=[
+        "shared-imports-method",
+        "method-imports-method",
+        "cycle-in-shared-layer",
+        "cycle-in-a-method",
+        "child-imports-an-undeclared-method",
+        "parent-imports-its-child",
+        "parent-and-child-in-a-cycle",
+    ],
 )
 def test_each_contract_breaks_on_the_import_it_forbids(copy: Path, module: str, line: str, broken: str, named: str):
     prepend(copy / module, line)
@@ -110,3 +141,24 @@ def test_a_new_module_must_be_placed_in_a_layer(copy: Path):
     assert status != 0, output
     assert verdicts[LAYERS] == "BROKEN", output
     assert "trainer.unplaced" in output, output
+
+
+FAMILY = re.compile(r'^\s*"trainer\.methods\.peagle\.\*\* -> trainer\.methods\.eagle3\.\*\*",.*\n', re.M)
+
+
+def test_a_declared_family_allows_the_child_to_import_its_parent(copy: Path):
+    # the tree keeps the contract with P-EAGLE importing EAGLE-3's modules (test_the_tree_keeps_every_contract), one
+    # more import of the parent included; without the declaration the same imports break it
+    prepend(copy / "trainer/methods/peagle/proposer.py", "import trainer.methods.eagle3.export")
+    status, verdicts, output = lint_imports(copy)
+    assert status == 0 and verdicts[INDEPENDENT] == "KEPT", output
+
+    pyproject = copy / "pyproject.toml"
+    declared = pyproject.read_text()
+    assert len(FAMILY.findall(declared)) == 1, "the P-EAGLE family is declared once in pyproject.toml"
+    pyproject.write_text(FAMILY.sub("", declared))
+    status, verdicts, output = lint_imports(copy)
+    assert status != 0, output
+    assert verdicts[INDEPENDENT] == "BROKEN", output
+    assert "trainer.methods.peagle.objective -> trainer.methods.eagle3.objective" in output, output
+    assert "trainer.methods.peagle.proposer -> trainer.methods.eagle3.export" in output, output

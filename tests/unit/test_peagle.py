@@ -4,6 +4,7 @@ and speculative sampling), K drafts in one forward, the export round trip and th
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
@@ -18,11 +19,12 @@ from trainer.decoding.head_tree import MEDUSA_SPARSE_TREE
 from trainer.decoding.proposers import NoProposer, ProposalContext
 from trainer.errors import ModelFolderError, RecipeError
 from trainer.methods.eagle3.module import Eagle3Config
-from trainer.methods.eagle3.peagle_export import load_peagle, save_peagle
-from trainer.methods.eagle3.peagle_module import PEagleConfig, PEagleDrafter, peagle_mask, peagle_mask_mod
-from trainer.methods.eagle3.peagle_objective import PEagle, cod_sample
-from trainer.methods.eagle3.peagle_proposer import PEagleProposer
+from trainer.methods.eagle3.objective import Eagle3
 from trainer.methods.eagle3.vocab_map import build_vocab_map
+from trainer.methods.peagle.export import load_peagle, save_peagle
+from trainer.methods.peagle.module import PEagleConfig, PEagleDrafter, peagle_mask, peagle_mask_mod
+from trainer.methods.peagle.objective import PEagle, cod_sample
+from trainer.methods.peagle.proposer import PEagleProposer
 from trainer.registry import load_drafter, recognise
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -201,6 +203,21 @@ def test_every_trained_element_is_what_drafting_computes_and_the_loss_is_the_nai
     assert counts[0] > counts[1] > counts[2] > 0 and int((depth == 2).sum()) > 0
     torch.testing.assert_close(float(loss), expected, rtol=1e-6, atol=0)
     assert float(metrics["loss_1"]) == pytest.approx(sums[1] / counts[1], rel=1e-6)
+
+
+def test_peagle_extends_eagle3_and_inherits_what_they_share(tmp_path):
+    """P-EAGLE's objective is EAGLE-3's subclass: the init_from check, the target-layer and draft-vocabulary checks and
+    the vocabulary map setup are EAGLE-3's methods, not copies; its hyper-parameters are its own signature's."""
+    for shared in ("drafter_from_init", "new_config", "norm_flags", "setup", "build_vocab_map", "install_vocab_map"):
+        assert getattr(PEagle, shared) is getattr(Eagle3, shared), shared
+    obj = objective(tmp_path)
+    assert isinstance(obj, Eagle3) and isinstance(obj.drafter, PEagleDrafter)
+    assert set(obj.hparams) == set(inspect.signature(PEagle.__init__).parameters) - {"self", "optim"}
+    target = str(tmp_path / "target")
+    with pytest.raises(RecipeError, match=r"model.target_layers: 5 is outside the target's hidden_states 0..2"):
+        PEagle(target, draft_vocab_size=32, target_layers=[0, 1, 5], mask_token_id=63)
+    with pytest.raises(RecipeError, match="mutually exclusive"):
+        PEagle(target, draft_vocab_size=32, norm_before_fc=True, fc_norm=True, mask_token_id=63)
 
 
 def test_recipe_values_are_checked(tmp_path):

@@ -14,7 +14,7 @@ from trainer.decoding.options import ProposerOptions
 from trainer.decoding.proposers import NoProposer
 from trainer.errors import RecipeError
 from trainer.export.cli import main as export_main
-from trainer.methods.eagle3.peagle_objective import PEagle
+from trainer.methods.peagle.objective import PEagle
 from trainer.registry import get_kind, load_drafter
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]

@@ -75,7 +75,7 @@ def synonyms(name: str) -> str | None:
 
 def test_every_objective_is_found():
     assert set(RENAMED_KEYS) <= set(OBJECTIVES)
-    assert len(OBJECTIVES) == 10, sorted(OBJECTIVES)  # P-EAGLE (trainer/methods/eagle3/peagle_objective.py) the tenth
+    assert len(OBJECTIVES) == 10, sorted(OBJECTIVES)  # P-EAGLE (trainer/methods/peagle/objective.py) the tenth
 
 
 @pytest.mark.parametrize("path", sorted(OBJECTIVES), ids=lambda p: p.rsplit(".", 1)[-1])

@@ -4,8 +4,8 @@ Exported natively (``eagle3``: SGLang and vLLM ``LlamaForCausalLMEagle3``) or in
 (``eagle3-speculators``: vLLM ``Eagle3Speculator``); drafted as a chain, or as an EAGLE-2 dynamic tree with
 ``--tree``, by proposer.py on the target's input embedding.
 
-This folder's second kind, ``peagle`` (P-EAGLE: the same drafter drafting K tokens in one forward), is registered by
-peagle_kind.py, imported at the end of this module (the registry imports one ``kind`` module per method folder).
+P-EAGLE, the same drafter drafting K tokens in one forward, extends this method as the kind ``peagle``
+(trainer/methods/peagle/).
 """
 
 from __future__ import annotations
@@ -95,5 +95,3 @@ register_kind(
         name=KIND, build=build, formats=(NATIVE, SPECULATORS), proposer=proposer, load_weights=records.load_weights
     )
 )
-
-from trainer.methods.eagle3 import peagle_kind  # noqa: E402, F401  registers the second kind of this folder: peagle

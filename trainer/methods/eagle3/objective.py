@@ -69,7 +69,18 @@ log = logging.getLogger(__name__)
 
 
 class Eagle3(DraftObjective):
-    """Trains an EAGLE-3 drafter against an online frozen target, or from precomputed target shards."""
+    """Trains an EAGLE-3 drafter against an online frozen target, or from precomputed target shards.
+
+    A method that extends EAGLE-3 (P-EAGLE: trainer/methods/peagle/objective.py) subclasses it and inherits what both
+    do alike: :meth:`drafter_from_init` (``init_from`` and the options it must agree with), :meth:`new_config` (the
+    draft vocabulary and target-layer checks), ``setup`` with the vocabulary map (:meth:`install_vocab_map`), naming
+    its own :attr:`drafter_kind` and :attr:`method_name`.
+    """
+
+    drafter_kind: str = eagle3_kind.KIND
+    """The kind of the drafters it trains (``init_from`` must hold one)."""
+    method_name: str = "EAGLE-3"
+    """The method's name in messages."""
 
     def __init__(
         self,
@@ -148,38 +159,65 @@ class Eagle3(DraftObjective):
         self.ttt_steps, self.step_decay, self.labels, self.ttt_inputs = ttt_steps, step_decay, labels, ttt_inputs
         self.recompute, self.attention = recompute, attention
         frozen = self.load_target(target, target_signals, target_dtype, trust_remote_code)
-        flags = {
-            "norm_before_residual": norm_before_residual,
-            "norm_before_fc": norm_before_fc,
-            "fc_norm": fc_norm,
-            "norm_output": norm_output,
-        }
-        if norm_before_fc and fc_norm:
-            raise RecipeError("model.norm_before_fc and model.fc_norm are mutually exclusive: set one of them")
+        flags = self.norm_flags(
+            norm_before_residual=norm_before_residual,
+            norm_before_fc=norm_before_fc,
+            fc_norm=fc_norm,
+            norm_output=norm_output,
+        )
         torch.manual_seed(seed)
         self.vocab_fixed = init_from is not None
         if init_from is not None:
-            self.drafter = self.drafter_from_checkpoint(init_from, eagle3_kind.KIND)
-            trained = self.drafter.config.flags()
-            for name, asked in flags.items():
-                if trained[name] != asked:
-                    raise RecipeError(
-                        f"model.{name} is {str(asked).lower()} but model.init_from {init_from!r} was trained with "
-                        f"{name}: {str(trained[name]).lower()}",
-                        hint=f"set model.{name}: {str(trained[name]).lower()} to fine-tune this drafter",
-                    )
-            log.info("EAGLE-3 drafter, its shape and its vocabulary map loaded from %s", init_from)
+            self.drafter = self.drafter_from_init(init_from, flags)
         else:
-            vocab_map.check_draft_vocab(draft_vocab_size, frozen.vocab_size, target)
-            config = Eagle3Config.from_target(frozen.config, draft_vocab_size, target_layers, **flags)
-            config.vocab_size = frozen.vocab_size
-            for i in config.aux_layers:
-                if not 0 <= i <= frozen.num_layers:
-                    raise RecipeError(
-                        f"model.target_layers: {i} is outside the target's hidden_states 0..{frozen.num_layers}"
-                    )
-            self.drafter = Eagle3Drafter(config)
+            self.drafter = Eagle3Drafter(self.new_config(frozen, target, draft_vocab_size, target_layers, flags))
         self.drafter.to(resolve_dtype(drafter_dtype))
+
+    # ---- what the methods extending EAGLE-3 share (P-EAGLE, trainer/methods/peagle/) ----------------------------
+    def drafter_from_init(self, init_from: str, asked: dict[str, object]) -> Eagle3Drafter:
+        """The drafter of ``model.init_from`` (of kind :attr:`drafter_kind`), its shape and its vocabulary map.
+
+        Args:
+            init_from: a training checkpoint or an export.
+            asked: option name -> the value this run's recipe gives it, each an attribute of the drafter's config
+                (the norm flags, P-EAGLE's ``num_layers``): one that differs from what the drafter was trained with
+                is refused by name.
+        """
+        drafter = self.drafter_from_checkpoint(init_from, self.drafter_kind)
+        for name, value in asked.items():
+            trained = getattr(drafter.config, name)
+            if trained != value:
+                raise RecipeError(
+                    f"model.{name} is {str(value).lower()} but model.init_from {init_from!r} was trained with "
+                    f"{name}: {str(trained).lower()}",
+                    hint=f"set model.{name}: {str(trained).lower()} to fine-tune this drafter",
+                )
+        log.info("%s drafter, its shape and its vocabulary map loaded from %s", self.method_name, init_from)
+        return drafter
+
+    @staticmethod
+    def norm_flags(**flags: bool) -> dict[str, bool]:
+        """The recipe's norm flags (module.NORM_FLAGS, those the method has), refused when ``norm_before_fc`` and
+        ``fc_norm`` are both set."""
+        if flags.get("norm_before_fc") and flags.get("fc_norm"):
+            raise RecipeError("model.norm_before_fc and model.fc_norm are mutually exclusive: set one of them")
+        return flags
+
+    def new_config(
+        self, frozen, target: str, draft_vocab_size: int, target_layers: list[int] | None, flags: dict[str, bool]
+    ) -> Eagle3Config:
+        """The shape of a new drafter for the loaded target ``frozen`` (``target`` names it in errors): the draft
+        vocabulary no larger than the target's, the target layers (None: the default three) inside its hidden states
+        0..L, the norm ``flags`` as given."""
+        vocab_map.check_draft_vocab(draft_vocab_size, frozen.vocab_size, target)
+        config = Eagle3Config.from_target(frozen.config, draft_vocab_size, target_layers, **flags)
+        config.vocab_size = frozen.vocab_size
+        for i in config.aux_layers:
+            if not 0 <= i <= frozen.num_layers:
+                raise RecipeError(
+                    f"model.target_layers: {i} is outside the target's hidden_states 0..{frozen.num_layers}"
+                )
+        return config
 
     def trainable_module(self) -> nn.Module:
         return self.drafter
@@ -201,8 +239,8 @@ class Eagle3(DraftObjective):
         dataset = getattr(datamodule, "train_dataset", None)
         if dataset is None or not hasattr(dataset, "ids"):
             raise RecipeError(
-                "EAGLE-3 needs the training rows to count its draft vocabulary: the datamodule has no train_dataset "
-                "with ids and trained arrays (or pass model.init_from)"
+                f"{self.method_name} needs the training rows to count its draft vocabulary: the datamodule has no "
+                "train_dataset with ids and trained arrays (or pass model.init_from)"
             )
         self.build_vocab_map(dataset.ids, dataset.trained)
 
@@ -220,8 +258,8 @@ class Eagle3(DraftObjective):
         """
         cfg = self.drafter.config
         share = vocab_map.install_vocab_map(self.drafter, self.target.lm_head_weight, rows)
-        log.info("EAGLE-3 draft vocabulary: %d of %d tokens, %.3f of the trained labels", cfg.draft_vocab_size,
-                 cfg.vocab_size, share)  # fmt: skip
+        log.info("%s draft vocabulary: %d of %d tokens, %.3f of the trained labels", self.method_name,
+                 cfg.draft_vocab_size, cfg.vocab_size, share)  # fmt: skip
 
     # ---- training ------------------------------------------------------------------------------------------------
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -1,6 +1,6 @@
-"""What the folder's two kinds, ``eagle3`` (kind.py) and ``peagle`` (peagle_kind.py), record and read alike: the
-drafter record of a training run or of an export, a checkpoint's weights checked against the norm flags, and the
-verifier and drafts per round of a speculators-format folder."""
+"""What the kind ``eagle3`` (kind.py) and the kinds extending it (``peagle``: trainer/methods/peagle/kind.py) record
+and read alike: the drafter record of a training run or of an export, a checkpoint's weights checked against the norm
+flags, and the verifier and drafts per round of a speculators-format folder."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """P-EAGLE (parallel EAGLE, arXiv 2602.01469): the EAGLE-3 drafter drafting K tokens in one forward.
 
-The network is the EAGLE-3 drafter of module.py (``fc``, its decoder layer ``midlayer``, ``norm``, ``lm_head``, the
-vocabulary map, the norm flags), plus two learned placeholders, a trainable input embedding and, with
-``num_layers > 1``, plain Llama decoder layers after the first (``deep_layers``), as speculators 0.9's
+The network is the EAGLE-3 drafter of trainer/methods/eagle3/module.py (``fc``, its decoder layer ``midlayer``,
+``norm``, ``lm_head``, the vocabulary map, the norm flags), plus two learned placeholders, a trainable input embedding
+and, with ``num_layers > 1``, plain Llama decoder layers after the first (``deep_layers``), as speculators 0.9's
 ``PEagleDraftModel``:
 
 - ``embed_tokens`` [V, H]: the drafter's own input embedding (initialised from the target's and trained);

@@ -1,6 +1,6 @@
 """P-EAGLE export: the speculators format ``peagle`` (speculators 0.9 ``PEagleSpeculatorConfig``), with its loader.
 
-As the EAGLE-3 speculators format (export.py: ``layers.0.*``, the Llama layer config under
+As the EAGLE-3 speculators format (trainer/methods/eagle3/export.py: ``layers.0.*``, the Llama layer config under
 ``transformer_layer_config``, the norm flags as trained; with several decoder layers ``layers.{j}.*`` for layer j and
 ``num_hidden_layers`` in the layer config), with ``speculators_model_type: "peagle"``,
 ``architectures: ["PEagleSpeculator"]``, ``mask_token_id``, ``embed_requires_grad: true`` (the embedding is trained),
@@ -27,7 +27,7 @@ from trainer.methods.eagle3.export import (
     speculators_tensors,
 )
 from trainer.methods.eagle3.module import NORM_FLAGS
-from trainer.methods.eagle3.peagle_module import PEagleConfig, PEagleDrafter
+from trainer.methods.peagle.module import PEagleConfig, PEagleDrafter
 
 
 def save_peagle(
@@ -38,7 +38,7 @@ def save_peagle(
     verifier_architectures: list[str] | None = None,
     dtype: torch.dtype | None = None,
 ) -> Path:
-    """Write the speculators ``peagle`` checkpoint: the arguments of export.py's ``save_speculators`` less the
+    """Write the speculators ``peagle`` checkpoint: the arguments of EAGLE-3's ``save_speculators`` less the
     embedding (the drafter's own is written), ``speculative_tokens`` being the depths trained."""
     config = speculators_config(drafter, "peagle", verifier, speculative_tokens, verifier_architectures, dtype)
     config["mask_token_id"] = drafter.config.mask_token_id

@@ -1,9 +1,8 @@
-"""Drafter kind ``peagle``: P-EAGLE, the EAGLE-3 drafter drafting K tokens in one forward (peagle_module.py).
+"""Drafter kind ``peagle``: P-EAGLE, the EAGLE-3 drafter drafting K tokens in one forward (module.py).
 
-Registered from kind.py (the registry imports one ``kind`` module per method folder, and P-EAGLE shares the EAGLE-3
-module, vocabulary map and exporters). Exported in the speculators format ``peagle-speculators``
-(peagle_export.py); drafted as a chain or a tree of the depths' top-k paths by peagle_proposer.py, on the drafter's
-own trained embedding.
+P-EAGLE extends EAGLE-3 (trainer/methods/eagle3/: its module, vocabulary map, records and exporters). Exported in the
+speculators format ``peagle-speculators`` (export.py); drafted as a chain or a tree of the depths' top-k paths by
+proposer.py, on the drafter's own trained embedding.
 """
 
 from __future__ import annotations
@@ -16,9 +15,9 @@ from trainer.decoding.head_tree import tree_or_default
 from trainer.decoding.options import ProposerOptions
 from trainer.export.files import folder_config
 from trainer.methods.eagle3 import records
-from trainer.methods.eagle3.peagle_export import load_peagle, save_peagle
-from trainer.methods.eagle3.peagle_module import PEagleConfig, PEagleDrafter
-from trainer.methods.eagle3.peagle_proposer import PEagleProposer
+from trainer.methods.peagle.export import load_peagle, save_peagle
+from trainer.methods.peagle.module import PEagleConfig, PEagleDrafter
+from trainer.methods.peagle.proposer import PEagleProposer
 from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
 
 KIND = "peagle"

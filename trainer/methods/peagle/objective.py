@@ -1,4 +1,4 @@
-"""P-EAGLE: train the EAGLE-3 drafter to draft K tokens in one forward (peagle_module.py), with COD sampling.
+"""P-EAGLE: train the EAGLE-3 drafter to draft K tokens in one forward (module.py), with COD sampling.
 
 Online: the frozen target runs in the training step and gives its logits and the hidden states of the drafter's aux
 layers. Row elements ``a = 0..S-2`` are EAGLE-3's depth-0 elements (features of token ``a``, embedding of token
@@ -10,33 +10,32 @@ draft vocabulary at position ``a + 1 + d`` (the token ``a + 2 + d``), soft label
 vocabulary, under that position's loss mask; the loss is ``sum_d step_decay ** d * mean_d`` (per-depth means).
 
 The drafter trains its own input embedding (initialised from the target's) and the placeholders ``mask_hidden`` and
-the embedding row of ``mask_token_id``, as speculators' P-EAGLE does; the vocabulary map is counted from the training
-rows in ``setup`` like EAGLE-3's (objective.py), or taken from ``init_from``.
+the embedding row of ``mask_token_id``, as speculators' P-EAGLE does. The objective extends EAGLE-3's
+(trainer/methods/eagle3/objective.py) and inherits what the two do alike: ``init_from`` and the options it must agree
+with, the draft vocabulary and target-layer checks, and the vocabulary map counted from the training rows in ``setup``
+(or taken from ``init_from``).
 
-Attention: ``dense`` applies the mask (peagle_module.peagle_mask) through SDPA with a boolean mask over the sampled
+Attention: ``dense`` applies the mask (module.peagle_mask) through SDPA with a boolean mask over the sampled
 elements of each row (padded to the longest row); ``flex`` (or ``auto`` on CUDA) runs the same mask through flex
 attention. Only online target signals are supported.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Literal
 
 import torch
-from torch import nn
 
 from trainer.block_attention import Impl
 from trainer.errors import RecipeError
-from trainer.methods.eagle3 import peagle_kind, vocab_map
 from trainer.methods.eagle3.labels import check_argmax_weight, mix_argmax
-from trainer.methods.eagle3.module import Eagle3Config
-from trainer.methods.eagle3.peagle_module import PEagleConfig, PEagleDrafter
-from trainer.objective import DraftObjective, Optim, causal_lm_flops_per_token, count_params
+from trainer.methods.eagle3.objective import Eagle3
+from trainer.methods.eagle3.vocab_map import online_target_signals
+from trainer.methods.peagle import kind as peagle_kind
+from trainer.methods.peagle.module import PEagleConfig, PEagleDrafter
+from trainer.objective import Optim, causal_lm_flops_per_token, count_params
 from trainer.registry import DrafterRecord
 from trainer.target import resolve_dtype
-
-log = logging.getLogger(__name__)
 
 
 def cod_sample(
@@ -75,8 +74,11 @@ def cod_sample(
     return [(a, torch.full_like(a, d)) for a, d in out]
 
 
-class PEagle(DraftObjective):
+class PEagle(Eagle3):
     """Trains a P-EAGLE drafter (EAGLE-3 drafting K tokens in one forward) against an online frozen target."""
+
+    drafter_kind = peagle_kind.KIND
+    method_name = "P-EAGLE"
 
     def __init__(
         self,
@@ -140,7 +142,8 @@ class PEagle(DraftObjective):
             fc_norm: as EAGLE-3's (one RMSNorm per target state, EAGLE-3.1).
             optim: optimizer and learning-rate schedule.
         """
-        super().__init__(optim)
+        # the objective base's: EAGLE-3's constructor takes the TTT options, which P-EAGLE has none of
+        super(Eagle3, self).__init__(optim)
         self.save_hyperparameters(ignore=["optim"])
         if num_depths < 1:
             raise RecipeError(f"model.num_depths must be >= 1, got {num_depths}")
@@ -153,8 +156,9 @@ class PEagle(DraftObjective):
             raise RecipeError(f"model.max_anchors must be >= 1 (or null: every trained position), got {max_anchors}")
         if not 0.0 < step_decay <= 1.0:
             raise RecipeError(f"model.step_decay must be in (0, 1], got {step_decay}")
-        if norm_before_fc and fc_norm:
-            raise RecipeError("model.norm_before_fc and model.fc_norm are mutually exclusive: set one of them")
+        flags = self.norm_flags(
+            norm_before_residual=norm_before_residual, norm_before_fc=norm_before_fc, fc_norm=fc_norm
+        )
         if num_layers < 1:
             raise RecipeError(f"model.num_layers must be >= 1, got {num_layers}")
         self.num_depths, self.cod_ratio, self.cod_min_ratio = num_depths, cod_ratio, cod_min_ratio
@@ -163,27 +167,12 @@ class PEagle(DraftObjective):
         frozen = self.load_target(target, "online", target_dtype, trust_remote_code)
         torch.manual_seed(seed)
         self.sampler = torch.Generator().manual_seed(seed)
-        flags = {"norm_before_residual": norm_before_residual, "norm_before_fc": norm_before_fc, "fc_norm": fc_norm}
         self.vocab_fixed = init_from is not None
         if init_from is not None:
-            self.drafter = self.drafter_from_checkpoint(init_from, peagle_kind.KIND)
-            trained = self.drafter.config.flags() | {"num_layers": self.drafter.config.num_layers}
-            for name, asked in (flags | {"num_layers": num_layers}).items():
-                if trained[name] != asked:
-                    raise RecipeError(
-                        f"model.{name} is {str(asked).lower()} but model.init_from {init_from!r} was trained with "
-                        f"{name}: {str(trained[name]).lower()}"
-                    )
+            self.drafter = self.drafter_from_init(init_from, flags | {"num_layers": num_layers})
         else:
             mask_id = self._mask_token_id(mask_token_id, frozen.vocab_size)
-            vocab_map.check_draft_vocab(draft_vocab_size, frozen.vocab_size, target)
-            base = Eagle3Config.from_target(frozen.config, draft_vocab_size, target_layers, **flags)
-            base.vocab_size = frozen.vocab_size
-            for i in base.aux_layers:
-                if not 0 <= i <= frozen.num_layers:
-                    raise RecipeError(
-                        f"model.target_layers: {i} is outside the target's hidden_states 0..{frozen.num_layers}"
-                    )
+            base = self.new_config(frozen, target, draft_vocab_size, target_layers, flags)
             self.drafter = PEagleDrafter(PEagleConfig(**base.to_dict(), mask_token_id=mask_id, num_layers=num_layers))
             with torch.no_grad():
                 self.drafter.embed_tokens.weight.copy_(frozen.model.get_input_embeddings().weight.float())
@@ -205,27 +194,6 @@ class PEagle(DraftObjective):
             "token of the tokenizer)",
         )
 
-    def trainable_module(self) -> nn.Module:
-        return self.drafter
-
-    def setup(self, stage: str) -> None:
-        datamodule = self.attached_datamodule()
-        self.check_data(datamodule, self.target.vocab_size)
-        if self.vocab_fixed:
-            return
-        dataset = getattr(datamodule, "train_dataset", None)
-        if dataset is None or not hasattr(dataset, "ids"):
-            raise RecipeError(
-                "P-EAGLE needs the training rows to count its draft vocabulary: the datamodule has no train_dataset "
-                "with ids and trained arrays (or pass model.init_from)"
-            )
-        rows = ((dataset.ids[i : i + 4096], dataset.trained[i : i + 4096]) for i in range(0, len(dataset.ids), 4096))
-        self.install_vocab_map(rows)
-
-    def install_vocab_map(self, rows) -> None:
-        """Count the trained labels of ``(ids, trained)`` chunks, install the map, copy the target's lm_head rows."""
-        vocab_map.install_vocab_map(self.drafter, self.target.lm_head_weight, rows)
-
     def sample(self, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """COD elements of every row, padded: anchor, depth [B, N] long and valid [B, N] bool (loss_mask [B, S])."""
         rows = []
@@ -246,7 +214,7 @@ class PEagle(DraftObjective):
         ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, S] each
         target = self.target_on(ids.device)
         drafter = self.drafter
-        hidden, argmax, probs = vocab_map.online_target_signals(target, ids, drafter, soft=True)  # probs [B, S, Vd]
+        hidden, argmax, probs = online_target_signals(target, ids, drafter, soft=True)  # probs [B, S, Vd]
         aux = torch.cat([h[:, :-1] for h in hidden], dim=-1)  # [B, S - 1, n Ht]
         anchor, depth, valid = self.sample(loss_mask)  # [B, N] each
         return self.parallel_loss(ids, loss_mask, aux, probs, argmax, anchor, depth, valid)

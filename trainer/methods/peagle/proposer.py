@@ -1,11 +1,11 @@
-"""P-EAGLE proposer: K drafts in one drafter forward (peagle_module.py), as a chain or a tree.
+"""P-EAGLE proposer: K drafts in one drafter forward (module.py), as a chain or a tree.
 
 The drafter's cache holds the depth-0 element of every committed position in each decoder layer, as EAGLE-3's proposer
-keeps it (proposer.py): each round's forward appends the positions whose target hidden states arrived with the context
-and, in the same forward, ``k - 1`` placeholders (``mask_hidden``, ``mask_token_id``) of the last one at positions
-``T - 1 .. T + k - 3``. The last new entry's logits give draft 1 and placeholder ``d`` gives draft ``d + 1``; the
-placeholders see the whole cache, the new entries and the placeholders before them (peagle_module.peagle_mask), and
-are dropped after the round.
+keeps it (trainer/methods/eagle3/proposer.py): each round's forward appends the positions whose target hidden states
+arrived with the context and, in the same forward, ``k - 1`` placeholders (``mask_hidden``, ``mask_token_id``) of the
+last one at positions ``T - 1 .. T + k - 3``. The last new entry's logits give draft 1 and placeholder ``d`` gives
+draft ``d + 1``; the placeholders see the whole cache, the new entries and the placeholders before them
+(module.peagle_mask), and are dropped after the round.
 
 The drafts of one round do not see each other's tokens (that is what makes them parallel), so depth ``d``'s
 distribution is that of a parallel head: the round is drafted as Medusa's and the MTP heads' are
@@ -25,7 +25,7 @@ import torch
 from trainer.decoding.heads_proposer import ParallelHeadsProposer
 from trainer.decoding.proposers import ProposalContext
 from trainer.decoding.tree import DraftTree
-from trainer.methods.eagle3.peagle_module import PEagleDrafter
+from trainer.methods.peagle.module import PEagleDrafter
 
 
 class PEagleProposer(ParallelHeadsProposer):
