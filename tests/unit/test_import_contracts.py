@@ -162,3 +162,12 @@ def test_a_declared_family_allows_the_child_to_import_its_parent(copy: Path):
     assert verdicts[INDEPENDENT] == "BROKEN", output
     assert "trainer.methods.peagle.objective -> trainer.methods.eagle3.objective" in output, output
     assert "trainer.methods.peagle.proposer -> trainer.methods.eagle3.export" in output, output
+
+
+def test_a_declared_family_whose_child_imports_nothing_of_its_parent_is_an_error(copy: Path):
+    pyproject = copy / "pyproject.toml"
+    stale = '    "trainer.methods.medusa.** -> trainer.methods.mtp.**",\n'
+    pyproject.write_text(FAMILY.sub(lambda m: m.group(0) + stale, pyproject.read_text()))
+    status, _, output = lint_imports(copy)
+    assert status != 0, output
+    assert "trainer.methods.medusa.** -> " in output, output
