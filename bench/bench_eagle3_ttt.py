@@ -2,7 +2,7 @@
 without recomputing the earlier TTT steps in backward (``model.recompute``), beside P-EAGLE drafting the same K in one
 parallel pass (``num_depths`` K, COD sampling at the recipe's 0.7 / 0.2 and with every element kept, ``cod_ratio`` 1).
 
-    .venv/bin/python bench/bench_eagle3_ttt.py [--hidden 256] [--layers 4] [--vocab 8192] [--seq-len 256] [--batch 2]
+    python -m bench.bench_eagle3_ttt [--hidden 256] [--layers 4] [--vocab 8192] [--seq-len 256] [--batch 2]
 
 A random Llama target of the given shape is saved to a temporary directory; for K = 1, 3, 7, each configuration's
 forward and backward is timed (median of a few, the configurations taking turns so that load changes hit all alike)
@@ -23,42 +23,13 @@ import time
 
 import numpy as np
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from bench.common import step_memory
 from trainer.methods.eagle3.objective import Eagle3
 from trainer.methods.peagle.objective import PEagle
 
 COD = {"cod 0.7/0.2": (0.7, 0.2), "cod 1": (1.0, 1.0)}  # P-EAGLE's configurations: (cod_ratio, cod_min_ratio)
-
-
-def memory(step_forward, device: torch.device) -> tuple[int, int]:
-    """(held, peak) bytes of one forward (``step_forward()`` returns the loss) and its backward."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        start = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        loss = step_forward()
-        torch.cuda.synchronize()
-        held = torch.cuda.memory_allocated() - start
-        loss.backward()
-        torch.cuda.synchronize()
-        return held, torch.cuda.max_memory_allocated() - start
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        loss = step_forward()
-        with record_function("bench_backward"):
-            loss.backward()
-    events = prof.events()
-    split = next(e.time_range.start for e in events if e.name == "bench_backward")
-    # each allocation and free is attributed to the op it happens in (its self memory), at that op's start
-    timeline = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in events if e.self_cpu_memory_usage)
-    running, peak, held = 0, 0, 0
-    for at, delta in timeline:
-        running += delta
-        peak = max(peak, running)
-        if at < split:
-            held = running
-    return held, peak
 
 
 def main() -> None:
@@ -116,7 +87,7 @@ def main() -> None:
         results = {}
         for key, objective in objectives.items():
             objective.drafter.zero_grad(set_to_none=True)  # gradients of earlier steps would count as held
-            held, peak = memory(lambda o=objective: o.compute_loss(batch)[0], device)
+            held, peak = step_memory(lambda o=objective: o.compute_loss(batch)[0], device)
             results[key] = (statistics.median(times[key]), held, peak)
     t1, h1, p1 = results[("eagle3", 1, "no recompute")]
     print(

@@ -4,7 +4,7 @@ Every test here is marked ``gpu`` and skipped, with the reason, where ``torch.cu
 about 8 minutes on one H200-class GPU (an estimate until its first run): a real-shape cut target
 (``tests/real_shapes.py``, Llama-3.1-8B's published config cut to ``DRAFTSMITH_GPU_LAYERS`` layers, random bf16
 weights) built once under ``.cache/gpu_suite``, every objective for ``DRAFTSMITH_GPU_STEPS`` bf16 steps at
-``DRAFTSMITH_GPU_SEQ`` tokens (bench/real_width.py, the runner the CPU benchmark uses), flex attention against the
+``DRAFTSMITH_GPU_SEQ`` tokens (tests/real_width.py, the runner the CPU table uses), flex attention against the
 dense path, the engine's greedy identity and tree tests on CUDA, and ZeRO-2, ZeRO-3 and FSDP2 fits of one process
 with a resume.
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.real_width import Result, Settings, markdown_table, write_json
+from tests.real_width import Result, Settings, markdown_table, write_json
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = REPO / ".cache" / "gpu_suite"
@@ -121,6 +121,6 @@ def cut_target() -> Path:
 @pytest.fixture(scope="session")
 def text_data() -> Path:
     """Standard-library source as a text jsonl: enough rows of SEQ tokens for every run."""
-    from bench.real_width import write_text_data
+    from tests.real_width import write_text_data
 
     return write_text_data(CACHE / "text.jsonl", chars=(STEPS + 4) * SEQ * 8)

@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from bench.real_width import objective_kwargs
 from tests.gpu.conftest import SEQ, settings
+from tests.real_width import objective_kwargs
 
 pytestmark = pytest.mark.gpu
 DEVICE = torch.device("cuda")

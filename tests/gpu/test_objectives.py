@@ -1,5 +1,5 @@
 """Every objective for DRAFTSMITH_GPU_STEPS (20) bf16 steps on the real-shape cut target, through the runner the CPU
-benchmark uses (bench/real_width.py): tokens/s and peak memory per objective for the summary table and
+benchmark uses (tests/real_width.py): tokens/s and peak memory per objective for the summary table and
 gpu_results.json, finite losses, and greedy speculative decoding with the trained drafter identical to the target's
 own output on CUDA."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.real_width import OBJECTIVES, Result, run_objective
 from tests.gpu.conftest import record_objective, settings
+from tests.real_width import OBJECTIVES, Result, run_objective
 
 pytestmark = pytest.mark.gpu
 

@@ -1,6 +1,6 @@
 """ZeRO-2, ZeRO-3 and FSDP2 on one GPU: the real ``draftsmith fit`` (one process, nccl) of the KD recipe
 (recipes/quickstart/kd.yaml with recipes/_base/<strategy>) on the real-shape cut target with a real-width student
-(bench/real_width.REAL_STUDENT), bf16-mixed: stopped after 2 steps, resumed from ``last`` to step 3. The three runs go
+(tests/real_width.REAL_STUDENT), bf16-mixed: stopped after 2 steps, resumed from ``last`` to step 3. The three runs go
 side by side (one GPU holds them), then the three resumes."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.real_width import REAL_STUDENT
 from tests.gpu.conftest import REPO
+from tests.real_width import REAL_STUDENT
 from tests.recipe_runs import RECIPES, kd_override, record_batches, write_override
 
 pytestmark = pytest.mark.gpu

@@ -1,4 +1,4 @@
-"""The shared runner of the GPU suite and the real-width benchmark (bench/real_width.py) on CPU, on a tiny random
+"""The shared runner of the GPU suite and the real-width benchmark (tests/real_width.py) on CPU, on a tiny random
 target: it trains an objective through Lightning for warm-up + measured steps, counts exactly the measured steps'
 tokens, takes their peak memory, drafts losslessly with the trained drafter, and writes its table and JSON. The GPU
 suite (tests/gpu) runs the same code with device="cuda" at real width."""
@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from bench.real_width import (
+from tests.real_width import (
     OBJECTIVES,
     Result,
     Settings,
@@ -70,7 +70,7 @@ def test_kd_runs_counts_the_measured_tokens_and_drafts_losslessly(tiny, tmp_path
 
 
 def test_a_run_that_would_not_fit_is_skipped_with_its_figures(tiny, tmp_path, monkeypatch):
-    import bench.real_width as runner
+    import tests.real_width as runner
 
     monkeypatch.setattr(runner, "available_gib", lambda: 0.5)
     result = run_objective("kd", tiny[0], tiny[1], SETTINGS, tmp_path, memory_check=True)

@@ -1,5 +1,5 @@
 """One training-step runner for every objective at real width, shared by the GPU suite (tests/gpu, ``make test-gpu``)
-and the CPU benchmark (bench/bench_real_width_throughput.py): the same code measures both tables.
+and the CPU table (``python -m tests.real_width_throughput``): the same code measures both tables.
 
 :func:`run_objective` builds an objective on a target folder (a real-shape cut from ``tests/real_shapes.py``, or a
 tiny random one in the unit test), trains it through a Lightning ``Trainer`` (its own ``setup``: data checks, EAGLE-3's
@@ -186,6 +186,7 @@ def objective_kwargs(name: str, target: Path, settings: Settings) -> tuple[type,
         return PEagle, {**common, **kwargs, **cod}, {}  # dense, its default: COD changes the shapes every step
     if name in ("dflash", "dspark"):
         from trainer.methods.dflash.objective import DFlash
+        from trainer.methods.dspark.objective import DSpark
 
         kwargs = {
             "num_draft_layers": p.dflash_layers, "target_layers": context_layers(layers), "block_size": 16,
@@ -194,7 +195,7 @@ def objective_kwargs(name: str, target: Path, settings: Settings) -> tuple[type,
         }  # fmt: skip
         if name == "dspark":
             kwargs.update(markov_rank=p.markov_rank, enable_confidence_head=True, confidence_head_with_markov=True)
-        return DFlash, {**common, **chunk, **kwargs}, {}
+        return DSpark if name == "dspark" else DFlash, {**common, **chunk, **kwargs}, {}
     if name in ("medusa1", "medusa2"):
         from trainer.methods.medusa.objective import Medusa
 

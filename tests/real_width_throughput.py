@@ -1,20 +1,23 @@
 """Training throughput and peak memory of every objective at real width on CPU, side by side in one run.
 
-    python bench/bench_real_width_throughput.py [--model llama31_8b] [--layers 2] [--seq 128] [--steps 2] \
+    python -m tests.real_width_throughput [--model llama31_8b] [--layers 2] [--seq 128] [--steps 2] \
         [--warmup 1] [--objectives kd,on_policy,eagle3,peagle,dflash,dspark,medusa1,mtp]
 
 Builds a real-shape cut target (tests/real_shapes.py: the published config of ``--model`` cut to ``--layers`` layers,
 random weights, the real vocabulary) and trains each objective on it, one after the other in this process, through
-the runner the GPU suite uses (bench/real_width.py, profile ``cpu``: the recipes' settings with DFlash at one draft
+the runner the GPU suite uses (tests/real_width.py, profile ``cpu``: the recipes' settings with DFlash at one draft
 layer and 32 anchors, one Medusa head), in float32 (bf16 matmuls are some 30 times slower on these CPUs) on one
 thread. Reports tokens/s and its ratio to KD, seconds per step, the peak resident set of the measured steps and the
 trainable parameters, as a markdown table printed and written to ``--out`` (with a JSON beside it).
 
-Each objective runs in a process of its own (this script with ``--child``), one at a time, started when the memory
+Each objective runs in a process of its own (this module with ``--child``), one at a time, started when the memory
 available holds the float32 target and 4 GiB more (``--wait`` minutes at most): the machine is shared. Objectives that
 train the whole target (Medusa-2, MTP heads, LayerSkip: 1.5 B parameters and their fp32 Adam states) are left to the
 GPU suite; an objective whose gradients and Adam states would not fit the memory available once it is built is
 skipped, with both figures in its row.
+
+It lives in tests/, beside the runner and the real-shape targets it shares with the GPU suite (as the rehearsal's
+table does), and runs from the repository root.
 """
 
 from __future__ import annotations
@@ -30,10 +33,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.real_width import (  # noqa: E402
+from tests.real_shapes import build_cut_target
+from tests.real_width import (
     OBJECTIVES,
     TRAINS_THE_TARGET,
     Result,
@@ -45,7 +46,8 @@ from bench.real_width import (  # noqa: E402
     write_json,
     write_text_data,
 )
-from tests.real_shapes import build_cut_target  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULT = [name for name in OBJECTIVES if name not in TRAINS_THE_TARGET]
 
@@ -95,8 +97,8 @@ def main() -> None:
             results.append(skipped(name, f"{available_gib():.1f} GiB available after {args.wait} min, {need:.1f} "
                                    "needed to start", settings))  # fmt: skip
             continue
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--child", name]
-        child = subprocess.run(cmd, capture_output=True, text=True)
+        cmd = [sys.executable, "-m", "tests.real_width_throughput", *sys.argv[1:], "--child", name]
+        child = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         lines = [line for line in child.stdout.splitlines() if line.startswith("RESULT ")]
         if lines:
             result = Result(**json.loads(lines[-1][len("RESULT ") :]))
