@@ -26,22 +26,23 @@ The KD functions return :class:`LossParts` (``loss``, and the detached ``kd`` an
 :func:`chunked_cross_entropy` returns the scalar loss.
 
 Memory. The full-vocabulary float32 logits of both models for the whole batch never exist at once, in forward or
-backward. Only the selected positions are processed, ``chunk_size`` of them at a time: each chunk is projected (fused
-variants), upcast to float32 and reduced, and the gradient with respect to that chunk's logits is taken right away
-(``torch.autograd.grad`` inside a custom ``autograd.Function``) and folded into the gradients of the inputs (student
-logits, or student hidden states and head weight). Backward then only scales these stored gradients, so nothing is
-recomputed and only one chunk's float32 intermediates are alive at a time. The teacher is always a constant: no
-gradient reaches teacher logits, hidden states or weights. ``chunk_size=None`` processes all selected positions as
-one chunk. The gradient is computed during the forward pass only when grad mode is on and an input requires grad.
-The fused functions read the head weight directly: under DeepSpeed ZeRO-3 the caller must gather it first.
+backward: every loss here runs on the chunked-loss engine (trainer/chunked_loss.py). Only the selected positions are
+processed, ``chunk_size`` of them at a time: each chunk is projected (fused variants), upcast to float32 and reduced,
+and the gradient with respect to that chunk's logits is taken right away (by autograd on the chunk, or in closed form
+for :func:`cross_entropy_with_grads`) and folded into the gradients of the inputs (student logits, or student hidden
+states and head weight). Backward then only scales these stored gradients, so nothing is recomputed and only one
+chunk's float32 intermediates are alive at a time. The teacher is always a constant: no gradient reaches teacher
+logits, hidden states or weights. ``chunk_size=None`` processes all selected positions as one chunk. The gradient is
+computed during the forward pass only when grad mode is on and an input requires grad. The fused functions read the
+head weight directly: under DeepSpeed ZeRO-3 the caller must gather it first.
 
 Output scaling. Some architectures scale their logits in their own forward after the lm_head (Cohere's
 ``logit_scale``, Granite's ``logits_scaling``, Gemma-2's ``final_logit_softcapping``: trainer/logit_scaling.py). The
 fused variants project with the bare head weight, so a model's own distribution needs its :class:`LogitScaling`:
 ``fused_kd_loss(..., student_scaling=, teacher_scaling=)`` and ``chunked_cross_entropy(..., scaling=)`` apply it to
-each chunk's float32 logits (the teacher's under no_grad; the student's under autograd, its gradient taken with respect
-to the raw logits ``hidden @ weight.T``, so the chain rule through the projection is unchanged). None or the identity
-costs nothing. The full-logit variants (:func:`kd_loss`, :func:`sparse_kd_loss`) take logits already scaled (a
+each chunk's float32 logits (the teacher's without gradient; the student's gradient is carried through the scaling's
+derivative to the raw logits ``hidden @ weight.T``, so the chain rule through the projection is unchanged). None or the
+identity costs nothing. The full-logit variants (:func:`kd_loss`, :func:`sparse_kd_loss`) take logits already scaled (a
 model's forward output).
 
 Errors: an all-zero ``loss_mask`` raises ``ValueError`` naming ``loss_mask``; NaN checks belong to the caller.
@@ -56,6 +57,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from trainer.chunked_loss import (
+    Target,
+    Term,
+    autograd_rows,
+    chunked_loss,
+    chunked_loss_with_grads,
+    cross_entropy_rows,
+    kl_from_log_probs,
+)
 from trainer.logit_scaling import LogitScaling
 
 IGNORE_INDEX = -100
@@ -80,17 +90,6 @@ class LossParts:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Per-position divergences on float32 log-probabilities.
-
-
-def kl_from_log_probs(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
-    """``KL(a || b) = sum_v a_v (log a_v - log b_v)`` over the last dim; terms with ``a_v == 0`` count 0.
-
-    log_a, log_b: [..., V] log-probabilities. Returns [...].
-    """
-    # Clamping -inf to the lowest finite float makes 0 * (-inf) terms 0 (and their gradients finite) with fewer
-    # [..., V] temporaries than a torch.where; a term with a_v > 0 and b_v == 0 still comes out (near) infinite.
-    lowest = torch.finfo(log_a.dtype).min
-    return (log_a.exp() * (log_a.clamp(min=lowest) - log_b.clamp(min=lowest))).sum(-1)
 
 
 def divergence_from_log_probs(
@@ -143,22 +142,16 @@ def _sparse_rows(student_logits: torch.Tensor, ids: torch.Tensor, teacher_lp: to
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Chunked driver.
+# The objective per row, on the chunked-loss engine (trainer/chunked_loss.py).
 
 
 @dataclass
-class _Plan:
-    """What one call reduces: the selected flat positions, their weights and labels, and the per-row KD."""
+class _RowTargets:
+    """What a chunk of C selected positions is scored against: the teacher (dense logits [C, V] float32, or top-k ids
+    [C, k] and log-probabilities [C, k]) and the labels [C]."""
 
-    idx: torch.Tensor  # [n] int64: flat positions (b * S + s) with a non-zero loss_mask
-    weights: torch.Tensor  # [n] float32
-    labels: torch.Tensor | None  # [n] int64, or None
-    kd_rows: Callable[[torch.Tensor, int, int], torch.Tensor] | None  # (logits [C, V] f32, start, end) -> [C]
-    alpha: float
-    chunk_size: int | None
-    kd_den: torch.Tensor  # [] sum of weights
-    ce_den: torch.Tensor  # [] sum of weights where label != -100
-    scaling: LogitScaling | None = None  # the student's output scaling (fused variants; None: none, or the identity)
+    teacher: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None
+    labels: torch.Tensor | None
 
 
 def _active(scaling: LogitScaling | None) -> LogitScaling | None:
@@ -166,97 +159,55 @@ def _active(scaling: LogitScaling | None) -> LogitScaling | None:
     return None if scaling is None or scaling.is_identity else scaling
 
 
-def _chunk_terms(plan: _Plan, logits: torch.Tensor, start: int, end: int):
-    """(objective part, weighted KD sum, weighted CE sum) of rows start:end. logits: [C, V] float32."""
-    w = plan.weights[start:end]  # [C]
-    zero = logits.new_zeros(())
-    objective, kd_sum, ce_sum = zero, zero, zero
-    if plan.kd_rows is not None:
-        with torch.set_grad_enabled(torch.is_grad_enabled() and plan.alpha < 1.0):
-            kd_sum = (plan.kd_rows(logits, start, end) * w).sum()
-        if plan.alpha < 1.0:
-            objective = objective + (1.0 - plan.alpha) * kd_sum / plan.kd_den
-    if plan.labels is not None:
-        with torch.set_grad_enabled(torch.is_grad_enabled() and plan.alpha > 0.0):
-            ce_rows = F.cross_entropy(logits, plan.labels[start:end], ignore_index=IGNORE_INDEX, reduction="none")
-            ce_sum = (ce_rows * w).sum()  # ce_rows: [C], 0 where the label is -100
-        if plan.alpha > 0.0:
-            objective = objective + plan.alpha * ce_sum / plan.ce_den
-    return objective, kd_sum.detach(), ce_sum.detach()
+def _objective_rows(kd_rows: Callable | None, alpha: float, kd_den: torch.Tensor, ce_den: torch.Tensor):
+    """Per row, ``(1 - alpha) * kd_i / kd_den + alpha * ce_i / ce_den`` (each part only where its factor is not 0) and
+    the parts ``(kd_i, ce_i)`` [C] as statistics: the weighted sum over the rows is the objective of the module
+    docstring. ``kd_rows(logits [C, V] float32, teacher) -> [C]``."""
+
+    def rows(logits: torch.Tensor, target: _RowTargets) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        zero = logits.new_zeros(logits.shape[0])  # [C]
+        objective, kd, ce = zero, zero, zero
+        if kd_rows is not None:
+            with torch.set_grad_enabled(torch.is_grad_enabled() and alpha < 1.0):
+                kd = kd_rows(logits, target.teacher)  # [C]
+            if alpha < 1.0:
+                objective = objective + kd * ((1.0 - alpha) / kd_den)
+        if target.labels is not None:
+            with torch.set_grad_enabled(torch.is_grad_enabled() and alpha > 0.0):
+                ce = F.cross_entropy(logits, target.labels, ignore_index=IGNORE_INDEX, reduction="none")  # [C]
+            if alpha > 0.0:
+                objective = objective + ce * (alpha / ce_den)
+        return objective, (kd.detach(), ce.detach())
+
+    return rows
 
 
-def _grad_times_weight(g: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The input gradient g [C, V] @ weight [V, D], in the weight's dtype: [C, D]. On CPU a reduced-precision g is laid
-    out column-major first: PyTorch's CPU bf16 GEMM on a machine without bf16 instructions takes a scalar path for a
-    row-major [C, V] @ [V, D] (55 s against 0.9 s for C = 128, V = 8,192, D = 4,096 on one thread)."""
-    g = g.to(weight.dtype)  # [C, V]
-    if g.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16):
-        g = g.t().contiguous().t()
-    return g @ weight  # [C, D]
+def _reduce(
+    term: Term,
+    idx: torch.Tensor,
+    weights: torch.Tensor,
+    labels: torch.Tensor | None,
+    teacher: Callable[[torch.Tensor], torch.Tensor | tuple[torch.Tensor, torch.Tensor]] | None,
+    kd_rows: Callable | None,
+    alpha: float,
+    chunk_size: int | None,
+    kd_den: torch.Tensor,
+    ce_den: torch.Tensor,
+    scaling: LogitScaling | None = None,
+) -> LossParts:
+    """The objective of the selected flat positions ``idx`` [n] (weights [n], labels [n] or None) on the engine, in
+    float32; ``teacher(flat ids [C])`` gives a chunk's teacher for ``kd_rows``."""
 
+    def targets(part: slice) -> _RowTargets:
+        return _RowTargets(None if teacher is None else teacher(idx[part]), None if labels is None else labels[part])
 
-def _run_chunks(student: torch.Tensor, weight: torch.Tensor | None, plan: _Plan, grad_student: bool, grad_weight: bool):
-    """Loss parts and, when asked, the gradients of the objective w.r.t. student [N, D] and weight [V, D].
-
-    The gradient is taken with respect to each chunk's raw float32 logits (``rows @ weight.T``, or the student's
-    logits themselves), through ``plan.scaling`` when there is one, so ``g @ weight`` and ``g.T @ rows`` are the
-    chain rule through the projection whether or not the logits are scaled."""
-    n = plan.idx.numel()
-    step = plan.chunk_size or n
-    need_grad = grad_student or grad_weight
-    g_student = torch.zeros_like(student) if grad_student else None  # [N, D]
-    g_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grad_weight else None  # [V, D]
-    objective = kd = ce = student.new_zeros((), dtype=torch.float32)
-    for start in range(0, n, step):
-        end = min(start + step, n)
-        ids = plan.idx[start:end]  # [C]
-        rows = student.detach().index_select(0, ids)  # [C, D]
-        raw = rows @ weight.detach().t() if weight is not None else rows  # [C, V], input dtype
-        raw = raw.float().detach().requires_grad_(need_grad)  # [C, V] float32, the leaf the gradient is taken at
-        with torch.set_grad_enabled(need_grad):
-            logits = raw if plan.scaling is None else plan.scaling(raw)  # [C, V] float32, the model's own logits
-            obj_c, kd_c, ce_c = _chunk_terms(plan, logits, start, end)
-        if need_grad:
-            (g,) = torch.autograd.grad(obj_c, raw)  # [C, V] float32, through the scaling
-            if weight is None:
-                g_student.index_copy_(0, ids, g.to(g_student.dtype))
-            else:
-                if grad_student:
-                    g_student.index_copy_(0, ids, _grad_times_weight(g, weight.detach()).to(g_student.dtype))
-                if grad_weight:
-                    g_weight.addmm_(g.t(), rows.float())  # [V, D] += [V, C] @ [C, D]
-        objective, kd, ce = objective + obj_c.detach(), kd + kd_c, ce + ce_c
-    if g_weight is not None:
-        g_weight = g_weight.to(weight.dtype)
-    return objective, kd / plan.kd_den, ce / plan.ce_den, g_student, g_weight
-
-
-class _ChunkedObjective(torch.autograd.Function):
-    """Forward computes the loss and the input gradients chunk by chunk; backward scales the stored gradients."""
-
-    @staticmethod
-    def forward(ctx, student, weight, plan):
-        grad_student, grad_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        objective, kd, ce, g_student, g_weight = _run_chunks(student, weight, plan, grad_student, grad_weight)
-        ctx.grads = (g_student, g_weight)
-        ctx.mark_non_differentiable(kd, ce)
-        return objective, kd, ce
-
-    @staticmethod
-    def backward(ctx, grad_objective, _grad_kd, _grad_ce):
-        g_student, g_weight = ctx.grads
-        g_student = g_student * grad_objective.to(g_student.dtype) if g_student is not None else None
-        g_weight = g_weight * grad_objective.to(g_weight.dtype) if g_weight is not None else None
-        return g_student, g_weight, None
-
-
-def _reduce(student: torch.Tensor, weight: torch.Tensor | None, plan: _Plan) -> LossParts:
-    needs_grad = torch.is_grad_enabled() and (student.requires_grad or (weight is not None and weight.requires_grad))
-    if needs_grad:
-        objective, kd, ce = _ChunkedObjective.apply(student, weight, plan)
-    else:
-        objective, kd, ce, _, _ = _run_chunks(student, weight, plan, False, False)
-    return LossParts(loss=objective, kd=kd, ce=ce if plan.labels is not None else None)
+    out = chunked_loss(
+        [term], autograd_rows(_objective_rows(kd_rows, alpha, kd_den, ce_den)), targets, weights,
+        index=idx, chunks=chunk_size, scaling=_active(scaling), dtype=torch.float32,
+    )  # fmt: skip
+    kd_rows_out, ce_rows_out = out.stats  # [n] each
+    kd, ce = (kd_rows_out * weights).sum() / kd_den, (ce_rows_out * weights).sum() / ce_den
+    return LossParts(loss=out.total, kd=kd, ce=ce if labels is not None else None)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -356,12 +307,14 @@ def kd_loss(
     idx, w, lab, kd_den, ce_den = _select(loss_mask, labels, (b, s), v, alpha)
     teacher = teacher_logits.detach().reshape(b * s, v)  # [N, V]
 
-    def kd_rows(logits: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        t_logits = teacher.index_select(0, idx[start:end]).float()  # [C, V]
+    def teacher_rows(ids: torch.Tensor) -> torch.Tensor:
+        return teacher.index_select(0, ids).float()  # [C, V]
+
+    def kd_rows(logits: torch.Tensor, t_logits: torch.Tensor) -> torch.Tensor:
         return _dense_rows(logits, t_logits, divergence, beta, temperature)
 
-    plan = _Plan(idx, w, lab, kd_rows, alpha, chunk_size, kd_den, ce_den)
-    return _reduce(student_logits.reshape(b * s, v), None, plan)
+    term = Term(student_logits.reshape(b * s, v))
+    return _reduce(term, idx, w, lab, teacher_rows, kd_rows, alpha, chunk_size, kd_den, ce_den)
 
 
 def fused_kd_loss(
@@ -401,15 +354,16 @@ def fused_kd_loss(
     t_weight = teacher_lm_head_weight.detach()  # [V, Ht]
     t_scaling = _active(teacher_scaling)
 
-    def kd_rows(logits: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        with torch.no_grad():
-            t_logits = (t_hidden.index_select(0, idx[start:end]) @ t_weight.t()).float()  # [C, V]
-            if t_scaling is not None:
-                t_logits = t_scaling(t_logits)  # [C, V] the teacher's own logits
+    @torch.no_grad()
+    def teacher_rows(ids: torch.Tensor) -> torch.Tensor:
+        t_logits = (t_hidden.index_select(0, ids) @ t_weight.t()).float()  # [C, V]
+        return t_logits if t_scaling is None else t_scaling(t_logits)  # [C, V] the teacher's own logits
+
+    def kd_rows(logits: torch.Tensor, t_logits: torch.Tensor) -> torch.Tensor:
         return _dense_rows(logits, t_logits, divergence, beta, temperature)
 
-    plan = _Plan(idx, w, lab, kd_rows, alpha, chunk_size, kd_den, ce_den, _active(student_scaling))
-    return _reduce(student_hidden.reshape(b * s, h), student_lm_head_weight, plan)
+    term = Term(student_hidden.reshape(b * s, h), student_lm_head_weight)
+    return _reduce(term, idx, w, lab, teacher_rows, kd_rows, alpha, chunk_size, kd_den, ce_den, student_scaling)
 
 
 def chunked_cross_entropy(
@@ -431,8 +385,8 @@ def chunked_cross_entropy(
     if tuple(labels.shape) == (b, s) and not bool((labels != IGNORE_INDEX).any()):
         raise ValueError(f"labels are all {IGNORE_INDEX}: no position to compute the cross entropy on")
     idx, w, lab, kd_den, ce_den = _select(None, labels, (b, s), v, 1.0)
-    plan = _Plan(idx, w, lab, None, 1.0, chunk_size, kd_den, ce_den, _active(scaling))
-    return _reduce(hidden.reshape(b * s, h), lm_head_weight, plan).loss
+    term = Term(hidden.reshape(b * s, h), lm_head_weight)
+    return _reduce(term, idx, w, lab, None, None, 1.0, chunk_size, kd_den, ce_den, scaling).loss
 
 
 def sparse_kd_loss(
@@ -482,14 +436,14 @@ def sparse_kd_loss(
     ids_flat = teacher_topk_ids.reshape(b * s, k)  # [N, k]
     lp_flat = teacher_topk_logprobs.detach().reshape(b * s, k)  # [N, k]
 
-    def kd_rows(logits: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        rows = idx[start:end]
-        ids = ids_flat.index_select(0, rows).long()  # [C, k]
-        lp = lp_flat.index_select(0, rows).float()  # [C, k]
-        return _sparse_rows(logits, ids, lp, tail, temperature)
+    def teacher_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return ids_flat.index_select(0, rows).long(), lp_flat.index_select(0, rows).float()  # [C, k] each
 
-    plan = _Plan(idx, w, lab, kd_rows, alpha, chunk_size, kd_den, ce_den)
-    return _reduce(student_logits.reshape(b * s, v), None, plan)
+    def kd_rows(logits: torch.Tensor, teacher: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return _sparse_rows(logits, teacher[0], teacher[1], tail, temperature)
+
+    term = Term(student_logits.reshape(b * s, v))
+    return _reduce(term, idx, w, lab, teacher_rows, kd_rows, alpha, chunk_size, kd_den, ce_den)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -582,55 +536,26 @@ def cross_entropy_with_grads(
             raise ValueError(f"soft_targets.lm_head_weight has {soft_targets.lm_head_weight.shape[0]} rows, the "
                              f"student's vocabulary {v}")  # fmt: skip
     compute = torch.promote_types(hidden.dtype, torch.float32)
-    flat = hidden.detach().reshape(b * s, h)  # [N, H]
-    weight = lm_head_weight.detach()  # [V, H]
     lab = labels.reshape(-1)  # [N]
     idx = torch.nonzero(lab != IGNORE_INDEX).squeeze(-1)  # [n]
     n = idx.numel()
     if n and bool(((lab[idx] < 0) | (lab[idx] >= v)).any()):
         raise ValueError(f"labels hold ids outside [0, {v}) other than {IGNORE_INDEX}")
-    g_hidden = torch.zeros_like(flat) if grad_hidden else None  # [N, H]
-    g_weight = None
-    if grad_weight:
-        g_weight = weight_grad_out if weight_grad_out is not None else torch.zeros_like(weight, dtype=compute)  # [V, H]
-        if g_weight.shape != weight.shape or g_weight.dtype != compute:
-            raise ValueError(f"weight_grad_out must be {tuple(weight.shape)} {compute}, got {tuple(g_weight.shape)} "
-                             f"{g_weight.dtype}")  # fmt: skip
-    total = torch.zeros((), dtype=compute, device=hidden.device)
-    step = chunk_size or max(1, n)
-    scaling = _active(scaling)
-    for start in range(0, n, step):
-        ids = idx[start : start + step]  # [C]
-        rows = flat.index_select(0, ids)  # [C, H]
-        targets = lab.index_select(0, ids).long()  # [C]
-        logits = (rows @ weight.t()).to(compute)  # [C, V]
-        tanh_grad = None
-        if scaling is not None:
-            logits = scaling(logits)  # [C, V] the model's own logits
-            if scaling.softcap is not None and (grad_hidden or grad_weight):
-                tanh_grad = 1.0 - (logits / scaling.softcap).square()  # [C, V] 1 - tanh^2 of the soft-cap
-        lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [C, 1]
-        teacher = None if soft_targets is None else soft_targets.log_probs(ids, compute)  # [C, V] log p
-        if teacher is None:
-            total += (lse[:, 0] - logits.gather(-1, targets[:, None])[:, 0]).sum()
-        else:
-            total += kl_from_log_probs(teacher, logits - lse).sum()
-        if not (grad_hidden or grad_weight):
-            continue
-        g = logits.sub_(lse).exp_()  # [C, V] softmax, in place of the logits
-        if teacher is None:
-            g[torch.arange(ids.numel(), device=g.device), targets] -= 1.0
-        else:
-            g.sub_(teacher.exp_())  # [C, V] q - p
-        g.mul_(scale / n if scaling is None else scale / n * scaling.multiplier)
-        if tanh_grad is not None:
-            g.mul_(tanh_grad)  # [C, V] the gradient w.r.t. the raw logits
-        if grad_hidden:
-            g_hidden.index_copy_(0, ids, _grad_times_weight(g, weight).to(g_hidden.dtype))  # [C, H]
-        if grad_weight:
-            g_weight.addmm_(g.t(), rows.to(compute))  # [V, H] += [V, C] @ [C, H]
-    loss = total / max(1, n)
+    tokens = lab[idx].long()  # [n]
+
+    def targets(part: slice) -> Target:
+        if soft_targets is None:
+            return Target(ids=tokens[part])
+        return Target(log_probs=soft_targets.log_probs(idx[part], compute))  # [C, V] log p
+
+    term = Term(hidden.reshape(b * s, h), lm_head_weight)
+    out, [(g_hidden, g_weight)] = chunked_loss_with_grads(
+        [term], cross_entropy_rows, targets, torch.ones(n, dtype=compute, device=hidden.device),
+        [(grad_hidden, grad_weight)], index=idx, chunks=chunk_size, scaling=_active(scaling), dtype=compute,
+        grad_scale=scale / max(1, n), weight_grads_out=[weight_grad_out],
+    )  # fmt: skip
+    loss = out.total / max(1, n)
     g_hidden = g_hidden.view(b, s, h) if g_hidden is not None else None
     if g_weight is not None and weight_grad_out is None:
-        g_weight = g_weight.to(weight.dtype)
+        g_weight = g_weight.to(lm_head_weight.dtype)
     return loss, g_hidden, g_weight

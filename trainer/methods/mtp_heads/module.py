@@ -17,14 +17,14 @@ from predicts, not the data's tokens (:func:`head_soft_targets`).
 
 Three ways to run the heads' backward (:data:`HEAD_BACKWARDS`), all giving the naive gradients (tested in float64):
 
-- ``sequential``: :class:`_SequentialHeads`, a custom ``autograd.Function`` whose forward runs each head's forward
-  and backward in turn on *detached leaf copies* of ``z`` and of the head's, the norm's and the lm_head's parameters
+- ``sequential``: :class:`_SequentialHeads`, a custom ``autograd.Function`` whose forward runs each head's forward and
+  backward in turn on *detached leaf copies* of ``z`` and of the head's, the norm's and the lm_head's parameters
   (``torch.func.functional_call``), accumulating d(loss)/dz and the parameter gradients, with the logits computed and
-  freed a chunk of positions at a time (``trainer.losses.chunked_cross_entropy``); its backward returns the stored
-  gradients times ``grad_output``. The trunk then runs one backward. No gradient hook of DDP or DeepSpeed fires inside
-  (the leaves are not the parameters), so they see one backward in which every parameter's gradient arrives once (the
-  shared lm_head's summed over heads), with or without gradient accumulation. It reads parameters directly, so it
-  needs whole parameters: DDP, ZeRO-1/2, one process.
+  freed a chunk of positions at a time (``trainer.losses.cross_entropy_with_grads``, on the chunked-loss engine of
+  trainer/chunked_loss.py); its backward returns the stored gradients times ``grad_output``. The trunk then runs one
+  backward. No gradient hook of DDP or DeepSpeed fires inside (the leaves are not the parameters), so they see one
+  backward in which every parameter's gradient arrives once (the shared lm_head's summed over heads), with or without
+  gradient accumulation. It reads parameters directly, so it needs whole parameters: DDP, ZeRO-1/2, one process.
 - ``checkpoint``: for ZeRO-3 and FSDP2, where a parameter is only a shard outside its module's forward: every head's
   loss runs under ``torch.utils.checkpoint`` (``use_reentrant=False``) through the modules' own forwards, so each
   head's logits are freed after its forward and recomputed, one head at a time, in backward.
@@ -58,9 +58,10 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
+from trainer.chunked_loss import RowLosses, Term, chunked_loss, kl_from_log_probs
 from trainer.decoding.session import slice_refusal
 from trainer.logit_scaling import LogitScaling
-from trainer.losses import SoftTargets, cross_entropy_with_grads, fused_kd_loss, kd_loss, kl_from_log_probs
+from trainer.losses import SoftTargets, cross_entropy_with_grads, fused_kd_loss, kd_loss
 
 HEAD_BACKWARDS = ("sequential", "checkpoint", "naive")
 IGNORE_INDEX = -100
@@ -351,7 +352,6 @@ class MTPHeads(nn.Module):
         entropy on its labels, or its KL from ``soft[i]`` where given (the accuracies are against the labels)."""
         n, top_k = self.num_heads, self.agreement.shape[1]
         weight = self.model.lm_head.weight  # [V, H]
-        scaling = self.scaling
         norm = self.model.get_decoder().norm
         compute = torch.promote_types(z.dtype, torch.float32)
         losses = torch.zeros(n, dtype=compute, device=z.device)
@@ -362,8 +362,6 @@ class MTPHeads(nn.Module):
         for i in range(n):
             normed = norm(self.head(i)(z, **inputs.kwargs())).flatten(0, 1)  # [B*S, H]
             labels = per_head[i].flatten()  # [B*S]
-            if i == 0:
-                argmax0 = torch.empty_like(labels)
             reference = None
             if i > 0 and measure:
                 reference = head_labels(argmax0.view_as(per_head[0]), i).flatten()  # [B*S]
@@ -372,35 +370,25 @@ class MTPHeads(nn.Module):
             if i == 0 and measure:
                 wanted = torch.ones_like(wanted)  # head 0's argmax everywhere: the extra heads' references
             rows = torch.nonzero(wanted).squeeze(-1)  # [N]
-            step = chunk_size or max(1, rows.numel())
-            ce_sum, hits, count = 0.0, 0.0, 0
-            for start in range(0, rows.numel(), step):
-                ids = rows[start : start + step]  # [C]
-                logits = normed.index_select(0, ids) @ weight.t()  # [C, V]
-                logits = scaling(logits.to(torch.promote_types(logits.dtype, torch.float32)))  # [C, V]
-                if i == 0:
-                    argmax0[ids] = logits.argmax(-1)
-                lab = labels[ids]  # [C]
-                valid = lab != IGNORE_INDEX  # [C]
-                if bool(valid.any()):
-                    lse = torch.logsumexp(logits[valid], dim=-1)  # [c]
-                    if soft[i] is None:
-                        ce_sum += float((lse - logits[valid].gather(-1, lab[valid][:, None])[:, 0]).sum())
-                    else:
-                        teacher = soft[i].log_probs(ids[valid], logits.dtype)  # [c, V]
-                        ce_sum += float(kl_from_log_probs(teacher, logits[valid] - lse[:, None]).sum())
-                    hits += float((logits[valid].argmax(-1) == lab[valid]).sum())
-                    count += int(valid.sum())
-                if reference is not None:
-                    ref = reference[ids]  # [C]
-                    ok = ref != IGNORE_INDEX
-                    if bool(ok.any()):
-                        ref_logit = logits[ok].gather(-1, ref[ok][:, None])  # [c, 1]
-                        ranks = (logits[ok] > ref_logit).sum(-1)  # [c]: the rank of head 0's token in head i
-                        agreement[i - 1] += torch.bincount(ranks[ranks < top_k], minlength=top_k).double()
-                        counts[i - 1] += int(ok.sum())
-            losses[i] = ce_sum / max(1, count)
-            accuracy[i] = hits / max(1, count)
+            targets = _EvalTargets(rows, labels[rows], None if reference is None else reference[rows], soft[i], compute)
+            out = chunked_loss(
+                [Term(normed, weight)], _evaluation_rows, targets, (labels[rows] != IGNORE_INDEX).to(compute),
+                chunks=chunk_size, index=rows, scaling=self.scaling, dtype=compute,
+            )  # fmt: skip
+            if i == 0:
+                argmax0 = torch.full_like(labels, IGNORE_INDEX)  # [B*S]
+            if not out.stats:  # no row to score
+                continue
+            guess, hits, ranks = out.stats  # [N] each: the argmax, right (labelled rows), rank of the reference (or -1)
+            count = int((labels[rows] != IGNORE_INDEX).sum())
+            if i == 0:
+                argmax0.index_copy_(0, rows, guess)
+            losses[i] = out.total / max(1, count)
+            accuracy[i] = float(hits.sum()) / max(1, count)
+            if reference is not None:
+                ranked = ranks[ranks >= 0]
+                agreement[i - 1] += torch.bincount(ranked[ranked < top_k], minlength=top_k).double()
+                counts[i - 1] += ranked.numel()
         loss = sum(w * losses[i] for i, w in enumerate(weights))
         if not measure:
             return HeadsOutput(loss=loss, head_losses=losses)
@@ -436,6 +424,50 @@ class MTPHeads(nn.Module):
         if counts.numel() and float(counts.min()) > 0:
             self.agreement.copy_((agreement / counts[:, None]).to(self.agreement))
             self.agreement_count.fill_(float(counts.min()))
+
+
+@dataclass
+class _EvalTargets:
+    """What :meth:`MTPHeads._evaluate` scores a head's rows against, chunk by chunk (:func:`_evaluation_rows`)."""
+
+    rows: torch.Tensor  # [N] flat positions of the rows scored
+    labels: torch.Tensor  # [N] the head's labels there (-100: not labelled, scored only for its argmax)
+    reference: torch.Tensor | None  # [N] head 0's argmax at t + i (-100: none), or None: no agreement measured
+    soft: SoftTargets | None  # the original's distribution in place of the labels' tokens, or None
+    dtype: torch.dtype  # the compute dtype
+
+    def __call__(self, part: slice) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """A chunk's labels [C], references [C] (or None) and, with soft targets, the original's log-probabilities
+        [c, V] on its labelled rows."""
+        labels = self.labels[part]
+        reference = None if self.reference is None else self.reference[part]
+        if self.soft is None:
+            return labels, reference, None
+        return labels, reference, self.soft.log_probs(self.rows[part][labels != IGNORE_INDEX], self.dtype)
+
+
+def _evaluation_rows(logits: torch.Tensor, target: tuple, need_grad: bool) -> RowLosses:
+    """Per row of an evaluated head: the cross entropy of its label (or its KL from the original's distribution; 0
+    where unlabelled) and, as statistics, its argmax, whether that is the label, and the rank of head 0's token
+    (-1 where none). logits: [C, V]; target: :meth:`_EvalTargets.__call__`'s."""
+    labels, reference, teacher = target
+    valid = labels != IGNORE_INDEX  # [C]
+    guess = logits.argmax(-1)  # [C]
+    loss = logits.new_zeros(labels.shape[0])  # [C]
+    if bool(valid.any()):
+        scored = logits[valid]  # [c, V]
+        lse = torch.logsumexp(scored, dim=-1)  # [c]
+        if teacher is None:
+            loss[valid] = lse - scored.gather(-1, labels[valid][:, None])[:, 0]
+        else:
+            loss[valid] = kl_from_log_probs(teacher, scored - lse[:, None])
+    ranks = torch.full_like(labels, -1)  # [C]
+    if reference is not None:
+        ok = reference != IGNORE_INDEX  # [C]
+        if bool(ok.any()):
+            ref_logit = logits[ok].gather(-1, reference[ok][:, None])  # [c, 1]
+            ranks[ok] = (logits[ok] > ref_logit).sum(-1)  # [c]: the rank of head 0's token in head i
+    return RowLosses(loss, None, (guess, (guess == labels) & valid, ranks))
 
 
 class _Plan:
