@@ -1,4 +1,5 @@
-"""DFlash's slot loss with its gradients taken in forward, one chunk of slots at a time.
+"""DFlash's slot loss with its gradients taken in forward, one chunk of slots at a time, on the chunked-loss engine
+(trainer/chunked_loss.py): the per-slot loss is :func:`_slot_rows`.
 
 A slot's logits are ``h @ head.T`` (the target's frozen lm_head, bare, as the proposer computes them), plus with a
 block refiner's low-rank logit bias (refiner.py ``LogitBias``) ``e @ w2.T`` of the slot's features ``e``: both linear
@@ -20,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.chunked_loss import RowLosses, Target, Term, Weights, chunked_loss, cross_entropy_rows
+
 Labels = Callable[[slice], "ChunkLabels"]
-# the slots' weights [n], or a function of a chunk's slots and their losses [C] giving their weights [C]
-Weights = torch.Tensor | Callable[[slice, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -45,76 +46,22 @@ class ChunkLabels:
     want_accept: bool = False
 
 
-def _chunk_terms(logits: torch.Tensor, labels: ChunkLabels) -> tuple[torch.Tensor, ...]:
-    """Losses [C], the gradient of each loss with respect to the logits [C, V], right-argmax flags [C] and the
-    acceptance rates [C] (empty unless wanted) of float32 logits [C, V]."""
-    log_q = torch.log_softmax(logits, dim=-1)  # [C, V]
-    grad = log_q.exp()  # [C, V]: q, turned into q - p below
-    guess = logits.max(-1).indices  # [C]
-    accept = logits.new_zeros(0)
-    if labels.want_accept:
-        if labels.sparse is not None:
-            ids, p = labels.sparse
-            accept = torch.minimum(grad.gather(-1, ids), p).sum(-1)  # [C]: the overlap over the stored ids
-        else:
-            accept = torch.minimum(grad, labels.probs).sum(-1)  # [C]: 1 - TV(q, p)
+def _slot_rows(logits: torch.Tensor, labels: ChunkLabels, need_grad: bool) -> RowLosses:
+    """DFlash's per-slot loss on the chunked-loss engine: the cross entropy of the token labels, else ``KL(p || q)``
+    from the target's distribution (:func:`~trainer.chunked_loss.cross_entropy_rows`, its gradient ``q - p`` in
+    closed form), with the right-argmax flags [C] and the acceptance rates [C] (empty unless wanted) as statistics.
+    logits: [C, V] float32 (overwritten)."""
     if labels.ids is not None:
-        ids = labels.ids[:, None]  # [C, 1]
-        loss = -log_q.gather(-1, ids)[:, 0]
-        grad.scatter_add_(-1, ids, torch.full_like(ids, -1.0, dtype=grad.dtype))
-        return loss, grad, guess == labels.ids, accept
-    if labels.probs is not None:
-        p = labels.probs  # [C, V]
-        loss = (torch.xlogy(p, p) - p * log_q).sum(-1)
-        return loss, grad.sub_(p), guess == p.max(-1).indices, accept
-    ids, p = labels.sparse  # [C, k] each
-    loss = (torch.xlogy(p, p) - p * log_q.gather(-1, ids)).sum(-1)
-    return loss, grad.scatter_add_(-1, ids, -p.to(grad.dtype)), guess == ids[:, 0], accept
-
-
-class _SlotLoss(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, bias_features, bias_weight, head, weights: Weights, labels: Labels, chunks: list[slice]):
-        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # [n, H]
-        grad_emb = grad_w2 = None
-        if bias_features is not None:
-            grad_emb = torch.zeros(bias_features.shape, dtype=torch.float32, device=hidden.device)  # [n, r]
-            grad_w2 = torch.zeros(bias_weight.shape, dtype=torch.float32, device=hidden.device)  # [V, r]
-        head_t = head.to(hidden.dtype)  # [V, H]
-        losses, hits, accepts = [], [], []
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for part in chunks:
-            logits = (hidden[part] @ head_t.t()).float()  # [C, V]
-            if bias_features is not None:
-                emb = bias_features[part].to(bias_weight.dtype)  # [C, r]
-                logits = logits + (emb @ bias_weight.t()).float()
-            loss, grad, hit, accept = _chunk_terms(logits, labels(part))
-            w = (weights(part, loss) if callable(weights) else weights[part]).detach().float()  # [C]
-            total = total + (loss * w).sum()
-            grad.mul_(w[:, None])  # [C, V]: d total / d logits
-            grad_hidden[part] = grad.to(hidden.dtype) @ head_t  # [C, H]
-            if bias_features is not None:
-                grad_emb[part] = grad @ bias_weight.float()  # [C, r]
-                grad_w2.addmm_(grad.t(), emb.float())  # [V, r]
-            losses.append(loss)
-            hits.append(hit)
-            accepts.append(accept)
-        ctx.save_for_backward(grad_hidden, grad_emb, grad_w2)
-        ctx.dtypes = (hidden.dtype, None if bias_features is None else (bias_features.dtype, bias_weight.dtype))
-        loss, hit, accept = torch.cat(losses), torch.cat(hits), torch.cat(accepts)
-        ctx.mark_non_differentiable(loss, hit, accept)
-        return total, loss, hit, accept
-
-    @staticmethod
-    def backward(ctx, grad_total, *_unused):
-        grad_hidden, grad_emb, grad_w2 = ctx.saved_tensors
-        hidden_dtype, bias_dtypes = ctx.dtypes
-        g_hidden = (grad_hidden * grad_total).to(hidden_dtype)
-        if bias_dtypes is None:
-            return g_hidden, None, None, None, None, None, None
-        g_emb = (grad_emb * grad_total).to(bias_dtypes[0])
-        g_w2 = (grad_w2 * grad_total).to(bias_dtypes[1])
-        return g_hidden, g_emb, g_w2, None, None, None, None
+        right = labels.ids  # [C]
+    elif labels.probs is not None:
+        right = labels.probs.max(-1).indices  # [C]
+    else:
+        right = labels.sparse[0][:, 0]  # [C] the stored top-1
+    hits = logits.max(-1).indices == right  # [C], before the logits are overwritten
+    target = Target(ids=labels.ids, probs=labels.probs, sparse=labels.sparse, acceptance=labels.want_accept)
+    out = cross_entropy_rows(logits, target, need_grad)
+    accept = out.stats[0] if labels.want_accept else logits.new_zeros(0)  # [C] or [0]
+    return RowLosses(out.loss, out.grad, (hits, accept))
 
 
 def slot_loss(
@@ -145,13 +92,15 @@ def slot_loss(
         the weighted sum [] float32, the slots' losses [n], their right-argmax flags [n] and their acceptance rates
         [n] (empty unless the labels want them).
     """
-    if hidden.shape[0] == 0:
-        empty = hidden.new_zeros(0, dtype=torch.float32)
-        return hidden.sum().float() * 0.0, empty, empty.bool(), empty
-    n = hidden.shape[0]
-    parts = [slice(s, min(s + chunks, n)) for s in range(0, n, chunks)] if isinstance(chunks, int) else chunks
-    weights = weights if callable(weights) else weights.detach()
-    return _SlotLoss.apply(hidden, bias_features, bias_weight, head.detach(), weights, labels, parts)
+    terms = [Term(hidden, head.detach())]
+    if bias_features is not None:
+        terms.append(Term(bias_features.to(bias_weight.dtype), bias_weight))  # projected in the bias weight's dtype
+    out = chunked_loss(terms, _slot_rows, labels, weights, chunks=chunks, dtype=torch.float32)
+    if not out.stats:  # no slot
+        empty = out.losses.new_zeros(0)
+        return out.total, out.losses, empty.bool(), empty
+    hits, accept = out.stats
+    return out.total, out.losses, hits, accept
 
 
 def block_chunks(block: torch.Tensor, chunk_size: int) -> list[slice]:
