@@ -26,6 +26,7 @@ from pathlib import Path
 from torch import nn
 
 from trainer.errors import CheckpointError, ModelFolderError, PathError, UsageError
+from trainer.renamed_keys import record_kind_moved
 
 
 @dataclass
@@ -62,10 +63,11 @@ class DrafterRecord:
 
     @classmethod
     def from_dict(cls, data: dict, where: str) -> DrafterRecord:
-        """The record of a checkpoint's ``drafter`` entry; ``where`` names the file in errors."""
+        """The record of a checkpoint's ``drafter`` entry; ``where`` names the file in errors. A record of a drafter
+        whose parts moved to a kind of their own is read as that kind (trainer/renamed_keys.py ``MOVED_KINDS``)."""
         if not isinstance(data, dict) or "kind" not in data or "config" not in data:
             raise CheckpointError(f"{where}: holds no drafter record (a checkpoint written by draftsmith fit has one)")
-        data = dict(data)
+        data = record_kind_moved(dict(data))
         if "prefix" in data:  # the layout before drafter kinds: one component under "prefix"
             data.setdefault("components", {"model": data.pop("prefix")})
             data.setdefault("tokenizer", data.pop("tokenizer_from", None))

@@ -12,14 +12,18 @@ with :data:`RENAMED_PRECOMPUTE_KEYS`. A value that was renamed (:data:`RENAMED_V
 objectives) is refused the same way, naming its new spelling: ``labels``, what a loss is trained towards, is ``data``
 for the rows' own tokens (DFlash's old ``hard``) and ``argmax`` for the target's most likely token (EAGLE-3's old
 ``hard``, Medusa's old ``target``) in every objective. An objective that moved (:data:`RENAMED_CLASS_PATHS`: a method
-that now lives in its own folder) is refused in a recipe naming its new ``class_path``. A checkpoint that recorded an
-old key, value or class path resumes with its new name, spelling and class (:func:`checkpoint_names_renamed`).
+that now lives in its own folder) is refused in a recipe naming its new ``class_path``, and an option that moved with
+what it builds to a method of its own (:data:`MOVED_OPTIONS`) naming the class that takes it. A checkpoint that
+recorded an old key, value, class path or moved option resumes with its new name, spelling and class
+(:func:`checkpoint_names_renamed`); a drafter record of a kind whose drafters moved in part to a kind of their own is
+read as that kind (:func:`record_kind_moved`).
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from dataclasses import dataclass
 from typing import Any
 
 _TARGET = {"teacher": "target", "teacher_dtype": "target_dtype"}
@@ -58,6 +62,7 @@ RENAMED_KEYS: dict[str, dict[str, str]] = {
     },
     "trainer.methods.eagle3.objective.Eagle3": {**_SIGNALS, "aux_layers": "target_layers"},
     "trainer.methods.dflash.objective.DFlash": {**_SIGNALS},
+    "trainer.methods.dspark.objective.DSpark": {**_SIGNALS},
     "trainer.methods.layerskip.objective.LayerSkip": {
         **_FRESH_TARGET,
         **_LOSS_CHUNK,
@@ -73,6 +78,7 @@ RENAMED_VALUES: dict[str, dict[str, dict[str, str]]] = {
     # DFlash's "hard" the rows' tokens)
     "trainer.methods.eagle3.objective.Eagle3": {"labels": {"hard": "argmax"}},
     "trainer.methods.dflash.objective.DFlash": {"labels": {"hard": "data"}},
+    "trainer.methods.dspark.objective.DSpark": {"labels": {"hard": "data"}},
     "trainer.methods.medusa.objective.Medusa": {"labels": {"target": "argmax"}},
 }
 """Objective class path -> {``model.init_args`` key: {old value: its new spelling}}."""
@@ -93,6 +99,53 @@ stays, refused with a message naming the new class (:data:`RENAMED_KEYS` and :fu
 """
 
 WHY_MOVED = "each method lives in its own folder, trainer/methods/<method>/"
+
+_DSPARK_HEADS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
+
+
+@dataclass(frozen=True)
+class MovedOptions:
+    """Options of an objective that moved, with the parts they build, to a method of its own.
+
+    Attributes:
+        to: the class path that takes them now.
+        options: the ``model.init_args`` keys that moved.
+        unset: option -> the value at which the old class built none of the parts (the other options then set
+            nothing).
+    """
+
+    to: str
+    options: tuple[str, ...]
+    unset: dict[str, Any]
+
+
+MOVED_OPTIONS: dict[str, MovedOptions] = {
+    # DSpark's heads were options of DFlash; DSpark is a method of its own, trainer/methods/dspark/
+    "trainer.methods.dflash.objective.DFlash": MovedOptions(
+        to="trainer.methods.dspark.objective.DSpark",
+        options=(*_DSPARK_HEADS, "confidence_head_alpha"),
+        unset={"markov_rank": 0, "enable_confidence_head": False},
+    ),
+}
+"""Objective class path -> the options that left it. A recipe of the class that sets one is refused naming the new
+class (:func:`renamed_key_message`); a checkpoint whose hyper-parameters set one away from :attr:`MovedOptions.unset`
+resumes as the new class, and one whose options built nothing resumes as the old class without them
+(:func:`moved_class_path`, :func:`checkpoint_names_renamed`)."""
+
+MOVED_KINDS: dict[str, tuple[str, dict[str, Any]]] = {
+    # a DFlash drafter with DSpark's heads (their config fields set) is a DSpark drafter, kind dspark
+    "dflash": (
+        "dspark",
+        {
+            "markov_rank": 0,
+            "markov_head_type": "vanilla",
+            "enable_confidence_head": False,
+            "confidence_head_with_markov": False,
+        },
+    ),
+}
+"""Drafter kind -> (the kind its drafters with the parts below moved to, {config field of those parts: its value when
+the drafter has none}): :func:`record_kind_moved`."""
 
 RENAMED_PRECOMPUTE_KEYS: dict[str, str] = dict(_TARGET)
 """Old key of a ``draftsmith precompute`` recipe (trainer/data/precompute.py) -> its new name."""
@@ -120,8 +173,27 @@ def renamed(old_prefix: str, old: str, new: str) -> str:
 
 def moved_class_path(class_path: str, init_args: dict[str, Any]) -> str:
     """The class path that names ``class_path`` now (:data:`RENAMED_CLASS_PATHS`), given the ``init_args`` a
-    checkpoint recorded with it; ``class_path`` itself when it did not move."""
+    checkpoint recorded with it: the class its options moved to when they set one of its parts
+    (:data:`MOVED_OPTIONS`); ``class_path`` itself when it did not move."""
+    moved = MOVED_OPTIONS.get(class_path)
+    if moved is not None and any(key in init_args and init_args[key] != value for key, value in moved.unset.items()):
+        return moved.to
     return RENAMED_CLASS_PATHS.get(class_path, class_path)
+
+
+def record_kind_moved(record: dict[str, Any]) -> dict[str, Any]:
+    """A drafter record (its dict, ``checkpoint["drafter"]``) of a kind whose drafters moved in part to a kind of
+    their own (:data:`MOVED_KINDS`): of the new kind when its config sets one of their parts, else without those
+    parts' fields (at the values that build none); any other record as it is."""
+    moved = MOVED_KINDS.get(record.get("kind"))
+    config = record.get("config")
+    if moved is None or not isinstance(config, dict) or not set(moved[1]) & set(config):
+        return record
+    kind, unset = moved
+    if any(key in config and config[key] != value for key, value in unset.items()):
+        log.info("the drafter record of kind %s with %s is read as kind %s", record["kind"], sorted(unset), kind)
+        return {**record, "kind": kind}
+    return {**record, "config": {key: value for key, value in config.items() if key not in unset}}
 
 
 def renamed_key_message(parser_error: str) -> str | None:
@@ -132,6 +204,12 @@ def renamed_key_message(parser_error: str) -> str | None:
         if re.search(rf"(?<![\w.]){re.escape(old)}(?![\w.])", parser_error):
             return f"model.class_path {old} was renamed to {new} ({WHY_MOVED})"
     for found in _UNKNOWN_INIT_ARG.finditer(parser_error):
+        moved = MOVED_OPTIONS.get(found["cls"])
+        if moved is not None and found["key"] in moved.options:
+            return (
+                f"model.init_args.{found['key']} is an option of {moved.to} now: set model.class_path to "
+                f"{moved.to} ({WHY_MOVED})"
+            )
         new = RENAMED_KEYS.get(found["cls"], {}).get(found["key"])
         if new is not None:
             return renamed("model.init_args.", found["key"], new)
@@ -151,7 +229,8 @@ def checkpoint_names_renamed(config: Any) -> Any:
     (LightningCLI's ``_parse_ckpt_path``, as ``{subcommand: {"model": {"class_path": C, "dict_kwargs": {...}}}}``):
     a run saved before a rename (KD's ``teacher``, DFlash's ``labels: hard``) resumes with the settings it was trained
     with (``target``, ``labels: data``) instead of failing on a name its recipe cannot change. A key recorded under
-    both names keeps the new one's value. Anything else is returned as it is, a recipe's ``init_args`` included (an
+    both names keeps the new one's value. Options that moved to another class (:data:`MOVED_OPTIONS`) and built
+    nothing are left out, the class staying. Anything else is returned as it is, a recipe's ``init_args`` included (an
     old name there is refused, :func:`renamed_key_message`).
     """
     if not isinstance(config, dict):
@@ -168,8 +247,13 @@ def checkpoint_names_renamed(config: Any) -> Any:
             log.info("the checkpoint's model.class_path %s is read as %s, its new name", recorded, class_path)
             moved = {"class_path": class_path}
         keys, values = RENAMED_KEYS.get(class_path, {}), RENAMED_VALUES.get(class_path, {})
+        stayed = MOVED_OPTIONS.get(class_path)
         kwargs: dict[str, Any] = {}
         for key, value in model["dict_kwargs"].items():
+            if stayed is not None and key in stayed.options:
+                log.info("the checkpoint's model.init_args.%s is left out: it built nothing, and %s has it no more",
+                         key, class_path)  # fmt: skip
+                continue
             name = keys.get(key, key)
             if name != key:
                 log.info("the checkpoint's model.init_args.%s is read as model.init_args.%s, its new name", key, name)

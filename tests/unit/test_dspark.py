@@ -8,25 +8,31 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from torch import nn
 
 from tests.helpers import tiny_llama
 from tests.unit.test_dflash_objective import V, save_target
 from trainer.decoding.generate import speculative_generate
+from trainer.decoding.options import ProposerOptions
 from trainer.decoding.proposers import NoProposer, ProposalContext
 from trainer.errors import ModelFolderError, RecipeError, UsageError
 from trainer.methods.dflash import kind as dflash_kind
 from trainer.methods.dflash.module import DFlashConfig
 from trainer.methods.dflash.objective import DFlash
+from trainer.methods.dflash.proposer import DFlashProposer
 from trainer.methods.dspark import kind as dspark_kind
 from trainer.methods.dspark.module import HEAD_KEYS, DSparkConfig, DSparkDrafter
 from trainer.methods.dspark.objective import DSpark
 from trainer.methods.dspark.proposer import DSparkProposer, DSparkTreeProposer
-from trainer.registry import get_kind
+from trainer.recipe import DraftsmithCLI, parse_recipe
+from trainer.registry import get_kind, load_drafter
+from trainer.renamed_keys import WHY_MOVED
 
 HEADS = dict(markov_rank=6, enable_confidence_head=True, confidence_head_with_markov=True)
 NO_HEADS = dict(markov_rank=0, enable_confidence_head=False, confidence_head_with_markov=False)
@@ -291,3 +297,82 @@ def test_init_from_a_dspark_drafter_gives_dflash_its_backbone_and_dspark_its_hea
     assert smaller.drafter.confidence_head.proj.weight.shape == (1, 16 + 3)  # reads the new Markov embedding
     reshaped = ("markov_head.", "confidence_head.proj.weight")
     assert all(torch.equal(resized[k], v) for k, v in state.items() if not k.startswith(reshaped))
+
+
+OLD_DFLASH = "trainer.methods.dflash.objective.DFlash"
+NEW_DSPARK = "trainer.methods.dspark.objective.DSpark"
+ROOT = Path(__file__).resolve().parents[2]
+UNSET = {"markov_rank": 0, "markov_head_type": "vanilla", "enable_confidence_head": False}
+
+
+def test_a_checkpoint_of_dflash_with_heads_loads_as_dspark(tmp_path, one_thread):
+    """Before DSpark had its own kind its checkpoints recorded kind dflash with the heads' fields in the config (a
+    plain DFlash's at the values that build no head): the first loads as kind dspark, the second as dflash."""
+    save_target(tmp_path / "target")
+    path = str(tmp_path / "target")
+    options = dict(num_draft_layers=1, target_layers=[1, 3], block_size=4, mask_token_id=V - 1)
+    for objective, old_config in (
+        (DSpark(path, **options, **HEADS), None),
+        (DFlash(path, **options), {**UNSET, "confidence_head_with_markov": False}),
+    ):
+        record = objective.drafter_record().to_dict()
+        record = {**record, "kind": "dflash", "config": {**record["config"], **(old_config or {})}}
+        state = {f"drafter.{k}": v for k, v in objective.drafter.state_dict().items()}
+        file = tmp_path / f"{type(objective).__name__}.ckpt"
+        torch.save({"state_dict": state, "drafter": record}, file)
+        drafter, read = load_drafter(str(file))
+        assert read.kind == objective.drafter_record().kind and read.config == objective.drafter_record().config
+        assert type(drafter) is type(objective.drafter)
+        assert all(torch.equal(drafter.state_dict()[k.removeprefix("drafter.")], v) for k, v in state.items())
+        proposer = get_kind(read.kind, "test").proposer(drafter, read, objective.target.model, ProposerOptions())
+        assert type(proposer) is (DSparkProposer if read.kind == "dspark" else DFlashProposer)
+
+
+def test_a_dflash_recipe_with_dspark_options_is_refused_naming_the_new_class(tmp_path):
+    recipe = yaml.safe_load((ROOT / "recipes" / "quickstart" / "dspark.yaml").read_text())
+    assert recipe["model"]["class_path"] == NEW_DSPARK
+    recipe["model"]["class_path"] = OLD_DFLASH
+    file = tmp_path / "old_dspark.yaml"
+    file.write_text(yaml.safe_dump(recipe))
+    with pytest.raises(RecipeError) as err:
+        parse_recipe([str(file)])
+    key = str(err.value).removeprefix("model.init_args.").split(" ", 1)[0]  # the first the parser met
+    assert key in (*HEAD_KEYS, "confidence_head_alpha")
+    assert str(err.value) == (
+        f"model.init_args.{key} is an option of {NEW_DSPARK} now: set model.class_path to {NEW_DSPARK} ({WHY_MOVED})"
+    )
+    with pytest.raises(RecipeError, match=rf"^model.init_args.markov_rank is an option of {NEW_DSPARK} now"):
+        parse_recipe([str(ROOT / "recipes" / "quickstart" / "dflash.yaml")], ["--model.init_args.markov_rank", "8"])
+
+
+class _Parsed(Exception):
+    pass
+
+
+class _ResumeReader(DraftsmithCLI):
+    """``draftsmith fit``'s CLI, stopped once the recipe and a ``--ckpt_path`` file's hyper-parameters are parsed."""
+
+    def before_instantiate_classes(self) -> None:
+        raise _Parsed(self.config)
+
+
+@pytest.mark.parametrize("heads", [True, False], ids=["dspark", "plain"])
+def test_a_checkpoint_of_dflash_with_dspark_options_resumes_as_the_class_that_has_them(heads, tmp_path):
+    """Hyper-parameters LightningCLI saved with a DFlash run when DSpark's heads were its options: with a head they
+    resume as DSpark with the values recorded; without, as DFlash without the options."""
+    recorded = {"target": "artifacts/old_target", "block_size": 8, "labels": "hard", "confidence_head_alpha": 0.5}
+    recorded |= HEADS if heads else {**UNSET, "confidence_head_with_markov": False}
+    ckpt = tmp_path / "old.ckpt"
+    instantiator = {"_class_path": OLD_DFLASH, "_instantiator": "lightning.pytorch.cli.instantiate_module"}
+    torch.save({"hyper_parameters": {**instantiator, **recorded}, "state_dict": {}}, ckpt)
+    recipe = str(ROOT / "recipes" / "quickstart" / ("dspark.yaml" if heads else "dflash.yaml"))
+    with pytest.raises(_Parsed) as parsed:
+        _ResumeReader(["fit", "--config", recipe, "--seed_everything", "0", "--ckpt_path", str(ckpt)])
+    model = parsed.value.args[0].fit.model
+    assert model.init_args["labels"] == "data"  # DFlash's renamed value, read in its new spelling as before
+    args = model.init_args.as_dict()
+    if heads:
+        expected = {**HEADS, "confidence_head_alpha": 0.5}
+        assert model.class_path == NEW_DSPARK and {k: args[k] for k in expected} == expected
+    else:
+        assert model.class_path == OLD_DFLASH and not {*HEAD_KEYS, "confidence_head_alpha"} & set(args)

@@ -75,7 +75,7 @@ def synonyms(name: str) -> str | None:
 
 def test_every_objective_is_found():
     assert set(RENAMED_KEYS) <= set(OBJECTIVES)
-    assert len(OBJECTIVES) == 10, sorted(OBJECTIVES)  # P-EAGLE (trainer/methods/peagle/objective.py) the tenth
+    assert len(OBJECTIVES) == 11, sorted(OBJECTIVES)  # DSpark (trainer/methods/dspark/objective.py) the eleventh
 
 
 @pytest.mark.parametrize("path", sorted(OBJECTIVES), ids=lambda p: p.rsplit(".", 1)[-1])
@@ -162,6 +162,7 @@ def test_the_renamed_label_values():
     assert {path.rsplit(".", 1)[-1]: keys["labels"] for path, keys in RENAMED_VALUES.items()} == {
         "Eagle3": {"hard": "argmax"},
         "DFlash": {"hard": "data"},
+        "DSpark": {"hard": "data"},  # DFlash's options with DSpark's heads
         "Medusa": {"target": "argmax"},
     }
 
