@@ -37,6 +37,7 @@ from trainer.decoding.options import ProposerOptions
 from trainer.decoding.proposers import NoProposer, Proposer, build_proposer, registered_proposers
 from trainer.errors import CheckpointError, ModelFolderError
 from trainer.export.files import folder_config
+from trainer.export.speculators import read_block
 from trainer.fingerprint import describe, differences, fingerprint, recorded_fingerprints
 from trainer.registry import check_target, get_kind, is_training_checkpoint, load_drafter, recognise
 
@@ -169,8 +170,7 @@ def named_target(folder: Path, config: dict) -> str | None:
     """The target a drafter export names: speculators' ``speculators_config.verifier.name_or_path``, Medusa / TGI's
     ``base_model_name_or_path``, or the trained target a Medusa-2 export keeps in ``target/``; None when it names
     none."""
-    verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
-    for name in (verifier, config.get("base_model_name_or_path")):
+    for name in (read_block(config).verifier, config.get("base_model_name_or_path")):
         if name:
             return str(name)
     return str(folder / "target") if (folder / "target" / "config.json").is_file() else None

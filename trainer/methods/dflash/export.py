@@ -20,7 +20,8 @@ config class of its ``model_type``: Qwen3's defaults fill what it leaves out, ``
 the full vocabulary as ``draft_vocab_size`` (no ``d2t``/``t2d``, no lm_head: speculators takes the verifier's for a
 full-vocabulary draft), ``target_hidden_size`` (None or the layers' width: speculators' ``fc`` reads
 ``len(aux_hidden_state_layer_ids) * hidden_size``), ``sliding_window_non_causal`` and ``sample_from_anchor`` (both
-False by default), and ``speculators_config`` naming the verifier and ``block_size - 1`` speculative tokens.
+False by default), and the block every speculators export writes (trainer/export/speculators.py), naming the
+verifier and ``block_size - 1`` speculative tokens.
 speculators' trainer declares its draft layers ``sliding_attention`` with ``sliding_window`` 2048 by default, which
 its ``create_anchor_block_mask_mod`` makes causal inside the block and windowed over the context (module.py reads
 both); ``sample_from_anchor: true`` (the anchor slot drafts the first token) is refused by name.
@@ -49,6 +50,7 @@ from typing import Any, Literal
 import torch
 
 from trainer.errors import ModelFolderError
+from trainer.export import speculators
 from trainer.export.files import cpu_tensors, read_folder, write_folder
 from trainer.methods.dflash.module import FULL, LAYER_TYPES, SLIDING, DFlashConfig, DFlashDrafter
 
@@ -152,22 +154,10 @@ def save_speculators(
         architectures: the ``architectures`` written.
         fields: the drafter config's fields written beside the DFlash keys (a refiner's).
     """
-    if not verifier:
-        raise ValueError("the speculators format names its verifier (the target): none given")
     c = drafter.config
     if model_type == SPECULATORS_MODEL_TYPE:
         _refuse_refiner(drafter, "dflash-speculators")
-    algorithm = model_type
-    dtype_name = str(dtype or drafter.fc.weight.dtype).removeprefix("torch.")
-    config = {
-        "architectures": list(architectures),
-        "speculators_model_type": algorithm,
-        "speculators_config": {
-            "algorithm": algorithm,
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": c.block_size - 1}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures or [])},
-        },
+    fields = {
         "transformer_layer_config": _layer_keys(c),
         "draft_vocab_size": c.vocab_size,
         "target_hidden_size": c.hidden_size,
@@ -178,9 +168,11 @@ def save_speculators(
         "sample_from_anchor": False,
         **{key: getattr(c, key) for key in fields},
         "num_target_layers": c.num_target_layers,
-        "dtype": dtype_name,
-        "torch_dtype": dtype_name,
     }
+    config = speculators.speculators_config(
+        model_type, architectures, verifier, c.block_size - 1, verifier_architectures, fields,
+        dtype or drafter.fc.weight.dtype,
+    )  # fmt: skip
     return write_folder(out_dir, config, cpu_tensors(drafter, dtype))
 
 
@@ -336,7 +328,7 @@ def load_zlab(path: str, reading: Reading = "vllm") -> DFlashDrafter:
     config, tensors = read_folder(path, "a DFlash export")
     if config.get("architectures") != ZLAB_ARCHITECTURES:
         raise ModelFolderError(f"{path}: architectures {config.get('architectures')}, expected {ZLAB_ARCHITECTURES}")
-    if config.get("speculators_model_type") is not None:
+    if speculators.read_block(config).model_type is not None:
         raise ModelFolderError(
             f"{path}: speculators_model_type {config['speculators_model_type']!r}: a speculators export, not the "
             "z-lab format (read it with load_speculators)"
@@ -382,10 +374,8 @@ def load_speculators(
         sample_from_anchor: the reader's default of ``sample_from_anchor`` (true is refused, by name when absent).
     """
     config, tensors = read_folder(path, f"a {model_type} export")
-    if config.get("speculators_model_type") != model_type:
-        raise ModelFolderError(
-            f"{path}: speculators_model_type {config.get('speculators_model_type')!r}, expected {model_type!r}"
-        )
+    speculators.check_model_type(config, model_type, path)
+    block_header = speculators.read_block(config)
     raw = config.get("transformer_layer_config")
     if not isinstance(raw, dict):
         raise ModelFolderError(f"{path}: transformer_layer_config must be a dict")
@@ -412,18 +402,17 @@ def load_speculators(
     if layers is None:
         raise ModelFolderError(f"{path}: aux_hidden_state_layer_ids is missing (speculators would guess the layers)")
     block = config.get("block_size", 8)  # speculators' default
-    proposals = (config.get("speculators_config") or {}).get("proposal_methods") or []
-    drafts = [p.get("speculative_tokens") for p in proposals if isinstance(p, dict)]
+    drafts = block_header.speculative_tokens
     if any(not isinstance(d, int) or not 1 <= d <= int(block) - 1 for d in drafts):
         raise _refuse(
             path, "speculators_config.proposal_methods[].speculative_tokens", drafts,
             f"a block of {block} drafts 1..{int(block) - 1} tokens",
         )  # fmt: skip
-    depth = config.get("num_target_layers") or _verifier_depth(config)
+    depth = config.get("num_target_layers") or _verifier_depth(block_header.verifier)
     if depth is None:
-        verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
         raise ModelFolderError(
-            f"{path}: config.json has no num_target_layers, and its verifier {verifier!r} is no local folder with a "
+            f"{path}: config.json has no num_target_layers, and its verifier {block_header.verifier!r} is no local "
+            "folder with a "
             "config.json to count the target's layers in",
             hint="run from the folder the verifier path is relative to, or add num_target_layers to config.json",
         )
@@ -434,12 +423,11 @@ def load_speculators(
     return _consume(drafter, tensors, path)
 
 
-def _verifier_depth(config: dict) -> int | None:
-    """The verifier's ``num_hidden_layers`` when its folder is local (a speculators file written elsewhere does not
-    carry ``num_target_layers``), else None."""
-    name = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
-    path = Path(name) / "config.json" if name else None
+def _verifier_depth(verifier: str | None) -> int | None:
+    """The ``num_hidden_layers`` of the verifier a speculators file names, when its folder is local (a speculators
+    file written elsewhere does not carry ``num_target_layers``), else None."""
+    path = Path(verifier) / "config.json" if verifier else None
     if path is None or not path.is_file():
         return None
-    verifier = json.loads(path.read_text())
-    return (verifier.get("text_config") or verifier).get("num_hidden_layers")
+    config = json.loads(path.read_text())
+    return (config.get("text_config") or config).get("num_hidden_layers")

@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 
 from trainer.decoding.options import ProposerOptions
 from trainer.export.files import folder_config
+from trainer.export.speculators import folder_block, read_block
 from trainer.methods.dflash import export as formats
 from trainer.methods.dflash.module import DFlashConfig, DFlashDrafter
 from trainer.methods.dflash.proposer import DFlashProposer, DFlashTreeProposer
@@ -47,7 +48,7 @@ def make_record(
 
 def is_speculators(config: dict) -> bool:
     """A speculators DFlash config (``speculators_model_type: "dflash"``), whatever its ``architectures``."""
-    return config.get("speculators_model_type") == "dflash"
+    return read_block(config).model_type == formats.SPECULATORS_MODEL_TYPE
 
 
 def is_zlab(config: dict) -> bool:
@@ -67,7 +68,7 @@ def load_zlab(folder: Path) -> tuple[DFlashDrafter, DrafterRecord]:
 
 def verifier_of(folder: Path) -> str | None:
     """The verifier a speculators export names (``speculators_config.verifier.name_or_path``), or None."""
-    return ((folder_config(folder).get("speculators_config") or {}).get("verifier") or {}).get("name_or_path") or None
+    return folder_block(folder).verifier
 
 
 def load_speculators(folder: Path) -> tuple[DFlashDrafter, DrafterRecord]:

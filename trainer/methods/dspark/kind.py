@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from trainer.export.files import folder_config
+from trainer.export.speculators import read_block
 from trainer.methods.dflash import kind as dflash_kind
 from trainer.methods.dspark import export as formats
 from trainer.methods.dspark.module import DSparkConfig, DSparkDrafter
@@ -28,7 +29,7 @@ def make_record(config: DSparkConfig, target: str | None, target_architectures: 
 
 def is_dspark(config: dict) -> bool:
     """A speculators DSpark config (``speculators_model_type: "dspark"``)."""
-    return config.get("speculators_model_type") == formats.MODEL_TYPE
+    return read_block(config).model_type == formats.MODEL_TYPE
 
 
 def build(record: DrafterRecord) -> DSparkDrafter:

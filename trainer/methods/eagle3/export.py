@@ -6,9 +6,11 @@ top-level ``eagle_aux_hidden_state_layer_ids`` as inputs of layers (HF ``hidden_
 reads ``eagle_config.eagle_aux_hidden_state_layer_ids`` as outputs of layers and captures ``id + 1``, so it gets
 ``i - 1``.
 
-Speculators: ``architectures: ["Eagle3Speculator"]``, ``speculators_model_type: "eagle3"``, the layer config under
-``transformer_layer_config``, ``norm_before_residual: false`` written explicitly (vLLM assumes true when missing),
-weights under ``layers.0.*`` instead of ``midlayer.*``; vLLM reads ``eagle_aux_hidden_state_layer_ids`` as inputs.
+Speculators: the block every speculators export writes (trainer/export/speculators.py: ``architectures:
+["Eagle3Speculator"]``, ``speculators_model_type: "eagle3"``, ``speculators_config`` naming the verifier), the layer
+config under ``transformer_layer_config``, ``norm_before_residual: false`` written explicitly (vLLM assumes true when
+missing), weights under ``layers.0.*`` instead of ``midlayer.*``; vLLM reads ``eagle_aux_hidden_state_layer_ids`` as
+inputs.
 
 The speculators format also carries the target's input embedding as ``embed_tokens.weight`` (speculators 0.9 reads
 it from the file and keeps uninitialised memory when it is missing, so the drafter would draft from garbage
@@ -35,10 +37,14 @@ import torch
 from torch import nn
 
 from trainer.errors import ModelFolderError, UsageError
+from trainer.export import speculators
 from trainer.export.files import cpu_tensors, read_folder, write_folder
 from trainer.methods.eagle3.module import NORM_FLAGS, Eagle3Config, Eagle3Drafter, flag_weight_mismatch
 
 NATIVE_FLAGS = ("norm_before_residual", "norm_before_fc")  # what the native format's loaders read
+MODEL_TYPE = "eagle3"
+"""The speculators format's ``speculators_model_type``."""
+ARCHITECTURES = ["Eagle3Speculator"]
 
 
 def _layer_keys(config: Eagle3Config, layers: int = 1) -> dict:
@@ -89,16 +95,16 @@ def save_native(drafter: Eagle3Drafter, out_dir: str, dtype: torch.dtype | None 
 def speculators_config(
     drafter: Eagle3Drafter,
     model_type: str,
+    architectures: list[str],
     verifier: str,
     speculative_tokens: int,
     verifier_architectures: list[str] | None,
     dtype: torch.dtype | None,
 ) -> dict:
-    """The config.json of the speculators format for ``model_type`` (``eagle3``, or ``peagle`` with its own keys
-    added by the caller), after the checks both share."""
+    """The config.json of the speculators format for ``model_type`` (``eagle3``, or a method extending EAGLE-3 with
+    its own keys added by the caller, P-EAGLE's ``peagle``), whose speculator class is ``architectures``: the block
+    of every speculators export (trainer/export/speculators.py) around the EAGLE-3 drafter's keys."""
     c = drafter.config
-    if not verifier:
-        raise ValueError("the speculators format names its verifier (the target): none given")
     if c.hidden_size != c.target_hidden_size:
         raise ValueError(
             f"the speculators format needs the drafter's width ({c.hidden_size}) to be the target's "
@@ -106,28 +112,18 @@ def speculators_config(
         )
     if len(set(c.aux_layers)) != len(c.aux_layers):
         raise ValueError(f"the speculators format refuses repeated target layer ids: {list(c.aux_layers)}")
-    if speculative_tokens < 1:
-        raise ValueError(f"speculative_tokens must be >= 1, got {speculative_tokens}")
-    dtype_name = str(dtype or drafter.fc.weight.dtype).removeprefix("torch.")
-    architecture = {"eagle3": "Eagle3Speculator", "peagle": "PEagleSpeculator"}[model_type]
-    return {
-        "architectures": [architecture],
-        "speculators_model_type": model_type,
-        "speculators_config": {
-            "algorithm": model_type,
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures or [])},
-        },
+    fields = {
         "transformer_layer_config": _layer_keys(c, drafter.num_decoder_layers),
         "draft_vocab_size": c.draft_vocab_size,
         "target_hidden_size": c.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(c.aux_layers),
         # as trained, all explicit: vLLM assumes norm_before_residual true when it is missing
         **c.flags(),
-        "dtype": dtype_name,
-        "torch_dtype": dtype_name,
     }
+    return speculators.speculators_config(
+        model_type, architectures, verifier, speculative_tokens, verifier_architectures, fields,
+        dtype or drafter.fc.weight.dtype,
+    )  # fmt: skip
 
 
 def save_speculators(
@@ -155,7 +151,9 @@ def save_speculators(
     c = drafter.config
     if tuple(embedding.shape) != (c.vocab_size, c.hidden_size):
         raise ValueError(f"the target embedding is {tuple(embedding.shape)}, expected {(c.vocab_size, c.hidden_size)}")
-    config = speculators_config(drafter, "eagle3", verifier, speculative_tokens, verifier_architectures, dtype)
+    config = speculators_config(
+        drafter, MODEL_TYPE, ARCHITECTURES, verifier, speculative_tokens, verifier_architectures, dtype
+    )
     embedding = embedding.detach().cpu().to(drafter.fc.weight.dtype).contiguous()
     return write_folder(out_dir, config, speculators_tensors(drafter, dtype, {"embed_tokens.weight": embedding}))
 
@@ -240,7 +238,7 @@ def _config(layer: dict, top: dict, aux_layers: list[int], where: str, flags: di
         raise ValueError(f"{where}: config.json lacks the key {err.args[0]!r}") from err
 
 
-def _consume(drafter: Eagle3Drafter, tensors: dict[str, torch.Tensor], rename, where: str) -> Eagle3Drafter:
+def consume_tensors(drafter: Eagle3Drafter, tensors: dict[str, torch.Tensor], rename, where: str) -> Eagle3Drafter:
     """Load every file tensor through ``rename`` (file name -> module name, or None for a checked extra)."""
     floats = {t.dtype for t in tensors.values() if t.is_floating_point()}
     if len(floats) == 1:
@@ -291,27 +289,43 @@ def load_native(path: str) -> Eagle3Drafter:
         if flag not in NATIVE_FLAGS and config.get(flag):
             raise ModelFolderError(f"{path}: {flag} is not a key of the native format (the engines would ignore it)")
     drafter = Eagle3Drafter(_config(config, config, vllm_ids, path, _flags(config, NATIVE_FLAGS, path)))
-    return _consume(drafter, tensors, lambda name: name, path)
+    return consume_tensors(drafter, tensors, lambda name: name, path)
+
+
+def read_speculators(path: str, model_type: str, what: str) -> tuple[dict, dict[str, torch.Tensor], Eagle3Config, int]:
+    """A speculators export of ``model_type`` (EAGLE-3's, or a method's extending it) read by vLLM's rules, as far as
+    the EAGLE-3 drafter goes.
+
+    Args:
+        path: the folder.
+        model_type: the ``speculators_model_type`` expected.
+        what: the export named in a missing file's error (``an EAGLE-3 export``).
+
+    Returns:
+        The ``config.json``, the tensors, the EAGLE-3 shape it describes (the norm flags as written, absent ones false)
+        and its decoder layers (``transformer_layer_config.num_hidden_layers``; 1 when absent).
+    """
+    config, tensors = read_folder(path, what)
+    speculators.check_model_type(config, model_type, path)
+    layer = config.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise ModelFolderError(f"{path}: transformer_layer_config must be a dict")
+    layers = decoder_layers(layer, path)
+    flags = _flags(config, NORM_FLAGS, path)
+    return config, tensors, _config(layer, config, config["eagle_aux_hidden_state_layer_ids"], path, flags), layers
 
 
 def load_speculators(path: str) -> Eagle3Drafter:
     """Read a speculators export by vLLM's rules: ``layers.0.*`` is the layer, the rest without prefix."""
-    config, tensors = read_folder(path, "an EAGLE-3 export")
-    if config.get("speculators_model_type") != "eagle3":
-        raise ValueError(f"{path}: speculators_model_type {config.get('speculators_model_type')!r}, expected 'eagle3'")
+    config, tensors, shape, layers = read_speculators(path, MODEL_TYPE, "an EAGLE-3 export")
     if not isinstance(config.get("norm_before_residual"), bool):
         raise ModelFolderError(f"{path}: norm_before_residual must be written (vLLM assumes true when it is missing)")
-    layer = config.get("transformer_layer_config")
-    if not isinstance(layer, dict):
-        raise ValueError(f"{path}: transformer_layer_config must be a dict")
-    layers = decoder_layers(layer, path)
     if layers != 1:
         raise ModelFolderError(
             f"{path}: transformer_layer_config.num_hidden_layers is {layers!r}: draftsmith's EAGLE-3 drafter has one "
             "decoder layer (a P-EAGLE drafter may have several)"
         )
-    flags = _flags(config, NORM_FLAGS, path)
-    drafter = Eagle3Drafter(_config(layer, config, config["eagle_aux_hidden_state_layer_ids"], path, flags))
+    drafter = Eagle3Drafter(shape)
 
     embedding = tensors.pop("embed_tokens.weight", None)
     c = drafter.config
@@ -322,4 +336,4 @@ def load_speculators(path: str) -> Eagle3Drafter:
             "(speculators keeps uninitialised memory for a missing one)"
         )
 
-    return _consume(drafter, tensors, module_name, path)
+    return consume_tensors(drafter, tensors, module_name, path)

@@ -15,6 +15,7 @@ from pathlib import Path
 from transformers import PreTrainedModel
 
 from trainer.decoding.options import ProposerOptions
+from trainer.export import speculators
 from trainer.export.files import folder_config
 from trainer.methods.eagle3 import export as formats
 from trainer.methods.eagle3 import records
@@ -87,7 +88,7 @@ SPECULATORS = ExportFormat(
     description="EAGLE-3 in the speculators format (Eagle3Speculator): vLLM and the speculators library",
     write=write_speculators,
     load=load_speculators,
-    recognise=lambda folder: folder_config(folder).get("speculators_model_type") == "eagle3",
+    recognise=lambda folder: speculators.is_model_type(folder, formats.MODEL_TYPE),
 )
 
 register_kind(

@@ -10,7 +10,7 @@ from torch import nn
 
 from trainer.checkpoints.reading import sub_state_dict
 from trainer.errors import CheckpointError
-from trainer.export.files import folder_config
+from trainer.export.speculators import folder_block
 from trainer.methods.eagle3.module import Eagle3Config, flag_weight_mismatch
 from trainer.registry import DrafterRecord, load_components
 
@@ -50,11 +50,10 @@ def export_record(
 
 
 def speculators_verifier(folder: Path) -> tuple[str | None, int | None]:
-    """A speculators-format folder's verifier (the target it names) and drafts per round."""
-    spec = folder_config(folder).get("speculators_config") or {}
-    verifier = (spec.get("verifier") or {}).get("name_or_path")
-    methods = spec.get("proposal_methods") or [{}]
-    return verifier or None, methods[0].get("speculative_tokens")
+    """A speculators-format folder's verifier (the target it names) and drafts per round (trainer/export/
+    speculators.py reads them)."""
+    block = folder_block(folder)
+    return block.verifier, block.draft_tokens
 
 
 def load_weights(drafter: nn.Module, record: DrafterRecord, state: dict, where: str) -> None:

@@ -16,18 +16,19 @@ from pathlib import Path
 import torch
 
 from trainer.errors import ModelFolderError
-from trainer.export.files import read_folder, write_folder
+from trainer.export.files import write_folder
 from trainer.methods.eagle3.export import (
-    _config,
-    _consume,
-    _flags,
-    decoder_layers,
+    consume_tensors,
     module_name,
+    read_speculators,
     speculators_config,
     speculators_tensors,
 )
-from trainer.methods.eagle3.module import NORM_FLAGS
 from trainer.methods.peagle.module import PEagleConfig, PEagleDrafter
+
+MODEL_TYPE = "peagle"
+"""The speculators format's ``speculators_model_type``."""
+ARCHITECTURES = ["PEagleSpeculator"]
 
 
 def save_peagle(
@@ -40,7 +41,9 @@ def save_peagle(
 ) -> Path:
     """Write the speculators ``peagle`` checkpoint: the arguments of EAGLE-3's ``save_speculators`` less the
     embedding (the drafter's own is written), ``speculative_tokens`` being the depths trained."""
-    config = speculators_config(drafter, "peagle", verifier, speculative_tokens, verifier_architectures, dtype)
+    config = speculators_config(
+        drafter, MODEL_TYPE, ARCHITECTURES, verifier, speculative_tokens, verifier_architectures, dtype
+    )
     config["mask_token_id"] = drafter.config.mask_token_id
     config["embed_requires_grad"] = True
     return write_folder(out_dir, config, speculators_tensors(drafter, dtype))
@@ -49,16 +52,9 @@ def save_peagle(
 def load_peagle(path: str) -> PEagleDrafter:
     """Read a speculators ``peagle`` export: every tensor consumed, none missing (``embed_tokens.weight`` and
     ``mask_hidden`` included)."""
-    config, tensors = read_folder(path, "a P-EAGLE export")
-    if config.get("speculators_model_type") != "peagle":
-        raise ModelFolderError(f"{path}: speculators_model_type {config.get('speculators_model_type')!r}, not 'peagle'")
-    layer = config.get("transformer_layer_config")
-    if not isinstance(layer, dict):
-        raise ModelFolderError(f"{path}: transformer_layer_config must be a dict")
+    config, tensors, shape, layers = read_speculators(path, MODEL_TYPE, "a P-EAGLE export")
     mask_id = config.get("mask_token_id")
     if not isinstance(mask_id, int):
         raise ModelFolderError(f"{path}: mask_token_id must be a token id, got {mask_id!r}")
-    layers = decoder_layers(layer, path)
-    base = _config(layer, config, config["eagle_aux_hidden_state_layer_ids"], path, _flags(config, NORM_FLAGS, path))
-    drafter = PEagleDrafter(PEagleConfig(**base.to_dict(), mask_token_id=mask_id, num_layers=layers))
-    return _consume(drafter, tensors, module_name, path)
+    drafter = PEagleDrafter(PEagleConfig(**shape.to_dict(), mask_token_id=mask_id, num_layers=layers))
+    return consume_tensors(drafter, tensors, module_name, path)

@@ -13,9 +13,9 @@ from transformers import PreTrainedModel
 
 from trainer.decoding.head_tree import tree_or_default
 from trainer.decoding.options import ProposerOptions
-from trainer.export.files import folder_config
+from trainer.export import speculators
 from trainer.methods.eagle3 import records
-from trainer.methods.peagle.export import load_peagle, save_peagle
+from trainer.methods.peagle.export import MODEL_TYPE, load_peagle, save_peagle
 from trainer.methods.peagle.module import PEagleConfig, PEagleDrafter
 from trainer.methods.peagle.proposer import PEagleProposer
 from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
@@ -61,7 +61,7 @@ SPECULATORS = ExportFormat(
     description="P-EAGLE in the speculators format (PEagleSpeculator): the speculators library",
     write=write,
     load=load,
-    recognise=lambda folder: folder_config(folder).get("speculators_model_type") == "peagle",
+    recognise=lambda folder: speculators.is_model_type(folder, MODEL_TYPE),
 )
 
 register_kind(
