@@ -114,3 +114,25 @@ def test_sampled_chain_returns_the_distributions_it_drew_from():
     result = speculative_generate(target, tokens, Eagle3Proposer(drafter, embedding), k=3, max_new_tokens=12,
                                   temperature=0.7, generator=torch.Generator().manual_seed(1))  # fmt: skip
     assert len(result.tokens) == 12
+
+
+def test_eagle3_and_peagle_proposers_refuse_hidden_states_that_skip_positions_naming_their_method():
+    """The new positions of a round are read by one function (eagle3/proposer.py ``new_positions``) for EAGLE-3 and
+    P-EAGLE: hidden states that do not start where the drafter's cache ends, or lack a layer, are refused."""
+    from trainer.methods.peagle.module import PEagleConfig, PEagleDrafter
+    from trainer.methods.peagle.proposer import PEagleProposer
+
+    target, drafter = target_and_drafter(0)
+    peagle = PEagleDrafter(PEagleConfig(**drafter.config.to_dict(), mask_token_id=95)).to(torch.float64)
+    peagle.set_vocab_map(drafter.d2t, drafter.t2d)
+    ctx = first_round(target, drafter)
+    for proposer, method in ((Eagle3Proposer(drafter, target.get_input_embeddings()), "EAGLE-3"),
+                             (PEagleProposer(peagle, 4), "P-EAGLE")):  # fmt: skip
+        proposer.propose(ctx)  # the cache now holds positions 0..13
+        with pytest.raises(RuntimeError, match=rf"^{method} proposer: .* start at position 0 but the drafter's cache"):
+            proposer.propose(ctx)
+        proposer.reset()
+        lacking = {i: h for i, h in ctx.hidden_states.items() if i != drafter.config.aux_layers[0]}
+        missing = ProposalContext(tokens=ctx.tokens, k=4, vocab_size=96, hidden_states=lacking)
+        with pytest.raises(ValueError, match=rf"the {method} proposer needs the target's hidden states of layers"):
+            proposer.propose(missing)

@@ -38,6 +38,41 @@ from trainer.decoding.tree import DraftTree, check_tree_search
 from trainer.methods.eagle3.module import Eagle3Drafter
 
 
+def new_positions(
+    drafter: Eagle3Drafter, embedding: torch.nn.Module, ctx: ProposalContext, cached: int, method: str
+) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """The positions of the context the drafter's cache does not hold yet (those whose target hidden states arrived
+    with ``ctx``), as the drafter's inputs; shared by the proposers of EAGLE-3 and of the methods extending it.
+
+    Args:
+        drafter: the drafter (its ``fuse`` and its target layers, ``config.aux_layers``).
+        embedding: token ids -> input embeddings (the target's, or a drafter's own).
+        ctx: the round's context: ``tokens`` [T] and the hidden states of the target layers, [n, Ht] each, of
+            positions ``T - 1 - n .. T - 2``.
+        cached: the positions the drafter's cache holds, which must be the first new one.
+        method: the method named in errors.
+
+    Returns:
+        (start, fused [1, n, H], embeds [1, n, H]): the first new position, the fused features of positions
+        ``start .. T - 2`` and the embeddings of the tokens one ahead of them.
+    """
+    tokens = ctx.tokens  # [T]
+    T = tokens.numel()
+    layers = tuple(drafter.config.aux_layers)
+    if not ctx.hidden_states or any(i not in ctx.hidden_states for i in layers):
+        raise ValueError(f"the {method} proposer needs the target's hidden states of layers {layers}")
+    n = ctx.hidden_states[layers[0]].shape[0]
+    start = T - 1 - n  # position of the first new entry
+    if start != cached:
+        raise RuntimeError(
+            f"{method} proposer: the target's hidden states start at position {start} but the drafter's cache "
+            f"holds {cached} positions (a round without drafting lost some; call reset())"
+        )
+    fused = drafter.fuse([ctx.hidden_states[i][None] for i in layers])  # [1, n, H]
+    embeds = embedding(tokens[start + 1 : T][None]).to(fused.dtype)  # [1, n, H]
+    return start, fused, embeds
+
+
 class _Eagle3Base(BaseProposer):
     """Shared state: the drafter, the target's embedding and the drafter's cache of committed positions."""
 
@@ -64,21 +99,8 @@ class _Eagle3Base(BaseProposer):
     def _extend(self, ctx: ProposalContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Append the context's new positions to the cache; the last one's output feature [1, 1, H] and logits
         [Vd]."""
-        tokens = ctx.tokens  # [T]
-        T = tokens.numel()
-        layers = self.needs_hidden_states
-        if not ctx.hidden_states or any(i not in ctx.hidden_states for i in layers):
-            raise ValueError(f"the EAGLE-3 proposer needs the target's hidden states of layers {layers}")
-        n = ctx.hidden_states[layers[0]].shape[0]
-        start = T - 1 - n  # position of the first new entry
-        if start != self._cached():
-            raise RuntimeError(
-                f"EAGLE-3 proposer: the target's hidden states start at position {start} but the drafter's cache "
-                f"holds {self._cached()} positions (a round without drafting lost some; call reset())"
-            )
-        fused = self.drafter.fuse([ctx.hidden_states[i][None] for i in layers])  # [1, n, H]
-        embeds = self.embedding(tokens[start + 1 : T][None]).to(fused.dtype)  # [1, n, H]
-        positions = torch.arange(start, T - 1, device=tokens.device)[None]  # [1, n]
+        start, fused, embeds = new_positions(self.drafter, self.embedding, ctx, self._cached(), "EAGLE-3")
+        positions = torch.arange(start, ctx.tokens.numel() - 1, device=ctx.tokens.device)[None]  # [1, n]
         out, logits, (k, v) = self.drafter(embeds, fused, positions, self.past)
         self.past = (k, v) if self.past is None else (torch.cat([self.past[0], k], 2), torch.cat([self.past[1], v], 2))
         return out[:, -1:], logits[0, -1]

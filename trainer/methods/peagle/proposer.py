@@ -25,6 +25,7 @@ import torch
 from trainer.decoding.heads_proposer import ParallelHeadsProposer
 from trainer.decoding.proposers import ProposalContext
 from trainer.decoding.tree import DraftTree
+from trainer.methods.eagle3.proposer import new_positions
 from trainer.methods.peagle.module import PEagleDrafter
 
 
@@ -67,21 +68,10 @@ class PEagleProposer(ParallelHeadsProposer):
 
     def _forward(self, ctx: ProposalContext) -> torch.Tensor | None:
         """Append the new positions to the cache and return the ``[k, V]`` depth logits (None when ``k = 0``)."""
-        drafter, layers = self.drafter, self.needs_hidden_states
-        tokens = ctx.tokens  # [T]
+        drafter, tokens = self.drafter, ctx.tokens  # [T]
         T = tokens.numel()
-        if not ctx.hidden_states or any(i not in ctx.hidden_states for i in layers):
-            raise ValueError(f"the P-EAGLE proposer needs the target's hidden states of layers {layers}")
-        n = ctx.hidden_states[layers[0]].shape[0]
-        start = T - 1 - n  # position of the first new entry
-        C = self._cached()
-        if start != C:
-            raise RuntimeError(
-                f"P-EAGLE proposer: the target's hidden states start at position {start} but the drafter's cache "
-                f"holds {C} positions (a round without drafting lost some; call reset())"
-            )
-        fused = drafter.fuse([ctx.hidden_states[i][None] for i in layers])  # [1, n, H]
-        embeds = drafter.embed_tokens(tokens[start + 1 : T][None]).to(fused.dtype)  # [1, n, H]
+        start, fused, embeds = new_positions(drafter, drafter.embed_tokens, ctx, self._cached(), "P-EAGLE")
+        n = fused.shape[1]
         P = max(ctx.k - 1, 0)
         positions = torch.arange(start, T - 1 + P, device=tokens.device)[None]  # [1, n + P]
         if P:
