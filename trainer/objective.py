@@ -2,13 +2,16 @@
 what a checkpoint holds.
 
 Subclasses implement ``trainable_module()`` (what the optimizer trains), ``compute_loss(batch)`` (returns the loss
-and a dict of extra metrics), ``flops_per_token()`` and ``drafter_record()`` (what the trained drafter is, for
-``draftsmith export`` and ``eval``). Frozen models are declared with :meth:`track_frozen`: checkpoints hold their
-fingerprints, not their weights (a FrozenTarget never enters a state dict), and a resumed run with a different frozen
-model is refused with both fingerprints in the message.
+and a dict of extra metrics), ``flops_per_token()``, ``drafter_record()`` (what the trained drafter is, for
+``draftsmith export`` and ``eval``), ``data_requirements()`` (what the training data must match, checked in
+``setup``) and ``activation_bytes(step)`` (the activations of one training step, for ``draftsmith plan``). Frozen
+models are declared with :meth:`track_frozen`: checkpoints hold their fingerprints, not their weights (a FrozenTarget
+never enters a state dict), and a resumed run with a different frozen model is refused with both fingerprints in the
+message.
 
 The setup every objective with a target shares is written here once: :meth:`load_target` (the target run online, or
-only what its shards do not hold, by ``target_signals``; tracked as a frozen model), :meth:`check_data` (the data's
+only what its shards do not hold, by ``target_signals``; tracked as a frozen model, and kept on the module's device
+wherever it lives), :meth:`setup` running :meth:`check_data` on the objective's :meth:`data_requirements` (the data's
 tokenizer, or the shards' target, tokenizer, vocabulary, temperature and hidden layers), :meth:`drafter_from_checkpoint`
 (``init_from``) and :meth:`speculative_eval_target`.
 
@@ -25,7 +28,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import lightning as L
 import torch
@@ -44,6 +47,9 @@ from trainer.registry import DrafterRecord, check_target, load_drafter
 from trainer.strategies import deepspeed_offload_enabled, shard_for_fsdp2
 from trainer.target import FrozenTarget, TargetEmbeddings, check_context, check_model_path, model_load_error
 from trainer.throughput import measure_matmul_peak
+
+if TYPE_CHECKING:
+    from trainer.activation_memory import PlannedStep
 
 DEAD_GRADIENT_STEPS = 3
 MAX_WEIGHT_RMS = 1e3
@@ -80,6 +86,28 @@ class Optim:
     muon_momentum: float = 0.95
 
 
+@dataclass(frozen=True)
+class DataRequirements:
+    """What an objective's training data must match (:meth:`DraftObjective.data_requirements`), checked in ``setup``
+    by :meth:`DraftObjective.check_data`.
+
+    Args:
+        width: the output rows of the model whose token ids the data must match.
+        vocab_size: the ids shared with the data; default the tokenizer's length (online: ``width``).
+        temperature: shards: the temperature their top-k was taken at (None: any).
+        target_layers: shards: the HF hidden_states indices they must hold, in order (None: not checked).
+        hidden_size: shards: the width of those hidden states (None: not checked).
+        name: the model named in a tokenizer mismatch (None: :attr:`DraftObjective.target_path`).
+    """
+
+    width: int
+    vocab_size: int | None = None
+    temperature: float | None = 1.0
+    target_layers: Sequence[int] | None = None
+    hidden_size: int | None = None
+    name: str | None = None
+
+
 def derived_seed(*parts: object) -> int:
     """A 63-bit seed that depends on every part (stable across processes and Python versions)."""
     digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
@@ -98,7 +126,8 @@ def lr_factor(step: int, optim: Optim, total_steps: int) -> float:
 
 
 class DraftObjective(L.LightningModule):
-    """Shared training logic. One level of inheritance: every objective subclasses this and nothing else."""
+    """Shared training logic. Every objective subclasses this, or the objective of the one method it extends (a method
+    family: P-EAGLE's extends EAGLE-3's, DSpark's DFlash's)."""
 
     def __init__(self, optim: Optim = Optim()) -> None:
         """
@@ -139,6 +168,25 @@ class DraftObjective(L.LightningModule):
         """What the trained module is (trainer/registry.py), stored in every checkpoint."""
         raise NotImplementedError
 
+    def data_requirements(self) -> DataRequirements:
+        """What the training data must match (its tokenizer; from shards their target, vocabulary, temperature and
+        hidden layers): :meth:`setup` checks the trainer's datamodule against it with :meth:`check_data`."""
+        raise NotImplementedError(f"{type(self).__name__} does not say what its data must match (data_requirements)")
+
+    def activation_bytes(self, step: PlannedStep) -> int:
+        """The activation bytes of one training step on ``step``'s batch, read by ``draftsmith plan``: the objective
+        is built on the meta device, so this reads its shapes and settings, never its weights; the terms are in
+        :mod:`trainer.activation_memory`.
+
+        Raises:
+            RecipeError: the objective has no estimate (an objective that does not implement this method): the
+                planner refuses its recipe naming the class.
+        """
+        raise RecipeError(
+            f"draftsmith plan: {type(self).__name__} has no activation estimate: it does not implement "
+            "DraftObjective.activation_bytes (docs/developer/add-a-method.md)"
+        )
+
     def speculative_eval_target(self) -> PreTrainedModel:
         """The HF target the drafter is measured against by SpeculativeEvalCallback (trainer/decoding/callback.py), on
         the module's device: the target :meth:`load_target` loaded online. Objectives whose model drafts for itself
@@ -150,7 +198,7 @@ class DraftObjective(L.LightningModule):
             )
         if not isinstance(self.target, FrozenTarget):
             raise RecipeError(f"{type(self).__name__} trains no drafter against a target for SpeculativeEvalCallback")
-        return self.target_on(self.device).model
+        return self.target.model
 
     # ---- the target, its data and init_from ----------------------------------------------------------------------
     def load_target(
@@ -179,7 +227,8 @@ class DraftObjective(L.LightningModule):
                 None).
             in_module_tree: register the online target as the submodule ``frozen_target``, so that Lightning moves and
                 casts it with the objective and ZeRO-3 partitions it (a large distillation target); it is still in no
-                checkpoint. Otherwise it stays out of the module tree and :meth:`target_on` moves it.
+                checkpoint. Otherwise it stays out of the module tree, never cast, and moved with the module
+                (:meth:`_apply`) and to the strategy's device when a fit starts.
             record_as: the name of its fingerprint in checkpoints (``frozen_models``).
 
         Returns:
@@ -213,46 +262,52 @@ class DraftObjective(L.LightningModule):
         """The target :meth:`load_target` loaded: a FrozenTarget (online), TargetEmbeddings (shards), or None."""
         return self._target[0] if self._target else None
 
-    def target_on(self, device: torch.device | str) -> FrozenTarget | TargetEmbeddings | None:
-        """:attr:`target`, first moved to ``device`` when it is kept out of the module tree and is elsewhere."""
-        target = self.target
-        if target is not None and "frozen_target" not in self._modules:
-            if target.lm_head_weight.device != torch.device(device):
-                target.to(device)
-        return target
+    def _move_target(self, device: torch.device) -> None:
+        """Moves :attr:`target`, when it is kept out of the module tree, to ``device`` (a no-op where it is, and for
+        a target on the meta device, which the planner builds)."""
+        held = self.__dict__.get("_target")
+        if not held or "frozen_target" in self._modules:
+            return
+        where = held[0].lm_head_weight.device
+        if where != device and where.type != "meta" and device.type != "meta":
+            held[0].to(device)
+
+    def _apply(self, fn, recurse: bool = True):
+        """Every move of the module (``.to(device)``, ``.cuda()``, a strategy's or an engine's own move) takes the
+        target kept out of the module tree with it; a cast (``.half()``, ``.to(dtype)``) leaves it as loaded
+        (``target_dtype``)."""
+        module = super()._apply(fn, recurse)
+        held = self.__dict__.get("_target")
+        if held:
+            self._move_target(fn(torch.empty(0, device=held[0].lm_head_weight.device)).device)  # where fn moves to
+        return module
 
     def attached_datamodule(self):
         """The trainer's datamodule, or None outside a trainer."""
         return getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
 
-    def check_data(
-        self,
-        datamodule,
-        width: int,
-        vocab_size: int | None = None,
-        temperature: float | None = 1.0,
-        target_layers: Sequence[int] | None = None,
-        hidden_size: int | None = None,
-        name: str | None = None,
-    ) -> ShardDataModule | None:
-        """Refuses data the objective cannot train on (called in ``setup``).
+    def setup(self, stage: str) -> None:
+        """Refuses data the objective cannot train on: :meth:`check_data` of the trainer's datamodule against
+        :meth:`data_requirements`. An objective that checks more overrides this and calls it first."""
+        self.check_data(self.attached_datamodule(), self.data_requirements())
+
+    def check_data(self, datamodule, requirements: DataRequirements) -> ShardDataModule | None:
+        """Refuses data the objective cannot train on (:meth:`setup` calls it).
 
         Online (or without a target): the data's tokenizer must be :attr:`tokenizer` (check_data_tokenizer; a no-op
         for data without one). From shards: a ShardDataModule whose shards were made by this target (fingerprint),
-        tokenizer, vocabulary and temperature, holding ``target_layers`` in that order, of ``hidden_size``.
+        tokenizer, vocabulary and temperature, holding the required target layers in that order, of the required
+        hidden size.
 
         Args:
             datamodule: the trainer's datamodule (:meth:`attached_datamodule`).
-            width: the output rows of the model whose token ids the data must match.
-            vocab_size: the ids shared with the data; default the tokenizer's length (online: ``width``).
-            temperature: shards: the temperature their top-k was taken at (None: any).
-            target_layers: shards: the HF hidden_states indices they must hold, in order (None: not checked).
-            hidden_size: shards: the width of those hidden states.
-            name: the model named in a tokenizer mismatch (default :attr:`target_path`).
+            requirements: what the data must match (:meth:`data_requirements`).
 
         Returns:
             The set-up ShardDataModule (shards), else None.
         """
+        width, vocab_size, name = requirements.width, requirements.vocab_size, requirements.name
+        target_layers, hidden_size = requirements.target_layers, requirements.hidden_size
         check_context(self.target_config, getattr(datamodule, "seq_len", None), self.target_path)
         if self.target_signals != "shards":
             check_data_tokenizer(datamodule, name or self.target_path, self.tokenizer, width, vocab_size or width)
@@ -272,7 +327,7 @@ class DraftObjective(L.LightningModule):
             vocab_size = len(self.tokenizer) if self.tokenizer is not None else width
         data = checked_shard_data(
             datamodule, vocab_size=vocab_size, tokenizer=self.tokenizer, teacher=self.target_path,
-            temperature=temperature,
+            temperature=requirements.temperature,
         )  # fmt: skip
         if layers is not None and list(data.hidden_layers) != layers:
             raise RecipeError(
@@ -470,6 +525,7 @@ class DraftObjective(L.LightningModule):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, self.optim, total))
 
     def on_fit_start(self) -> None:
+        self._move_target(self.trainer.strategy.root_device)  # where the batches go, whatever moved the module
         dtype = next(self.trainable_module().parameters()).dtype
         self._peak_flops = measure_matmul_peak(self.device, dtype)
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from trainer.objective import DraftObjective, Optim
 from trainer.planner import PRESETS, Shape, drafter_activation_bytes, estimate, main, parse_bytes, plan_from_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -263,6 +264,65 @@ def test_every_method_counts_what_its_objective_builds(name, random_target, tiny
     (ddp, zero1, zero2, zero3) = plan.estimates(2)
     assert ddp.gradients == plan.counts.trainable_bytes and ddp.optimizer == 2 * plan.counts.trainable_bytes
     assert zero3.total <= zero2.total <= zero1.total + zero2.buffers - zero1.buffers
+
+
+FIT_RECIPES = sorted(p for p in QUICKSTART.glob("*.yaml") if "precompute" not in p.name)
+
+
+@pytest.mark.parametrize("recipe", FIT_RECIPES, ids=lambda p: p.stem)
+def test_every_quickstart_recipe_plans_through_its_objectives_estimate(recipe, tiny_corpus, capsys):
+    """Every quickstart fit recipe plans from a preset target, its activations the objective's own estimate (the
+    planner names no objective class). A recipe that starts from another run's checkpoint (init_from) is refused
+    naming it, and plans without it but for mtp_extend, which copies the checkpoint's first module."""
+    from trainer.planner.build import objective_class
+    from trainer.recipe import parse_recipe
+
+    model = parse_recipe([str(recipe)]).model
+    cls = objective_class(model.class_path)
+    assert cls.activation_bytes is not DraftObjective.activation_bytes, f"{cls.__name__} has no activation estimate"
+    fit = ["--model.init_args.tokenizer", str(tiny_corpus.tokenizer_dir)] if model.init_args.get("tokenizer") else []
+    command = ["--config", str(recipe), "--gpus", "2", "--target", "llama-3.2-1b", "--seq_len", "128", "--", *fit]
+    if model.init_args.get("init_from"):
+        assert main(command) == 2 and f"{model.init_args.init_from!r} does not exist" in capsys.readouterr().err
+        command += ["--model.init_args.init_from", "null"]
+    status = main(command)
+    out, err = capsys.readouterr()
+    if recipe.name == "mtp_extend.yaml":
+        assert status == 2 and "no model.init_from is given" in err
+        return
+    assert status == 0, err
+    assert out.startswith(f"{cls.__name__}: trained ") and "| zero3 |" in out
+
+
+class Unplanned(DraftObjective):
+    """An objective that states no activation estimate (as a new method might forget to)."""
+
+    def __init__(self, target: str, optim: Optim = Optim()) -> None:
+        """
+        Args:
+            target: the target.
+            optim: optimizer and learning-rate schedule.
+        """
+        super().__init__(optim)
+        self.load_target(target)
+        self.head = torch.nn.Linear(4, 4)
+
+    def trainable_module(self) -> torch.nn.Module:
+        return self.head
+
+
+def test_an_objective_without_an_estimate_is_refused_by_name(tmp_path, capsys):
+    recipe = tmp_path / "unplanned.yaml"
+    data = {"tokenizer": "t", "train_files": ["a"], "batch_size": 1, "seq_len": 16}
+    recipe.write_text(json.dumps({
+        "model": {"class_path": f"{__name__}.Unplanned", "init_args": {"target": "t"}},
+        "data": {"class_path": "trainer.data.text.TextDataModule", "init_args": data},
+    }))  # fmt: skip
+    assert main(["--config", str(recipe), "--gpus", "1", "--target", "llama-3.2-1b"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: draftsmith plan: Unplanned has no activation estimate: it does not implement "
+        "DraftObjective.activation_bytes (docs/developer/add-a-method.md)"
+    ]
 
 
 def test_one_process_estimate_follows_lightning_precision():

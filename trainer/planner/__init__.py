@@ -1,8 +1,9 @@
 """``draftsmith plan``: memory per GPU (or per CPU process) of any recipe under DDP and DeepSpeed ZeRO 1, 2 and 3.
 
 :mod:`trainer.planner.cli` reads the recipe and prints the table; :mod:`trainer.planner.build` builds the objective on
-the meta device and counts its tensors; :mod:`trainer.planner.activations` estimates a step's activations per method;
-:mod:`trainer.planner.shapes` holds the shapes and the ZeRO accounting.
+the meta device and counts its tensors; the objective estimates its own step's activations
+(``DraftObjective.activation_bytes``, written with :mod:`trainer.activation_memory`); :mod:`trainer.planner.shapes`
+holds the presets and the ZeRO accounting.
 """
 
 from trainer.planner.cli import (

@@ -24,11 +24,11 @@ What is counted, per GPU, for N GPUs (the ZeRO paper's accounting, Adam/AdamW):
   tensors: one copy of the parameters it updates, P_d x 4 / N under ZeRO); DeepSpeed's fp32 gradient of the
   optimizer's partition (P_d x 4 / N), and under ZeRO-1 and 2 its two gradient buckets of ``reduce_bucket_size``
   (Lightning's 2e8 elements; fp32 under ZeRO-1, the gradients' dtype under ZeRO-2);
-* activations: the drafter's tensors saved for backward, B x S x (10 H + 4 I + 2 H_kv) x a bytes per layer (a = 4 for
-  32-true, else 2; fused attention, no S x S scores) plus its embeddings; the target's largest transient layer under
-  no_grad; and the logits: chunked float32 logits of both models (``chunk_size`` positions) for DDP/ZeRO-1/2, plus
-  both [B, S, V] logit tensors in the model dtype under ZeRO-3 (the KD objective takes the logits from the forward
-  when the output weight is sharded).
+* activations: the objective's own estimate of one step, ``activation_bytes`` (trainer/activation_memory.py), the
+  peak of the target's forward under no_grad and the trained part's forward and backward: per trained layer
+  B x S x (10 H + 4 I + 2 H_kv) x a bytes saved for backward (a = 4 for 32-true, else 2; fused attention, no S x S
+  scores), what the target hands over, and a chunked loss's float32 chunks. An objective without an estimate is
+  refused by name.
 
 The total is the sum but for ZeRO's step-only buffers (the fp32 partition gradient and AdamW's temporary, built in
 the optimizer step after backward has freed the activations): a ZeRO row counts the larger of those and the
@@ -50,9 +50,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer.activation_memory import PlannedStep
 from trainer.errors import DataError, ModelFolderError, RecipeError, UsageError, UserError, debugging, error_report
 from trainer.flags import ToolParser
-from trainer.planner.activations import activation_bytes
 from trainer.planner.build import build_objective, count
 from trainer.planner.shapes import GIB, PRESETS, Counts, Estimate, Shape, estimate_counts
 
@@ -177,7 +177,7 @@ def plan_from_recipe(
         precision=str(precision),
         chunk_size=None if chunk is None else int(chunk),
         counts=count(objective),
-        activations=activation_bytes(objective, int(batch), int(seq), str(precision), chunk),
+        activations=objective.activation_bytes(PlannedStep.of(objective, int(batch), int(seq), str(precision), chunk)),
         stage=strategy_stage(recipe.trainer.get("strategy")),
     )
 

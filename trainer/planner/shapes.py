@@ -1,6 +1,7 @@
-"""Shapes and the ZeRO accounting of ``draftsmith plan``: the sizes of a Llama-like causal LM (:class:`Shape`, exact
-parameter counts of the HF implementation), the bytes per parameter of a precision, and the bytes per GPU of one
-trained and one frozen model under DDP and ZeRO 1, 2 and 3 (:func:`estimate`, :func:`estimate_counts`).
+"""Shapes and the ZeRO accounting of ``draftsmith plan``: preset sizes of Llama-like causal LMs (each a
+:class:`trainer.activation_memory.Shape`, whose parameter counts are the HF implementation's), the bytes per parameter
+of a precision, and the bytes per GPU of one trained and one frozen model under DDP and ZeRO 1, 2 and 3
+(:func:`estimate`, :func:`estimate_counts`).
 """
 
 from __future__ import annotations
@@ -8,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.errors import ModelFolderError, RecipeError, UsageError
+from trainer.activation_memory import HALF_TRUE, MIXED, Shape
+from trainer.errors import RecipeError, UsageError
 
 GIB = 1024**3
 
@@ -45,71 +47,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_theta=500000.0,
     ),
 }
-
-
-@dataclass(frozen=True)
-class Shape:
-    """The sizes of a decoder-only (Llama-like) causal LM that memory depends on."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    mlp_bias: bool = False
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any], source: str = "config") -> Shape:
-        """From an HF config (a dict, e.g. ``AutoConfig(...).to_dict()``); ``source`` names it in errors."""
-        missing = [
-            k
-            for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-            if config.get(k) is None
-        ]
-        if missing:
-            raise ModelFolderError(f"draftsmith plan: {source} has no {', '.join(missing)} (a decoder-only LM config?)")
-        heads = int(config["num_attention_heads"])
-        hidden = int(config["hidden_size"])
-        kv = config.get("num_key_value_heads")
-        head_dim = config.get("head_dim")
-        return cls(
-            vocab_size=int(config["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(config["intermediate_size"]),
-            num_hidden_layers=int(config["num_hidden_layers"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(kv) if kv is not None else heads,
-            head_dim=int(head_dim) if head_dim is not None else hidden // heads,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=bool(config.get("attention_bias", False)),
-            mlp_bias=bool(config.get("mlp_bias", False)),
-        )
-
-    @property
-    def kv_width(self) -> int:
-        return self.num_key_value_heads * self.head_dim
-
-    @property
-    def q_width(self) -> int:
-        return self.num_attention_heads * self.head_dim
-
-    def layer_parameters(self) -> int:
-        h, i = self.hidden_size, self.intermediate_size
-        attn = h * self.q_width + 2 * h * self.kv_width + self.q_width * h
-        if self.attention_bias:
-            attn += self.q_width + 2 * self.kv_width + h
-        mlp = 3 * h * i + ((2 * i + h) if self.mlp_bias else 0)
-        return attn + mlp + 2 * h  # two RMSNorm weights
-
-    def parameters(self) -> int:
-        """Exact parameter count of the HF Llama implementation with this shape."""
-        embed = self.vocab_size * self.hidden_size
-        head = 0 if self.tie_word_embeddings else embed
-        return embed + self.num_hidden_layers * self.layer_parameters() + self.hidden_size + head
 
 
 def precision_bytes(precision: str) -> tuple[int, int, int]:
@@ -295,10 +232,6 @@ class Counts:
     largest_layer_bytes: int = 0
 
 
-HALF_TRUE = ("bf16-true", "16-true")
-MIXED = ("bf16-mixed", "16-mixed", "16", "bf16")
-
-
 def estimate_counts(counts: Counts, activations: int, gpus: int, precision: str) -> list[Estimate]:
     """Bytes per GPU (per process) of a built objective for DDP and ZeRO 1-3.
 
@@ -310,7 +243,7 @@ def estimate_counts(counts: Counts, activations: int, gpus: int, precision: str)
 
     Args:
         counts: what the objective holds.
-        activations: the step's activation bytes (:mod:`trainer.planner.activations`).
+        activations: the step's activation bytes (the objective's ``activation_bytes``).
         gpus: data-parallel processes.
         precision: Lightning's trainer.precision.
     """

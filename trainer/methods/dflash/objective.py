@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.activation_memory import F32, PlannedStep, Shape, chunked, frozen_forward, layer_saved
 from trainer.block_attention import Impl
 from trainer.errors import CheckpointError, RecipeError, UserError
 from trainer.methods.dflash import kind as dflash_kind
@@ -65,6 +66,7 @@ from trainer.methods.dflash.module import (
 from trainer.methods.dflash.refiner import LogitBias, backbone_config, refit
 from trainer.methods.dflash.slot_loss import ChunkLabels, Weights, block_chunks, block_dpace_weights, slot_loss
 from trainer.objective import (
+    DataRequirements,
     DraftObjective,
     Optim,
     TargetSignals,
@@ -234,18 +236,21 @@ class DFlash(DraftObjective):
         return t.model.get_input_embeddings().weight if isinstance(t, FrozenTarget) else t.embedding
 
     # ---- data checks ---------------------------------------------------------------------------------------------
+    def data_requirements(self) -> DataRequirements:
+        """The target's tokenizer; shards of this target and tokenizer, holding the drafter's target layers in its
+        order, at temperature 1 for soft labels (the target's own distribution)."""
+        config = self.drafter.config
+        return DataRequirements(
+            self.target.vocab_size, temperature=1.0 if self.labels == "soft" else None,
+            target_layers=config.target_layers, hidden_size=config.hidden_size,
+        )  # fmt: skip
+
     def setup(self, stage: str) -> None:
         self.check_training_data(self.attached_datamodule())
 
     def check_training_data(self, datamodule) -> None:
-        """Refuses data of another tokenizer, shards that do not fit (of this target and tokenizer, holding the
-        drafter's target layers in its order, at temperature 1 for soft labels: the target's own distribution) and
-        training data holding the mask token."""
-        config = self.drafter.config
-        self.check_data(
-            datamodule, self.target.vocab_size, temperature=1.0 if self.labels == "soft" else None,
-            target_layers=config.target_layers, hidden_size=config.hidden_size,
-        )  # fmt: skip
+        """Refuses data that does not meet :meth:`data_requirements` and training data holding the mask token."""
+        self.check_data(datamodule, self.data_requirements())
         if self.target_signals == "shards":
             rows = datamodule.training_rows()
         else:
@@ -284,7 +289,7 @@ class DFlash(DraftObjective):
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()  # [B, S] each
-        target = self.target_on(ids.device)
+        target = self.target
         stage = "train" if self.training else "val"
         drafter, b = self.drafter, self.drafter.config.block_size
         B, S = ids.shape
@@ -414,6 +419,27 @@ class DFlash(DraftObjective):
         with the output scaling its forward applies after the lm_head (Gemma-2's soft-cap, Granite's and Cohere's
         scales). The drafter's own logits go through the bare head, as its proposer computes them."""
         return self.target.logit_scaling((final @ head.t().to(final.dtype)).float())  # [C, V]
+
+    def activation_bytes(self, step: PlannedStep) -> int:
+        """The target phase (every hidden state HF returns; from shards the batch's target layers) against the
+        draft layers over the sampled blocks' slots, attending to the target's fused context, and the slots' logits
+        through the target's lm_head in chunks whose gradients are taken in forward (a float32 [slots, H] gradient
+        kept for backward)."""
+        n, a, a_t = step.tokens, step.element, step.target_element
+        config = self.drafter.config
+        t = Shape.of(self.target_config)
+        m = len(config.target_layers)
+        slots = step.batch * min(self.max_anchors, step.seq) * config.block_size
+        d = Shape(t.vocab_size, config.hidden_size, config.intermediate_size, config.num_hidden_layers,
+                  config.num_attention_heads, config.num_key_value_heads, config.head_dim)  # fmt: skip
+        if step.shards:
+            target_phase = m * n * t.hidden_size * 2
+        else:
+            target_phase = frozen_forward(t, n, a_t, hidden_kept=t.num_hidden_layers + 1)
+        context = n * (m * t.hidden_size + t.hidden_size) * a_t + n * (m + 1) * t.hidden_size * a  # kept, fused
+        layers = config.num_hidden_layers * (layer_saved(d, slots, a) + n * 2 * d.kv_width * a)
+        grad = slots * d.hidden_size * F32  # the slot loss's gradient of the slots' outputs
+        return max(target_phase, context + layers + grad + chunked(step.chunk, slots, t.vocab_size))
 
     def flops_per_token(self) -> float:
         S = self.data_seq_len()

@@ -23,13 +23,14 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from trainer.activation_memory import PlannedStep, Shape, causal_lm_layers, chunked, frozen_forward, layer_saved
 from trainer.data.vocab import load_tokenizer_if_present, shared_vocab_size
 from trainer.errors import RecipeError
 from trainer.export.hf import export_student
 from trainer.logit_scaling import LogitScaling
 from trainer.losses import fused_kd_loss, kd_loss, sparse_kd_loss
 from trainer.methods.draft_model import kind as hf_causal_lm
-from trainer.objective import DraftObjective, Optim, TargetSignals, causal_lm_flops_per_token
+from trainer.objective import DataRequirements, DraftObjective, Optim, TargetSignals, causal_lm_flops_per_token
 from trainer.registry import DrafterRecord
 from trainer.target import resolve_dtype
 
@@ -66,6 +67,18 @@ def drafter_vocab_size(
         student_tokenizer=load_tokenizer_if_present(drafter) if drafter else objective.tokenizer,
         student_width=student.get_output_embeddings().weight.shape[0],
     )
+
+
+def distillation_activation_bytes(objective: DraftObjective, step: PlannedStep) -> int:
+    """One step of distilling ``objective.trainable_module()`` (an HF causal LM) from its target: the drafter's saved
+    layers and embeddings, the target's forward (none from shards), and a chunked loss against the target's
+    distribution (six float32 chunks)."""
+    n, a = step.tokens, step.element
+    shape, layers = causal_lm_layers(objective.trainable_module())
+    t = Shape.of(objective.target_config)
+    student = layers * layer_saved(shape, n, a) + 2 * n * shape.hidden_size * a
+    teacher = 0 if step.shards else frozen_forward(t, n, step.target_element)
+    return student + teacher + chunked(step.chunk, n, t.vocab_size, copies=6)
 
 
 class KnowledgeDistillation(DraftObjective):
@@ -137,8 +150,12 @@ class KnowledgeDistillation(DraftObjective):
     def trainable_module(self) -> nn.Module:
         return self.student
 
-    def setup(self, stage: str) -> None:
-        self.check_data(self.attached_datamodule(), self.target_width, self.vocab_size, temperature=self.temperature)
+    def data_requirements(self) -> DataRequirements:
+        """The target's tokenizer; shards of its top-k at this temperature."""
+        return DataRequirements(self.target_width, self.vocab_size, temperature=self.temperature)
+
+    def activation_bytes(self, step: PlannedStep) -> int:
+        return distillation_activation_bytes(self, step)
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         input_ids, labels, loss_mask = batch["input_ids"], batch["labels"], batch["loss_mask"]  # [B, S] each

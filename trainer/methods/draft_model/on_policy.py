@@ -37,13 +37,14 @@ import torch
 from torch import nn
 from transformers import GenerationConfig, PreTrainedModel
 
+from trainer.activation_memory import PlannedStep
 from trainer.errors import RecipeError
 from trainer.export.hf import export_student
 from trainer.logit_scaling import LogitScaling
 from trainer.losses import LossParts, fused_kd_loss
 from trainer.methods.draft_model import kind as hf_causal_lm
-from trainer.methods.draft_model.kd import build_drafter, drafter_vocab_size
-from trainer.objective import DraftObjective, Optim, causal_lm_flops_per_token, derived_seed
+from trainer.methods.draft_model.kd import build_drafter, distillation_activation_bytes, drafter_vocab_size
+from trainer.objective import DataRequirements, DraftObjective, Optim, causal_lm_flops_per_token, derived_seed
 from trainer.registry import DrafterRecord
 
 log = logging.getLogger(__name__)
@@ -221,8 +222,13 @@ class OnPolicyDistillation(DraftObjective):
     def trainable_module(self) -> nn.Module:
         return self.student
 
-    def setup(self, stage: str) -> None:
-        self.check_data(self.attached_datamodule(), self.target.vocab_size, self.vocab_size)
+    def data_requirements(self) -> DataRequirements:
+        """The target's tokenizer."""
+        return DataRequirements(self.target.vocab_size, self.vocab_size)
+
+    def activation_bytes(self, step: PlannedStep) -> int:
+        """A step on the data set's sequences (KD's); generation's KV cache is not counted."""
+        return distillation_activation_bytes(self, step)
 
     # ---- the pieces of a step (public for tests and the benchmark) -----------------------------------------------
     def coin(self, step: int, micro: int = 0) -> bool:

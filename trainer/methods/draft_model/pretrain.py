@@ -16,10 +16,11 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 from transformers import AutoTokenizer, LlamaForCausalLM
 
+from trainer.activation_memory import PlannedStep, causal_lm_layers, chunked, layer_saved
 from trainer.llama import new_llama_config
 from trainer.losses import chunked_cross_entropy
 from trainer.methods.draft_model import kind as hf_causal_lm
-from trainer.objective import DraftObjective, Optim, causal_lm_flops_per_token
+from trainer.objective import DataRequirements, DraftObjective, Optim, causal_lm_flops_per_token
 from trainer.registry import DrafterRecord
 
 log = logging.getLogger(__name__)
@@ -83,9 +84,14 @@ class CausalLMPretraining(DraftObjective):
     def trainable_module(self) -> nn.Module:
         return self.model
 
-    def setup(self, stage: str) -> None:
-        """Refuses data of another tokenizer than ``model.tokenizer`` (the check every objective runs)."""
-        self.check_data(self.attached_datamodule(), self.model.config.vocab_size, name=self.hparams.tokenizer)
+    def data_requirements(self) -> DataRequirements:
+        """Data of ``model.tokenizer``."""
+        return DataRequirements(self.model.config.vocab_size, name=self.hparams.tokenizer)
+
+    def activation_bytes(self, step: PlannedStep) -> int:
+        """Every layer's saved tensors and the chunked cross entropy."""
+        t, layers = causal_lm_layers(self.model)
+        return layers * layer_saved(t, step.tokens, step.element) + chunked(step.chunk, step.tokens, t.vocab_size)
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if self.weights_are_sharded():  # FSDP2 / ZeRO-3: the output weight is a shard outside the forward

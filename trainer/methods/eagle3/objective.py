@@ -55,13 +55,21 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from trainer.activation_memory import F32, PlannedStep, Shape, frozen_forward, layer_saved
 from trainer.block_attention import Impl
 from trainer.errors import RecipeError
 from trainer.methods.eagle3 import kind as eagle3_kind
 from trainer.methods.eagle3 import vocab_map
 from trainer.methods.eagle3.labels import check_argmax_weight, mix_argmax
 from trainer.methods.eagle3.module import Eagle3Config, Eagle3Drafter
-from trainer.objective import DraftObjective, Optim, TargetSignals, causal_lm_flops_per_token, count_params
+from trainer.objective import (
+    DataRequirements,
+    DraftObjective,
+    Optim,
+    TargetSignals,
+    causal_lm_flops_per_token,
+    count_params,
+)
 from trainer.registry import DrafterRecord
 from trainer.target import resolve_dtype
 
@@ -223,14 +231,19 @@ class Eagle3(DraftObjective):
         return self.drafter
 
     # ---- the reduced vocabulary ----------------------------------------------------------------------------------
-    def setup(self, stage: str) -> None:
-        datamodule = self.attached_datamodule()
-        # shards: of this target, tokenizer and vocabulary at temperature 1 (the labels are the target's own
-        # distribution), holding the drafter's target layers in its order (teacher_hidden[:, j] is fused as layer j)
+    def data_requirements(self) -> DataRequirements:
+        """The target's tokenizer; shards of this target, tokenizer and vocabulary at temperature 1 (the labels are
+        the target's own distribution), holding the drafter's target layers in its order (teacher_hidden[:, j] is
+        fused as layer j)."""
         config = self.drafter.config
-        self.check_data(
-            datamodule, self.target.vocab_size, target_layers=config.aux_layers, hidden_size=config.target_hidden_size
+        return DataRequirements(
+            self.target.vocab_size, target_layers=config.aux_layers, hidden_size=config.target_hidden_size
         )
+
+    def setup(self, stage: str) -> None:
+        """The data's checks, then the draft vocabulary counted on the training rows (unless ``init_from`` gave it)."""
+        super().setup(stage)
+        datamodule = self.attached_datamodule()
         if self.vocab_fixed:
             return
         if self.target_signals == "shards":
@@ -264,7 +277,6 @@ class Eagle3(DraftObjective):
     # ---- training ------------------------------------------------------------------------------------------------
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ids = batch["input_ids"]  # [B, S]
-        self.target_on(ids.device)
         signals = self._shard_signals(batch) if self.target_signals == "shards" else self._online_signals(ids)
         return self._ttt_loss(ids, batch["loss_mask"], *signals)
 
@@ -384,6 +396,45 @@ class Eagle3(DraftObjective):
             metrics[f"loss_{i}"] = loss_i.detach()
             tokens = guess if data_tokens is None else data_tokens[:, i + 2 : i + 1 + S]  # [B, S - 1]
         return total, metrics
+
+    # ---- memory (draftsmith plan) --------------------------------------------------------------------------------
+    def draft_layer_shape(self) -> Shape:
+        """The draft decoder layer's shape, over the draft vocabulary."""
+        c = self.drafter.config
+        return Shape(c.draft_vocab_size, c.hidden_size, c.intermediate_size, 1, c.num_attention_heads,
+                     c.num_key_value_heads, c.head_dim)  # fmt: skip
+
+    def target_phase_bytes(self, step: PlannedStep, soft: bool) -> tuple[int, int]:
+        """(the target phase's bytes, what it hands the drafter): every hidden state HF returns with
+        output_hidden_states, and ``soft`` labels projected onto the draft vocabulary's lm_head rows only ([B, S, Vd]
+        logits and their float32 softmax), argmax labels onto every token ([B, S, V]); from shards the batch's
+        teacher hidden states (bf16). Handed over: the fused features and the float32 soft labels."""
+        n, a, a_t = step.tokens, step.element, step.target_element
+        config = self.drafter.config
+        t = Shape.of(self.target_config)
+        vd = config.draft_vocab_size
+        if step.shards:
+            target_phase = len(config.aux_layers) * n * t.hidden_size * 2
+        else:
+            vocab_out = 0 if soft else t.vocab_size
+            target_phase = frozen_forward(t, n, a_t, hidden_kept=t.num_hidden_layers + 1, vocab_out=vocab_out)
+            if soft:
+                target_phase += n * vd * (a_t + F32) + vd * t.hidden_size * a_t  # + the draft rows of lm_head
+        return target_phase, n * config.hidden_size * a + (n * vd * F32 if soft else 0)
+
+    def activation_bytes(self, step: PlannedStep) -> int:
+        """The target phase against the training-time test's: each step the layer (2H attention input), its
+        [B, S, Vd] logits, their float32 log-softmax and the product; with ``recompute`` each step's outputs and the
+        last step with one recomputed in backward, else every step kept."""
+        n, a = step.tokens, step.element
+        d = self.draft_layer_shape()
+        target_phase, handed = self.target_phase_bytes(step, self.labels == "soft")
+        one = layer_saved(d, n, a, extra_hidden=2) + n * d.vocab_size * (a + 2 * F32)
+        steps = min(self.ttt_steps, step.seq - 1)
+        if self.recompute:
+            kept = (steps - 1) * n * (d.hidden_size + 2 * d.kv_width) * a  # each recomputed step's outputs
+            return max(target_phase, handed + kept + one + one)
+        return max(target_phase, handed + steps * one)
 
     def flops_per_token(self) -> float:
         drafter = 2.0 * count_params(self.drafter)

@@ -44,6 +44,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 
+from trainer.activation_memory import PlannedStep, causal_lm_layers, chunked, frozen_forward, layer_saved
 from trainer.data.vocab import load_tokenizer_if_present
 from trainer.decoding.session import slice_refusal
 from trainer.errors import ModelFolderError, RecipeError
@@ -52,7 +53,7 @@ from trainer.llama import new_llama_config
 from trainer.logit_scaling import LogitScaling
 from trainer.losses import chunked_cross_entropy, fused_kd_loss, kd_loss
 from trainer.methods.layerskip import kind as layerskip_kind
-from trainer.objective import DraftObjective, Optim, causal_lm_flops_per_token, derived_seed
+from trainer.objective import DataRequirements, DraftObjective, Optim, causal_lm_flops_per_token, derived_seed
 from trainer.registry import DrafterRecord
 from trainer.target import resolve_dtype
 
@@ -318,9 +319,9 @@ class LayerSkip(DraftObjective):
     def trainable_module(self) -> nn.Module:
         return self.net
 
-    def setup(self, stage: str) -> None:
-        width = self.model.get_output_embeddings().weight.shape[0]
-        self.check_data(self.attached_datamodule(), width, name=self.tokenizer_path)
+    def data_requirements(self) -> DataRequirements:
+        """The model's tokenizer."""
+        return DataRequirements(self.model.get_output_embeddings().weight.shape[0], name=self.tokenizer_path)
 
     # ---- the schedule of a step ------------------------------------------------------------------------------------
     def enabled_exits(self, step: int) -> list[int]:
@@ -362,7 +363,7 @@ class LayerSkip(DraftObjective):
         original = None
         distill = self.labels == "original"
         if self.target_kl_weight > 0 or distill:
-            frozen = self.target_on(self.device)
+            frozen = self.target  # the frozen original, out of the module tree
             mask = batch["loss_mask"].bool()  # [B, S]
             original = (frozen.final_hidden(ids), frozen.lm_head_weight, mask, frozen.logit_scaling)  # [B, S, H]...
         scales = exit_scales(layers, self.exit_scale)
@@ -386,6 +387,14 @@ class LayerSkip(DraftObjective):
         return flops
 
     # ---- what the model is ---------------------------------------------------------------------------------------
+    def activation_bytes(self, step: PlannedStep) -> int:
+        """Every layer's saved tensors, the frozen original's forward (``target_kl_weight``) and the exits' chunked
+        loss (six float32 chunks against the original's distribution, else three)."""
+        n, a = step.tokens, step.element
+        t, layers = causal_lm_layers(self.model)
+        kl = frozen_forward(t, n, step.target_element) if self.target_kl_weight else 0
+        return layers * layer_saved(t, n, a) + kl + chunked(step.chunk, n, t.vocab_size, copies=6 if kl else 3)
+
     def speculative_eval_target(self) -> PreTrainedModel:
         return self.model  # it drafts for itself
 

@@ -33,13 +33,21 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from trainer.activation_memory import PlannedStep, Shape, chunked, frozen_forward, layer_saved
 from trainer.data.vocab import load_tokenizer_if_present
 from trainer.errors import RecipeError
 from trainer.logit_scaling import LogitScaling
 from trainer.losses import SoftTargets, chunked_cross_entropy, fused_kd_loss
 from trainer.methods.medusa import kind as medusa_kind
 from trainer.methods.medusa.module import MedusaConfig, MedusaDrafter
-from trainer.objective import DraftObjective, Optim, TargetSignals, causal_lm_flops_per_token, count_params
+from trainer.objective import (
+    DataRequirements,
+    DraftObjective,
+    Optim,
+    TargetSignals,
+    causal_lm_flops_per_token,
+    count_params,
+)
 from trainer.registry import DrafterRecord
 from trainer.target import FrozenTarget, resolve_dtype
 
@@ -228,9 +236,15 @@ class Medusa(DraftObjective):
             return [(self.drafter.heads, 1.0)]
         return [(self.drafter.model, 1.0), (self.drafter.heads, self.heads_lr_multiplier)]
 
+    def data_requirements(self) -> DataRequirements:
+        """The target's tokenizer; shards of the target's top-k."""
+        return DataRequirements(self.drafter.config.vocab_size)
+
     def setup(self, stage: str) -> None:
-        data = self.check_data(self.attached_datamodule(), self.drafter.config.vocab_size)
-        if data is not None and list(data.hidden_layers) != [self.num_target_layers]:
+        """The data's checks, and shards holding the target's final normed hidden state alone."""
+        super().setup(stage)
+        data = self.attached_datamodule()
+        if self.target_signals == "shards" and list(data.hidden_layers) != [self.num_target_layers]:
             raise RecipeError(
                 f"data.hidden_layers={list(data.hidden_layers)}: Medusa heads read the target's final normed hidden "
                 f"state, hidden_states[{self.num_target_layers}]: write shards with hidden_layers "
@@ -329,6 +343,16 @@ class Medusa(DraftObjective):
         return 3.0 * heads + (3.0 if self.stage == 2 else 1.0) * target
 
     # ---- what the drafter is -------------------------------------------------------------------------------------
+    def activation_bytes(self, step: PlannedStep) -> int:
+        """The heads' layers and outputs, the target's layers saved for backward and its forward, and a chunked loss
+        of six float32 chunks: both stages are counted as Medusa-2's step, which bounds Medusa-1's (target frozen)."""
+        n, a = step.tokens, step.element
+        t = Shape.of(self.target_config)
+        config = self.drafter.heads.config
+        heads = config.num_heads * (config.num_layers * 3 + 1) * n * t.hidden_size * a  # each layer's, each output
+        backbone = t.num_hidden_layers * layer_saved(t, n, a) + frozen_forward(t, n, step.target_element)
+        return backbone + heads + chunked(step.chunk, n, t.vocab_size, copies=6)
+
     def speculative_eval_target(self) -> PreTrainedModel:
         if self.stage == 2:
             return self.drafter.model  # Medusa-2 drafts for the target trained with it

@@ -37,6 +37,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from trainer.activation_memory import PlannedStep, Shape, causal_lm_layers, chunked, frozen_forward, layer_saved
 from trainer.data.vocab import load_tokenizer_if_present
 from trainer.errors import RecipeError
 from trainer.logit_scaling import LogitScaling
@@ -44,7 +45,7 @@ from trainer.losses import chunked_cross_entropy
 from trainer.methods.mtp import export as exports
 from trainer.methods.mtp import kind as mtp_kind
 from trainer.methods.mtp.module import MTPConfig, MTPDrafter, text_config
-from trainer.objective import DraftObjective, Optim, causal_lm_flops_per_token, count_params
+from trainer.objective import DataRequirements, DraftObjective, Optim, causal_lm_flops_per_token, count_params
 from trainer.registry import DrafterRecord
 from trainer.target import FrozenTarget, resolve_dtype
 
@@ -236,9 +237,14 @@ class SequentialMTP(DraftObjective):
                 "modules' forward, which sharding splits: use DDP or ZeRO-1/2"
             )
 
-    def setup(self, stage: str) -> None:
+    def data_requirements(self) -> DataRequirements:
+        """The trunk's tokenizer."""
         width = int(self.trunk().get_output_embeddings().weight.shape[0])
-        self.check_data(self.attached_datamodule(), width, name=self.target_path or self.tokenizer_path)
+        return DataRequirements(width, name=self.target_path or self.tokenizer_path)
+
+    def setup(self, stage: str) -> None:
+        """The data's checks, and the strategy's (:meth:`configure_model`)."""
+        super().setup(stage)
         self.configure_model()
 
     def _trunk_states(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -258,7 +264,6 @@ class SequentialMTP(DraftObjective):
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ids, labels = batch["input_ids"], batch["labels"]  # [B, S] each; labels[i] is token i + 1
-        self.target_on(ids.device)  # the frozen target, out of the module tree
         trunk = self.trunk()
         head = trunk.get_output_embeddings().weight  # [V, H]
         post, pre = self._trunk_states(ids)
@@ -302,6 +307,18 @@ class SequentialMTP(DraftObjective):
             return 3.0 * (trunk + D * per_module)
         trained = D - 1 if self.mode == "extend" else D
         return trunk + (D - trained) * per_module + 3.0 * trained * per_module
+
+    def activation_bytes(self, step: PlannedStep) -> int:
+        """The modules' saved tensors (fc's 2H input and the two input norms beside a layer's), the trunk's (its
+        layers when trained, else the frozen target's forward) and the chunked cross entropy."""
+        n, a = step.tokens, step.element
+        trunk = self.drafter.trunk  # trained with the modules (pretrain), else the frozen target runs
+        t, layers = causal_lm_layers(trunk) if trunk is not None else (Shape.of(self.target_config), 0)
+        modules = self.depth * layer_saved(t, n, a, extra_hidden=4)
+        trunk_phase = frozen_forward(t, n, step.target_element, hidden_kept=2)
+        if trunk is not None and any(p.requires_grad for p in trunk.parameters()):
+            trunk_phase = layers * layer_saved(t, n, a)
+        return trunk_phase + modules + chunked(step.chunk, n, t.vocab_size)
 
     def speculative_eval_target(self) -> PreTrainedModel:
         return self.trunk()

@@ -50,13 +50,14 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedModel
 
+from trainer.activation_memory import PlannedStep, causal_lm_layers, chunked, frozen_forward, layer_saved
 from trainer.data.vocab import load_tokenizer_if_present
 from trainer.errors import RecipeError
 from trainer.llama import new_llama_config
 from trainer.methods.mtp_heads import export as mtp_export
 from trainer.methods.mtp_heads import kind as mtp_kind
 from trainer.methods.mtp_heads.module import MTPHeads, Original
-from trainer.objective import DraftObjective, Optim, causal_lm_flops_per_token, count_params
+from trainer.objective import DataRequirements, DraftObjective, Optim, causal_lm_flops_per_token, count_params
 from trainer.registry import DrafterRecord
 from trainer.target import resolve_dtype
 
@@ -218,10 +219,10 @@ class ParallelMTPHeads(DraftObjective):
         """The model at ``optim.lr``, the extra heads at ``heads_lr_multiplier`` times it."""
         return [(self.mtp.model, 1.0), (self.mtp.heads, self.heads_lr_multiplier)]
 
-    def setup(self, stage: str) -> None:
+    def data_requirements(self) -> DataRequirements:
+        """The model's tokenizer."""
         width = int(self.mtp.model.get_output_embeddings().weight.shape[0])
-        name = self.target_path or f"the fresh model of {self.tokenizer_path}"
-        self.check_data(self.attached_datamodule(), width, name=name)
+        return DataRequirements(width, name=self.target_path or f"the fresh model of {self.tokenizer_path}")
 
     def backward_mode(self) -> str:
         """The head backward this run uses: ``head_backward``, with ``auto`` resolved for the strategy."""
@@ -272,7 +273,7 @@ class ParallelMTPHeads(DraftObjective):
         original``), else None."""
         if self.target_kl_weight <= 0 and self.labels != "original":
             return None
-        frozen = self.target_on(self.device)
+        frozen = self.target  # the frozen original, out of the module tree
         ids = batch["input_ids"]  # [B, S]
         return Original(
             frozen.final_hidden(ids), frozen.lm_head_weight, batch["loss_mask"].bool(), frozen.logit_scaling
@@ -299,6 +300,16 @@ class ParallelMTPHeads(DraftObjective):
             flops += causal_lm_flops_per_token(model, self.data_seq_len()) + unembedding
             flops += 3.0 * (2.0 * count_params(self.mtp.head(0)) + unembedding)
         return flops
+
+    def activation_bytes(self, step: PlannedStep) -> int:
+        """The trunk's saved tensors (``train: all``; else its forward), the heads' (one layer and each head's
+        output), the frozen original's forward (``target_kl_weight``) and a chunked loss."""
+        n, a, a_t = step.tokens, step.element, step.target_element
+        t, layers = causal_lm_layers(self.mtp.model)
+        trunk = layers * layer_saved(t, n, a) if self.train_mode == "all" else frozen_forward(t, n, a_t)
+        kl = frozen_forward(t, n, a_t) if self.target_kl_weight else 0
+        heads = self.mtp.num_heads * n * t.hidden_size * a
+        return trunk + layer_saved(t, n, a) + heads + kl + chunked(step.chunk, n, t.vocab_size)
 
     # ---- what was trained --------------------------------------------------------------------------------------------
     def drafter_record(self) -> DrafterRecord:

@@ -26,6 +26,7 @@ from typing import Literal
 
 import torch
 
+from trainer.activation_memory import F32, PlannedStep, Shape, layer_saved
 from trainer.block_attention import Impl
 from trainer.errors import RecipeError
 from trainer.methods.eagle3.labels import check_argmax_weight, mix_argmax
@@ -212,9 +213,8 @@ class PEagle(Eagle3):
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, S] each
-        target = self.target_on(ids.device)
         drafter = self.drafter
-        hidden, argmax, probs = online_target_signals(target, ids, drafter, soft=True)  # probs [B, S, Vd]
+        hidden, argmax, probs = online_target_signals(self.target, ids, drafter, soft=True)  # probs [B, S, Vd]
         aux = torch.cat([h[:, :-1] for h in hidden], dim=-1)  # [B, S - 1, n Ht]
         anchor, depth, valid = self.sample(loss_mask)  # [B, N] each
         return self.parallel_loss(ids, loss_mask, aux, probs, argmax, anchor, depth, valid)
@@ -259,6 +259,20 @@ class PEagle(Eagle3):
         most ``max_anchors`` of the positions). The FLOP count and the memory planner both read it."""
         seeds = min(positions, self.max_anchors or positions)
         return positions + seeds * sum(max(self.cod_ratio**d, self.cod_min_ratio) for d in range(1, self.num_depths))
+
+    def activation_bytes(self, step: PlannedStep) -> int:
+        """EAGLE-3's target phase (soft labels) against one parallel forward over the COD-sampled elements of every
+        depth: the first layer (2H attention input), the plain layers after it, the logits with their float32
+        log-softmax, product and labels, beside the target states the elements read."""
+        n, a = step.tokens, step.element
+        d = self.draft_layer_shape()
+        t = Shape.of(self.target_config)
+        target_phase, handed = self.target_phase_bytes(step, soft=True)
+        elements = int(step.batch * self.elements_per_row(step.seq))
+        deeper = (self.drafter.num_decoder_layers - 1) * layer_saved(d, elements, a)
+        one = layer_saved(d, elements, a, extra_hidden=2) + deeper + elements * d.vocab_size * (a + 3 * F32)
+        states = n * len(self.drafter.config.aux_layers) * t.hidden_size * step.target_element
+        return max(target_phase, handed + states + one)
 
     def flops_per_token(self) -> float:
         seq = self.data_seq_len()

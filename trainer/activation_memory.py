@@ -1,0 +1,191 @@
+"""What an objective's activation estimate is written with: the sizes of a decoder-only causal LM (:class:`Shape`),
+one training step as ``draftsmith plan`` sizes it (:class:`PlannedStep`), and the terms every estimate adds up.
+
+Each objective states the activation bytes of one of its training steps in
+:meth:`trainer.objective.DraftObjective.activation_bytes`, built from the objective on the meta device (its shapes,
+its TTT steps, heads, depth, exits, chunk size, draft vocabulary, target signals); the planner
+(:mod:`trainer.planner`) reads it and adds weights, gradients, optimizer states and buffers.
+
+Every estimate is the peak of two phases: the frozen target's forward under ``no_grad`` (its largest transient layer,
+the hidden states and logits it returns: :func:`frozen_forward`) and the trained part's forward and backward (the
+tensors autograd saves, :func:`layer_saved` per decoder layer; the chunked losses' live float32 chunks,
+:func:`chunked`; what the target phase handed over). Per token and trained decoder layer the saved tensors are
+``10 H + 4 I + 2 H_kv`` elements (norm inputs and outputs, q/k/v, the attention output, the MLP's gate, up, product
+and input; fused attention, no S x S scores). A chunked loss keeps three float32 ``[chunk, V]`` tensors alive
+(logits, softmax, gradient), a loss against a second distribution six.
+
+Element sizes: the trained part's activations are 2 bytes under ``bf16-mixed``/``16-mixed`` (autocast) and the
+``*-true`` half precisions, else the trained weights' own size; the frozen target's are its weights' size (2 under
+autocast).
+
+Not counted: the optimizer step's temporaries (one parameter's worth, ``foreach`` off), on-policy generation's KV
+cache, tokenizer and data-loader memory, the Python runtime and allocator slack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from trainer.errors import ModelFolderError
+
+F32 = 4
+HALF_TRUE = ("bf16-true", "16-true")
+MIXED = ("bf16-mixed", "16-mixed", "16", "bf16")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The sizes of a decoder-only (Llama-like) causal LM that memory depends on."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], source: str = "config") -> Shape:
+        """From an HF config (a dict, e.g. ``AutoConfig(...).to_dict()``); ``source`` names it in errors."""
+        missing = [
+            k
+            for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+            if config.get(k) is None
+        ]
+        if missing:
+            raise ModelFolderError(f"draftsmith plan: {source} has no {', '.join(missing)} (a decoder-only LM config?)")
+        heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        kv = config.get("num_key_value_heads")
+        head_dim = config.get("head_dim")
+        return cls(
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(config["intermediate_size"]),
+            num_hidden_layers=int(config["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(kv) if kv is not None else heads,
+            head_dim=int(head_dim) if head_dim is not None else hidden // heads,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=bool(config.get("attention_bias", False)),
+            mlp_bias=bool(config.get("mlp_bias", False)),
+        )
+
+    @classmethod
+    def of(cls, config: Any) -> Shape:
+        """From an HF config object (its text config, for a multimodal one) or a dict."""
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        return cls.from_config(text.to_dict() if hasattr(text, "to_dict") else dict(text), "the target config")
+
+    @property
+    def kv_width(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def q_width(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    def layer_parameters(self) -> int:
+        h, i = self.hidden_size, self.intermediate_size
+        attn = h * self.q_width + 2 * h * self.kv_width + self.q_width * h
+        if self.attention_bias:
+            attn += self.q_width + 2 * self.kv_width + h
+        mlp = 3 * h * i + ((2 * i + h) if self.mlp_bias else 0)
+        return attn + mlp + 2 * h  # two RMSNorm weights
+
+    def parameters(self) -> int:
+        """Exact parameter count of the HF Llama implementation with this shape."""
+        embed = self.vocab_size * self.hidden_size
+        head = 0 if self.tie_word_embeddings else embed
+        return embed + self.num_hidden_layers * self.layer_parameters() + self.hidden_size + head
+
+
+def element_bytes(module: nn.Module, precision: str) -> int:
+    """Activation bytes per element of a module's forward under ``precision``."""
+    if precision in MIXED or precision in HALF_TRUE:
+        return 2
+    return next(iter(module.parameters())).element_size()
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    """One training step of an objective, as ``draftsmith plan`` sizes it.
+
+    Attributes:
+        batch: sequences per step and process.
+        seq: tokens per sequence.
+        element: activation bytes per element of the trained part (:func:`element_bytes` of its trainable module).
+        target_element: activation bytes per element of the frozen target's forward (2 under autocast, else its
+            weights' size; the trained part's without a target).
+        chunk: positions per chunk of the loss (the recipe's ``loss_chunk_size``, else the objective's, else 256).
+        shards: the target's signals come from shards (``target_signals: shards``): its forward never runs.
+    """
+
+    batch: int
+    seq: int
+    element: int
+    target_element: int
+    chunk: int
+    shards: bool
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per step and process: ``batch * seq``."""
+        return self.batch * self.seq
+
+    @classmethod
+    def of(cls, objective: Any, batch: int, seq: int, precision: str, chunk_size: int | None) -> PlannedStep:
+        """The step of ``objective`` (a DraftObjective, built on the meta device) on ``batch`` x ``seq`` tokens.
+
+        Args:
+            objective: the built objective.
+            batch: sequences per step and process.
+            seq: tokens per sequence.
+            precision: Lightning's trainer.precision.
+            chunk_size: the recipe's ``loss_chunk_size`` (None: the objective's own, else 256).
+        """
+        a = element_bytes(objective.trainable_module(), precision)
+        target_model = getattr(objective.target, "model", None)
+        if precision in MIXED:
+            a_t = 2
+        else:
+            a_t = element_bytes(target_model, precision) if target_model is not None else a
+        return cls(
+            batch=batch,
+            seq=seq,
+            element=a,
+            target_element=a_t,
+            chunk=chunk_size or getattr(objective, "loss_chunk_size", 256),
+            shards=objective.target_signals == "shards",
+        )
+
+
+def layer_saved(shape: Shape, tokens: int, a: int, extra_hidden: int = 0) -> int:
+    """What autograd saves for one trained decoder layer of ``shape`` over ``tokens`` tokens (``extra_hidden``: more
+    H-wide inputs, as EAGLE-3's 2H attention input)."""
+    h = shape.hidden_size
+    return tokens * ((10 + extra_hidden) * h + 4 * shape.intermediate_size + 2 * shape.kv_width) * a
+
+
+def frozen_forward(shape: Shape, tokens: int, a: int, hidden_kept: int = 1, vocab_out: int = 0) -> int:
+    """The frozen target's forward under no_grad: its largest transient layer, the hidden states it returns
+    (``hidden_kept`` of them) and ``vocab_out`` rows of logits per token."""
+    h, i = shape.hidden_size, shape.intermediate_size
+    return tokens * (3 * h + 3 * i) * a + tokens * (hidden_kept * h + vocab_out) * a
+
+
+def chunked(chunk: int, tokens: int, vocab: int, copies: int = 3) -> int:
+    """A chunked loss over ``vocab``: ``copies`` float32 [chunk, V] tensors alive."""
+    return copies * min(chunk, tokens) * vocab * F32
+
+
+def causal_lm_layers(model: nn.Module) -> tuple[Shape, int]:
+    """The shape and decoder-layer count of an HF causal LM (``model.config``)."""
+    return Shape.of(model.config), model.config.num_hidden_layers
