@@ -269,7 +269,7 @@ class DraftObjective(L.LightningModule):
         if not held or "frozen_target" in self._modules:
             return
         where = held[0].lm_head_weight.device
-        if where != device and where.type != "meta" and device.type != "meta":
+        if where != device and where.type != "meta":
             held[0].to(device)
 
     def _apply(self, fn, recurse: bool = True):

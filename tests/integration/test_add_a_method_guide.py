@@ -1,7 +1,9 @@
 """docs/developer/add-a-method.md is a method that works: its five files (module, objective, proposer, export, kind)
 and its recipe, taken from the page's code blocks into a ``one_head`` package on ``trainer.methods``' search path,
 train two steps through ``draftsmith fit``, export through ``draftsmith export`` (the kind found by the registry like
-any other), and draft losslessly through ``draftsmith eval`` (which checks every output token against the target's)."""
+any other), draft losslessly through ``draftsmith eval`` (which checks every output token against the target's), plan
+through ``draftsmith plan`` (the objective's own activation estimate) and pass the recipe-vocabulary checks
+(tests/unit/test_recipe_vocabulary.py) beside every shipped objective, its recipe counted with the quickstart ones."""
 
 from __future__ import annotations
 
@@ -22,13 +24,19 @@ FILES = ("module.py", "objective.py", "proposer.py", "export.py", "kind.py")
 
 RUN = """
 import sys
+from pathlib import Path
+
 import trainer.methods
 trainer.methods.__path__.append(sys.argv[1])  # the guide's package, found as trainer.methods.one_head
 from trainer.cli import main
-for command in sys.argv[2:]:
+for command in sys.argv[3:]:
     status = main(command.split("\\x1f"))
     if status:
         sys.exit(status)
+from tests.unit import test_recipe_vocabulary as vocabulary  # its objectives found with the guide's on the path
+
+vocabulary.check_objectives_found(vocabulary.objectives(), [*vocabulary.FIT_RECIPES, Path(sys.argv[2])])
+print("vocabulary checked:", sorted(vocabulary.objectives()))
 """
 
 
@@ -70,13 +78,19 @@ def test_the_guides_method_trains_exports_and_drafts_losslessly(tiny_corpus, ran
         ["export", "--ckpt", str(run / "checkpoints" / "last.ckpt"), "--out", str(tmp_path / "exported")],
         ["eval", "--target", str(random_target), "--drafter", str(tmp_path / "exported"), "--prompts", str(prompts),
          "--k", "1", "--max_new_tokens", "12", "--out", str(tmp_path / "eval")],
+        ["plan", "--config", str(tmp_path / "one_head.yaml"), "--config", str(tmp_path / "override.yaml"),
+         "--gpus", "1"],
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [sys.executable, "-c", RUN, str(tmp_path / "methods"), *("\x1f".join(c) for c in commands)],
+        [sys.executable, "-c", RUN, str(tmp_path / "methods"), str(tmp_path / "one_head.yaml"),
+         *("\x1f".join(c) for c in commands)],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
     assert json.loads((tmp_path / "exported" / "config.json").read_text())["architectures"] == ["DraftsmithOneHead"]
     report = json.loads((tmp_path / "eval" / "report.json").read_text())  # written only when every output matched
     assert [entry["k"] for entry in report["greedy"]] == [1] and report["greedy"][0]["tau"] >= 1.0
+    planned = re.search(r"^OneHeadObjective: trained \S+M parameters", done.stdout, flags=re.M)
+    assert planned and "| ddp |" in done.stdout, done.stdout[-3000:]  # the objective's own activation estimate
+    assert "trainer.methods.one_head.objective.OneHeadObjective" in done.stdout.splitlines()[-1]
