@@ -171,12 +171,18 @@ def renamed(old_prefix: str, old: str, new: str) -> str:
     return f"{old_prefix}{old} was renamed to {old_prefix}{new} ({WHY})"
 
 
+def _builds_any(settings: dict[str, Any], unset: dict[str, Any]) -> bool:
+    """Whether ``settings`` (recorded options or config fields) set one of ``unset``'s keys away from the value at
+    which it builds nothing."""
+    return any(key in settings and settings[key] != value for key, value in unset.items())
+
+
 def moved_class_path(class_path: str, init_args: dict[str, Any]) -> str:
     """The class path that names ``class_path`` now (:data:`RENAMED_CLASS_PATHS`), given the ``init_args`` a
     checkpoint recorded with it: the class its options moved to when they set one of its parts
     (:data:`MOVED_OPTIONS`); ``class_path`` itself when it did not move."""
     moved = MOVED_OPTIONS.get(class_path)
-    if moved is not None and any(key in init_args and init_args[key] != value for key, value in moved.unset.items()):
+    if moved is not None and _builds_any(init_args, moved.unset):
         return moved.to
     return RENAMED_CLASS_PATHS.get(class_path, class_path)
 
@@ -190,7 +196,7 @@ def record_kind_moved(record: dict[str, Any]) -> dict[str, Any]:
     if moved is None or not isinstance(config, dict) or not set(moved[1]) & set(config):
         return record
     kind, unset = moved
-    if any(key in config and config[key] != value for key, value in unset.items()):
+    if _builds_any(config, unset):
         log.info("the drafter record of kind %s with %s is read as kind %s", record["kind"], sorted(unset), kind)
         return {**record, "kind": kind}
     return {**record, "config": {key: value for key, value in config.items() if key not in unset}}
