@@ -63,7 +63,7 @@ from trainer.methods.dflash.module import (
     default_gamma,
     default_target_layers,
 )
-from trainer.methods.dflash.refiner import LogitBias, backbone_config, refit
+from trainer.methods.dflash.refiner import LogitBias, SlotTerm, backbone_config, refit
 from trainer.methods.dflash.slot_loss import ChunkLabels, Weights, block_chunks, block_dpace_weights, slot_loss
 from trainer.objective import (
     DataRequirements,
@@ -209,6 +209,18 @@ class DFlash(DraftObjective):
         data's: teacher forcing), or None: DFlash's logits are the lm_head's alone."""
         return None
 
+    def slot_terms(
+        self, blocks: torch.Tensor, anchors: torch.Tensor, ids: torch.Tensor, idx: torch.Tensor, prev: torch.Tensor
+    ) -> list[SlotTerm]:
+        """The step's slot losses (their sum, scaled, is the step's loss): the first is the main one, whose slots'
+        right-argmax flags and acceptance rates are the step's metrics and :meth:`refiner_loss`'s.
+
+        blocks: [B, N, b, H] the normed output of every slot of every block (slot 0, the anchor, included); anchors:
+        [B, N] the blocks' anchor positions; ids: [B, S] the rows; idx: [n] the trained slots' flat indices into
+        [B, N, b - 1] (slot k at k - 1); prev: [n] the data's token before each trained slot's token. DFlash: one
+        term, :meth:`slot_bias` of ``prev``."""
+        return [SlotTerm(self.slot_bias(prev))]
+
     def wants_acceptance(self) -> bool:
         """The slot loss also gives each slot's analytical acceptance rate (slot_loss.py ``ChunkLabels``) for
         :meth:`refiner_loss`: not in DFlash."""
@@ -306,7 +318,8 @@ class DFlash(DraftObjective):
             hidden = [out.hidden_states[i] for i in drafter.config.target_layers]  # each [B, S, H]
             final = out.last_hidden_state  # [B, S, H] normed: the target's logits are lm_head(final)
         embeds = F.embedding(drafter.block_ids(ids.gather(1, anchors)), self.embedding_weight())  # [B, N * b, H]
-        slots = drafter(hidden, embeds, anchors, self.attention).view(B, N, b, -1)[:, :, 1:]  # [B, N, b - 1, H]
+        blocks = drafter(hidden, embeds, anchors, self.attention).view(B, N, b, -1)  # [B, N, b, H]
+        slots = blocks[:, :, 1:]  # [B, N, b - 1, H]
 
         positions = anchors[:, :, None] + torch.arange(1, b, device=ids.device)  # [B, N, b - 1]: token of slot k
         inside = positions < S
@@ -328,12 +341,25 @@ class DFlash(DraftObjective):
             w = self.decay.to(ids.device)[None, None, :].expand_as(positions).flatten()[idx]  # [n]
             w = w / w.sum().clamp(min=torch.finfo(w.dtype).tiny)  # the loss is the weighted mean of the slots' losses
         hidden = slots.flatten(0, 2)[idx]  # [n, H]
-        bias = self.slot_bias(ids[flat_rows, flat_pos - 1])  # the token before each slot's token
+        prev = ids[flat_rows, flat_pos - 1]  # [n] the token before each slot's token
+        terms = self.slot_terms(blocks, anchors, ids, idx, prev)
+        bias = terms[0].bias
         loss, hits, accept = self._slot_losses(hidden, bias, w, chunks, ids, batch, final, flat_rows, flat_pos)
         metrics: dict[str, torch.Tensor] = {}
+        if len(terms) > 1 or terms[0].scale != 1.0 or terms[0].name:  # a block refiner's terms (slot_terms)
+            mean = torch.full_like(hidden[:, 0], 1.0 / max(idx.numel(), 1), dtype=torch.float32)  # [n]
+            parts = [loss]
+            for term in terms[1:]:
+                part = self._slot_losses(
+                    hidden, term.bias, mean if term.uniform else w, chunks, ids, batch, final, flat_rows, flat_pos
+                )[0]
+                parts.append(part)
+            loss = sum(term.scale * part for term, part in zip(terms, parts))
+            metrics.update({f"loss_{term.name}": part.detach() for term, part in zip(terms, parts) if term.name})
         if idx.numel():
             slot_of = torch.arange(b - 1, device=ids.device).expand(B, N, b - 1).flatten()[idx]  # [n]: k - 1
-            extra, metrics = self.refiner_loss(hidden, bias, accept, slot_of)
+            extra, refined = self.refiner_loss(hidden, bias, accept, slot_of)
+            metrics.update(refined)
             if extra is not None:
                 loss = loss + extra
         with torch.no_grad():

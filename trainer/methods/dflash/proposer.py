@@ -72,6 +72,7 @@ class DFlashProposer(BaseProposer):
         self.blocks = 0
         self.draft_seconds = 0.0
         self.slot_hidden: torch.Tensor | None = None  # [b - 1, H] the last block's slot outputs (a refiner reads them)
+        self.block_hidden: torch.Tensor | None = None  # [b, H] the same with the anchor slot's output first
         self.last_acceptance: torch.Tensor | None = None  # [k] predicted acceptance of the last chain's slots
 
     def reset(self) -> None:
@@ -121,6 +122,7 @@ class DFlashProposer(BaseProposer):
         ids = drafter.block_ids(tokens[-1:])[None]  # [1, b]: the root, then mask ids
         embeds = F.embedding(ids, self.embedding).to(drafter.fc.weight.dtype)  # [1, b, H]
         out = drafter.draft(embeds, torch.arange(T - 1, T - 1 + b, device=device)[None], self.past)  # [1, b, H]
+        self.block_hidden = out[0]  # [b, H]
         self.slot_hidden = out[0, 1:]  # [b - 1, H]
         logits = out[0, 1:] @ self.lm_head.t().to(out.dtype)  # [b - 1, V]
         self._sync()

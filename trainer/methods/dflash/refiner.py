@@ -9,7 +9,8 @@ neutral here), and nothing in this package names a refiner.
   names them in ``refiner_modules`` (their weights keep the refiner's own names beside the backbone's).
 - loss terms (objective.py): the :class:`~trainer.methods.dflash.objective.DFlash` subclass names its drafter
   (``drafter_class``, ``drafter_config``) and may give each slot a low-rank logit bias (``slot_bias``, a
-  :class:`LogitBias`: the slot loss takes its gradients in forward, slot_loss.py), ask for the slots' analytical
+  :class:`LogitBias`: the slot loss takes its gradients in forward, slot_loss.py), or read whole blocks for it and
+  weigh several slot losses of the step (``slot_terms``, :class:`SlotTerm`), ask for the slots' analytical
   acceptance rates (``wants_acceptance``) and add loss terms and metrics of the trained slots (``refiner_loss``).
   Its drafter record names its own drafter kind (``drafter_record``).
 - proposer step (proposer.py): a :class:`~trainer.methods.dflash.proposer.DFlashProposer` subclass gives a slot's
@@ -50,6 +51,25 @@ class LogitBias:
     weight: torch.Tensor
 
 
+@dataclass
+class SlotTerm:
+    """One slot loss of a step's trained slots against the objective's labels, with its own logit bias; a step's loss
+    is the sum of its terms' losses times their scales.
+
+    Attributes:
+        bias: the trained slots' logit bias, or None (the lm_head's logits alone).
+        scale: the term's factor in the step's loss.
+        name: logged as ``loss_<name>``, the term's own (unscaled) loss; empty: not logged.
+        uniform: the trained slots weigh the same (the loss is their mean) instead of the objective's position
+            weights (a term after the first: the main term keeps the position weights).
+    """
+
+    bias: LogitBias | None
+    scale: float = 1.0
+    name: str = ""
+    uniform: bool = False
+
+
 def backbone_config(config: DFlashConfig) -> DFlashConfig:
     """The DFlash fields of a (refiner's) drafter config, as a plain :class:`DFlashConfig`."""
     return DFlashConfig(**{f.name: getattr(config, f.name) for f in fields(DFlashConfig)})
@@ -70,11 +90,14 @@ def refit(drafter: DFlashDrafter, cls: type[DFlashDrafter], config: DFlashConfig
         return drafter
     rebuilt = cls(config).to(drafter.fc.weight.dtype)
     fresh = rebuilt.state_dict()
-    refiners = tuple(f"{name}." for name in (*type(drafter).refiner_modules, *cls.refiner_modules))
+
+    def refiners(name: str) -> bool:
+        return type(drafter).is_refiner_weight(name) or cls.is_refiner_weight(name)
+
     old = drafter.state_dict()
-    kept = {k: v for k, v in old.items() if not k.startswith(refiners) or (k in fresh and fresh[k].shape == v.shape)}
+    kept = {k: v for k, v in old.items() if not refiners(k) or (k in fresh and fresh[k].shape == v.shape)}
     missing, _ = rebuilt.load_state_dict(kept, strict=False)
-    stray = [k for k in missing if not k.startswith(refiners)]
+    stray = [k for k in missing if not refiners(k)]
     if stray:  # cannot happen for a drafter of the same backbone: a bug, not a user error
         raise RuntimeError(f"model.init_from {init_from!r}: weights {stray} do not carry over")
     dropped = sorted(k for k in old if k not in kept or k not in fresh)
