@@ -54,6 +54,7 @@ from torch import nn
 
 from trainer.activation_memory import F32, PlannedStep, Shape, chunked, frozen_forward, layer_saved
 from trainer.block_attention import Impl
+from trainer.distribution_loss import DEFAULT_ETA, DistributionLoss
 from trainer.errors import CheckpointError, RecipeError, UserError
 from trainer.methods.dflash import kind as dflash_kind
 from trainer.methods.dflash.module import (
@@ -97,6 +98,8 @@ class DFlash(DraftObjective):
         position_weights: Literal["decay", "dpace"] = "decay",
         dpace_alpha: float = 0.5,
         labels: Literal["data", "argmax", "soft"] = "argmax",
+        loss: Literal["kl", "tv", "nla", "lk_hybrid"] = "kl",
+        lk_eta: float = DEFAULT_ETA,
         attention: Impl = "auto",
         loss_chunk_size: int = 1024,
         init_from: str | None = None,
@@ -127,6 +130,11 @@ class DFlash(DraftObjective):
             dpace_alpha: D-PACE's smoothing of each slot's confidence, ``(1 - a) * exp(-loss) + a``, in (0, 1].
             labels: "argmax" (the default) trains on the target's argmax (cross entropy), what greedy verification
                 accepts; "data" on the rows' own tokens, "soft" on the target's distribution (KL).
+            loss: each slot's loss toward its label (trainer/distribution_loss.py): "kl" (KL(p || q); the cross
+                entropy with token labels), "tv" (1 - alpha, alpha = sum_v min(p_v, q_v) the expected acceptance),
+                "nla" (-log alpha; the cross entropy with token labels) or "lk_hybrid" (lambda * KL + (1 - lambda)
+                * TV, lambda = exp(-lk_eta * alpha)); with token labels p is the label's one-hot. "dpace" needs "kl".
+            lk_eta: the hybrid's temperature eta (3, the LK paper's and speculators' default).
             attention: the block-sparse attention: "flex" (CUDA), "dense", or "auto" (flex on CUDA).
             loss_chunk_size: slots projected to the vocabulary at a time (slot_loss.py).
             init_from: a training checkpoint or export of a DFlash drafter to start from (its weights and shape; a
@@ -154,6 +162,12 @@ class DFlash(DraftObjective):
             )
         if not 0.0 < dpace_alpha <= 1.0:
             raise RecipeError(f"model.dpace_alpha={dpace_alpha} must be in (0, 1]")
+        self.loss_spec = DistributionLoss.from_options(loss, lk_eta)
+        if position_weights == "dpace" and not self.loss_spec.is_kl:
+            raise RecipeError(
+                f"model.position_weights: dpace weighs each slot by its token cross entropy, which model.loss={loss!r} "
+                "does not give: set model.loss to kl or position_weights to decay"
+            )
         self.position_weights, self.dpace_alpha = position_weights, float(dpace_alpha)
         self.labels, self.attention = labels, attention
         self.max_anchors, self.loss_chunk_size, self.seed = max_anchors, loss_chunk_size, seed
