@@ -89,6 +89,7 @@ def test_compare_trains_measures_reports_and_resumes(tiny_corpus, tiny_target, t
     assert kd["training"]["steps"] == 2 and kd["training"]["tokens"] == 2 * 4 * 64
     assert kd["training"]["tau"] and kd["training"]["tau"][-1][0] == 2 * 4 * 64  # tau at the last step's tokens
     assert kd["kind"] == "hf_causal_lm" and kd["extra_parameters"] == kd["parameters"] > 0
+    assert kd["loss"] == "kl" and rows["lookup"].get("loss") is None  # the loss column: what the recipe trains with
     assert kd["per_k"][0]["k"] == 2 and kd["per_k"][0]["tau_greedy"] >= 1 and kd["per_k"][0]["tau_sampling"] >= 1
     assert rows["lookup"]["extra_mib"] == 0 and rows["lookup"]["budget"] == "no training"
     assert rows["broken"]["failure"]["stage"] == "fit" and "no_such_model" in rows["broken"]["failure"]["tail"]

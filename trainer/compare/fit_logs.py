@@ -36,6 +36,18 @@ def steps_for_budget(budget: Budget, recipe: str, fit_args: list[str]) -> int | 
     return max(1, math.ceil(budget.tokens / per_step))
 
 
+def loss_of(recipe: str, fit_args: list[str]) -> str:
+    """The loss a method trains with, as the report's ``loss`` column shows it: the objective's ``model.loss`` (the
+    cross entropy on tokens, ``ce``, for an objective without one) and its ``model.labels`` where it has them, read
+    with fit's own parser (the recipe's value, else the objective's default)."""
+    from trainer.recipe import parse_recipe
+
+    args = parse_recipe([recipe], fit_args).model.init_args
+    loss = getattr(args, "loss", None) or "ce"
+    labels = getattr(args, "labels", None)
+    return f"{loss}, {labels} labels" if isinstance(labels, str) else loss
+
+
 def read_scalars(log_dir: Path, tags: tuple[str, ...]) -> dict[str, dict[int, float]]:
     """tag -> {step: value} of every TensorBoard event file under ``log_dir`` (a resumed fit writes a new version
     folder: all are read, a later file's value winning at the same step)."""

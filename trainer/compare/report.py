@@ -73,6 +73,7 @@ def method_row(config: CompareConfig, method: Method, root: Path) -> dict:
             [tokens_at(tokens, step), tau, scalars.get("spec_eval/tau_sampling", {}).get(step)]
             for step, tau in sorted(scalars.get("spec_eval/tau", {}).items())
         ]
+        row["loss"] = fit.get("loss")
         row["training"] = {"steps": fit["steps"], "tokens": fit["tokens"], "seconds": seconds.get("fit"), "tau": curve}
     if report:
         sampling = {entry["k"]: entry for entry in report["sampling"]}
@@ -162,16 +163,17 @@ def render_markdown(report: dict) -> str:
         "for a changed target `original -> changed`, with its held-out loss (nats per token, on "
         f"{heldout_text(setup.get('heldout'), setup.get('heldout_tokens') or 0)}) the same way.",
         "",
-        "| method | kind | parameters | extra serving MiB | training | tokens | time (s) | loop share | target "
-        "changed | held-out loss | export formats |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| method | kind | parameters | extra serving MiB | training | loss | tokens | time (s) | loop share | "
+        "target changed | held-out loss | export formats |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["rows"]:
         training = row.get("training") or {}
         formats = ", ".join(f"**{f}**" if f == row.get("export_format") else f for f in row.get("formats", []))
         lines.append(
             f"| {row['method']} | {row.get('kind', '-')} | {_fmt(row.get('parameters'), ',')} | "
-            f"{_fmt(row.get('extra_mib'), '.2f')} | {row['budget']} | {_fmt(training.get('tokens'), ',.0f')} | "
+            f"{_fmt(row.get('extra_mib'), '.2f')} | {row['budget']} | {row.get('loss') or '-'} | "
+            f"{_fmt(training.get('tokens'), ',.0f')} | "
             f"{_fmt(training.get('seconds'), '.0f')} | {_beside(row, 'loop_share', '.0%')} | "
             f"{'yes' if row['target_changed'] else 'no'} | {_beside(row, 'heldout_loss', '.3f')} | {formats or '-'} |"
         )

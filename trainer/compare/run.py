@@ -228,7 +228,7 @@ class Comparison:
         folder.file("footprint.json").write_text(json.dumps(record, indent=2) + "\n")
 
     def fit(self, method: Method, folder: MethodFolder) -> None:
-        from trainer.compare.fit_logs import read_scalars, steps_for_budget
+        from trainer.compare.fit_logs import loss_of, read_scalars, steps_for_budget
 
         budget = self.config.budget_of(method)
         fit_args = self.fit_args(method)
@@ -283,6 +283,7 @@ class Comparison:
         tokens = scalars.get("train/tokens", {})
         record = {
             "budget": budget.describe(),
+            "loss": loss_of(method.recipe, fit_args),
             "steps": max(tokens) if tokens else steps,
             "tokens": tokens[max(tokens)] if tokens else None,
             "scalars": {tag: sorted(values.items()) for tag, values in scalars.items()},
