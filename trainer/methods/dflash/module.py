@@ -329,7 +329,7 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         self.config = config
         c = config
-        self.layers = nn.ModuleList(DFlashLayer(c) for _ in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(self.make_layer(i) for i in range(c.num_hidden_layers))
         self.fc = nn.Linear(len(c.target_layers) * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -337,6 +337,17 @@ class DFlashDrafter(nn.Module):
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=0.02)
+
+    def make_layer(self, index: int) -> DFlashLayer:
+        """Draft layer ``index`` of ``self.config``: a :class:`DFlashLayer` (a block refiner whose layers differ,
+        refiner.py, builds its subclass)."""
+        return DFlashLayer(self.config)
+
+    @classmethod
+    def is_refiner_weight(cls, name: str) -> bool:
+        """The state dict's weight ``name`` is a block refiner's, not the backbone's: under one of
+        :attr:`refiner_modules` (a refiner with weights inside the layers names them too); none in DFlash."""
+        return name.startswith(tuple(f"{module}." for module in cls.refiner_modules))
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [B, T] -> cos, sin [B, T, D] in x's dtype."""

@@ -90,11 +90,14 @@ def refit(drafter: DFlashDrafter, cls: type[DFlashDrafter], config: DFlashConfig
         return drafter
     rebuilt = cls(config).to(drafter.fc.weight.dtype)
     fresh = rebuilt.state_dict()
-    refiners = tuple(f"{name}." for name in (*type(drafter).refiner_modules, *cls.refiner_modules))
+
+    def refiners(name: str) -> bool:
+        return type(drafter).is_refiner_weight(name) or cls.is_refiner_weight(name)
+
     old = drafter.state_dict()
-    kept = {k: v for k, v in old.items() if not k.startswith(refiners) or (k in fresh and fresh[k].shape == v.shape)}
+    kept = {k: v for k, v in old.items() if not refiners(k) or (k in fresh and fresh[k].shape == v.shape)}
     missing, _ = rebuilt.load_state_dict(kept, strict=False)
-    stray = [k for k in missing if not k.startswith(refiners)]
+    stray = [k for k in missing if not refiners(k)]
     if stray:  # cannot happen for a drafter of the same backbone: a bug, not a user error
         raise RuntimeError(f"model.init_from {init_from!r}: weights {stray} do not carry over")
     dropped = sorted(k for k in old if k not in kept or k not in fresh)
