@@ -41,7 +41,10 @@ Steps, each skipped when its output already exists under ``--out`` (delete a fil
 our recipes; Muon's learning rate is the same peak lr, as speculators sets ``muon_lr`` by default).
 ``--peak-lr`` trains both sides at another peak learning rate than the recipe's (the same schedule otherwise).
 ``--speculators-loss ce`` trains it on the target's argmax over the draft vocabulary (its ``--loss-fn``; default
-``kl_div`` for EAGLE-3 and P-EAGLE), the labels of our ``labels: argmax``.
+``kl_div`` for EAGLE-3 and P-EAGLE), the labels of our ``labels: argmax``; ``--loss L`` trains both sides with one of
+the LK-paper losses (``kl``, ``tv``, ``nla``, ``lk_hybrid``: our ``model.loss``, its ``--loss-fn``, ``kl`` being
+its ``kl_div``). ``--seed S`` seeds both sides (the drafters' initialisation; ours also its anchors), and ``--name``
+names the run's folder under ``--out`` (default: the method; the data is shared by every run under ``--out``).
 
 Writes ``OUT/METHOD/vs_speculators.md`` (and prints it), with the ratios ours / speculators'.
 """
@@ -65,6 +68,7 @@ ROWS, SEQ = 4, 256  # the quickstart recipes' batch: 4 rows of 256 tokens (257 w
 TARGET_LAYERS = [1, 2, 3]  # HF hidden_states indices, the recipes' layers
 MASK_TOKEN = 2  # the recipes' mask / placeholder token (<|system|>, absent from the corpus)
 DRAFT_VOCAB = 1024
+SPECULATORS_LOSS = {"kl": "kl_div"}  # our model.loss -> speculators' --loss-fn, where the names differ
 METHODS = {
     # recipe, our export format, drafts per round at eval, our extra fit arguments
     "eagle3": (
@@ -198,13 +202,16 @@ def main_project(args: argparse.Namespace) -> int:
     if not SPECULATORS_PYTHON.is_file():
         sys.exit(f"{SPECULATORS_PYTHON} not found: run `DRAFTSMITH_TEST_CLIENTS=1 pytest tests/clients` once")
     train_file = completions(art, out / "data")
-    method_dir = out / args.method
+    method_dir = out / (args.name or args.method)
     rows = method_dir / "rows"
     if not (rows / "rows.pt").is_file():
         save_rows(art, train_file, args.steps, rows)
     ours_run, theirs_dir = method_dir / "ours", method_dir / "speculators"
     lr, warmup = recipe_optim(args.method)
-    fit_args = args.fit_args
+    fit_args = f"{args.fit_args} --seed_everything {args.seed} --model.init_args.seed {args.seed}".strip()
+    if args.loss:
+        fit_args = f"{fit_args} --model.init_args.loss {args.loss}"
+        args.speculators_loss = SPECULATORS_LOSS.get(args.loss, args.loss)
     if args.draft_layers is not None:  # both drafters this many decoder layers deep
         fit_args = f"{fit_args} --model.init_args.num_layers {args.draft_layers}".strip()
     if args.peak_lr is not None:  # both sides at another peak learning rate than the recipe's
@@ -218,6 +225,7 @@ def main_project(args: argparse.Namespace) -> int:
         optimizer, loss = args.speculators_optimizer, args.speculators_loss
         layers = args.draft_layers
         cmd = speculators_cmd(args.method, art, rows, theirs_dir, args.steps, lr, warmup, optimizer, loss, layers)
+        cmd += ["--seed", str(args.seed)]
         procs["speculators"] = run(cmd, method_dir / "fit_speculators.log", python=SPECULATORS_PYTHON)
     seconds = json.loads(seconds_file.read_text()) if seconds_file.is_file() else {}
     for name, proc in procs.items():
@@ -253,6 +261,7 @@ def main_project(args: argparse.Namespace) -> int:
             f"(wall clock: ours {seconds.get('ours', '?')} s, speculators {seconds.get('speculators', '?')} s); "
             f"greedy, K = {k}, {args.prompts} held-out prompts of {PROMPT_CHARS} characters, {args.max_new_tokens} "
             "new tokens each."
+            + f" Seed {args.seed}, loss {args.loss or 'each side default'}."
             + (f" Ours with `{args.fit_args}`." if args.fit_args else "")
             + (f" Both at peak learning rate {args.peak_lr}." if args.peak_lr is not None else "")
             + (f" Both drafters {args.draft_layers} layers deep." if args.draft_layers is not None else "")
@@ -303,6 +312,7 @@ def main_speculators(args: argparse.Namespace) -> int:
     ]  # fmt: skip
     if args.speculators_loss:
         argv += ["--loss-fn", args.speculators_loss]
+    argv += ["--seed", str(args.seed)]
     if shift:  # EAGLE-3 and P-EAGLE draft over ours' reduced vocabulary; DFlash over the target's (both trainers)
         argv += ["--draft-vocab-size", str(DRAFT_VOCAB)]
     if args.draft_layers is not None and shift:
@@ -414,6 +424,12 @@ def main() -> int:
         help="speculators' --loss-fn (its default: kl_div for eagle3 and peagle, ce for dflash); ce takes the target's "
         "argmax over the draft vocabulary, as our `labels: argmax`",
     )  # fmt: skip
+    parser.add_argument(
+        "--loss", choices=["kl", "tv", "nla", "lk_hybrid"],
+        help="both sides' loss (our model.loss, speculators' --loss-fn); default: each side's recipe default",
+    )  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="both sides' seed")
+    parser.add_argument("--name", help="the run's folder under --out (default: the method)")
     parser.add_argument("--side", choices=["project", "speculators"], default="project", help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
     parser.add_argument("--rows", help=argparse.SUPPRESS)
