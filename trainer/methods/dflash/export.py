@@ -28,9 +28,10 @@ both); ``sample_from_anchor: true`` (the anchor slot drafts the first token) is 
 
 A block refiner's format (refiner.py) is the speculators format under its own ``speculators_model_type`` and
 ``architectures``, with its config fields beside (``save_speculators`` and ``load_speculators`` take them) and its
-heads' weights in the same file; its reader may default ``sample_from_anchor`` to true, refused by name when the key
-is absent. The z-lab and speculators DFlash writers refuse a drafter with a refiner's modules (their readers would not
-load them).
+heads' weights in the same file (its reader may default ``sample_from_anchor`` to true, refused by name when the key
+is absent), or the z-lab layout under its own ``architectures`` with its fields in ``dflash_config`` (``zlab_config``
+and ``load_zlab`` take them). The z-lab and speculators DFlash writers refuse a drafter with a refiner's modules
+(their readers would not load them).
 
 The z-lab format has no field for a block's causal attention: a z-lab folder whose ``layer_types`` make a layer
 sliding is refused by name, and so is a drafter with sliding layers given to its writer.
@@ -101,20 +102,9 @@ def _layer_keys(c: DFlashConfig) -> dict:
     return keys
 
 
-def save_zlab(drafter: DFlashDrafter, out_dir: str, dtype: torch.dtype | None = None) -> Path:
-    """Write the z-lab checkpoint (``DFlashDraftModel``: SGLang, vLLM, ``DFlashDraftModel.from_pretrained``); a
-    drafter with sliding-window layers is refused (the format has no field for their causal block)."""
-    c = drafter.config
-    _refuse_refiner(drafter, "z-lab dflash")
-    if not c.all_full:
-        raise ModelFolderError(
-            f"layer_types {list(c.layer_types or [])} (sliding_window {c.sliding_window}, sliding_window_non_causal "
-            f"{c.sliding_window_non_causal}): the z-lab format has no field for a block's causal or windowed "
-            "attention, its readers would attend to the whole block",
-            hint="write it with --format dflash-speculators",
-        )
-    dtype_name = str(dtype or drafter.fc.weight.dtype).removeprefix("torch.")
-    config = {
+def zlab_config(c: DFlashConfig, dtype_name: str) -> dict:
+    """The z-lab ``config.json`` of a drafter config (a block refiner's format of this layout adds its own keys)."""
+    return {
         "architectures": ZLAB_ARCHITECTURES,
         **_layer_keys(c),
         "block_size": c.block_size,
@@ -127,7 +117,26 @@ def save_zlab(drafter: DFlashDrafter, out_dir: str, dtype: torch.dtype | None = 
         "dtype": dtype_name,
         "torch_dtype": dtype_name,
     }
-    return write_folder(out_dir, config, cpu_tensors(drafter, dtype))
+
+
+def save_zlab(drafter: DFlashDrafter, out_dir: str, dtype: torch.dtype | None = None) -> Path:
+    """Write the z-lab checkpoint (``DFlashDraftModel``: SGLang, vLLM, ``DFlashDraftModel.from_pretrained``); a
+    drafter with sliding-window layers is refused (the format has no field for their causal block)."""
+    _refuse_refiner(drafter, "z-lab dflash")
+    refuse_sliding_zlab(drafter.config)
+    dtype_name = str(dtype or drafter.fc.weight.dtype).removeprefix("torch.")
+    return write_folder(out_dir, zlab_config(drafter.config, dtype_name), cpu_tensors(drafter, dtype))
+
+
+def refuse_sliding_zlab(c: DFlashConfig) -> None:
+    """Refuse sliding-window layers in the z-lab layout: it has no field for a block's causal or windowed attention."""
+    if not c.all_full:
+        raise ModelFolderError(
+            f"layer_types {list(c.layer_types or [])} (sliding_window {c.sliding_window}, sliding_window_non_causal "
+            f"{c.sliding_window_non_causal}): the z-lab format has no field for a block's causal or windowed "
+            "attention, its readers would attend to the whole block",
+            hint="write it with --format dflash-speculators",
+        )
 
 
 def save_speculators(
@@ -320,14 +329,30 @@ def _consume(drafter: DFlashDrafter, tensors: dict[str, torch.Tensor], where: st
     return drafter
 
 
-def load_zlab(path: str, reading: Reading = "vllm") -> DFlashDrafter:
+def load_zlab(
+    path: str,
+    reading: Reading = "vllm",
+    architectures: Sequence[str] = tuple(ZLAB_ARCHITECTURES),
+    drafter_class: type[DFlashDrafter] = DFlashDrafter,
+    config_class: type[DFlashConfig] = DFlashConfig,
+    fields: dict[str, Any] | None = None,
+) -> DFlashDrafter:
     """Read a z-lab export by an engine's rules (``reading``: whose layer-id convention; every other rule is shared:
     the layer config as its transformers config class reads it, ``block_size`` from ``dflash_config`` first,
     ``mask_token_id`` from ``dflash_config``, weights without prefix and without embedding or lm_head). A folder with
-    ``speculators_model_type`` is the speculators format's, and one whose layers are sliding is refused."""
+    ``speculators_model_type`` is the speculators format's, and one whose layers are sliding is refused.
+
+    Args:
+        path: the folder.
+        reading: the engine whose layer-id convention applies.
+        architectures: the ``architectures`` expected (a block refiner's format of this layout names its own).
+        drafter_class: the drafter to build (a refiner's, whose heads' weights the file holds).
+        config_class: its config.
+        fields: a refiner's config fields read from ``dflash_config``, with the value of each the file leaves out.
+    """
     config, tensors = read_folder(path, "a DFlash export")
-    if config.get("architectures") != ZLAB_ARCHITECTURES:
-        raise ModelFolderError(f"{path}: architectures {config.get('architectures')}, expected {ZLAB_ARCHITECTURES}")
+    if config.get("architectures") != list(architectures):
+        raise ModelFolderError(f"{path}: architectures {config.get('architectures')}, expected {list(architectures)}")
     if speculators.read_block(config).model_type is not None:
         raise ModelFolderError(
             f"{path}: speculators_model_type {config['speculators_model_type']!r}: a speculators export, not the "
@@ -342,12 +367,12 @@ def load_zlab(path: str, reading: Reading = "vllm") -> DFlashDrafter:
             f"sliding_window {layer['sliding_window']}: the z-lab format does not say whether a sliding layer's block "
             "is causal (the speculators format does: sliding_window_non_causal)",
         )  # fmt: skip
-    drafter = DFlashDrafter(
-        _config(
-            layer, layers, config.get("num_target_layers"), _block_size(config, path), dflash.get("mask_token_id"), path
-        )
-    )
-    return _consume(drafter, tensors, path)
+    own = {key: dflash.get(key, default) for key, default in (fields or {}).items()}
+    drafter_config = _config(
+        layer, layers, config.get("num_target_layers"), _block_size(config, path), dflash.get("mask_token_id"), path,
+        own, config_class,
+    )  # fmt: skip
+    return _consume(drafter_class(drafter_config), tensors, path)
 
 
 def load_speculators(
