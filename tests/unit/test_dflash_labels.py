@@ -68,5 +68,6 @@ def test_argmax_labels_are_the_targets_choice_not_the_data_token(tmp_path):
     with torch.no_grad():
         shard_loss, shard_metrics = offline.compute_loss(batch)
     torch.testing.assert_close(shard_loss, loss, rtol=1e-5, atol=1e-6)
-    for name in metrics:
-        torch.testing.assert_close(shard_metrics[name], metrics[name])
+    for name in metrics:  # alpha_k: against the stored top-3 renormalised, not the full distribution
+        if not name.startswith("alpha_"):
+            torch.testing.assert_close(shard_metrics[name], metrics[name])

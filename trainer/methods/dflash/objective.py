@@ -31,11 +31,18 @@ The drafter uses the target's embedding and lm_head and trains only its own laye
 token is an id the tokenizer does not use (module.py ``check_mask_token``), recorded in the drafter's
 config and every export; a special token accepted there is also refused when the training data contains it.
 
-Logged per step: the loss, ``acc_k`` (slot k's argmax equals its label token, or the target's argmax with soft
-labels), ``prefix_k`` (slots 1..k of a block all right, over the blocks whose slots 1..k are all trained: the
+The loss of each slot toward its label is ``model.loss`` (trainer/distribution_loss.py): ``kl`` (the default; the cross
+entropy with token labels, KL(p || q) with soft ones), ``tv`` (1 - alpha), ``nla`` (-log alpha) or ``lk_hybrid`` (the
+LK losses); with token labels ``p`` is the label's one-hot (``nla`` is then the cross entropy, ``tv`` is 1 - q_label).
+D-PACE's weights read the token cross entropies, so ``position_weights: dpace`` needs ``kl``.
+
+Logged per step: the loss, ``acc_k`` (slot k's argmax equals its label token, or the target's argmax with soft labels),
+``alpha_k`` (slot k's expected acceptance under speculative sampling, ``sum_v min(p_v, q_v)`` against the target's
+distribution at temperature 1 online, its stored top-k renormalised from shards, for every loss and label; the mean over
+the trained slots), ``prefix_k`` (slots 1..k of a block all right, over the blocks whose slots 1..k are all trained: the
 teacher-forced counterpart of ``draftsmith eval``'s acceptance per draft position, had every position been a round's
-root) and ``block_tau`` (1 + the leading slots of a block that are right, over the blocks: the teacher-forced
-accepted length of one block); a block refiner adds its own (refiner.py).
+root) and ``block_tau`` (1 + the leading slots of a block that are right, over the blocks: the teacher-forced accepted
+length of one block); a block refiner adds its own (refiner.py).
 
 A block refiner's objective subclasses this one and overrides the hooks of the seam (refiner.py): the drafter it
 builds, its slots' logit bias, whether it reads their acceptance rates, and its loss terms and metrics; DFlash has no
@@ -236,16 +243,16 @@ class DFlash(DraftObjective):
         return [SlotTerm(self.slot_bias(prev))]
 
     def wants_acceptance(self) -> bool:
-        """The slot loss also gives each slot's analytical acceptance rate (slot_loss.py ``ChunkLabels``) for
-        :meth:`refiner_loss`: not in DFlash."""
+        """Whether :meth:`refiner_loss` reads the slots' analytical acceptance rates. The slot loss gives them in every
+        step now (the ``alpha_k`` metrics), so this hook changes nothing; DFlash: no."""
         return False
 
     def refiner_loss(
         self, hidden: torch.Tensor, bias: LogitBias | None, accept: torch.Tensor, slot: torch.Tensor
     ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
         """A block refiner's loss term (added to the slot loss) and metrics of the n >= 1 trained slots: their outputs
-        ``hidden`` [n, H], their :meth:`slot_bias`, acceptance rates ``accept`` [n] (empty unless
-        :meth:`wants_acceptance`) and index ``slot`` [n] (k - 1 for slot k). DFlash: none."""
+        ``hidden`` [n, H], their :meth:`slot_bias`, acceptance rates ``accept`` [n] against the target's distribution
+        and index ``slot`` [n] (k - 1 for slot k). DFlash: none."""
         return None, {}
 
     def drafter_record(self) -> DrafterRecord:
@@ -382,6 +389,10 @@ class DFlash(DraftObjective):
             right = right.view(B, N, b - 1)
             counts = selected.sum((0, 1)).clamp(min=1)  # [b - 1]
             metrics.update({f"acc_{k + 1}": right[:, :, k].sum() / counts[k] for k in range(b - 1)})
+            alpha = torch.zeros(B * N * (b - 1), dtype=torch.float32, device=ids.device)
+            alpha[idx] = accept.float()
+            alpha = alpha.view(B, N, b - 1)  # [B, N, b - 1] the expected acceptance of each trained slot
+            metrics.update({f"alpha_{k + 1}": alpha[:, :, k].sum() / counts[k] for k in range(b - 1)})
             prefix = right.long().cumprod(-1)  # [B, N, b - 1]: slots 1..k all right
             full = keep[:, :, None] & selected.long().cumprod(-1).bool()  # [B, N, b - 1]: slots 1..k all trained
             metrics.update(
@@ -404,14 +415,15 @@ class DFlash(DraftObjective):
         rows: torch.Tensor,
         positions: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        """The weighted loss [] of the selected slots, their right-argmax flags [n] and their analytical acceptance
-        rates [n] (empty unless :meth:`wants_acceptance`).
+        """The weighted loss [] of the selected slots (``model.loss``), their right-argmax flags [n] and their
+        analytical acceptance rates [n] against the target's distribution (the ``alpha_k`` metrics).
 
         hidden: [n, H] the slots' outputs; bias: their logit bias (:meth:`slot_bias`) or None; weights: [n] their
         weights in the loss, or a function of a chunk's losses (slot_loss.py); chunks: slots per chunk or the chunks;
         rows, positions: [n] the batch row and position of each slot's token. Soft and argmax labels come from the
         target's distribution at ``position - 1`` (online: from ``final`` [B, S, H]; shards: the batch's top-k),
-        ``data`` labels are the token itself. Argmax labels are taken once per position (slots of overlapping blocks
+        ``data`` labels are the token itself; the acceptance rates are always against that distribution (a softmax
+        per chunk with token labels too). Argmax labels are taken once per position (slots of overlapping blocks
         share them); the vocabulary projections run one chunk of slots at a time, their gradients taken in the same
         pass (slot_loss.py).
         """
@@ -420,12 +432,9 @@ class DFlash(DraftObjective):
             tokens = self._target_argmax(final, head, batch, rows, positions - 1)  # [n]
         else:
             tokens = ids[rows, positions] if self.labels == "data" else None  # [n], or None: soft labels
-        want_accept = self.wants_acceptance()
 
-        def labels(part: slice) -> ChunkLabels:
-            chunk = ChunkLabels(ids=None if tokens is None else tokens[part], want_accept=want_accept)
-            if tokens is not None and not want_accept:
-                return chunk
+        def labels(part: slice) -> ChunkLabels:  # the target's distribution always: the alpha_k metrics read it
+            chunk = ChunkLabels(ids=None if tokens is None else tokens[part], want_accept=True)
             if final is not None:  # online: the target's whole distribution at temperature 1
                 teacher = final[rows[part], positions[part] - 1]  # [C, H] the target's normed hidden states
                 chunk.probs = torch.softmax(self._target_logits(teacher, head), dim=-1)  # [C, V]
@@ -436,7 +445,7 @@ class DFlash(DraftObjective):
             return chunk
 
         features, weight = (None, None) if bias is None else (bias.features, bias.weight)
-        loss, _, hits, accept = slot_loss(hidden, head, weights, labels, chunks, features, weight)
+        loss, _, hits, accept = slot_loss(hidden, head, weights, labels, chunks, features, weight, self.loss_spec)
         return loss, hits, accept
 
     @torch.no_grad()

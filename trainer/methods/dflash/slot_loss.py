@@ -1,13 +1,15 @@
 """DFlash's slot loss with its gradients taken in forward, one chunk of slots at a time, on the chunked-loss engine
-(trainer/chunked_loss.py): the per-slot loss is :func:`_slot_rows`.
+(trainer/chunked_loss.py): the per-slot loss is :func:`slot_rows`, one of the losses toward a target distribution
+(trainer/distribution_loss.py, ``model.loss``: ``kl`` by default, the cross entropy of token labels).
 
-A slot's logits are ``h @ head.T`` (the target's frozen lm_head, bare, as the proposer computes them), plus with a
-block refiner's low-rank logit bias (refiner.py ``LogitBias``) ``e @ w2.T`` of the slot's features ``e``: both linear
-in the trained inputs, so the gradient of the loss with respect to the logits, ``G = w * (q - p)`` (q the drafter's
+A slot's logits are ``h @ head.T`` (the target's frozen lm_head, bare, as the proposer computes them), plus with a block
+refiner's low-rank logit bias (refiner.py ``LogitBias``) ``e @ w2.T`` of the slot's features ``e``: both linear in the
+trained inputs, so the gradient of the loss with respect to the logits, ``G = w * (q - p)`` (q the drafter's
 distribution, p the label's: one-hot for token labels, the target's distribution for soft ones, w the slot's weight),
-gives every gradient at once: ``G @ head`` for ``h``, ``G @ w2`` for ``e`` and ``G.T @ e`` for ``w2``. Only one
-chunk's [C, V] logits exist at a time, and none is recomputed in backward: a checkpointed chunk costs three
-vocabulary projections (forward, its recomputation, the backward's), this one two.
+gives every gradient at once: ``G @ head`` for ``h``, ``G @ w2`` for ``e`` and ``G.T @ e`` for ``w2``. Only one chunk's
+[C, V] logits exist at a time, and none is recomputed in backward: a checkpointed chunk costs three vocabulary
+projections (forward, its recomputation, the backward's), this one two. (With ``kl``; the other losses of
+trainer/distribution_loss.py take ``G`` by autograd on the chunk.)
 
 Weights may depend on the losses (D-PACE, :func:`block_dpace_weights`): given as a function of a chunk's slots and their
 losses, they are taken per chunk before its gradients, which is exact when the chunks hold whole blocks
@@ -21,23 +23,27 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.chunked_loss import RowLosses, Target, Term, Weights, chunked_loss, cross_entropy_rows
+from trainer.chunked_loss import RowLoss, RowLosses, Target, Term, Weights, chunked_loss
+from trainer.distribution_loss import DistributionLoss, distribution_rows
 
 Labels = Callable[[slice], "ChunkLabels"]
+KL = DistributionLoss("kl")
+"""The slot loss of DFlash's default ``model.loss``."""
 
 
 @dataclass
 class ChunkLabels:
-    """The labels of one chunk of C slots: token ids (the loss is their cross entropy) and/or the target's
-    distribution, dense or sparse (the loss is KL(p || q) when no ids are given; the acceptance rates
-    ``sum min(q, p)`` are taken from it when wanted).
+    """The labels of one chunk of C slots: token ids (the loss is toward their one-hot: the cross entropy for ``kl``)
+    and/or the target's distribution, dense or sparse (the loss is toward it when no ids are given; the acceptance
+    rates ``sum min(q, p)`` are taken from it when wanted).
 
     Attributes:
         ids: [C] token ids, or None.
         probs: [C, V] the target's distribution, or None.
         sparse: ([C, k] ids, [C, k] probabilities summing to 1), the target's top-k renormalised, or None.
-        want_accept: compute the slots' acceptance rates (a block refiner's loss terms read them): over the whole
-            vocabulary with ``probs``, the overlap over the stored ids with ``sparse``.
+        want_accept: return the slots' acceptance rates (the objective's ``alpha_k`` metrics and a block refiner's
+            loss terms read them): over the whole vocabulary with ``probs``, the overlap over the stored ids with
+            ``sparse``, ``q`` at the id with token ids alone.
     """
 
     ids: torch.Tensor | None = None
@@ -46,22 +52,27 @@ class ChunkLabels:
     want_accept: bool = False
 
 
-def _slot_rows(logits: torch.Tensor, labels: ChunkLabels, need_grad: bool) -> RowLosses:
-    """DFlash's per-slot loss on the chunked-loss engine: the cross entropy of the token labels, else ``KL(p || q)``
-    from the target's distribution (:func:`~trainer.chunked_loss.cross_entropy_rows`, its gradient ``q - p`` in
-    closed form), with the right-argmax flags [C] and the acceptance rates [C] (empty unless wanted) as statistics.
-    logits: [C, V] float32 (overwritten)."""
-    if labels.ids is not None:
-        right = labels.ids  # [C]
-    elif labels.probs is not None:
-        right = labels.probs.max(-1).indices  # [C]
-    else:
-        right = labels.sparse[0][:, 0]  # [C] the stored top-1
-    hits = logits.max(-1).indices == right  # [C], before the logits are overwritten
-    target = Target(ids=labels.ids, probs=labels.probs, sparse=labels.sparse, acceptance=labels.want_accept)
-    out = cross_entropy_rows(logits, target, need_grad)
-    accept = out.stats[0] if labels.want_accept else logits.new_zeros(0)  # [C] or [0]
-    return RowLosses(out.loss, out.grad, (hits, accept))
+def slot_rows(spec: DistributionLoss = KL) -> RowLoss:
+    """DFlash's per-slot loss on the chunked-loss engine: ``spec`` (trainer/distribution_loss.py) toward the token
+    labels' one-hot, else toward the target's distribution (``kl``: :func:`~trainer.chunked_loss.cross_entropy_rows`,
+    its gradient ``q - p`` in closed form; the others by autograd on the chunk), with the right-argmax flags [C] and
+    the acceptance rates [C] against the target's distribution (empty unless wanted) as statistics. logits: [C, V]
+    float32 (overwritten)."""
+    rows = distribution_rows(spec)
+
+    def slot_rows(logits: torch.Tensor, labels: ChunkLabels, need_grad: bool) -> RowLosses:
+        if labels.ids is not None:
+            right = labels.ids  # [C]
+        elif labels.probs is not None:
+            right = labels.probs.max(-1).indices  # [C]
+        else:
+            right = labels.sparse[0][:, 0]  # [C] the stored top-1
+        hits = logits.max(-1).indices == right  # [C], before the logits are overwritten
+        out = rows(logits, Target(ids=labels.ids, probs=labels.probs, sparse=labels.sparse), need_grad)
+        accept = out.stats[0] if labels.want_accept else out.loss.new_zeros(0)  # [C] or [0]
+        return RowLosses(out.loss, out.grad, (hits, accept))
+
+    return slot_rows
 
 
 def slot_loss(
@@ -72,6 +83,7 @@ def slot_loss(
     chunks: int | list[slice],
     bias_features: torch.Tensor | None = None,
     bias_weight: torch.Tensor | None = None,
+    spec: DistributionLoss = KL,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The weighted loss of n slots, ``sum_i weights_i * loss_i``, differentiable in ``hidden``, ``bias_features``
     and ``bias_weight`` (the module docstring), with its detached parts.
@@ -87,6 +99,7 @@ def slot_loss(
             when the weights depend on a block's losses, :func:`block_chunks`).
         bias_features: [n, r] the features of each slot's low-rank logit bias, or None (no bias).
         bias_weight: [V, r] the bias's map onto the vocabulary (with ``bias_features``).
+        spec: each slot's loss (``model.loss``; :func:`slot_rows`).
 
     Returns:
         the weighted sum [] float32, the slots' losses [n], their right-argmax flags [n] and their acceptance rates
@@ -95,7 +108,7 @@ def slot_loss(
     terms = [Term(hidden, head.detach())]
     if bias_features is not None:
         terms.append(Term(bias_features.to(bias_weight.dtype), bias_weight))  # projected in the bias weight's dtype
-    out = chunked_loss(terms, _slot_rows, labels, weights, chunks=chunks, dtype=torch.float32)
+    out = chunked_loss(terms, slot_rows(spec), labels, weights, chunks=chunks, dtype=torch.float32)
     if not out.stats:  # no slot
         empty = out.losses.new_zeros(0)
         return out.total, out.losses, empty.bool(), empty
