@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.block_attention import Impl
+from trainer.distribution_loss import DEFAULT_ETA
 from trainer.errors import RecipeError
 from trainer.methods.dflash.module import DFlashConfig
 from trainer.methods.dflash.objective import DFlash
@@ -69,6 +70,8 @@ class Domino(DFlash):
         position_weights: Literal["decay", "dpace"] = "decay",
         dpace_alpha: float = 0.5,
         labels: Literal["data", "argmax", "soft"] = "argmax",
+        loss: Literal["kl", "tv", "nla", "lk_hybrid"] = "kl",
+        lk_eta: float = DEFAULT_ETA,
         attention: Impl = "auto",
         loss_chunk_size: int = 1024,
         init_from: str | None = None,
@@ -102,6 +105,11 @@ class Domino(DFlash):
             dpace_alpha: D-PACE's smoothing of each slot's confidence, ``(1 - a) * exp(-loss) + a``, in (0, 1].
             labels: "argmax" (the default) trains on the target's argmax (cross entropy), what greedy verification
                 accepts; "data" on the rows' own tokens, "soft" on the target's distribution (KL).
+            loss: each slot's loss toward its label, in both terms of the curriculum (trainer/distribution_loss.py):
+                "kl" (KL(p || q); the cross entropy with token labels, SpecForge's), "tv" (1 - alpha, alpha =
+                sum_v min(p_v, q_v) the expected acceptance), "nla" (-log alpha) or "lk_hybrid" (lambda * KL +
+                (1 - lambda) * TV, lambda = exp(-lk_eta * alpha)). "dpace" needs "kl".
+            lk_eta: the hybrid's temperature eta (3, the LK paper's and speculators' default).
             attention: the block-sparse attention: "flex" (CUDA), "dense", or "auto" (flex on CUDA).
             loss_chunk_size: slots projected to the vocabulary at a time (slot_loss.py).
             init_from: a training checkpoint or export of a Domino or DFlash drafter (or another refiner's) to start
@@ -141,6 +149,8 @@ class Domino(DFlash):
             position_weights=position_weights,
             dpace_alpha=dpace_alpha,
             labels=labels,
+            loss=loss,
+            lk_eta=lk_eta,
             attention=attention,
             loss_chunk_size=loss_chunk_size,
             init_from=init_from,
