@@ -22,6 +22,13 @@ A DSpark export (``speculators_model_type: "dspark"``) runs ``DSparkDraftModel.f
 ``compute_metrics`` replaced by a capture of what it is given: the Markov-biased logits and the confidence logits
 (``confidence`` [1, N * b] in OUT).
 
+``make --dflash2 RANK`` builds ``DFlash2DraftModel`` (speculators' default convolutions, a selector of rank RANK,
+``sliding_window_non_causal`` its default, true), its convolutions and selector drawn too; ``forward`` of a DFlash2
+export (``"dflash2"``) runs ``DFlash2DraftModel.forward`` with its ``compute_metrics`` captured: the unary logits
+(``logits``), the selector's candidates (``candidates`` [1, N * b, K] int64: the unary top-k, the target's token
+injected last where missing; the targets are the zero hidden state's) and their rescored logits
+(``candidate_logits``).
+
 FEATURES (safetensors): ``hidden_states`` [1, T, m * H] the aux layers' hidden states concatenated in
 ``aux_hidden_state_layer_ids`` order, ``input_ids`` [1, T], ``anchors`` [N] int64. OUT: ``logits`` [1, N * b, V] and
 ``hidden`` [1, N * b, H] (the normed block outputs, slot 0 of each block included). The report (stdout's last line)
@@ -45,6 +52,8 @@ def ints(text: str) -> list[int]:
 
 
 def make(args: argparse.Namespace) -> int:
+    if args.dflash2:
+        return make_dflash2(args)
     from speculators.models.dflash import DFlashDraftModel
     from speculators.models.dspark import DSparkDraftModel
     from speculators.train.cli import create_transformer_layer_config
@@ -74,6 +83,33 @@ def make(args: argparse.Namespace) -> int:
             if name.startswith(("layers.", "fc.", "hidden_norm.", "norm.", "markov_head.", "confidence_head.")):
                 mean = 1.0 if p.ndim == 1 else 0.0
                 p.copy_(mean + 0.1 * torch.randn(p.shape, generator=generator))
+    model.save_pretrained(args.out)
+    print(json.dumps({"written": args.out, "versions": {p: version(p) for p in ("speculators", "transformers")}}))
+    return 0
+
+
+def make_dflash2(args: argparse.Namespace) -> int:
+    """``make`` of a ``DFlash2DraftModel`` (its convolutions and selector drawn too)."""
+    from speculators.models.dflash2 import DFlash2DraftModel
+    from speculators.train.cli import create_transformer_layer_config
+
+    layer_config = create_transformer_layer_config(
+        args.verifier, args.layers, "qwen3", None, args.sliding_window, args.full_attention_indices
+    )
+    model = DFlash2DraftModel.from_training_args(
+        verifier_config=layer_config,
+        draft_vocab_size=layer_config.vocab_size,
+        block_size=args.block_size,
+        verifier_name_or_path=args.verifier,
+        target_layer_ids=args.aux,
+        mask_token_id=args.mask,
+        selector_rank=args.dflash2,
+    )
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith(("layers.", "fc.", "hidden_norm.", "norm.", "candidate_selector.")):
+                p.copy_((1.0 if p.ndim == 1 else 0.0) + 0.1 * torch.randn(p.shape, generator=generator))
     model.save_pretrained(args.out)
     print(json.dumps({"written": args.out, "versions": {p: version(p) for p in ("speculators", "transformers")}}))
     return 0
@@ -109,6 +145,8 @@ def forward(args: argparse.Namespace) -> int:
         hidden, ids, anchors = (f.get_tensor(n) for n in ("hidden_states", "input_ids", "anchors"))
     T, N = ids.shape[1], anchors.numel()
     core.select_anchors = lambda loss_mask, n, b: (anchors.clone(), torch.ones(n, dtype=torch.bool))
+    if config.speculators_model_type == "dflash2":
+        return dflash2_forward(model, hidden, ids, N, args.out, report)
     if config.speculators_model_type == "dspark":
         return dspark_forward(model, hidden, ids, N, args.out, report)
     with torch.no_grad():
@@ -164,6 +202,40 @@ def dspark_forward(model, hidden: torch.Tensor, ids: torch.Tensor, N: int, out: 
     return 0
 
 
+def dflash2_forward(model, hidden: torch.Tensor, ids: torch.Tensor, N: int, out: str, report: dict) -> int:
+    """``DFlash2DraftModel.forward`` on the fixed anchors; its unary logits, candidates and their rescored logits to
+    OUT."""
+    import speculators.models.dflash2.core as dflash2_core
+
+    seen: dict[str, torch.Tensor] = {}
+
+    def capture(*, unary_logits, training_candidate_ids, candidate_logits, **kwargs):
+        seen.update(logits=unary_logits, candidates=training_candidate_ids, candidate_logits=candidate_logits)
+        raise Captured
+
+    dflash2_core.compute_metrics = capture
+    T = ids.shape[1]
+    c = model.config
+    keys = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "sliding_window_non_causal")
+    report["dflash2"] = {k: getattr(c, k) for k in keys}
+    report["sample_from_anchor"] = c.sample_from_anchor
+    with torch.no_grad():
+        try:
+            model.forward(
+                hidden.to(model.fc.weight.dtype),
+                ids,
+                torch.ones(1, T, dtype=torch.long),
+                torch.zeros(1, T, model.hidden_size, dtype=model.fc.weight.dtype),  # the loss's targets only
+                torch.zeros(1, T, dtype=torch.long),  # one document
+                max_anchors=N,
+            )
+        except Captured:
+            pass
+    save_file({k: (v if k == "candidates" else v.float()).contiguous() for k, v in seen.items()}, out)
+    print(json.dumps(report))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -178,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--full-attention-indices", type=ints, default=[])
     m.add_argument("--non-causal", action="store_true")
     m.add_argument("--dspark", type=int, default=0)  # a DSparkDraftModel with a Markov head of this rank
+    m.add_argument("--dflash2", type=int, default=0)  # a DFlash2DraftModel with a selector of this rank
     f = sub.add_parser("forward")
     f.add_argument("export")
     f.add_argument("features")
