@@ -2,9 +2,10 @@
 
 Notation: ``p`` is the teacher's distribution, ``q`` the student's, both at temperature ``T`` (``softmax(logits / T)``).
 
-Divergences, per position, summed over the vocabulary:
+The losses toward the teacher (``loss``, :data:`KD_LOSSES`: the project's one vocabulary, ``model.loss``), per
+position, summed over the vocabulary:
 
-- ``"forward_kl"``: ``KL(p || q) = sum_v p_v (log p_v - log q_v)`` (the classic distillation loss).
+- ``"kl"``: ``KL(p || q) = sum_v p_v (log p_v - log q_v)`` (the classic distillation loss).
 - ``"reverse_kl"``: ``KL(q || p) = sum_v q_v (log q_v - log p_v)``.
 - ``"jsd"``: the generalized Jensen-Shannon divergence exactly as TRL's ``GKDTrainer.generalized_jsd_loss`` (GKD,
   Agarwal et al. 2024, eq. 1): with the mixture ``m = beta * p + (1 - beta) * q`` (computed in log space,
@@ -12,13 +13,21 @@ Divergences, per position, summed over the vocabulary:
   ``beta * KL(p || m) + (1 - beta) * KL(q || m)``. As TRL does, ``beta == 0`` is *defined* as the forward KL and
   ``beta == 1`` as the reverse KL (the mixture formula itself tends to 0 at both ends; near them it behaves like
   ``beta * KL(p || q)`` and ``(1 - beta) * KL(q || p)``, so the endpoints are a switch, not a limit).
-  One difference from TRL: TRL applies the temperature but not the ``T^2`` factor; here every divergence is
+  One difference from TRL: TRL applies the temperature but not the ``T^2`` factor; here each of these three is
   multiplied by ``T^2`` (Hinton et al.), so that gradient sizes do not depend on the temperature.
+- ``"tv"``, ``"nla"``, ``"lk_hybrid"``: the LK losses of trainer/distribution_loss.py (total variation ``1 - alpha``,
+  the negative log-acceptance ``-log alpha``, and ``lambda * KL + (1 - lambda) * TV`` with ``lambda = exp(-lk_eta *
+  sg(alpha))``), on the same tempered distributions but *without* the ``T^2`` factor (they are bounded by 1, or by
+  ``-log 1e-5`` for ``nla``, at any temperature; the hybrid's KL term is the plain KL at ``T``).
+
+The expected acceptance ``alpha = sum_v min(p_v, q_v)`` (at the loss's temperature; against a top-k teacher, over
+its k ids, a lower bound) is computed in the same chunked pass for every loss, detached, and returned as the weighted
+mean over the KD positions (:attr:`LossParts.alpha`): the objectives log it as ``alpha_*``.
 
 Reduction and the total loss. ``loss_mask`` (bool, or float weights >= 0) selects the positions; each term is a
 weighted mean over them (``sum_i w_i l_i / sum_i w_i``, a plain mean for a bool mask), on this process's batch:
 
-    KD   = T^2 * mean_i divergence_i
+    KD   = T^2 * mean_i divergence_i                         (the LK losses: mean_i loss_i, no T^2)
     CE   = mean_i -log softmax(student_logits_i)[label_i]      (temperature 1; positions with label -100 left out)
     loss = (1 - alpha) * KD + alpha * CE                        (alpha = 0: pure distillation)
 
@@ -66,10 +75,19 @@ from trainer.chunked_loss import (
     cross_entropy_rows,
     kl_from_log_probs,
 )
+from trainer.distribution_loss import DEFAULT_ETA, LOSSES, DistributionLoss, distribution_rows, sparse_loss_rows
+from trainer.distribution_loss import loss_rows as lk_loss_rows
 from trainer.logit_scaling import LogitScaling
 
 IGNORE_INDEX = -100
-DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
+KD_LOSSES = ("kl", "reverse_kl", "jsd", *LOSSES[1:])
+"""The ``loss`` values of the KD losses here: trainer/distribution_loss.py's :data:`LOSSES` and two divergences of
+their own (the reverse KL and the generalized JSD)."""
+SPARSE_LOSSES = LOSSES
+"""The losses a top-k teacher (:func:`sparse_kd_loss`) supports: the reverse KL and the JSD need the teacher's whole
+distribution."""
+KL = DistributionLoss()
+"""The forward KL, every objective's default loss toward a distribution."""
 SPARSE_TAILS = ("renormalize", "bucket")
 # Sparse "bucket" mode floors both tail masses at this value (log space): float32 cannot resolve a smaller tail
 # from a sum of top-k probabilities near 1, and a zero tail would make the bucket term 0 * log 0.
@@ -86,6 +104,9 @@ class LossParts:
     # [] float32: weighted mean cross entropy at T = 1; None when no labels were given; NaN when labels were given
     # but all are -100 on the selected positions (allowed only with alpha == 0: alpha > 0 raises ValueError)
     ce: torch.Tensor | None
+    # [] float32: weighted mean expected acceptance sum_v min(p_v, q_v) over the KD positions (detached); None for a
+    # pure cross entropy
+    alpha: torch.Tensor | None = None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -93,29 +114,39 @@ class LossParts:
 
 
 def divergence_from_log_probs(
-    teacher_log_probs: torch.Tensor, student_log_probs: torch.Tensor, divergence: str, beta: float = 0.5
+    teacher_log_probs: torch.Tensor, student_log_probs: torch.Tensor, loss: str, beta: float = 0.5
 ) -> torch.Tensor:
-    """One of :data:`DIVERGENCES` per position, without temperature scaling (see the module docstring).
+    """``kl``, ``reverse_kl`` or ``jsd`` per position, without temperature scaling (see the module docstring).
 
     teacher_log_probs, student_log_probs: [..., V] (``log p``, ``log q``). Returns [...].
     """
     lp, lq = teacher_log_probs, student_log_probs
-    if divergence == "forward_kl" or (divergence == "jsd" and beta == 0.0):
+    if loss == "kl" or (loss == "jsd" and beta == 0.0):
         return kl_from_log_probs(lp, lq)
-    if divergence == "reverse_kl" or (divergence == "jsd" and beta == 1.0):
+    if loss == "reverse_kl" or (loss == "jsd" and beta == 1.0):
         return kl_from_log_probs(lq, lp)
-    if divergence == "jsd":
+    if loss == "jsd":
         log_m = torch.logaddexp(lp + math.log(beta), lq + math.log1p(-beta))  # [..., V] log(beta p + (1-beta) q)
         return beta * kl_from_log_probs(lp, log_m) + (1.0 - beta) * kl_from_log_probs(lq, log_m)
-    raise ValueError(f"divergence={divergence!r} is not one of {DIVERGENCES}")
+    raise ValueError(f"loss={loss!r} is not one of kl, reverse_kl, jsd")
 
 
-def _dense_rows(student_logits: torch.Tensor, teacher_logits: torch.Tensor, divergence: str, beta: float, t: float):
-    """T^2 * divergence per row. student_logits, teacher_logits: [C, V] float32. Returns [C]."""
-    lq = F.log_softmax(student_logits / t if t != 1.0 else student_logits, dim=-1)  # [C, V]
+def _dense_rows(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, loss: str, beta: float, t: float, eta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the loss (``T^2 *`` the divergence for kl, reverse_kl and jsd; the LK losses as they are) and the
+    acceptance ``sum_v min(p_v, q_v)`` (detached). student_logits, teacher_logits: [C, V] float32. Returns [C], [C]."""
+    z = student_logits / t if t != 1.0 else student_logits  # [C, V]
     with torch.no_grad():
         lp = F.log_softmax(teacher_logits / t if t != 1.0 else teacher_logits, dim=-1)  # [C, V]
-    return divergence_from_log_probs(lp, lq, divergence, beta) * (t * t)
+    if loss in LOSSES[1:]:
+        rows, alpha = lk_loss_rows(z, lp.exp(), DistributionLoss(loss, eta), want_kl=False)
+        return rows, alpha.detach()
+    lq = F.log_softmax(z, dim=-1)  # [C, V]
+    rows = divergence_from_log_probs(lp, lq, loss, beta) * (t * t)
+    with torch.no_grad():
+        alpha = torch.minimum(lq.exp(), lp.exp()).sum(-1)  # [C]
+    return rows, alpha
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -123,22 +154,35 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.log(-torch.expm1(x))
 
 
-def _sparse_rows(student_logits: torch.Tensor, ids: torch.Tensor, teacher_lp: torch.Tensor, tail: str, t: float):
-    """T^2 * forward KL against a top-k teacher, per row (see :func:`sparse_kd_loss`).
+def _sparse_rows(
+    student_logits: torch.Tensor,
+    ids: torch.Tensor,
+    teacher_lp: torch.Tensor,
+    tail: str,
+    t: float,
+    spec: DistributionLoss = KL,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the loss against a top-k teacher (see :func:`sparse_kd_loss`: ``T^2 *`` the forward KL with the
+    ``tail`` mode, or an LK loss over the k ids) and the acceptance over the k ids (detached).
 
-    student_logits: [C, V] float32; ids: [C, k] int64; teacher_lp: [C, k] float32. Returns [C].
+    student_logits: [C, V] float32; ids: [C, k] int64; teacher_lp: [C, k] float32. Returns [C], [C].
     """
     z = student_logits / t  # [C, V]
+    if not spec.is_kl:
+        rows, alpha = sparse_loss_rows(z, ids, teacher_lp.exp(), spec)
+        return rows, alpha.detach()
+    with torch.no_grad():
+        alpha = torch.minimum(F.softmax(z, dim=-1).gather(-1, ids), teacher_lp.exp()).sum(-1)  # [C]
     if tail == "renormalize":
         lq_k = F.log_softmax(z.gather(-1, ids), dim=-1)  # [C, k] == full log-softmax at ids, renormalised over ids
         lp_k = teacher_lp - torch.logsumexp(teacher_lp, dim=-1, keepdim=True)  # [C, k]
-        return kl_from_log_probs(lp_k, lq_k) * (t * t)
+        return kl_from_log_probs(lp_k, lq_k) * (t * t), alpha
     lq_k = F.log_softmax(z, dim=-1).gather(-1, ids)  # [C, k]
     p_k = teacher_lp.exp()  # [C, k]
     head = (p_k * torch.where(p_k > 0, teacher_lp - lq_k, torch.zeros_like(lq_k))).sum(-1)  # [C]
     lp_tail = _log1mexp(torch.logsumexp(teacher_lp, dim=-1).clamp(max=_MAX_LOG_HEAD))  # [C] log(1 - sum p_k)
     lq_tail = _log1mexp(torch.logsumexp(lq_k, dim=-1).clamp(max=_MAX_LOG_HEAD))  # [C] log(1 - sum q_k)
-    return (head + lp_tail.exp() * (lp_tail - lq_tail)) * (t * t)
+    return (head + lp_tail.exp() * (lp_tail - lq_tail)) * (t * t), alpha
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -161,15 +205,15 @@ def _active(scaling: LogitScaling | None) -> LogitScaling | None:
 
 def _objective_rows(kd_rows: Callable | None, alpha: float, kd_den: torch.Tensor, ce_den: torch.Tensor):
     """Per row, ``(1 - alpha) * kd_i / kd_den + alpha * ce_i / ce_den`` (each part only where its factor is not 0) and
-    the parts ``(kd_i, ce_i)`` [C] as statistics: the weighted sum over the rows is the objective of the module
-    docstring. ``kd_rows(logits [C, V] float32, teacher) -> [C]``."""
+    the parts ``(kd_i, ce_i, alpha_i)`` [C] as statistics (``alpha_i`` the acceptance): the weighted sum over the rows
+    is the objective of the module docstring. ``kd_rows(logits [C, V] float32, teacher) -> ([C], [C] acceptance)``."""
 
-    def rows(logits: torch.Tensor, target: _RowTargets) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    def rows(logits: torch.Tensor, target: _RowTargets) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         zero = logits.new_zeros(logits.shape[0])  # [C]
-        objective, kd, ce = zero, zero, zero
+        objective, kd, ce, accept = zero, zero, zero, zero
         if kd_rows is not None:
             with torch.set_grad_enabled(torch.is_grad_enabled() and alpha < 1.0):
-                kd = kd_rows(logits, target.teacher)  # [C]
+                kd, accept = kd_rows(logits, target.teacher)  # [C] each
             if alpha < 1.0:
                 objective = objective + kd * ((1.0 - alpha) / kd_den)
         if target.labels is not None:
@@ -177,7 +221,7 @@ def _objective_rows(kd_rows: Callable | None, alpha: float, kd_den: torch.Tensor
                 ce = F.cross_entropy(logits, target.labels, ignore_index=IGNORE_INDEX, reduction="none")  # [C]
             if alpha > 0.0:
                 objective = objective + ce * (alpha / ce_den)
-        return objective, (kd.detach(), ce.detach())
+        return objective, (kd.detach(), ce.detach(), accept.detach())
 
     return rows
 
@@ -205,18 +249,29 @@ def _reduce(
         [term], autograd_rows(_objective_rows(kd_rows, alpha, kd_den, ce_den)), targets, weights,
         index=idx, chunks=chunk_size, scaling=_active(scaling), dtype=torch.float32,
     )  # fmt: skip
-    kd_rows_out, ce_rows_out = out.stats  # [n] each
+    kd_rows_out, ce_rows_out, alpha_rows = out.stats  # [n] each
     kd, ce = (kd_rows_out * weights).sum() / kd_den, (ce_rows_out * weights).sum() / ce_den
-    return LossParts(loss=out.total, kd=kd, ce=ce if labels is not None else None)
+    accept = (alpha_rows * weights).sum() / kd_den if kd_rows is not None else None
+    return LossParts(loss=out.total, kd=kd, ce=ce if labels is not None else None, alpha=accept)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Argument checks.
 
 
-def _check_options(divergence: str, beta: float, temperature: float, alpha: float, chunk_size: int | None) -> None:
-    if divergence not in DIVERGENCES:
-        raise ValueError(f"divergence={divergence!r} is not one of {DIVERGENCES}")
+def _check_options(
+    loss: str,
+    beta: float,
+    temperature: float,
+    alpha: float,
+    chunk_size: int | None,
+    lk_eta: float = DEFAULT_ETA,
+    allowed: tuple[str, ...] = KD_LOSSES,
+) -> None:
+    if loss not in allowed:
+        raise ValueError(f"loss={loss!r} is not one of {allowed}")
+    if not (math.isfinite(lk_eta) and lk_eta >= 0):
+        raise ValueError(f"lk_eta={lk_eta} must be a finite number >= 0")
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta={beta} must lie in [0, 1]")
     if not temperature > 0.0:
@@ -288,19 +343,21 @@ def kd_loss(
     loss_mask: torch.Tensor,
     labels: torch.Tensor | None = None,
     *,
-    divergence: str = "forward_kl",
+    loss: str = "kl",
     beta: float = 0.5,
     temperature: float = 1.0,
     alpha: float = 0.0,
     chunk_size: int | None = None,
+    lk_eta: float = DEFAULT_ETA,
 ) -> LossParts:
     """Distillation loss from full logits (any float dtype; upcast to float32 one chunk at a time).
 
     student_logits: [B, S, V] (gets gradients); teacher_logits: [B, S, V] (constant); loss_mask: [B, S] bool or
     float weights; labels: [B, S] int with -100 to ignore (needed when alpha > 0). See the module docstring for the
-    divergences, the reduction and ``loss = (1 - alpha) * KD + alpha * CE``.
+    losses (``loss``, one of :data:`KD_LOSSES`; ``lk_eta`` the LK hybrid's), the reduction and ``loss = (1 - alpha) *
+    KD + alpha * CE``.
     """
-    _check_options(divergence, beta, temperature, alpha, chunk_size)
+    _check_options(loss, beta, temperature, alpha, chunk_size, lk_eta)
     b, s, v = _check_3d(student_logits, "student_logits")
     if tuple(teacher_logits.shape) != (b, s, v):
         raise ValueError(f"teacher_logits shape {tuple(teacher_logits.shape)} != student_logits shape {(b, s, v)}")
@@ -310,8 +367,8 @@ def kd_loss(
     def teacher_rows(ids: torch.Tensor) -> torch.Tensor:
         return teacher.index_select(0, ids).float()  # [C, V]
 
-    def kd_rows(logits: torch.Tensor, t_logits: torch.Tensor) -> torch.Tensor:
-        return _dense_rows(logits, t_logits, divergence, beta, temperature)
+    def kd_rows(logits: torch.Tensor, t_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _dense_rows(logits, t_logits, loss, beta, temperature, lk_eta)
 
     term = Term(student_logits.reshape(b * s, v))
     return _reduce(term, idx, w, lab, teacher_rows, kd_rows, alpha, chunk_size, kd_den, ce_den)
@@ -325,13 +382,14 @@ def fused_kd_loss(
     loss_mask: torch.Tensor,
     labels: torch.Tensor | None = None,
     *,
-    divergence: str = "forward_kl",
+    loss: str = "kl",
     beta: float = 0.5,
     temperature: float = 1.0,
     alpha: float = 0.0,
     chunk_size: int | None = 256,
     student_scaling: LogitScaling | None = None,
     teacher_scaling: LogitScaling | None = None,
+    lk_eta: float = DEFAULT_ETA,
 ) -> LossParts:
     """:func:`kd_loss` on ``scaling(hidden @ lm_head_weight.T)`` without materialising either model's full logits.
 
@@ -342,7 +400,7 @@ def fused_kd_loss(
     (``LogitScaling.from_config(model.config)``, ``FrozenTarget.logit_scaling``; None: none). The cross-entropy part
     is taken on the student's scaled logits too.
     """
-    _check_options(divergence, beta, temperature, alpha, chunk_size)
+    _check_options(loss, beta, temperature, alpha, chunk_size, lk_eta)
     b, s, h = _check_3d(student_hidden, "student_hidden")
     _check_3d(teacher_hidden, "teacher_hidden", (b, s))
     v = _check_head(student_lm_head_weight, student_hidden, "student_lm_head_weight")
@@ -359,8 +417,8 @@ def fused_kd_loss(
         t_logits = (t_hidden.index_select(0, ids) @ t_weight.t()).float()  # [C, V]
         return t_logits if t_scaling is None else t_scaling(t_logits)  # [C, V] the teacher's own logits
 
-    def kd_rows(logits: torch.Tensor, t_logits: torch.Tensor) -> torch.Tensor:
-        return _dense_rows(logits, t_logits, divergence, beta, temperature)
+    def kd_rows(logits: torch.Tensor, t_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _dense_rows(logits, t_logits, loss, beta, temperature, lk_eta)
 
     term = Term(student_hidden.reshape(b * s, h), student_lm_head_weight)
     return _reduce(term, idx, w, lab, teacher_rows, kd_rows, alpha, chunk_size, kd_den, ce_den, student_scaling)
@@ -379,7 +437,7 @@ def chunked_cross_entropy(
     (label i is the target of position i: the caller shifts); scaling: the output scaling the model's forward applies
     after its lm_head (``LogitScaling.from_config(model.config)``; None: none). Returns a scalar float32 tensor.
     """
-    _check_options("forward_kl", 0.5, 1.0, 1.0, chunk_size)
+    _check_options("kl", 0.5, 1.0, 1.0, chunk_size)
     b, s, h = _check_3d(hidden, "hidden")
     v = _check_head(lm_head_weight, hidden, "lm_head_weight")
     if tuple(labels.shape) == (b, s) and not bool((labels != IGNORE_INDEX).any()):
@@ -400,8 +458,11 @@ def sparse_kd_loss(
     temperature: float = 1.0,
     alpha: float = 0.0,
     chunk_size: int | None = None,
+    loss: str = "kl",
+    lk_eta: float = DEFAULT_ETA,
 ) -> LossParts:
-    """Forward KL against a teacher known only through its top-k (ids and log-probabilities, e.g. from disk).
+    """Forward KL (or an LK loss) against a teacher known only through its top-k (ids and log-probabilities, e.g.
+    from disk).
 
     student_logits: [B, S, V]; teacher_topk_ids: [B, S, k] int (distinct ids per position); teacher_topk_logprobs:
     [B, S, k] (any float dtype) = the teacher's full-vocabulary log-softmax at ``temperature``, gathered at the ids.
@@ -417,8 +478,14 @@ def sparse_kd_loss(
     q_tail)``, a KL between two distributions over k + 1 outcomes. Both tails are floored at 1e-6 (float32 cannot
     resolve less from a sum near 1). With k == V both modes equal the dense forward KL.
     KD is multiplied by T^2, reduced and combined with the optional cross entropy as in :func:`kd_loss`.
+
+    ``loss`` (:data:`SPARSE_LOSSES`): ``kl`` is the above; ``tv``, ``nla`` and ``lk_hybrid`` are taken over the k ids
+    (trainer/distribution_loss.py's :func:`~trainer.distribution_loss.sparse_loss_rows`: the teacher's mass outside
+    them counts as rejected, the hybrid's KL is the renormalised one, ``tail`` is not used), without ``T^2``. The
+    acceptance (:attr:`LossParts.alpha`) is the overlap over the k ids, a lower bound.
     """
-    _check_options("forward_kl", 0.5, temperature, alpha, chunk_size)
+    _check_options(loss, 0.5, temperature, alpha, chunk_size, lk_eta, SPARSE_LOSSES)
+    spec = DistributionLoss(loss, lk_eta)
     if tail not in SPARSE_TAILS:
         raise ValueError(f"tail={tail!r} is not one of {SPARSE_TAILS}")
     b, s, v = _check_3d(student_logits, "student_logits")
@@ -439,8 +506,8 @@ def sparse_kd_loss(
     def teacher_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return ids_flat.index_select(0, rows).long(), lp_flat.index_select(0, rows).float()  # [C, k] each
 
-    def kd_rows(logits: torch.Tensor, teacher: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return _sparse_rows(logits, teacher[0], teacher[1], tail, temperature)
+    def kd_rows(logits: torch.Tensor, teacher: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return _sparse_rows(logits, teacher[0], teacher[1], tail, temperature, spec)
 
     term = Term(student_logits.reshape(b * s, v))
     return _reduce(term, idx, w, lab, teacher_rows, kd_rows, alpha, chunk_size, kd_den, ce_den)
@@ -501,7 +568,8 @@ def cross_entropy_with_grads(
     weight_grad_out: torch.Tensor | None = None,
     scaling: LogitScaling | None = None,
     soft_targets: SoftTargets | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    loss: DistributionLoss = KL,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Mean cross entropy of ``scaling(hidden @ lm_head_weight.T)`` over labels != -100 and, computed at once without
     autograd, the gradients of ``scale * loss`` with respect to ``hidden`` and ``lm_head_weight``.
 
@@ -514,18 +582,24 @@ def cross_entropy_with_grads(
 
     hidden: [B, S, H]; lm_head_weight: [V, H]; labels: [B, S], aligned with hidden (label i is the target of position
     i). Returns ``(loss [] in the compute dtype, grad of hidden [B, S, H] or None, grad of the weight [V, H] or
-    None)``; with no labelled position the loss is 0 and the gradients are zero. ``weight_grad_out``: a [V, H] tensor
-    of the compute dtype to add the weight's gradient to (returned as the third item), instead of a new one (callers
-    summing several losses' gradients then hold one such tensor, not one per loss). ``scaling``: the output scaling
+    None, mean acceptance [] or None)``; with no labelled position the loss is 0 and the gradients are zero.
+    ``weight_grad_out``: a [V, H] tensor of the compute dtype to add the weight's gradient to (returned as the third
+    item), instead of a new one (callers summing several losses' gradients then hold one such tensor, not one per
+    loss). ``scaling``: the output scaling
     the model's forward applies after its lm_head (None: none); the gradient with respect to the raw logits is then
     the one above times ``multiplier * (1 - tanh^2)`` of the soft-cap (``multiplier`` alone without one).
 
     ``soft_targets``: a teacher's distribution per position (:class:`SoftTargets`, aligned with ``hidden``) in place of
     the labels' tokens: the loss is then the mean forward ``KL(p || q)`` over the labelled positions (the labels only
     select them) and ``onehot(label)`` becomes ``p`` in the gradient (the KL and the soft cross entropy differ by the
-    teacher's entropy, a constant).
+    teacher's entropy, a constant). The mean acceptance ``sum_v min(p_v, q_v)`` over the labelled positions is then
+    the fourth item (detached; None without ``soft_targets``). ``loss``: the loss toward the teacher's distribution
+    (trainer/distribution_loss.py: ``kl``, the above, with its closed-form gradient; ``tv``, ``nla``, ``lk_hybrid``
+    with the gradient taken by autograd on each chunk); needs ``soft_targets`` unless it is ``kl``.
     """
-    _check_options("forward_kl", 0.5, 1.0, 1.0, chunk_size)
+    _check_options("kl", 0.5, 1.0, 1.0, chunk_size)
+    if soft_targets is None and not loss.is_kl:
+        raise ValueError(f"loss={loss.name!r} trains toward a distribution: it needs soft_targets")
     b, s, h = _check_3d(hidden, "hidden")
     v = _check_head(lm_head_weight, hidden, "lm_head_weight")
     if tuple(labels.shape) != (b, s):
@@ -549,13 +623,17 @@ def cross_entropy_with_grads(
         return Target(log_probs=soft_targets.log_probs(idx[part], compute))  # [C, V] log p
 
     term = Term(hidden.reshape(b * s, h), lm_head_weight)
+    rows = cross_entropy_rows if soft_targets is None else distribution_rows(loss)
     out, [(g_hidden, g_weight)] = chunked_loss_with_grads(
-        [term], cross_entropy_rows, targets, torch.ones(n, dtype=compute, device=hidden.device),
+        [term], rows, targets, torch.ones(n, dtype=compute, device=hidden.device),
         [(grad_hidden, grad_weight)], index=idx, chunks=chunk_size, scaling=_active(scaling), dtype=compute,
         grad_scale=scale / max(1, n), weight_grads_out=[weight_grad_out],
     )  # fmt: skip
-    loss = out.total / max(1, n)
+    mean = out.total / max(1, n)
+    accept = None
+    if soft_targets is not None:
+        accept = out.stats[0].sum() / max(1, n) if out.stats else mean.new_zeros(())
     g_hidden = g_hidden.view(b, s, h) if g_hidden is not None else None
     if g_weight is not None and weight_grad_out is None:
         g_weight = g_weight.to(lm_head_weight.dtype)
-    return loss, g_hidden, g_weight
+    return mean, g_hidden, g_weight, accept

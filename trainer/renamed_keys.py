@@ -36,7 +36,13 @@ _SIGNALS = {"teacher_signals": "target_signals"}
 log = logging.getLogger(__name__)
 
 RENAMED_KEYS: dict[str, dict[str, str]] = {
-    "trainer.methods.draft_model.kd.KnowledgeDistillation": {**_TARGET, **_DRAFTER, **_LOSS_CHUNK, **_SIGNALS},
+    "trainer.methods.draft_model.kd.KnowledgeDistillation": {
+        **_TARGET,
+        **_DRAFTER,
+        **_LOSS_CHUNK,
+        **_SIGNALS,
+        "divergence": "loss",  # the loss toward a distribution is `loss` in every objective
+    },
     "trainer.methods.draft_model.on_policy.OnPolicyDistillation": {**_TARGET, **_DRAFTER, **_LOSS_CHUNK},
     "trainer.methods.draft_model.pretrain.CausalLMPretraining": {**_LOSS_CHUNK, **_EXPORT_DIR},
     "trainer.methods.medusa.objective.Medusa": {
@@ -80,6 +86,8 @@ RENAMED_VALUES: dict[str, dict[str, dict[str, str]]] = {
     "trainer.methods.dflash.objective.DFlash": {"labels": {"hard": "data"}},
     "trainer.methods.dspark.objective.DSpark": {"labels": {"hard": "data"}},
     "trainer.methods.medusa.objective.Medusa": {"labels": {"target": "argmax"}},
+    # the loss toward a distribution (``loss``, KD's old ``divergence``) has one vocabulary: the forward KL is "kl"
+    "trainer.methods.draft_model.kd.KnowledgeDistillation": {"loss": {"forward_kl": "kl"}},
 }
 """Objective class path -> {``model.init_args`` key: {old value: its new spelling}}."""
 
@@ -166,9 +174,11 @@ _UNKNOWN_OPTION = re.compile(r"Option '(\w+)' is not accepted")
 _UNRECOGNIZED = re.compile(r"unrecognized arguments:(.*)", re.I)
 
 
-def renamed(old_prefix: str, old: str, new: str) -> str:
-    """The message refusing an old key: ``model.init_args.teacher was renamed to model.init_args.target (...)``."""
-    return f"{old_prefix}{old} was renamed to {old_prefix}{new} ({WHY})"
+def renamed(old_prefix: str, old: str, new: str, values: dict[str, str] | None = None) -> str:
+    """The message refusing an old key: ``model.init_args.teacher was renamed to model.init_args.target (...)``, with
+    the values respelled under the new name (:data:`RENAMED_VALUES`) where there are some."""
+    spelled = "".join(f", {a} to {b}" for a, b in (values or {}).items())
+    return f"{old_prefix}{old} was renamed to {old_prefix}{new}{spelled} ({WHY})"
 
 
 def _builds_any(settings: dict[str, Any], unset: dict[str, Any]) -> bool:
@@ -218,7 +228,7 @@ def renamed_key_message(parser_error: str) -> str | None:
             )
         new = RENAMED_KEYS.get(found["cls"], {}).get(found["key"])
         if new is not None:
-            return renamed("model.init_args.", found["key"], new)
+            return renamed("model.init_args.", found["key"], new, RENAMED_VALUES.get(found["cls"], {}).get(new))
     for found in _BAD_LITERAL.finditer(parser_error):
         new = RENAMED_VALUES.get(found["cls"], {}).get(found["key"], {}).get(found["value"])
         if new is not None:

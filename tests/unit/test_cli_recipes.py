@@ -92,9 +92,9 @@ def _fit_error(capsys, args: list[str]) -> str:
 
 def test_a_misspelled_key_is_fits_error(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
-    bad.write_text(Path(KD).read_text().replace("divergence:", "divergense:"))
+    bad.write_text(Path(KD).read_text().replace("    loss: kl", "    losss: kl"))
     fit_err = _fit_error(capsys, ["fit", "--config", str(bad)])
-    with pytest.raises(RecipeError, match="divergense") as err:
+    with pytest.raises(RecipeError, match="losss") as err:
         parse_recipe([str(bad)])
     assert f"error: {err.value}\n" in fit_err  # the very message fit prints
 

@@ -67,7 +67,7 @@ def test_loss_without_dropout_is_the_scaled_exit_cross_entropies(model_dir) -> N
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     assert set(metrics) == {"exit_0", "exit_2", "exit_3"}
     # under ZeRO-3 the exits' logits come whole through the lm_head module: the same loss
-    whole, _, _ = model.net(b["input_ids"], b["labels"], None, [0, 2, 3], [1 / 8, 3 / 8, 4 / 8], whole_logits=True)
+    whole, _, _, _ = model.net(b["input_ids"], b["labels"], None, [0, 2, 3], [1 / 8, 3 / 8, 4 / 8], whole_logits=True)
     torch.testing.assert_close(whole, loss, rtol=1e-5, atol=1e-6)
 
 
@@ -105,7 +105,7 @@ def test_a_declared_output_scaling_applies_to_every_exit_and_to_the_kl(tmp_path)
     # under ZeRO-3 the exits' logits come whole through the lm_head module: the same losses
     target = model.target
     frozen = (target.final_hidden(b["input_ids"]), target.lm_head_weight, b["loss_mask"], target.logit_scaling)
-    whole, _, whole_kl = model.net(b["input_ids"], b["labels"], None, [0, 2, 3], [1 / 8, 3 / 8, 4 / 8],
+    whole, _, whole_kl, _ = model.net(b["input_ids"], b["labels"], None, [0, 2, 3], [1 / 8, 3 / 8, 4 / 8],
                                    whole_logits=True, original=frozen)  # fmt: skip
     torch.testing.assert_close(whole + 0.5 * whole_kl, loss, rtol=1e-5, atol=1e-6)
 

@@ -30,10 +30,11 @@ def make_inputs(seed: int = 0, dtype=torch.float32):
     return student, teacher, mask, labels
 
 
-def reference(student, teacher, mask, labels, divergence, beta=0.5, temperature=1.0, alpha=0.0):
-    """Float64 loop over positions: (loss, kd, ce), the formulas of trainer.losses written out plainly."""
-    t = temperature
-    kd_terms, weights, ce_terms, ce_weights = [], [], [], []
+def reference(student, teacher, mask, labels, loss, beta=0.5, temperature=1.0, alpha=0.0, lk_eta=3.0):
+    """Float64 loop over positions: (loss, kd, ce, acceptance), the formulas of trainer.losses written out plainly
+    (the LK losses without T^2)."""
+    t, divergence = temperature, loss
+    kd_terms, weights, ce_terms, ce_weights, accept = [], [], [], [], []
     for b in range(student.shape[0]):
         for s in range(student.shape[1]):
             w = float(mask[b, s])
@@ -41,7 +42,17 @@ def reference(student, teacher, mask, labels, divergence, beta=0.5, temperature=
                 continue
             q = torch.softmax(student[b, s].double() / t, dim=0)  # [V]
             p = torch.softmax(teacher[b, s].double() / t, dim=0)  # [V]
-            if divergence == "forward_kl" or (divergence == "jsd" and beta == 0):
+            overlap = sum(min(float(p[v]), float(q[v].detach())) for v in range(len(p)))
+            tv = 0.5 * sum(abs(p[v] - q[v]) for v in range(len(p)))  # 1 - overlap, written as the distance
+            accept.append(w * overlap)
+            if divergence == "tv":
+                d = tv / (t * t)
+            elif divergence == "nla":
+                d = -torch.log(1 - tv).clamp(max=-math.log(1e-5)) / (t * t)
+            elif divergence == "lk_hybrid":
+                lam = math.exp(-lk_eta * overlap)
+                d = (lam * (p * (p.log() - q.log())).sum() + (1 - lam) * tv) / (t * t)
+            elif divergence == "kl" or (divergence == "jsd" and beta == 0):
                 d = (p * (p.log() - q.log())).sum()
             elif divergence == "reverse_kl" or (divergence == "jsd" and beta == 1):
                 d = (q * (q.log() - p.log())).sum()
@@ -57,7 +68,7 @@ def reference(student, teacher, mask, labels, divergence, beta=0.5, temperature=
     kd = sum(kd_terms) / sum(weights)
     ce = sum(ce_terms) / sum(ce_weights) if ce_terms else None
     loss = (1 - alpha) * kd + (alpha * ce if alpha > 0 else 0.0)
-    return loss, kd, ce
+    return loss, kd, ce, sum(accept) / sum(weights)
 
 
 def grad_of(fn, x):
@@ -67,12 +78,18 @@ def grad_of(fn, x):
 
 
 CASES = [
-    ("forward_kl", 0.5, 1.0, 0.0),
+    ("kl", 0.5, 1.0, 0.0),
     ("reverse_kl", 0.5, 2.0, 0.0),
     ("jsd", 0.5, 1.0, 0.0),
     ("jsd", 0.2, 1.7, 0.3),
-    ("forward_kl", 0.5, 2.5, 0.4),
+    ("kl", 0.5, 2.5, 0.4),
     ("reverse_kl", 0.5, 0.7, 1.0),
+    ("tv", 0.5, 1.0, 0.0),
+    ("nla", 0.5, 1.0, 0.0),
+    ("lk_hybrid", 0.5, 1.0, 0.0),
+    ("tv", 0.5, 1.6, 0.3),
+    ("nla", 0.5, 0.8, 0.2),
+    ("lk_hybrid", 0.5, 1.4, 0.4),
 ]
 
 
@@ -80,11 +97,12 @@ CASES = [
 @pytest.mark.parametrize("chunk_size", [None, 3])
 def test_kd_loss_matches_float64_reference(divergence, beta, temperature, alpha, chunk_size):
     student, teacher, mask, labels = make_inputs()
-    opts = dict(divergence=divergence, beta=beta, temperature=temperature, alpha=alpha)
-    ref_loss, ref_kd, ref_ce = reference(student, teacher, mask, labels, **opts)
+    opts = dict(loss=divergence, beta=beta, temperature=temperature, alpha=alpha)
+    ref_loss, ref_kd, ref_ce, ref_alpha = reference(student, teacher, mask, labels, **opts)
     out = kd_loss(student, teacher, mask, labels, chunk_size=chunk_size, **opts)
     assert out.loss.dtype == torch.float32
     torch.testing.assert_close(out.loss.double(), ref_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.alpha.double(), torch.tensor(ref_alpha, dtype=torch.float64), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out.kd.double(), ref_kd, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out.ce.double(), ref_ce, rtol=1e-5, atol=1e-6)
 
@@ -96,7 +114,7 @@ def test_kd_loss_matches_float64_reference(divergence, beta, temperature, alpha,
         assert grad[mask].abs().sum(-1).min() > 0
 
 
-@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
+@pytest.mark.parametrize("divergence", ["kl", "reverse_kl", "jsd"])
 def test_chunked_equals_unchunked_float_weights(divergence):
     student, teacher, mask, labels = make_inputs(1)
     weights = mask.float() * torch.linspace(0.5, 2.0, S)  # [B, S] float weights
@@ -104,7 +122,7 @@ def test_chunked_equals_unchunked_float_weights(divergence):
     grads, losses = [], []
     for chunk_size in (None, 1, 2, 4, 1000):
         x = student.clone().requires_grad_(True)
-        out = kd_loss(x, teacher, weights, labels, divergence=divergence, beta=0.3, temperature=1.5, alpha=0.25,
+        out = kd_loss(x, teacher, weights, labels, loss=divergence, beta=0.3, temperature=1.5, alpha=0.25,
                       chunk_size=chunk_size)  # fmt: skip
         out.loss.backward()
         losses.append(out.loss)
@@ -118,36 +136,38 @@ def test_chunked_equals_unchunked_float_weights(divergence):
 def test_jsd_endpoints_are_forward_and_reverse_kl():
     student, teacher, mask, _ = make_inputs(2)
     fwd = kd_loss(student, teacher, mask, temperature=1.3).loss
-    rev = kd_loss(student, teacher, mask, divergence="reverse_kl", temperature=1.3).loss
+    rev = kd_loss(student, teacher, mask, loss="reverse_kl", temperature=1.3).loss
     assert not torch.allclose(fwd, rev)
-    torch.testing.assert_close(kd_loss(student, teacher, mask, divergence="jsd", beta=0.0, temperature=1.3).loss, fwd)
-    torch.testing.assert_close(kd_loss(student, teacher, mask, divergence="jsd", beta=1.0, temperature=1.3).loss, rev)
+    torch.testing.assert_close(kd_loss(student, teacher, mask, loss="jsd", beta=0.0, temperature=1.3).loss, fwd)
+    torch.testing.assert_close(kd_loss(student, teacher, mask, loss="jsd", beta=1.0, temperature=1.3).loss, rev)
     # near the ends the mixture formula vanishes like beta * KL(p||q), so the endpoints are a switch, not a limit
-    near0 = kd_loss(student, teacher, mask, divergence="jsd", beta=1e-4, temperature=1.3).loss
+    near0 = kd_loss(student, teacher, mask, loss="jsd", beta=1e-4, temperature=1.3).loss
     assert near0 < 1e-2 * fwd
 
 
 def test_bf16_logits_are_upcast_per_chunk():
     student, teacher, mask, labels = make_inputs(3, torch.bfloat16)
-    ref = reference(student, teacher, mask, labels, "forward_kl", temperature=2.0, alpha=0.5)[0]  # from bf16 values
+    ref = reference(student, teacher, mask, labels, "kl", temperature=2.0, alpha=0.5)[0]  # from bf16 values
     x = student.clone().requires_grad_(True)
     out = kd_loss(x, teacher, mask, labels, temperature=2.0, alpha=0.5, chunk_size=2)
     out.loss.backward()
     torch.testing.assert_close(out.loss.double(), ref, rtol=1e-5, atol=1e-6)
     assert x.grad.dtype == torch.bfloat16
-    ref_grad = grad_of(lambda y: reference(y, teacher.double(), mask, labels, "forward_kl", 0.5, 2.0, 0.5)[0],
+    ref_grad = grad_of(lambda y: reference(y, teacher.double(), mask, labels, "kl", 0.5, 2.0, 0.5)[0],
                        student.double())  # fmt: skip
     torch.testing.assert_close(x.grad.double(), ref_grad, rtol=2e-2, atol=1e-4)
 
 
-@pytest.mark.parametrize("divergence,alpha", [("forward_kl", 0.0), ("jsd", 0.4), ("reverse_kl", 0.7)])
+@pytest.mark.parametrize(
+    "divergence,alpha", [("kl", 0.0), ("jsd", 0.4), ("reverse_kl", 0.7), ("tv", 0.0), ("nla", 0.2), ("lk_hybrid", 0.4)]
+)
 def test_fused_equals_kd_loss_on_projected_logits(divergence, alpha):
     g = torch.Generator().manual_seed(4)
     _, _, mask, labels = make_inputs(4)
     hs = torch.randn(B, S, H, generator=g, requires_grad=True)
     ws = torch.randn(V, H, generator=g, requires_grad=True)
     ht, wt = torch.randn(B, S, HT, generator=g), torch.randn(V, HT, generator=g)
-    opts = dict(divergence=divergence, beta=0.35, temperature=1.6, alpha=alpha)
+    opts = dict(loss=divergence, beta=0.35, temperature=1.6, alpha=alpha)
 
     ref = kd_loss(hs @ ws.t(), ht @ wt.t(), mask, labels, **opts)
     ref_grads = torch.autograd.grad(ref.loss, [hs, ws])
@@ -157,6 +177,7 @@ def test_fused_equals_kd_loss_on_projected_logits(divergence, alpha):
         torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(out.kd, ref.kd, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(out.ce, ref.ce, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out.alpha, ref.alpha, rtol=1e-5, atol=1e-6)
         for got, want in zip(grads, ref_grads):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
@@ -211,7 +232,7 @@ def test_bf16_head_gradients_match_float64():
     ht, wt = torch.randn(B, S, HT, generator=g), torch.randn(V, HT, generator=g)
     h64, w64 = hidden.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
     fused = fused_kd_loss(hidden, weight, ht, wt, mask, labels, alpha=0.3, chunk_size=4).loss
-    fused_ref = reference(h64 @ w64.t(), (ht @ wt.t()).double(), mask, labels, "forward_kl", alpha=0.3)[0]
+    fused_ref = reference(h64 @ w64.t(), (ht @ wt.t()).double(), mask, labels, "kl", alpha=0.3)[0]
     ce = chunked_cross_entropy(hidden, weight, labels, 4)
     ce_ref = chunked_cross_entropy(h64, w64, labels, None)
     for got, want in ((fused, fused_ref), (ce, ce_ref)):
@@ -271,7 +292,7 @@ def test_sparse_topk_matches_plain_formulas():
 def test_bad_inputs_raise_clear_errors():
     student, teacher, mask, labels = make_inputs(9)
     with pytest.raises(ValueError, match="'kl_forward'"):
-        kd_loss(student, teacher, mask, divergence="kl_forward")
+        kd_loss(student, teacher, mask, loss="kl_forward")
     with pytest.raises(ValueError, match="loss_mask"):
         kd_loss(student, teacher, torch.zeros(B, S, dtype=torch.bool))
     with pytest.raises(ValueError, match="loss_mask"):
@@ -297,19 +318,19 @@ def test_bad_inputs_raise_clear_errors():
 def test_no_grad_path_gives_the_same_values():
     student, teacher, mask, labels = make_inputs(10)
     with torch.no_grad():
-        out = kd_loss(student.requires_grad_(True), teacher, mask, labels, divergence="jsd", alpha=0.5, chunk_size=3)
+        out = kd_loss(student.requires_grad_(True), teacher, mask, labels, loss="jsd", alpha=0.5, chunk_size=3)
     want = reference(student.detach(), teacher, mask, labels, "jsd", alpha=0.5)[0]
     torch.testing.assert_close(out.loss.double(), want, rtol=1e-5, atol=1e-6)
     assert not out.loss.requires_grad
     assert math.isfinite(float(out.kd))
 
 
-@pytest.mark.parametrize("divergence", ["forward_kl", "jsd"])
+@pytest.mark.parametrize("divergence", ["kl", "jsd"])
 def test_teacher_minus_inf_logits_give_finite_loss_and_gradients(divergence):
     student, teacher, mask, _ = make_inputs(11)
     teacher[..., -3:] = float("-inf")  # e.g. padded vocabulary rows the teacher masks out
     x = student.clone().requires_grad_(True)
-    out = kd_loss(x, teacher, mask, divergence=divergence, beta=0.4, chunk_size=3)
+    out = kd_loss(x, teacher, mask, loss=divergence, beta=0.4, chunk_size=3)
     out.loss.backward()
     want, n = 0.0, 0
     for b in range(B):
@@ -319,7 +340,7 @@ def test_teacher_minus_inf_logits_give_finite_loss_and_gradients(divergence):
                 p = torch.softmax(teacher[b, s].double(), 0)
                 q = torch.softmax(student[b, s].double(), 0)
                 live = p > 0
-                if divergence == "forward_kl":
+                if divergence == "kl":
                     want += (p[live] * (p[live] / q[live]).log()).sum()
                 else:
                     m = 0.4 * p + 0.6 * q
@@ -339,10 +360,10 @@ def scaled_by_hand(logits: torch.Tensor, multiplier: float, softcap: float | Non
 
 
 SCALED_CASES = [  # (student (multiplier, softcap) or None, teacher (multiplier, softcap) or None, divergence, alpha)
-    ((2.5, None), None, "forward_kl", 0.0),
+    ((2.5, None), None, "kl", 0.0),
     (None, (1.0, 1.5), "reverse_kl", 0.0),
     ((0.7, 2.0), (0.5, 3.0), "jsd", 0.3),
-    ((1.0, 1.5), (3.0, None), "forward_kl", 0.5),
+    ((1.0, 1.5), (3.0, None), "kl", 0.5),
 ]
 
 
@@ -357,7 +378,7 @@ def test_fused_kd_loss_with_output_scaling_matches_the_scaled_reference(student,
     hs = torch.randn(B, S, H, generator=g, requires_grad=True)
     ws = torch.randn(V, H, generator=g, requires_grad=True)
     ht, wt = torch.randn(B, S, HT, generator=g), torch.randn(V, HT, generator=g)
-    opts = dict(divergence=divergence, beta=0.35, temperature=1.6, alpha=alpha)
+    opts = dict(loss=divergence, beta=0.35, temperature=1.6, alpha=alpha)
     student_scaling = None if student is None else LogitScaling(*student)
     teacher_scaling = None if teacher is None else LogitScaling(*teacher)
     out = fused_kd_loss(hs, ws, ht, wt, mask, labels, chunk_size=chunk_size, student_scaling=student_scaling,
@@ -371,7 +392,7 @@ def test_fused_kd_loss_with_output_scaling_matches_the_scaled_reference(student,
         student_logits = scaled_by_hand(student_logits, *student)
     if teacher is not None:
         teacher_logits = scaled_by_hand(teacher_logits, *teacher)
-    ref_loss, ref_kd, ref_ce = reference(student_logits, teacher_logits, mask, labels, **opts)
+    ref_loss, ref_kd, ref_ce, _ = reference(student_logits, teacher_logits, mask, labels, **opts)
     ref_grads = torch.autograd.grad(ref_loss, [h64, w64])
     torch.testing.assert_close(out.loss.double(), ref_loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out.kd.double(), ref_kd, rtol=1e-5, atol=1e-6)
@@ -402,7 +423,7 @@ def test_chunked_cross_entropy_with_output_scaling_matches_the_scaled_reference(
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
     # the sequential MTP heads' cross entropy, its gradients taken without autograd: float64-exact
-    loss64, g_hidden, g_weight = cross_entropy_with_grads(h64, w64, labels, chunk_size, scale=0.5, scaling=scaling)
+    loss64, g_hidden, g_weight, _ = cross_entropy_with_grads(h64, w64, labels, chunk_size, scale=0.5, scaling=scaling)
     torch.testing.assert_close(loss64, ref.detach())
     torch.testing.assert_close(g_hidden, 0.5 * ref_grads[0])
     torch.testing.assert_close(g_weight, 0.5 * ref_grads[1])
@@ -429,12 +450,13 @@ def test_cross_entropy_with_grads_on_soft_targets_is_the_forward_kl_and_its_grad
     ref = (log_p.exp() * (log_p - log_q)).sum(-1)[kept].mean()
     ref_grads = torch.autograd.grad(ref, [h64, w64])
     teacher = SoftTargets(ht, wt, scaling)
-    loss, g_hidden, g_weight = cross_entropy_with_grads(
+    loss, g_hidden, g_weight, accept = cross_entropy_with_grads(
         h64, w64, labels, chunk_size, scale=0.5, scaling=scaling, soft_targets=teacher
     )
     torch.testing.assert_close(loss, ref.detach())
     torch.testing.assert_close(g_hidden, 0.5 * ref_grads[0])
     torch.testing.assert_close(g_weight, 0.5 * ref_grads[1])
+    torch.testing.assert_close(accept, torch.minimum(log_p.exp(), log_q.exp()).sum(-1)[kept].mean().detach())
     with pytest.raises(ValueError, match="soft_targets.hidden has"):
         cross_entropy_with_grads(h64, w64, labels, soft_targets=SoftTargets(ht[:, :-1], wt))
 

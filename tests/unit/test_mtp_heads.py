@@ -169,13 +169,13 @@ def test_cross_entropy_with_grads_matches_autograd_in_float64_and_without_labels
     weight = torch.randn(13, 6, dtype=torch.float64, generator=g, requires_grad=True)
     labels = torch.randint(0, 13, (2, 7), generator=g)
     labels[1, 2:] = -100
-    loss, g_hidden, g_weight = cross_entropy_with_grads(hidden, weight, labels, chunk_size=3, scale=0.5)
+    loss, g_hidden, g_weight, _ = cross_entropy_with_grads(hidden, weight, labels, chunk_size=3, scale=0.5)
     expected = F.cross_entropy((hidden @ weight.t()).flatten(0, 1), labels.flatten(), ignore_index=-100)
     ref_hidden, ref_weight = torch.autograd.grad(0.5 * expected, (hidden, weight))
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-14, atol=1e-14)
     torch.testing.assert_close(g_hidden, ref_hidden, rtol=1e-13, atol=1e-15)
     torch.testing.assert_close(g_weight, ref_weight, rtol=1e-13, atol=1e-15)
-    loss, g_hidden, g_weight = cross_entropy_with_grads(hidden, weight, torch.full_like(labels, -100))
+    loss, g_hidden, g_weight, _ = cross_entropy_with_grads(hidden, weight, torch.full_like(labels, -100))
     assert float(loss) == 0 and not g_hidden.any() and not g_weight.any()
 
 

@@ -89,7 +89,7 @@ def test_lambda_0_equals_the_kd_objective(teacher_dir):
     kd = KnowledgeDistillation(
         target=teacher_dir,
         drafter_config=STUDENT,
-        divergence="jsd",
+        loss="jsd",
         beta=0.4,
         temperature=1.5,
         loss_chunk_size=7,

@@ -22,7 +22,7 @@ from trainer.cli import main as draftsmith
 from trainer.data import precompute
 from trainer.objective import DraftObjective
 from trainer.recipe import DraftsmithCLI, RecipeError, parse_recipe
-from trainer.renamed_keys import RENAMED_KEYS, RENAMED_PRECOMPUTE_KEYS, RENAMED_VALUES, WHY
+from trainer.renamed_keys import RENAMED_KEYS, RENAMED_PRECOMPUTE_KEYS, RENAMED_VALUES, WHY, renamed
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "recipes"
@@ -70,6 +70,7 @@ def synonyms(name: str) -> str | None:
         (name == "aux_layers", "target hidden_states indices are `target_layers`"),
         (name == "decay", "the loss weight of draft step k is `step_decay ** k` (`optim.decay` is the schedule)"),
         ("model_modules" in name, "modules read from the target's checkpoint: `load_target_modules`"),
+        (name == "divergence", "the loss toward a distribution is `loss` (kl, tv, nla, lk_hybrid...)"),
     ]
     return next((why for bad, why in rules if bad), None)
 
@@ -153,7 +154,7 @@ RENAMES = [(path, old, new) for path, table in sorted(RENAMED_KEYS.items()) for 
 
 @pytest.mark.parametrize("path, old, new", RENAMES, ids=[f"{p.rsplit('.', 1)[-1]}.{o}" for p, o, _ in RENAMES])
 def test_parse_recipe_names_the_new_key_of_an_old_one(path, old, new, tmp_path):
-    expected = f"model.init_args.{old} was renamed to model.init_args.{new} ({WHY})"
+    expected = renamed("model.init_args.", old, new, RENAMED_VALUES.get(path, {}).get(new))
     with pytest.raises(RecipeError) as in_recipe:
         parse_recipe([str(write_recipe(tmp_path, path, {old: 1}))])
     assert str(in_recipe.value) == expected
@@ -189,7 +190,7 @@ def test_a_renamed_value_is_refused_with_its_new_spelling(path, key, old, new, t
 
 def test_the_renamed_label_values():
     """``labels`` has one spelling per meaning: the rows' own tokens are ``data``, the target's argmax ``argmax``."""
-    assert {path.rsplit(".", 1)[-1]: keys["labels"] for path, keys in RENAMED_VALUES.items()} == {
+    assert {path.rsplit(".", 1)[-1]: keys["labels"] for path, keys in RENAMED_VALUES.items() if "labels" in keys} == {
         "Eagle3": {"hard": "argmax"},
         "DFlash": {"hard": "data"},
         "DSpark": {"hard": "data"},  # DFlash's options with DSpark's heads
@@ -252,6 +253,7 @@ RECORDED = {
     "drafter_dtype": ("bfloat16", "float16"),
     "export_dir": ("artifacts/old_export", "artifacts/new_export"),
     "load_target_modules": (True, False),
+    "loss": ("reverse_kl", "jsd"),
     "loss_chunk_size": (77, 5),
     "num_heads": (3, 5),
     "step_decay": (0.5, 0.25),
@@ -283,6 +285,29 @@ def test_a_checkpoint_saved_before_a_key_was_renamed_resumes_under_the_new_name(
     for recorded, expected in (({old: value}, value), ({old: value, new: other}, other)):
         init_args = resumed_model(tmp_path, path, {**base, **recorded}).init_args
         assert old not in init_args and init_args[new] == expected
+
+
+def test_kd_divergence_is_refused_in_one_line_naming_loss_and_its_values(tmp_path, capsys):
+    """KD's ``divergence`` is ``loss`` (the vocabulary of every objective), ``forward_kl`` is ``kl`` there."""
+    kd = "trainer.methods.draft_model.kd.KnowledgeDistillation"
+    expected = (
+        "model.init_args.divergence was renamed to model.init_args.loss, forward_kl to kl "
+        "(recipes use one name per concept; see docs/methods)"
+    )
+    with pytest.raises(RecipeError) as refused:
+        parse_recipe([str(write_recipe(tmp_path, kd, {"divergence": "forward_kl"}))])
+    assert str(refused.value) == expected and "\n" not in str(refused.value)
+    with pytest.raises(SystemExit) as exited:
+        draftsmith(["fit", "--config", str(write_recipe(tmp_path, kd, {"divergence": "jsd"}))])
+    assert exited.value.code == 2 and expected in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("old, new", [("forward_kl", "kl"), ("reverse_kl", "reverse_kl"), ("jsd", "jsd")])
+def test_a_kd_checkpoint_that_recorded_divergence_resumes_with_loss(old, new, tmp_path):
+    """A checkpoint saved before the rename (``divergence: forward_kl``) resumes with ``loss: kl``, its meaning."""
+    kd = "trainer.methods.draft_model.kd.KnowledgeDistillation"
+    init_args = resumed_model(tmp_path, kd, {"target": "x", "divergence": old, "beta": 0.3}).init_args
+    assert "divergence" not in init_args and init_args["loss"] == new and init_args["beta"] == 0.3
 
 
 def test_fit_refuses_an_old_key_with_status_2(tmp_path, capsys):

@@ -187,7 +187,7 @@ def test_layerskip_loss_is_the_exits_loss_plus_the_weighted_kl_to_the_original(m
     # under ZeRO-3 the logits come whole through the lm_head module: the same KL
     target = objective.target
     frozen = (target.final_hidden(b["input_ids"]), target.lm_head_weight, b["loss_mask"], target.logit_scaling)
-    _, _, kl = objective.net(b["input_ids"], b["labels"], None, [0, 2], scales, whole_logits=True, original=frozen)
+    _, _, kl, _ = objective.net(b["input_ids"], b["labels"], None, [0, 2], scales, whole_logits=True, original=frozen)
     torch.testing.assert_close(kl, metrics["target_kl"], rtol=1e-5, atol=1e-7)
     # its gradient: the naive one
     objective.zero_grad(set_to_none=True)
@@ -230,7 +230,7 @@ def test_layerskip_exits_learning_the_original_are_each_scored_by_their_kl_to_it
     # under ZeRO-3 the logits come whole through the lm_head module: the same losses
     target = objective.target
     frozen = (target.final_hidden(b["input_ids"]), target.lm_head_weight, b["loss_mask"], target.logit_scaling)
-    total, losses, _ = objective.net(
+    total, losses, _, _ = objective.net(
         b["input_ids"], b["labels"], None, [0, 1, 2], scales, whole_logits=True, original=frozen, distill=True
     )
     torch.testing.assert_close(torch.stack(losses).double(), torch.stack(kls), rtol=1e-4, atol=1e-7)

@@ -2,15 +2,18 @@
 
 Online (``target_signals: online``): the frozen target runs inside the training step; the drafter (any HF causal
 LM, smaller than the target) learns to match the target's temperature-softened distribution at every trained position
-(forward KL, reverse KL or generalized JSD), optionally mixed with cross entropy on the hard labels. The loss is
+(``loss``: the forward KL, the reverse KL, the generalized JSD, or an LK loss: total variation, negative
+log-acceptance, the hybrid; trainer/losses.py), optionally mixed with cross entropy on the hard labels. The expected
+acceptance ``alpha = sum_v min(p_v, q_v)`` of the drafter under the target is logged as ``alpha_0``. The loss is
 computed in chunks of positions (``trainer.losses``) so that the float32 full-vocabulary logits of both models for the
 whole batch never exist at once.
 
 Offline (``target_signals: shards``): the batches carry the target's top-k ids and log-probabilities written by
 ``draftsmith precompute`` (trainer/data/shard_datamodule.py); only the target's config and tokenizer are loaded, never
 its weights, and the loss is the sparse forward KL (``sparse_kd_loss``) with the tail renormalised or kept as one
-bucket. At setup the shards are checked against this target (fingerprint), the drafter's vocabulary, the tokenizer
-and the temperature; a mismatch is refused. With k equal to the vocabulary it is the online loss.
+bucket, or an LK loss over the stored ids (``alpha_0`` is then the overlap over them, a lower bound). At setup the
+shards are checked against this target (fingerprint), the drafter's vocabulary, the tokenizer and the temperature; a
+mismatch is refused. With k equal to the vocabulary it is the online loss.
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from trainer.activation_memory import PlannedStep, Shape, causal_lm_layers, chunked, frozen_forward, layer_saved
 from trainer.data.vocab import load_tokenizer_if_present, shared_vocab_size
+from trainer.distribution_loss import DEFAULT_ETA, DistributionLoss
 from trainer.errors import RecipeError
 from trainer.export.hf import export_student
 from trainer.logit_scaling import LogitScaling
-from trainer.losses import fused_kd_loss, kd_loss, sparse_kd_loss
+from trainer.losses import KD_LOSSES, SPARSE_LOSSES, fused_kd_loss, kd_loss, sparse_kd_loss
 from trainer.methods.draft_model import kind as hf_causal_lm
 from trainer.objective import DataRequirements, DraftObjective, Optim, TargetSignals, causal_lm_flops_per_token
 from trainer.registry import DrafterRecord
@@ -89,7 +93,8 @@ class KnowledgeDistillation(DraftObjective):
         target: str,
         drafter: str | None = None,
         drafter_config: dict[str, int | float | str | bool] | None = None,
-        divergence: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl",
+        loss: Literal["kl", "reverse_kl", "jsd", "tv", "nla", "lk_hybrid"] = "kl",
+        lk_eta: float = DEFAULT_ETA,
         beta: float = 0.5,
         temperature: float = 1.0,
         alpha: float = 0.0,
@@ -108,11 +113,17 @@ class KnowledgeDistillation(DraftObjective):
             target: the target, an HF causal LM directory or hub id (its tokenizer is expected beside it).
             drafter: a pretrained drafter to start from (directory or hub id); None builds one from drafter_config.
             drafter_config: overrides of the target's config for a fresh drafter, e.g. {num_hidden_layers: 2}.
-            divergence: forward_kl is KL(target || drafter), reverse_kl KL(drafter || target), jsd the generalized
-                Jensen-Shannon divergence with weight beta (TRL's GKD convention: 0 is forward KL, 1 reverse KL).
-            beta: the JSD interpolation weight, used only with divergence=jsd.
-            temperature: softens both distributions; the divergence is multiplied by temperature squared.
-            alpha: weight of the cross entropy on the hard labels; the divergence gets 1 - alpha.
+            loss: the loss toward the target's distribution: kl is KL(target || drafter), reverse_kl KL(drafter ||
+                target), jsd the generalized Jensen-Shannon divergence with weight beta (TRL's GKD convention: 0 is
+                the forward KL, 1 the reverse KL); tv the total variation 1 - alpha, nla the negative log-acceptance
+                -log(alpha), lk_hybrid lambda * KL + (1 - lambda) * TV with lambda = exp(-lk_eta * alpha) (the LK
+                losses, trainer/distribution_loss.py; alpha = sum_v min(p_v, q_v), the expected acceptance). From
+                shards: kl, tv, nla or lk_hybrid.
+            lk_eta: the hybrid's eta (loss=lk_hybrid only), >= 0.
+            beta: the JSD interpolation weight, used only with loss=jsd.
+            temperature: softens both distributions; kl, reverse_kl and jsd are multiplied by temperature squared,
+                the LK losses are taken at that temperature as they are.
+            alpha: weight of the cross entropy on the hard labels; the distillation loss gets 1 - alpha.
             loss_chunk_size: positions per chunk of the loss; each chunk's float32 logits are freed before the next.
             target_dtype: the target's weights dtype (float32, bfloat16, float16).
             drafter_dtype: the drafter's weights dtype (Lightning's precision plugin may still autocast).
@@ -132,9 +143,12 @@ class KnowledgeDistillation(DraftObjective):
             raise RecipeError(f"model.alpha must be in [0, 1], got {alpha}")
         if temperature <= 0:
             raise RecipeError(f"model.temperature must be positive, got {temperature}")
-        if target_signals == "shards" and divergence != "forward_kl":
-            raise RecipeError(f"model.divergence={divergence!r}: target shards hold top-k only, use forward_kl")
-        self.divergence, self.beta, self.temperature, self.alpha = divergence, beta, temperature, alpha
+        self.loss_spec = DistributionLoss.from_options(loss, lk_eta, KD_LOSSES)
+        if target_signals == "shards" and loss not in SPARSE_LOSSES:
+            raise RecipeError(
+                f"model.loss={loss!r}: target shards hold the top-k only, use one of {', '.join(SPARSE_LOSSES)}"
+            )
+        self.beta, self.temperature, self.alpha = beta, temperature, alpha
         self.loss_chunk_size, self.export_dir, self.tail = loss_chunk_size, export_dir, tail
         # in the module tree: ZeRO-3 partitions a large target; from shards only its config (and tokenizer) is read
         frozen = self.load_target(
@@ -160,7 +174,13 @@ class KnowledgeDistillation(DraftObjective):
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         input_ids, labels, loss_mask = batch["input_ids"], batch["labels"], batch["loss_mask"]  # [B, S] each
         V = self.vocab_size
-        options = dict(divergence=self.divergence, beta=self.beta, temperature=self.temperature, alpha=self.alpha)
+        options = dict(
+            loss=self.loss_spec.name,
+            lk_eta=self.loss_spec.eta,
+            beta=self.beta,
+            temperature=self.temperature,
+            alpha=self.alpha,
+        )
         hard_labels = labels if self.alpha > 0 else None
         if self.target_signals == "shards":
             student_logits = self.student(input_ids=input_ids, use_cache=False).logits[..., :V]  # [B, S, V]
@@ -174,6 +194,8 @@ class KnowledgeDistillation(DraftObjective):
                 temperature=self.temperature,
                 alpha=self.alpha,
                 chunk_size=self.loss_chunk_size,
+                loss=self.loss_spec.name,
+                lk_eta=self.loss_spec.eta,
             )
         elif self.weights_are_sharded():
             # FSDP2 / ZeRO-3: the output weight is only a shard outside the forward, so take the logits from the
@@ -200,7 +222,7 @@ class KnowledgeDistillation(DraftObjective):
                 teacher_scaling=self.target.logit_scaling,
                 **options,
             )
-        metrics = {"kd": out.kd.detach()}
+        metrics = {"kd": out.kd.detach(), "alpha_0": out.alpha}
         if out.ce is not None:
             metrics["ce"] = out.ce.detach()
         return out.loss, metrics

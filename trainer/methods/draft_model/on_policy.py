@@ -8,9 +8,12 @@ At every training step a coin with probability ``lmbda`` decides where the step'
 - tails: the data set's own sequences and loss mask (the KD objective's step), or, with ``seq_kd``, continuations the
   target sampled from the same prompts (sequence-level KD).
 
-The loss is the generalized JSD with weight ``beta`` between the target's and the drafter's temperature-softened
-next-token distributions at every trained position (``beta = 0`` is the forward KL, ``beta = 1`` the reverse KL,
-TRL's GKD convention, see trainer/losses.py), computed in chunks by ``fused_kd_loss``.
+The loss (``loss``, the vocabulary of every objective) is by default GKD's generalized JSD with weight ``beta``
+between the target's and the drafter's temperature-softened next-token distributions at every trained position
+(``beta = 0`` is the forward KL, ``beta = 1`` the reverse KL, TRL's GKD convention, see trainer/losses.py), or the
+forward KL, the reverse KL, or an LK loss (``tv``, ``nla``, ``lk_hybrid``: taken at ``temperature`` without its
+square), computed in chunks by ``fused_kd_loss``. The expected acceptance ``sum_v min(p_v, q_v)`` of the drafter
+under the target is logged as ``alpha_0``.
 
 Prompts. ``prompt="prefix"``: the first ``prompt_len`` tokens of every row (text data). ``prompt="chat"``: the tokens
 before the first assistant token of the row (the untrained region that ends where the loss mask first turns on after
@@ -38,10 +41,11 @@ from torch import nn
 from transformers import GenerationConfig, PreTrainedModel
 
 from trainer.activation_memory import PlannedStep
+from trainer.distribution_loss import DEFAULT_ETA, DistributionLoss
 from trainer.errors import RecipeError
 from trainer.export.hf import export_student
 from trainer.logit_scaling import LogitScaling
-from trainer.losses import LossParts, fused_kd_loss
+from trainer.losses import KD_LOSSES, LossParts, fused_kd_loss
 from trainer.methods.draft_model import kind as hf_causal_lm
 from trainer.methods.draft_model.kd import build_drafter, distillation_activation_bytes, drafter_vocab_size
 from trainer.objective import DataRequirements, DraftObjective, Optim, causal_lm_flops_per_token, derived_seed
@@ -141,6 +145,8 @@ class OnPolicyDistillation(DraftObjective):
         drafter: str | None = None,
         drafter_config: dict[str, int | float | str | bool] | None = None,
         lmbda: float = 0.5,
+        loss: Literal["jsd", "kl", "reverse_kl", "tv", "nla", "lk_hybrid"] = "jsd",
+        lk_eta: float = DEFAULT_ETA,
         beta: float = 0.5,
         seq_kd: bool = False,
         temperature: float = 1.0,
@@ -163,9 +169,14 @@ class OnPolicyDistillation(DraftObjective):
             drafter: a pretrained drafter to start from (directory or hub id); None builds one from drafter_config.
             drafter_config: overrides of the target's config for a fresh drafter, e.g. {num_hidden_layers: 2}.
             lmbda: probability that a training step trains on the drafter's own continuations (GKD's lambda).
-            beta: generalized JSD weight (TRL's GKD convention): 0 is the forward KL, 1 the reverse KL.
+            loss: the loss toward the target's distribution: jsd (GKD's generalized JSD with weight beta), kl
+                (KL(target || drafter)), reverse_kl, or an LK loss: tv (total variation), nla (negative
+                log-acceptance), lk_hybrid (trainer/distribution_loss.py).
+            lk_eta: the hybrid's eta (loss=lk_hybrid only), >= 0.
+            beta: generalized JSD weight (TRL's GKD convention): 0 is the forward KL, 1 the reverse KL (loss=jsd).
             seq_kd: on steps that are not on-policy, train on the target's continuations instead of the data set.
-            temperature: softens both distributions in the loss; the divergence is multiplied by temperature squared.
+            temperature: softens both distributions in the loss; jsd, kl and reverse_kl are multiplied by temperature
+                squared, the LK losses are taken at that temperature as they are.
             generation_temperature: sampling temperature of the drafter's (and, with seq_kd, the target's) generation.
             do_sample: sample the continuations (True) or decode them greedily (False).
             max_new_tokens: tokens generated per prompt at most (generation stops earlier at EOS).
@@ -195,6 +206,7 @@ class OnPolicyDistillation(DraftObjective):
                 raise RecipeError(f"model.{name} is out of range: {locals()[name]!r}")
         if prompt not in ("prefix", "chat"):
             raise RecipeError(f"model.prompt must be 'prefix' or 'chat', got {prompt!r}")
+        self.loss_spec = DistributionLoss.from_options(loss, lk_eta, KD_LOSSES)
         self.lmbda, self.beta, self.seq_kd = lmbda, beta, seq_kd
         self.temperature, self.generation_temperature, self.do_sample = temperature, generation_temperature, do_sample
         self.max_new_tokens, self.prompt, self.prompt_len = max_new_tokens, prompt, prompt_len
@@ -265,7 +277,8 @@ class OnPolicyDistillation(DraftObjective):
         return assemble(prompts, lengths, out[:, prompts.shape[1] :], self.eos_id, self.pad_id)
 
     def distill(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> LossParts:
-        """T^2 * generalized JSD(beta) between target and drafter at the positions of loss_mask ([B, S] each)."""
+        """The loss (``loss``; T^2 * generalized JSD(beta) by default) between target and drafter at the positions of
+        loss_mask ([B, S] each), with the acceptance."""
         V = self.vocab_size
         target_hidden = self.target.final_hidden(input_ids)  # [B, S, Ht]
         student_hidden = self.student.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state  # [B, S, H]
@@ -275,7 +288,8 @@ class OnPolicyDistillation(DraftObjective):
             target_hidden,
             self.target.lm_head_weight[:V],  # [V, Ht]
             loss_mask,
-            divergence="jsd",
+            loss=self.loss_spec.name,
+            lk_eta=self.loss_spec.eta,
             beta=self.beta,
             temperature=self.temperature,
             chunk_size=self.loss_chunk_size,
@@ -312,6 +326,7 @@ class OnPolicyDistillation(DraftObjective):
         out = self.distill(input_ids, loss_mask)
         metrics["on_policy"] = torch.tensor(float(source == "student"), device=device)
         metrics["kd"] = out.kd.detach()
+        metrics["alpha_0"] = out.alpha
         return out.loss, metrics
 
     def flops_per_token(self) -> float:

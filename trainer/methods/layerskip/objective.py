@@ -24,7 +24,11 @@ Training (Elhoushi et al. 2024; torchtune's names):
   (docs/benchmarks/layerskip.md).
 - what the exits learn (``labels``): the data's next tokens (cross entropy, the paper's), or the frozen original's
   next-token distribution (``original``: every exit's loss is its ``KL(p_original || q_exit)``, the last layer's
-  included), so that the exits draft what the model predicts and the model's output stays the original's.
+  included), so that the exits draft what the model predicts and the model's output stays the original's; ``loss``
+  replaces that KL by another loss toward the same distribution (``tv``, ``nla``, ``lk_hybrid``:
+  trainer/distribution_loss.py). Every exit compared with the original (each of them with ``labels: original``, the
+  last layer with ``target_kl_weight``) logs its expected acceptance under the original's distribution,
+  ``sum_v min(p_v, q_v)``, as ``alpha_exit_{layer}`` beside ``exit_{layer}``, from the loss's chunked pass.
 
 Pre-training a fresh Llama from a tokenizer (``tokenizer`` with ``target_config`` overrides), or fine-tuning any HF
 Llama-like model in full (``target``). The model is saved as a plain HF checkpoint (drafter kind ``layerskip``: a
@@ -47,11 +51,12 @@ from transformers.masking_utils import create_causal_mask
 from trainer.activation_memory import PlannedStep, causal_lm_layers, chunked, frozen_forward, layer_saved
 from trainer.data.vocab import load_tokenizer_if_present
 from trainer.decoding.session import slice_refusal
+from trainer.distribution_loss import DEFAULT_ETA, LOSSES, DistributionLoss
 from trainer.errors import ModelFolderError, RecipeError
 from trainer.export.hf import export_student
 from trainer.llama import new_llama_config
 from trainer.logit_scaling import LogitScaling
-from trainer.losses import chunked_cross_entropy, fused_kd_loss, kd_loss
+from trainer.losses import KL, LossParts, chunked_cross_entropy, fused_kd_loss, kd_loss
 from trainer.methods.layerskip import kind as layerskip_kind
 from trainer.objective import DataRequirements, DraftObjective, Optim, causal_lm_flops_per_token, derived_seed
 from trainer.registry import DrafterRecord
@@ -140,8 +145,10 @@ class LayerSkipLM(nn.Module):
         whole_logits: bool = False,
         original: tuple[torch.Tensor, torch.Tensor, torch.Tensor, LogitScaling] | None = None,
         distill: bool = False,
-    ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
-        """The scaled sum of the exits' losses, each of them, and the last layer's KL from the original.
+        loss: DistributionLoss = KL,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None, dict[int, torch.Tensor]]:
+        """The scaled sum of the exits' losses, each of them, the last layer's KL from the original, and the
+        acceptance (detached) of every exit compared with the original, by layer.
 
         Every exit's logits are the model's own: through its final norm and lm_head, with the output scaling its
         forward applies after the lm_head (``LogitScaling.from_config(model.config)``).
@@ -152,30 +159,34 @@ class LayerSkipLM(nn.Module):
         positions [B, S] bool and its output scaling (``FrozenTarget.logit_scaling``): the third value is then
         ``KL(p_original || q_model)`` of the model's own output (the last layer's) averaged over those positions,
         else None; distill: every exit's loss is its ``KL(p_original || q_exit)`` over those positions instead of
-        its cross entropy on ``labels`` (needs ``original``)."""
+        its cross entropy on ``labels`` (needs ``original``); loss: with ``distill``, the loss toward the original's
+        distribution (``kl``: the KL above; the last layer's value is then also the third value)."""
         if distill and original is None:
             raise ValueError("distill needs the original's hidden states")
+        if not (distill or loss.is_kl):
+            raise ValueError(f"loss={loss.name!r} trains toward the original's distribution: it needs distill")
         states = self.run_layers(ids, keep, layers[:-1])
         norm, head = self.model.get_decoder().norm, self.model.get_output_embeddings()
         scaling = LogitScaling.from_config(self.model.config)
-        total, losses, kl = 0.0, [], None
+        total, losses, kl, alphas = 0.0, [], None, {}
         for layer, scale in zip(layers, scales):
             normed = norm(states[layer])  # [B, S, H]
             logits = scaling(head(normed).float()) if whole_logits else None  # [B, S, V]
             divergence = None
             if original is not None and (distill or layer == layers[-1]):
-                divergence = self._kl_to_original(normed, logits, head.weight, scaling, original)
+                parts = self._kl_to_original(normed, logits, head.weight, scaling, original, loss)
+                divergence, alphas[layer] = parts.loss, parts.alpha
             if distill:
-                loss = divergence
+                exit_loss = divergence
             elif logits is not None:
-                loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+                exit_loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
             else:
-                loss = chunked_cross_entropy(normed, head.weight, labels, self.chunk_size, scaling=scaling)
+                exit_loss = chunked_cross_entropy(normed, head.weight, labels, self.chunk_size, scaling=scaling)
             if layer == layers[-1]:
                 kl = divergence
-            total = total + scale * loss
-            losses.append(loss)
-        return total, losses, kl
+            total = total + scale * exit_loss
+            losses.append(exit_loss)
+        return total, losses, kl, alphas
 
     def _kl_to_original(
         self,
@@ -184,18 +195,20 @@ class LayerSkipLM(nn.Module):
         weight: torch.Tensor,
         scaling: LogitScaling,
         original: tuple[torch.Tensor, torch.Tensor, torch.Tensor, LogitScaling],
-    ) -> torch.Tensor:
-        """``KL(p_original || q)`` of one exit over the original's positions: from its whole ``logits`` [B, S, V]
-        when given (ZeRO-3), else from its normed hidden states [B, S, H] and the lm_head ``weight``, chunked."""
+        loss: DistributionLoss = KL,
+    ) -> LossParts:
+        """``KL(p_original || q)`` (or ``loss``) of one exit over the original's positions, with its mean acceptance:
+        from its whole ``logits`` [B, S, V] when given (ZeRO-3), else from its normed hidden states [B, S, H] and
+        the lm_head ``weight``, chunked."""
         hidden_o, weight_o, mask_o, scaling_o = original
+        options = dict(chunk_size=self.chunk_size, loss=loss.name, lk_eta=loss.eta)
         if logits is not None:
             with torch.no_grad():
                 reference = scaling_o(hidden_o @ weight_o.t())  # [B, S, V]
-            return kd_loss(logits, reference, mask_o, chunk_size=self.chunk_size).loss
+            return kd_loss(logits, reference, mask_o, **options)
         return fused_kd_loss(
-            normed, weight, hidden_o, weight_o, mask_o,
-            chunk_size=self.chunk_size, student_scaling=scaling, teacher_scaling=scaling_o,
-        ).loss  # fmt: skip
+            normed, weight, hidden_o, weight_o, mask_o, student_scaling=scaling, teacher_scaling=scaling_o, **options
+        )
 
 
 class LayerSkip(DraftObjective):
@@ -215,6 +228,8 @@ class LayerSkip(DraftObjective):
         curriculum_steps: int = 0,
         target_kl_weight: float = 0.0,
         labels: Literal["data", "original"] = "data",
+        loss: Literal["kl", "tv", "nla", "lk_hybrid"] = "kl",
+        lk_eta: float = DEFAULT_ETA,
         loss_chunk_size: int = 256,
         target_dtype: str = "float32",
         export_dir: str | None = None,
@@ -243,6 +258,10 @@ class LayerSkip(DraftObjective):
                 same positions; needs ``target``, and costs what ``target_kl_weight`` does): the exits learn to draft
                 what the model predicts rather than the data, and the model's own output is held to the original's
                 (``target_kl_weight`` then weighs its KL once more).
+            loss: with labels=original, every exit's loss toward the copy's distribution: kl (the forward KL), tv
+                (total variation), nla (negative log-acceptance) or lk_hybrid (trainer/distribution_loss.py; the last
+                layer's value is also what target_kl_weight weighs); labels=data takes the cross entropy and needs kl.
+            lk_eta: the hybrid's eta (loss=lk_hybrid only), >= 0.
             loss_chunk_size: positions per chunk of every exit's logits.
             target_dtype: the model's weights dtype (float32, bfloat16).
             export_dir: where the model (HF checkpoint, tokenizer, layerskip.json) is saved at the end of fit.
@@ -263,6 +282,11 @@ class LayerSkip(DraftObjective):
             )
         if not target_kl_weight >= 0.0:
             raise RecipeError(f"model.target_kl_weight must be >= 0, got {target_kl_weight}")
+        self.loss_spec = DistributionLoss.from_options(loss, lk_eta, LOSSES)
+        if not self.loss_spec.is_kl and labels != "original":
+            raise RecipeError(
+                f"model.loss={loss!r} trains the exits toward the original's distribution: it needs labels: original"
+            )
         if labels == "original" and target is None:
             raise RecipeError(
                 "model.labels=original trains every exit on the distribution of the model it started from: it needs "
@@ -367,8 +391,11 @@ class LayerSkip(DraftObjective):
             mask = batch["loss_mask"].bool()  # [B, S]
             original = (frozen.final_hidden(ids), frozen.lm_head_weight, mask, frozen.logit_scaling)  # [B, S, H]...
         scales = exit_scales(layers, self.exit_scale)
-        total, losses, kl = self.net(ids, labels, keep, layers, scales, whole_logits, original, distill)
+        total, losses, kl, alphas = self.net(
+            ids, labels, keep, layers, scales, whole_logits, original, distill, self.loss_spec
+        )
         metrics = {f"exit_{layer}": loss.detach() for layer, loss in zip(layers, losses)}
+        metrics.update({f"alpha_exit_{layer}": alpha for layer, alpha in alphas.items()})
         if kl is not None:
             total = total + self.target_kl_weight * kl
             metrics["target_kl"] = kl.detach()

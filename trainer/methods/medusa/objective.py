@@ -6,7 +6,9 @@ target's own head predicts t + 1): its labels are the data's tokens (``labels: d
 tokens, its argmax (``labels: argmax``; with regenerated data this is how Medusa is trained in practice), shifted by
 1 + k, under the loss mask of that token; or (``labels: original``) the target's whole next-token distribution at
 t + 1 + k, the frozen target's at stage 1 and the frozen original's with Medusa-2's self-distillation: head k's loss
-is then its forward KL from that distribution over the same positions (the paper's self-distillation of the heads).
+is then its forward KL from that distribution over the same positions (the paper's self-distillation of the heads),
+or another loss toward it (``loss``: ``tv``, ``nla``, ``lk_hybrid``, trainer/distribution_loss.py); head k's expected
+acceptance under that distribution, ``sum_v min(p_v, q_v)``, is logged as ``alpha_{k}`` beside ``loss_{k}``.
 
 - Medusa-1 (``stage: 1``): loss ``sum_k step_decay^k CE_k``; the target is frozen (a FrozenTarget: never in a
   checkpoint), or never built when its final hidden states come from shards (``target_signals: shards``, data
@@ -35,6 +37,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from trainer.activation_memory import PlannedStep, Shape, chunked, frozen_forward, layer_saved
 from trainer.data.vocab import load_tokenizer_if_present
+from trainer.distribution_loss import DEFAULT_ETA, LOSSES, DistributionLoss
 from trainer.errors import RecipeError
 from trainer.logit_scaling import LogitScaling
 from trainer.losses import SoftTargets, chunked_cross_entropy, fused_kd_loss
@@ -93,6 +96,8 @@ class Medusa(DraftObjective):
         stage: Literal[1, 2] = 1,
         step_decay: float = 0.8,
         labels: Literal["data", "argmax", "original"] = "data",
+        loss: Literal["kl", "tv", "nla", "lk_hybrid"] = "kl",
+        lk_eta: float = DEFAULT_ETA,
         heads_coefficient: float = 0.2,
         heads_warmup: Literal["constant", "linear", "sine"] = "linear",
         heads_warmup_steps: int = 0,
@@ -118,6 +123,10 @@ class Medusa(DraftObjective):
             labels: "data" (the rows' tokens), "argmax" (the target's own greedy tokens, its argmax) or "original"
                 (the frozen target's distribution, the forward KL from it; at stage 2 the frozen original's, which
                 needs self_distillation; online target signals only).
+            loss: with labels=original, each head's loss toward that distribution: kl (the forward KL), tv (total
+                variation), nla (negative log-acceptance) or lk_hybrid (trainer/distribution_loss.py); other labels
+                take the cross entropy and need kl.
+            lk_eta: the hybrid's eta (loss=lk_hybrid only), >= 0.
             heads_coefficient: stage 2: the heads' loss weight beside the target's loss.
             heads_warmup: stage 2: how the heads' weight rises over heads_warmup_steps (constant, linear, sine).
             heads_warmup_steps: stage 2: optimizer steps of that warm-up (0: none).
@@ -162,6 +171,12 @@ class Medusa(DraftObjective):
                 "model.labels=original trains the heads on the frozen target's distribution: it needs "
                 "target_signals: online and, at stage 2, self_distillation: true (the frozen original)",
                 hint="use labels: argmax, or set what the message names",
+            )
+        self.loss_spec = DistributionLoss.from_options(loss, lk_eta, LOSSES)
+        if not self.loss_spec.is_kl and labels != "original":
+            raise RecipeError(
+                f"model.loss={loss!r} trains the heads toward the target's distribution: it needs labels: original "
+                f"(labels={labels!r} trains them on tokens, with the cross entropy)"
             )
         self.stage, self.step_decay, self.labels, self.loss_chunk_size = stage, step_decay, labels, loss_chunk_size
         self.heads_coefficient, self.heads_warmup, self.heads_warmup_steps = (
@@ -316,10 +331,13 @@ class Medusa(DraftObjective):
                 loss_k = chunked_cross_entropy(features, heads.lm_heads[k].weight, target_k, self.loss_chunk_size)
             else:  # the frozen target's distribution at t + 1 + k, its prediction of token t + 2 + k
                 later = frozen.later(1 + k)  # hidden [B, S, H]: position t holds the target's t + 1 + k
-                loss_k = fused_kd_loss(
+                out = fused_kd_loss(
                     features, heads.lm_heads[k].weight, later.hidden, later.lm_head_weight, trained,
-                    chunk_size=self.loss_chunk_size, teacher_scaling=later.scaling,
-                ).loss  # fmt: skip
+                    chunk_size=self.loss_chunk_size, teacher_scaling=later.scaling, loss=self.loss_spec.name,
+                    lk_eta=self.loss_spec.eta,
+                )  # fmt: skip
+                loss_k = out.loss
+                metrics[f"alpha_{k}"] = out.alpha  # the head's acceptance under the frozen target, in the same pass
             total = total + weight * loss_k
             metrics[f"loss_{k}"] = loss_k.detach()
             if self._log_accuracy():  # one more projection per head: only at the steps that are logged

@@ -13,7 +13,9 @@ Training loss: ``sum_i w_i * CE_i``, ``CE_i`` the mean cross entropy of head ``i
 ``t + 1 + i`` is a trained label (``labels`` shifted by ``i``, the last ``i`` positions unlabelled). With ``distill``
 (fine-tuning), ``CE_i`` is replaced by head ``i``'s forward KL from a frozen original's next-token distribution at
 ``t + i`` (its prediction of the same token) over the same positions: every head learns what the model it started
-from predicts, not the data's tokens (:func:`head_soft_targets`).
+from predicts, not the data's tokens (:func:`head_soft_targets`); ``loss`` (trainer/distribution_loss.py) replaces
+that KL by another loss toward the same distribution (``tv``, ``nla``, ``lk_hybrid``), and every head's expected
+acceptance under it, ``sum_v min(p_v, q_v)``, is computed in the same chunked pass (:attr:`HeadsOutput.head_alpha`).
 
 Three ways to run the heads' backward (:data:`HEAD_BACKWARDS`), all giving the naive gradients (tested in float64):
 
@@ -60,8 +62,10 @@ from transformers.masking_utils import create_causal_mask
 
 from trainer.chunked_loss import RowLosses, Term, chunked_loss, kl_from_log_probs
 from trainer.decoding.session import slice_refusal
+from trainer.distribution_loss import DistributionLoss
+from trainer.distribution_loss import loss_rows as distribution_loss_rows
 from trainer.logit_scaling import LogitScaling
-from trainer.losses import SoftTargets, cross_entropy_with_grads, fused_kd_loss, kd_loss
+from trainer.losses import KL, SoftTargets, cross_entropy_with_grads, fused_kd_loss, kd_loss
 
 HEAD_BACKWARDS = ("sequential", "checkpoint", "naive")
 IGNORE_INDEX = -100
@@ -111,6 +115,8 @@ class HeadsOutput:
         agreement_count: positions counted in ``agreement`` (per extra head), else None.
         target_kl: ``KL(p_original || q_head0)`` averaged over the original's mask (scalar float32, differentiable in
             training) when ``original`` was given, else None; not part of ``loss``.
+        head_alpha: ``[n]`` with ``distill``, every head's mean expected acceptance ``sum_v min(p_v, q_v)`` under the
+            original's distribution over its labelled positions (detached), else None.
     """
 
     loss: torch.Tensor
@@ -119,6 +125,7 @@ class HeadsOutput:
     agreement: torch.Tensor | None = None
     agreement_count: torch.Tensor | None = None
     target_kl: torch.Tensor | None = None
+    head_alpha: torch.Tensor | None = None
 
 
 @dataclass
@@ -247,6 +254,7 @@ class MTPHeads(nn.Module):
         measure: bool = False,
         original: Original | None = None,
         distill: bool = False,
+        loss: DistributionLoss = KL,
     ) -> HeadsOutput:
         """The heads' loss on a batch (module docstring). Without grad mode (validation) the heads run one at a time,
         their logits a chunk at a time, whatever ``backward`` says.
@@ -262,6 +270,8 @@ class MTPHeads(nn.Module):
             distill: every head's loss is its forward KL from the original's distribution (:func:`head_soft_targets`)
                 over the positions it has a label at, instead of its cross entropy on the labels (needs ``original``);
                 ``target_kl`` is then not computed (head 0's loss is that KL over the labelled positions).
+            loss: with ``distill``, the loss toward the original's distribution (trainer/distribution_loss.py; ``kl``
+                is the forward KL above).
         """
         if backward not in HEAD_BACKWARDS:
             raise ValueError(f"backward={backward!r} is not one of {HEAD_BACKWARDS}")
@@ -273,28 +283,33 @@ class MTPHeads(nn.Module):
             raise ValueError(f"labels {tuple(labels.shape)} and input_ids {tuple(input_ids.shape)} differ in shape")
         if distill and original is None:
             raise ValueError("distill needs the original's hidden states")
+        if not (distill or loss.is_kl):
+            raise ValueError(f"loss={loss.name!r} trains toward the original's distribution: it needs distill")
         z, inputs = self.trunk(input_ids)
         per_head = [head_labels(labels, i) for i in range(n)]
         soft = [head_soft_targets(original, i) if distill else None for i in range(n)]
         params = [p for p in self.parameters() if p.requires_grad]
         if not torch.is_grad_enabled() or not (z.requires_grad or params):
-            out = self._evaluate(z, inputs, per_head, soft, weights, chunk_size, measure)
+            out = self._evaluate(z, inputs, per_head, soft, weights, chunk_size, measure, loss)
             if original is not None and not distill:
                 out.target_kl = self.target_kl(z, inputs, original, "sequential", chunk_size)
             return out
         kl = None if original is None or distill else self.target_kl(z, inputs, original, backward, chunk_size)
         if backward == "sequential":
-            plan = _Plan(self, inputs, per_head, soft, weights, chunk_size)
-            loss, losses = _SequentialHeads.apply(plan, z, *plan.params)
-            return HeadsOutput(loss=loss, head_losses=losses, target_kl=kl)
-        losses = []
+            plan = _Plan(self, inputs, per_head, soft, weights, chunk_size, loss)
+            total, losses, alphas = _SequentialHeads.apply(plan, z, *plan.params)
+            return HeadsOutput(loss=total, head_losses=losses, target_kl=kl, head_alpha=alphas if distill else None)
+        losses, alphas = [], []
         for i in range(n):
             if backward == "checkpoint":
-                losses.append(checkpoint(self._head_loss, i, z, inputs, per_head[i], soft[i], use_reentrant=False))
+                out = checkpoint(self._head_loss, i, z, inputs, per_head[i], soft[i], loss, use_reentrant=False)
             else:
-                losses.append(self._head_loss(i, z, inputs, per_head[i], soft[i]))
-        loss = sum(w * loss_i for w, loss_i in zip(weights, losses))
-        return HeadsOutput(loss=loss, head_losses=torch.stack([x.detach() for x in losses]), target_kl=kl)
+                out = self._head_loss(i, z, inputs, per_head[i], soft[i], loss)
+            losses.append(out[0])
+            alphas.append(out[1].detach())
+        total = sum(w * loss_i for w, loss_i in zip(weights, losses))
+        return HeadsOutput(loss=total, head_losses=torch.stack([x.detach() for x in losses]), target_kl=kl,
+                           head_alpha=torch.stack(alphas) if distill else None)  # fmt: skip
 
     def target_kl(
         self, z: torch.Tensor, inputs: HeadInputs, original: Original, backward: str, chunk_size: int | None
@@ -323,19 +338,28 @@ class MTPHeads(nn.Module):
         return kd_loss(logits, reference, original.mask, chunk_size=chunk_size).loss
 
     def _head_loss(
-        self, i: int, z: torch.Tensor, inputs: HeadInputs, labels: torch.Tensor, soft: SoftTargets | None
-    ) -> torch.Tensor:
-        """Mean cross entropy of head ``i`` from its full logits, widened to float32, or with ``soft`` its mean KL from
-        their distribution over the labelled positions (0 when it has no label)."""
+        self,
+        i: int,
+        z: torch.Tensor,
+        inputs: HeadInputs,
+        labels: torch.Tensor,
+        soft: SoftTargets | None,
+        loss: DistributionLoss = KL,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean cross entropy of head ``i`` from its full logits, widened to float32, or with ``soft`` its mean
+        ``loss`` toward their distribution over the labelled positions (0 when it has no label); and with ``soft`` the
+        mean acceptance there (detached; else 0)."""
         logits = self.head_logits(i, z, inputs)  # [B, S, V]
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         labelled = labels != IGNORE_INDEX  # [B, S]
+        none = logits.new_zeros(())
         if soft is not None:
             if not bool(labelled.any()):
-                return logits.sum() * 0.0
-            return kd_loss(logits, soft.logits(), labelled).loss  # soft.logits(): [B, S, V]
+                return logits.sum() * 0.0, none
+            out = kd_loss(logits, soft.logits(), labelled, loss=loss.name, lk_eta=loss.eta)  # soft.logits(): [B, S, V]
+            return out.loss, out.alpha.to(none.dtype)
         total = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-        return total / max(1, int(labelled.sum()))
+        return total / max(1, int(labelled.sum())), none
 
     @torch.no_grad()
     def _evaluate(
@@ -347,15 +371,18 @@ class MTPHeads(nn.Module):
         weights: list[float],
         chunk_size: int | None,
         measure: bool,
+        loss: DistributionLoss = KL,
     ) -> HeadsOutput:
         """Every head's loss (and accuracies), one head and one chunk of logits at a time, without gradients: the cross
-        entropy on its labels, or its KL from ``soft[i]`` where given (the accuracies are against the labels)."""
+        entropy on its labels, or its ``loss`` toward ``soft[i]`` where given, with its acceptance (the accuracies are
+        against the labels)."""
         n, top_k = self.num_heads, self.agreement.shape[1]
         weight = self.model.lm_head.weight  # [V, H]
         norm = self.model.get_decoder().norm
         compute = torch.promote_types(z.dtype, torch.float32)
         losses = torch.zeros(n, dtype=compute, device=z.device)
         accuracy = torch.zeros(n, dtype=torch.float32, device=z.device)
+        alphas = torch.zeros(n, dtype=compute, device=z.device)
         agreement = torch.zeros(max(0, n - 1), top_k, dtype=torch.float64, device=z.device)
         counts = torch.zeros(max(0, n - 1), dtype=torch.float64, device=z.device)
         argmax0 = None
@@ -370,7 +397,9 @@ class MTPHeads(nn.Module):
             if i == 0 and measure:
                 wanted = torch.ones_like(wanted)  # head 0's argmax everywhere: the extra heads' references
             rows = torch.nonzero(wanted).squeeze(-1)  # [N]
-            targets = _EvalTargets(rows, labels[rows], None if reference is None else reference[rows], soft[i], compute)
+            targets = _EvalTargets(
+                rows, labels[rows], None if reference is None else reference[rows], soft[i], compute, loss
+            )
             out = chunked_loss(
                 [Term(normed, weight)], _evaluation_rows, targets, (labels[rows] != IGNORE_INDEX).to(compute),
                 chunks=chunk_size, index=rows, scaling=self.scaling, dtype=compute,
@@ -379,8 +408,10 @@ class MTPHeads(nn.Module):
                 argmax0 = torch.full_like(labels, IGNORE_INDEX)  # [B*S]
             if not out.stats:  # no row to score
                 continue
-            guess, hits, ranks = out.stats  # [N] each: the argmax, right (labelled rows), rank of the reference (or -1)
+            guess, hits, ranks, accept = out.stats  # [N] each: the argmax, right (labelled rows), rank of the
+            # reference (or -1), acceptance under soft[i] (0 without)
             count = int((labels[rows] != IGNORE_INDEX).sum())
+            alphas[i] = accept.sum() / max(1, count)
             if i == 0:
                 argmax0.index_copy_(0, rows, guess)
             losses[i] = out.total / max(1, count)
@@ -389,11 +420,12 @@ class MTPHeads(nn.Module):
                 ranked = ranks[ranks >= 0]
                 agreement[i - 1] += torch.bincount(ranked[ranked < top_k], minlength=top_k).double()
                 counts[i - 1] += ranked.numel()
-        loss = sum(w * losses[i] for i, w in enumerate(weights))
+        total = sum(w * losses[i] for i, w in enumerate(weights))
+        head_alpha = alphas if soft and soft[0] is not None else None
         if not measure:
-            return HeadsOutput(loss=loss, head_losses=losses)
-        return HeadsOutput(loss=loss, head_losses=losses, head_accuracy=accuracy, agreement=agreement,
-                           agreement_count=counts)  # fmt: skip
+            return HeadsOutput(loss=total, head_losses=losses, head_alpha=head_alpha)
+        return HeadsOutput(loss=total, head_losses=losses, head_accuracy=accuracy, agreement=agreement,
+                           agreement_count=counts, head_alpha=head_alpha)  # fmt: skip
 
     # ---- drafting ----------------------------------------------------------------------------------------------------
     def new_caches(self) -> list[DynamicCache]:
@@ -435,39 +467,48 @@ class _EvalTargets:
     reference: torch.Tensor | None  # [N] head 0's argmax at t + i (-100: none), or None: no agreement measured
     soft: SoftTargets | None  # the original's distribution in place of the labels' tokens, or None
     dtype: torch.dtype  # the compute dtype
+    loss: DistributionLoss = KL  # the loss toward ``soft``
 
-    def __call__(self, part: slice) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """A chunk's labels [C], references [C] (or None) and, with soft targets, the original's log-probabilities
-        [c, V] on its labelled rows."""
+    def __call__(self, part: slice) -> tuple:
+        """A chunk's labels [C], references [C] (or None), with soft targets the original's log-probabilities [c, V]
+        on its labelled rows (else None), and the loss toward them."""
         labels = self.labels[part]
         reference = None if self.reference is None else self.reference[part]
         if self.soft is None:
-            return labels, reference, None
-        return labels, reference, self.soft.log_probs(self.rows[part][labels != IGNORE_INDEX], self.dtype)
+            return labels, reference, None, self.loss
+        lp = self.soft.log_probs(self.rows[part][labels != IGNORE_INDEX], self.dtype)  # [c, V]
+        return labels, reference, lp, self.loss
 
 
 def _evaluation_rows(logits: torch.Tensor, target: tuple, need_grad: bool) -> RowLosses:
-    """Per row of an evaluated head: the cross entropy of its label (or its KL from the original's distribution; 0
-    where unlabelled) and, as statistics, its argmax, whether that is the label, and the rank of head 0's token
-    (-1 where none). logits: [C, V]; target: :meth:`_EvalTargets.__call__`'s."""
-    labels, reference, teacher = target
+    """Per row of an evaluated head: the cross entropy of its label (or its loss toward the original's distribution;
+    0 where unlabelled) and, as statistics, its argmax, whether that is the label, the rank of head 0's token (-1
+    where none) and its acceptance under the original's distribution (0 without one). logits: [C, V]; target:
+    :meth:`_EvalTargets.__call__`'s."""
+    labels, reference, teacher, spec = target
     valid = labels != IGNORE_INDEX  # [C]
     guess = logits.argmax(-1)  # [C]
     loss = logits.new_zeros(labels.shape[0])  # [C]
+    accept = logits.new_zeros(labels.shape[0])  # [C]
     if bool(valid.any()):
         scored = logits[valid]  # [c, V]
         lse = torch.logsumexp(scored, dim=-1)  # [c]
         if teacher is None:
             loss[valid] = lse - scored.gather(-1, labels[valid][:, None])[:, 0]
         else:
-            loss[valid] = kl_from_log_probs(teacher, scored - lse[:, None])
+            lq = scored - lse[:, None]  # [c, V]
+            if spec.is_kl:
+                loss[valid] = kl_from_log_probs(teacher, lq)
+            else:
+                loss[valid] = distribution_loss_rows(scored, teacher.exp(), spec, want_kl=False)[0]
+            accept[valid] = torch.minimum(lq.exp(), teacher.exp()).sum(-1)
     ranks = torch.full_like(labels, -1)  # [C]
     if reference is not None:
         ok = reference != IGNORE_INDEX  # [C]
         if bool(ok.any()):
             ref_logit = logits[ok].gather(-1, reference[ok][:, None])  # [c, 1]
             ranks[ok] = (logits[ok] > ref_logit).sum(-1)  # [c]: the rank of head 0's token in head i
-    return RowLosses(loss, None, (guess, (guess == labels) & valid, ranks))
+    return RowLosses(loss, None, (guess, (guess == labels) & valid, ranks, accept))
 
 
 class _Plan:
@@ -481,8 +522,10 @@ class _Plan:
         soft_targets: list[SoftTargets | None],
         weights: list[float],
         chunk_size: int | None,
+        loss: DistributionLoss = KL,
     ) -> None:
         self.inputs, self.labels, self.weights, self.chunk_size = inputs, labels, weights, chunk_size
+        self.loss = loss
         self.soft_targets = soft_targets
         self.modules = [heads.head(i) for i in range(heads.num_heads)]
         self.norm = heads.model.get_decoder().norm
@@ -517,7 +560,7 @@ class _SequentialHeads(torch.autograd.Function):
         if needs[u]:  # summed over the heads in the logits' compute dtype (float32 for half-precision weights)
             g_params[u] = torch.zeros_like(params[u], dtype=torch.promote_types(params[u].dtype, torch.float32))
         norm_leaves = {name: leaves[s] for name, s in plan.norm_slots.items()}
-        losses = []
+        losses, alphas = [], []
         for i, module in enumerate(plan.modules):
             # the head and the norm run with autograd on the leaves; the logits' part is taken chunk by chunk
             slots = [s for s in plan.head_slots[i].values() if needs[s] and s != u]
@@ -528,10 +571,11 @@ class _SequentialHeads(torch.autograd.Function):
                 hidden = functional_call(module, head_leaves, (z_leaf,), plan.inputs.kwargs())  # [B, S, H]
                 normed = functional_call(plan.norm, norm_leaves, (hidden,))  # [B, S, H]
             # g_normed [B, S, H]; the lm_head's gradient added to g_params[u]
-            loss, g_normed, _ = cross_entropy_with_grads(
+            loss, g_normed, _, alpha = cross_entropy_with_grads(
                 normed, leaves[u], plan.labels[i], plan.chunk_size, bool(wrt), needs[u], plan.weights[i], g_params[u],
-                scaling=plan.scaling, soft_targets=plan.soft_targets[i],
+                scaling=plan.scaling, soft_targets=plan.soft_targets[i], loss=plan.loss,
             )  # fmt: skip
+            alphas.append(loss.new_zeros(()) if alpha is None else alpha.to(loss.dtype))
             if wrt:
                 grads = torch.autograd.grad(normed, wrt, grad_outputs=g_normed)
                 if need_z:
@@ -544,13 +588,13 @@ class _SequentialHeads(torch.autograd.Function):
         if needs[u]:
             g_params[u] = g_params[u].to(params[u].dtype)
         ctx.grads = (g_z, g_params)
-        losses = torch.stack(losses)  # [n]
+        losses, alphas = torch.stack(losses), torch.stack(alphas)  # [n] each
         total = sum(w * losses[i] for i, w in enumerate(plan.weights))
-        ctx.mark_non_differentiable(losses)
-        return total, losses
+        ctx.mark_non_differentiable(losses, alphas)
+        return total, losses, alphas
 
     @staticmethod
-    def backward(ctx, grad_total, _grad_losses):
+    def backward(ctx, grad_total, _grad_losses, _grad_alphas):
         # scaled in place and handed over (no copy: the optimizer's gradients may take these very tensors)
         g_z, g_params = ctx.grads
         ctx.grads = None

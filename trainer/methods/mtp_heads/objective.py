@@ -31,7 +31,10 @@ fine-tune drifts towards repeating itself (docs/benchmarks/mtp-heads.md).
 What the heads learn (``labels``): the data's tokens (cross entropy, the paper's), or the frozen original's
 distribution (``original``: head i's loss at position t is its forward KL from the original's next-token distribution
 at t + i, head 0's included, which then also carries ``target_kl_weight``), so that no head pulls the shared trunk
-towards the data where the original predicts otherwise.
+towards the data where the original predicts otherwise. With ``labels: original``, ``loss`` is the loss toward that
+distribution (``kl``, the forward KL; ``tv``, ``nla``, ``lk_hybrid``: trainer/distribution_loss.py), and every
+head's expected acceptance under it, ``sum_v min(p_v, q_v)``, is logged as ``alpha_head{i}`` beside
+``loss_head{i}`` (computed in the same chunked pass as the loss).
 
 Validation also measures every head's accuracy (``val/acc_head{i}``) and how often extra head i's top-k tokens hold
 head 0's argmax i positions later (``val/agree_head{i}``, top 1): the last measurement is kept in the module and
@@ -52,6 +55,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, 
 
 from trainer.activation_memory import PlannedStep, causal_lm_layers, chunked, frozen_forward, layer_saved
 from trainer.data.vocab import load_tokenizer_if_present
+from trainer.distribution_loss import DEFAULT_ETA, LOSSES, DistributionLoss
 from trainer.errors import RecipeError
 from trainer.llama import new_llama_config
 from trainer.methods.mtp_heads import export as mtp_export
@@ -112,6 +116,8 @@ class ParallelMTPHeads(DraftObjective):
         heads_lr_multiplier: float = 1.0,
         target_kl_weight: float = 0.0,
         labels: Literal["data", "original"] = "data",
+        loss: Literal["kl", "tv", "nla", "lk_hybrid"] = "kl",
+        lk_eta: float = DEFAULT_ETA,
         loss_chunk_size: int = 256,
         target_dtype: str = "float32",
         export_dir: str | None = None,
@@ -144,6 +150,11 @@ class ParallelMTPHeads(DraftObjective):
                 the copy's distribution at t + i, over the positions with a label), so that the heads draft what the
                 model predicts rather than the data, and the model's own output is held to the original's. Needs
                 ``target``; the frozen copy costs what ``target_kl_weight`` costs.
+            loss: with labels=original, every head's loss toward the copy's distribution: kl (the forward KL), tv
+                (total variation), nla (negative log-acceptance) or lk_hybrid (trainer/distribution_loss.py);
+                labels=data takes the cross entropy and needs kl. target_kl_weight then adds to head 0's weight on
+                this loss.
+            lk_eta: the hybrid's eta (loss=lk_hybrid only), >= 0.
             loss_chunk_size: positions per chunk of a head's logits.
             target_dtype: the weights' dtype (float32, bfloat16, float16, float64).
             export_dir: where the model (HF checkpoint and tokenizer) and its heads are written at the end of fit.
@@ -173,6 +184,11 @@ class ParallelMTPHeads(DraftObjective):
             )
         if labels not in ("data", "original"):
             raise RecipeError(f"model.labels={labels!r} is not 'data' or 'original'")
+        self.loss_spec = DistributionLoss.from_options(loss, lk_eta, LOSSES)
+        if not self.loss_spec.is_kl and labels != "original":
+            raise RecipeError(
+                f"model.loss={loss!r} trains the heads toward the original's distribution: it needs labels: original"
+            )
         if labels == "original" and target is None:
             raise RecipeError(
                 "model.labels=original trains every head on the distribution of the model it started from: it needs "
@@ -252,9 +268,12 @@ class ParallelMTPHeads(DraftObjective):
             measure=measure,
             original=self.original(batch),
             distill=distill,
+            loss=self.loss_spec,
         )
         metrics = {f"loss_head{i}": out.head_losses[i].float() for i in range(self.mtp.num_heads)}
         loss = out.loss.float()
+        if out.head_alpha is not None:  # the heads' acceptance under the original, from the loss's chunked pass
+            metrics.update({f"alpha_head{i}": out.head_alpha[i].float() for i in range(self.mtp.num_heads)})
         if distill and self.target_kl_weight > 0:
             metrics["target_kl"] = out.head_losses[0].float()
         if out.target_kl is not None:
