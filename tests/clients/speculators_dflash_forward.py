@@ -3,7 +3,7 @@
 Runs inside the client virtualenv (speculators pins its own transformers, which the project's venv cannot share):
 
     python speculators_dflash_forward.py make VERIFIER OUT [--layers N] [--block-size B] [--aux 1,3] [--mask ID]
-        [--sliding-window W] [--full-attention-indices 0,2] [--non-causal] [--dspark RANK]
+        [--sliding-window W] [--full-attention-indices 0,2] [--non-causal] [--dspark RANK] [--xpress RANK]
     python speculators_dflash_forward.py forward EXPORT FEATURES OUT [--attn eager|sdpa]
 
 ``make`` builds the drafter the way ``speculators train`` does by default (speculators/train/cli.py:
@@ -11,7 +11,8 @@ Runs inside the client virtualenv (speculators pins its own transformers, which 
 ``sliding_attention`` unless listed, then ``DFlashDraftModel.from_training_args``, which reads the verifier's config
 and weights), draws non-trivial weights (norms included) with a fixed seed, and writes it with ``save_pretrained``;
 ``--dspark RANK`` builds ``DSparkDraftModel`` instead (a vanilla Markov head of rank RANK, the confidence head reading
-it, ``sample_from_anchor`` false), its heads' weights drawn too.
+it, ``sample_from_anchor`` false), its heads' weights drawn too; ``--xpress RANK`` builds ``XPressDraftModel`` (a
+causal refiner of rank RANK, its weights drawn too, ``mix_l`` included).
 
 ``forward`` loads EXPORT with ``SpeculatorModel.from_pretrained`` (the embedding and lm_head from the verifier it
 names), checks that every tensor the forward uses came from the file or the verifier (none NaN), and runs
@@ -20,7 +21,10 @@ under ``create_anchor_block_mask_mod``) with the anchors of FEATURES instead of 
 
 A DSpark export (``speculators_model_type: "dspark"``) runs ``DSparkDraftModel.forward`` itself, with speculators'
 ``compute_metrics`` replaced by a capture of what it is given: the Markov-biased logits and the confidence logits
-(``confidence`` [1, N * b] in OUT).
+(``confidence`` [1, N * b] in OUT). An XPress export (``"xpress"``) runs ``XPressDraftModel.forward`` the same way:
+OUT holds the teacher-forced refined logits (``logits``), the free-running rounds' (``rounds`` [passes, N * b, V], at
+its default 3 rounds) and the backbone's own (``base``); the refiner's ``causal_tril``, which speculators' loader
+leaves uninitialised (it is not saved), is rebuilt first (``causal_tril_as_loaded`` in the report).
 
 ``make --dflash2 RANK`` builds ``DFlash2DraftModel`` (speculators' default convolutions, a selector of rank RANK,
 ``sliding_window_non_causal`` its default, true), its convolutions and selector drawn too; ``forward`` of a DFlash2
@@ -56,6 +60,7 @@ def make(args: argparse.Namespace) -> int:
         return make_dflash2(args)
     from speculators.models.dflash import DFlashDraftModel
     from speculators.models.dspark import DSparkDraftModel
+    from speculators.models.xpress import XPressDraftModel
     from speculators.train.cli import create_transformer_layer_config
 
     layer_config = create_transformer_layer_config(
@@ -67,7 +72,10 @@ def make(args: argparse.Namespace) -> int:
             markov_rank=args.dspark, markov_head_type="vanilla", enable_confidence_head=True,
             confidence_head_with_markov=True, sample_from_anchor=False,
         )  # fmt: skip
-    model = (DSparkDraftModel if args.dspark else DFlashDraftModel).from_training_args(
+    if args.xpress:
+        heads = dict(xpress_rank=args.xpress)
+    cls = DSparkDraftModel if args.dspark else XPressDraftModel if args.xpress else DFlashDraftModel
+    model = cls.from_training_args(
         verifier_config=layer_config,
         draft_vocab_size=layer_config.vocab_size,
         block_size=args.block_size,
@@ -80,7 +88,9 @@ def make(args: argparse.Namespace) -> int:
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.startswith(("layers.", "fc.", "hidden_norm.", "norm.", "markov_head.", "confidence_head.")):
+            if name.startswith(
+                ("layers.", "fc.", "hidden_norm.", "norm.", "markov_head.", "confidence_head.", "refiner_head.")
+            ):
                 mean = 1.0 if p.ndim == 1 else 0.0
                 p.copy_(mean + 0.1 * torch.randn(p.shape, generator=generator))
     model.save_pretrained(args.out)
@@ -149,6 +159,8 @@ def forward(args: argparse.Namespace) -> int:
         return dflash2_forward(model, hidden, ids, N, args.out, report)
     if config.speculators_model_type == "dspark":
         return dspark_forward(model, hidden, ids, N, args.out, report)
+    if config.speculators_model_type == "xpress":
+        return xpress_forward(model, hidden, ids, N, args.out, report)
     with torch.no_grad():
         out, logits, *_ = model._backbone_forward(
             hidden.to(model.fc.weight.dtype),
@@ -184,6 +196,42 @@ def dspark_forward(model, hidden: torch.Tensor, ids: torch.Tensor, N: int, out: 
     T = ids.shape[1]
     report["markov"] = None if model.markov_head is None else model.markov_head.head_type
     report["confidence_head"] = model.confidence_head is not None
+    report["sample_from_anchor"] = model.config.sample_from_anchor
+    with torch.no_grad():
+        try:
+            model.forward(
+                hidden.to(model.fc.weight.dtype),
+                ids,
+                torch.ones(1, T, dtype=torch.long),
+                torch.zeros(1, T, model.hidden_size, dtype=model.fc.weight.dtype),  # the loss's targets only
+                torch.zeros(1, T, dtype=torch.long),  # one document
+                max_anchors=N,
+            )
+        except Captured:
+            pass
+    save_file({k: v.float().contiguous() for k, v in seen.items()}, out)
+    print(json.dumps(report))
+    return 0
+
+
+def xpress_forward(model, hidden: torch.Tensor, ids: torch.Tensor, N: int, out: str, report: dict) -> int:
+    """``XPressDraftModel.forward`` on the fixed anchors; its teacher-forced, free-running and base logits to OUT."""
+    import speculators.models.xpress.core as xpress_core
+
+    seen: dict[str, torch.Tensor] = {}
+
+    def capture(logits_tf, round_logits, base_logits, *rest, **kwargs):
+        seen.update(logits=logits_tf, rounds=torch.cat(round_logits), base=base_logits)
+        raise Captured
+
+    xpress_core.compute_metrics = capture
+    T = ids.shape[1]
+    report["xpress_rank"] = model.refiner_head.rank
+    # speculators 0.9's from_pretrained leaves the head's causal_tril (a buffer not saved) uninitialised memory, which
+    # its forward multiplies into the mixer: reported, then built as its __init__ builds it
+    tril = torch.tril(torch.ones_like(model.refiner_head.causal_tril))
+    report["causal_tril_as_loaded"] = bool(torch.equal(model.refiner_head.causal_tril, tril))
+    model.refiner_head.causal_tril.copy_(tril)
     report["sample_from_anchor"] = model.config.sample_from_anchor
     with torch.no_grad():
         try:
@@ -251,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--non-causal", action="store_true")
     m.add_argument("--dspark", type=int, default=0)  # a DSparkDraftModel with a Markov head of this rank
     m.add_argument("--dflash2", type=int, default=0)  # a DFlash2DraftModel with a selector of this rank
+    m.add_argument("--xpress", type=int, default=0)  # an XPressDraftModel with a refiner of this rank
     f = sub.add_parser("forward")
     f.add_argument("export")
     f.add_argument("features")
