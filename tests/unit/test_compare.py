@@ -42,7 +42,7 @@ methods:
 """
 
 
-@pytest.mark.parametrize("name, methods", [("tiny", 13), ("llama31_8b", 8)])
+@pytest.mark.parametrize("name, methods", [("tiny", 16), ("llama31_8b", 8)])
 def test_the_compare_recipes_read_with_every_fit_argument_known(name, methods):
     path = str(ROOT / "recipes" / "compare" / f"{name}.yaml")
     config = read_config(path)
