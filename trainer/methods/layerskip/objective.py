@@ -420,7 +420,8 @@ class LayerSkip(DraftObjective):
         n, a = step.tokens, step.element
         t, layers = causal_lm_layers(self.model)
         kl = frozen_forward(t, n, step.target_element) if self.target_kl_weight else 0
-        return layers * layer_saved(t, n, a) + kl + chunked(step.chunk, n, t.vocab_size, copies=6 if kl else 3)
+        copies = 6 if kl or not self.loss_spec.is_kl else 3  # an LK loss takes its gradient by autograd on the chunk
+        return layers * layer_saved(t, n, a) + kl + chunked(step.chunk, n, t.vocab_size, copies=copies)
 
     def speculative_eval_target(self) -> PreTrainedModel:
         return self.model  # it drafts for itself

@@ -328,7 +328,8 @@ class ParallelMTPHeads(DraftObjective):
         trunk = layers * layer_saved(t, n, a) if self.train_mode == "all" else frozen_forward(t, n, a_t)
         kl = frozen_forward(t, n, a_t) if self.target_kl_weight else 0
         heads = self.mtp.num_heads * n * t.hidden_size * a
-        return trunk + layer_saved(t, n, a) + heads + kl + chunked(step.chunk, n, t.vocab_size)
+        copies = 3 if self.loss_spec.is_kl else 6  # an LK loss takes its gradient by autograd on the chunk
+        return trunk + layer_saved(t, n, a) + heads + kl + chunked(step.chunk, n, t.vocab_size, copies=copies)
 
     # ---- what was trained --------------------------------------------------------------------------------------------
     def drafter_record(self) -> DrafterRecord:
