@@ -6,6 +6,12 @@ distributions). Greedy verification accepts a draft only when it is the target's
 ``argmax_weight`` mixes in the cross entropy on that token: ``(1 - w) * soft + w * CE(argmax)``, the cross entropy
 against the labels ``(1 - w) * probs + w * onehot(argmax)`` (:func:`mix_argmax`). w = 0 is the soft labels alone,
 w = 1 the argmax alone; the figures of each are in docs/benchmarks/eagle3.md.
+
+``model.loss`` (trainer/distribution_loss.py) picks the per-position loss: ``kl`` is the cross entropy above, unchanged;
+``tv``, ``nla`` and ``lk_hybrid`` train toward the target's own probabilities over the draft vocabulary, *not*
+renormalised, so that the mass of target tokens outside the draft vocabulary counts as rejected, as verification
+rejects them (the KL part of ``lk_hybrid`` renormalises, as ``kl`` does). ``argmax_weight`` mixes the argmax into the
+KL's labels only, so it is refused with a loss other than ``kl`` (:func:`check_loss`).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import math
 
 import torch
 
+from trainer.distribution_loss import DistributionLoss
 from trainer.errors import RecipeError
 
 
@@ -41,3 +48,16 @@ def mix_argmax(probs: torch.Tensor, argmax_weight: float) -> torch.Tensor:
     top = probs.max(-1, keepdim=True).indices  # [..., 1]
     mixed = probs * (1.0 - argmax_weight)  # [..., Vd]
     return mixed.scatter_add_(-1, top, torch.full_like(top, argmax_weight, dtype=mixed.dtype))
+
+
+def check_loss(loss: str, lk_eta: float, argmax_weight: float) -> DistributionLoss:
+    """``model.loss`` and ``model.lk_eta`` (:meth:`~trainer.distribution_loss.DistributionLoss.from_options`), refused
+    with ``model.argmax_weight > 0`` unless the loss is ``kl``: the mix moves label mass onto the argmax, which only the
+    KL's cross entropy reads as a weighted sum of the two losses."""
+    spec = DistributionLoss.from_options(loss, lk_eta)
+    if argmax_weight > 0.0 and not spec.is_kl:
+        raise RecipeError(
+            f"model.argmax_weight={argmax_weight} mixes the argmax into the KL's labels, but model.loss is {loss!r}: "
+            "set model.argmax_weight: 0 or model.loss: kl"
+        )
+    return spec

@@ -27,6 +27,15 @@ With k equal to the vocabulary and float32 shards it is the online objective.
 Accuracies (``acc_i``) count the drafts equal to the target's most likely token: among the draft vocabulary's tokens
 with soft labels (what the loss sees, and what speculators reports), among all tokens with argmax labels.
 
+The loss (``model.loss``, trainer/distribution_loss.py; labels.py): ``kl`` (the default) is the cross entropy above;
+``tv``, ``nla`` and ``lk_hybrid`` (the LK losses) train toward the target's own probabilities over the draft vocabulary,
+not renormalised, so the mass of target tokens outside it counts as rejected (with argmax labels: toward the label's
+one-hot, ``nla`` then being the cross entropy and ``tv`` ``1 - q_label``). ``alpha_i`` logs step i's expected acceptance
+under speculative sampling, ``sum_v min(p_v, q_v)`` of the drafter's distribution q over the draft vocabulary and the
+target's p there, not renormalised (online: the target's full distribution at temperature 1, its log-partition over the
+whole vocabulary taken a chunk of positions at a time; shards: the stored top-k, a lower bound), for every loss and
+either labels, averaged over the step's trained positions.
+
 Memory: a step's activations would grow linearly in K. With ``recompute`` (the default) the steps 0..K-2 keep only
 their inputs and outputs (features, keys and values: what later steps read) and are rerun in backward, their logits
 and loss included; the last step, the first one backward needs, is stored as before. It trades step time for memory
@@ -57,10 +66,11 @@ from torch.utils.checkpoint import checkpoint
 
 from trainer.activation_memory import F32, PlannedStep, Shape, frozen_forward, layer_saved
 from trainer.block_attention import Impl
+from trainer.distribution_loss import DEFAULT_ETA, acceptance, loss_rows, sparse_loss_rows
 from trainer.errors import RecipeError
 from trainer.methods.eagle3 import kind as eagle3_kind
 from trainer.methods.eagle3 import vocab_map
-from trainer.methods.eagle3.labels import check_argmax_weight, mix_argmax
+from trainer.methods.eagle3.labels import check_argmax_weight, check_loss, mix_argmax
 from trainer.methods.eagle3.module import Eagle3Config, Eagle3Drafter
 from trainer.objective import (
     DataRequirements,
@@ -99,6 +109,8 @@ class Eagle3(DraftObjective):
         step_decay: float = 0.8,
         labels: Literal["soft", "argmax"] = "soft",
         argmax_weight: float = 0.0,
+        loss: Literal["kl", "tv", "nla", "lk_hybrid"] = "kl",
+        lk_eta: float = DEFAULT_ETA,
         ttt_inputs: Literal["data", "predicted"] = "data",
         init_from: str | None = None,
         target_dtype: str = "float32",
@@ -128,7 +140,12 @@ class Eagle3(DraftObjective):
             argmax_weight: with soft labels, the weight w of a cross entropy on the target's most likely token of the
                 draft vocabulary: each position's loss is ``(1 - w) * soft + w * CE(argmax)``, in [0, 1]. The argmax is
                 what greedy verification accepts; the soft part keeps the distribution sampling accepts. Default 0
-                (soft labels alone).
+                (soft labels alone). Only with ``loss: kl``.
+            loss: each position's loss (trainer/distribution_loss.py): "kl" (the cross entropy above), "tv" (1 - alpha,
+                alpha = sum_v min(p_v, q_v) the expected acceptance, p the target's probabilities over the draft
+                vocabulary, not renormalised), "nla" (-log alpha) or "lk_hybrid" (lambda * KL + (1 - lambda) * TV,
+                lambda = exp(-lk_eta * alpha)); with argmax labels p is the label's one-hot.
+            lk_eta: the hybrid's temperature eta (3, the LK paper's and speculators' default).
             ttt_inputs: tokens fed at steps i > 0: "data" (the row's own next tokens, which the labels are
                 conditioned on, as the reference implementations do) or "predicted" (the drafter's own argmax of step
                 i - 1, which contradicts the label wherever that guess was wrong; see the module docstring).
@@ -164,6 +181,7 @@ class Eagle3(DraftObjective):
         if not 0.0 < step_decay <= 1.0:
             raise RecipeError(f"model.step_decay must be in (0, 1], got {step_decay}")
         self.argmax_weight = check_argmax_weight(argmax_weight, labels)
+        self.loss_spec = check_loss(loss, lk_eta, argmax_weight)
         self.ttt_steps, self.step_decay, self.labels, self.ttt_inputs = ttt_steps, step_decay, labels, ttt_inputs
         self.recompute, self.attention = recompute, attention
         frozen = self.load_target(target, target_signals, target_dtype, trust_remote_code)
@@ -285,14 +303,18 @@ class Eagle3(DraftObjective):
         return torch.cumsum(self.drafter.t2d.long(), 0) - 1
 
     def _online_signals(self, ids: torch.Tensor):
-        """Runs the target: (fused [B, S - 1, H], embedding, argmax [B, S], soft labels [B, S, Vd] or None, None)."""
-        hidden, argmax, probs = vocab_map.online_target_signals(self.target, ids, self.drafter, self.labels == "soft")
+        """Runs the target: (fused [B, S - 1, H], embedding, argmax [B, S], its distribution over the draft vocabulary
+        renormalised [B, S, Vd], None, its mass there [B, S]; vocab_map.online_target_signals)."""
+        hidden, argmax, probs, mass = vocab_map.online_target_signals(
+            self.target, ids, self.drafter, self.labels == "soft"
+        )
         fused = self.drafter.fuse([h[:, :-1] for h in hidden])  # [B, S - 1, H]
-        return fused, self.target.model.get_input_embeddings(), argmax, probs, None
+        return fused, self.target.model.get_input_embeddings(), argmax, probs, None, mass
 
     def _shard_signals(self, batch: dict[str, torch.Tensor]):
-        """The same from a shard batch; the last item, [B, S] bool, is False where no top-k id is in the draft
-        vocabulary (a soft label without mass)."""
+        """The same from a shard batch: the stored top-k's share of the draft vocabulary stands for the distribution;
+        the fifth item, [B, S] bool, is False where no top-k id is in the draft vocabulary (a soft label without
+        mass)."""
         drafter = self.drafter
         hidden = batch["teacher_hidden"]  # [B, n, S, Ht], n aux layers in config order
         dtype = drafter.fc.weight.dtype
@@ -303,19 +325,20 @@ class Eagle3(DraftObjective):
         def embedding(tokens: torch.Tensor) -> torch.Tensor:
             return F.embedding(tokens, weight)  # [..., Ht]
 
-        probs, valid, argmax = None, None, topk_ids[..., 0]  # argmax [B, S]: the top-1 id (argmax labels)
-        if self.labels == "soft":
-            in_draft = drafter.t2d[topk_ids]  # [B, S, k]
-            p = batch["teacher_topk_logprobs"].float().exp() * in_draft  # [B, S, k]
-            B, S, _ = topk_ids.shape
-            probs = p.new_zeros(B, S, drafter.config.draft_vocab_size)  # [B, S, Vd]
-            probs.scatter_add_(-1, self._draft_index()[topk_ids].clamp(min=0), p)
-            mass = probs.sum(-1, keepdim=True)  # [B, S, 1]
-            valid = mass[..., 0] > 0  # [B, S]
-            probs = probs / mass.clamp(min=torch.finfo(torch.float32).tiny)
-            # the target's most likely token of the draft vocabulary, as online soft labels give it
-            argmax = torch.where(valid, drafter.to_target_ids(probs.argmax(-1)), argmax)  # [B, S]
-        return fused, embedding, argmax, probs, valid
+        argmax = topk_ids[..., 0]  # [B, S]: the top-1 id (argmax labels)
+        in_draft = drafter.t2d[topk_ids]  # [B, S, k]
+        p = batch["teacher_topk_logprobs"].float().exp() * in_draft  # [B, S, k]
+        B, S, _ = topk_ids.shape
+        probs = p.new_zeros(B, S, drafter.config.draft_vocab_size)  # [B, S, Vd]
+        probs.scatter_add_(-1, self._draft_index()[topk_ids].clamp(min=0), p)
+        mass = probs.sum(-1, keepdim=True)  # [B, S, 1]
+        valid = mass[..., 0] > 0  # [B, S]
+        probs = probs / mass.clamp(min=torch.finfo(torch.float32).tiny)
+        if self.labels != "soft":
+            return fused, embedding, argmax, probs, None, mass[..., 0]
+        # the target's most likely token of the draft vocabulary, as online soft labels give it
+        argmax = torch.where(valid, drafter.to_target_ids(probs.argmax(-1)), argmax)  # [B, S]
+        return fused, embedding, argmax, probs, valid, mass[..., 0]
 
     def _ttt_loss(
         self,
@@ -324,8 +347,9 @@ class Eagle3(DraftObjective):
         fused: torch.Tensor,
         embedding: Callable[[torch.Tensor], torch.Tensor],
         target_argmax: torch.Tensor,
-        target_probs: torch.Tensor | None,
+        target_probs: torch.Tensor,
         label_ok: torch.Tensor | None,
+        target_mass: torch.Tensor,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The training-time-test loss, whatever the source of the target's signals.
 
@@ -335,13 +359,16 @@ class Eagle3(DraftObjective):
             embedding: token ids -> the target's input embeddings.
             target_argmax: [B, S] the target's most likely next token at every position (argmax labels, accuracies),
                 among the draft vocabulary's tokens with soft labels.
-            target_probs: [B, S, Vd] soft labels over the draft vocabulary (labels "soft"), else None.
+            target_probs: [B, S, Vd] the target's distribution over the draft vocabulary, renormalised (the soft
+                labels).
             label_ok: [B, S] bool, False where a soft label is missing (not trained), or None (all present).
+            target_mass: [B, S] the target's probability of the draft vocabulary: ``target_probs * target_mass`` is
+                its own, what the acceptance ``alpha_i`` and the losses other than ``kl`` are measured against.
         """
         drafter = self.drafter
         B, S = ids.shape
-        if self.labels == "soft":
-            target_probs = mix_argmax(target_probs, self.argmax_weight)  # [B, S, Vd]
+        spec = self.loss_spec
+        soft_labels = mix_argmax(target_probs, self.argmax_weight) if self.labels == "soft" else None  # [B, S, Vd]
         if self.labels == "argmax":
             t2d_index = self._draft_index()  # [V] draft index of every target id
             hard = torch.where(drafter.t2d[target_argmax], t2d_index[target_argmax], -100)  # [B, S]
@@ -354,8 +381,8 @@ class Eagle3(DraftObjective):
         steps = min(self.ttt_steps, S - 1)  # step i trains elements whose label position t + 1 + i is in the row
 
         def step(i: int, hidden: torch.Tensor, tokens: torch.Tensor, *kv: torch.Tensor):
-            """TTT step i: (out, k, v, loss_i, acc_i, guess [B, S - 1]) from the step's inputs alone, so that it can be
-            recomputed in backward."""
+            """TTT step i: (out, k, v, loss_i, acc_i, alpha_i, guess [B, S - 1]) from the step's inputs alone, so that
+            it can be recomputed in backward."""
             out, logits, k, v = drafter.ttt_step(
                 embedding, hidden, tokens, positions + i, kv[:i], kv[i:], self.attention
             )
@@ -364,19 +391,28 @@ class Eagle3(DraftObjective):
             if label_ok is not None:
                 mask = mask * label_ok[:, 1 + i :]
             log_q = torch.log_softmax(logits[:, :n].float(), dim=-1)  # [B, n, Vd]
+            own = target_probs[:, 1 + i :] * target_mass[:, 1 + i :, None]  # [B, n, Vd] not renormalised
             if self.labels == "soft":
-                per_pos = -(target_probs[:, 1 + i :] * log_q).sum(-1)  # [B, n]
+                if spec.is_kl:
+                    per_pos = -(soft_labels[:, 1 + i :] * log_q).sum(-1)  # [B, n]
+                else:
+                    per_pos = loss_rows(logits[:, :n], own, spec, want_kl=False)[0]  # [B, n]
             else:
                 labels = hard[:, 1 + i :]  # [B, n]
                 mask = mask * (labels >= 0)
-                per_pos = -log_q.gather(-1, labels.clamp(min=0)[..., None])[..., 0]  # [B, n]
+                if spec.is_kl:
+                    per_pos = -log_q.gather(-1, labels.clamp(min=0)[..., None])[..., 0]  # [B, n]
+                else:  # toward the label's one-hot
+                    one = torch.ones_like(labels, dtype=log_q.dtype)[..., None]  # [B, n, 1]
+                    per_pos = sparse_loss_rows(logits[:, :n], labels.clamp(min=0)[..., None], one, spec)[0]
             loss_i = (per_pos * mask).sum() / mask.sum().clamp(min=1.0)
             with torch.no_grad():
                 guess = drafter.to_target_ids(logits.max(-1).indices)  # [B, S - 1], argmax (labels.py: faster)
                 trained = loss_mask[:, 1 + i :]
                 hits = (guess[:, :n] == target_argmax[:, 1 + i :]) & trained
                 accuracy = hits.sum().float() / trained.sum().clamp(min=1).float()
-            return out, k, v, loss_i, accuracy, guess
+                alpha = (acceptance(log_q.exp(), own) * trained).sum() / trained.sum().clamp(min=1).float()
+            return out, k, v, loss_i, accuracy, alpha, guess
 
         hidden, tokens = fused, ids[:, 1:]
         keys: list[torch.Tensor] = []
@@ -386,14 +422,17 @@ class Eagle3(DraftObjective):
             if self.recompute and i < steps - 1 and torch.is_grad_enabled():
                 # earlier steps keep only their inputs and outputs; the last step's activations are needed first in
                 # backward, so recomputing it would save nothing at the peak
-                hidden, k, v, loss_i, accuracy, guess = checkpoint(partial(step, i), *inputs, use_reentrant=False)
+                hidden, k, v, loss_i, accuracy, alpha, guess = checkpoint(
+                    partial(step, i), *inputs, use_reentrant=False
+                )
             else:
-                hidden, k, v, loss_i, accuracy, guess = step(i, *inputs)
+                hidden, k, v, loss_i, accuracy, alpha, guess = step(i, *inputs)
             keys.append(k)
             values.append(v)
             total = total + self.step_decay**i * loss_i
             metrics[f"acc_{i}"] = accuracy
             metrics[f"loss_{i}"] = loss_i.detach()
+            metrics[f"alpha_{i}"] = alpha
             tokens = guess if data_tokens is None else data_tokens[:, i + 2 : i + 1 + S]  # [B, S - 1]
         return total, metrics
 
@@ -407,8 +446,10 @@ class Eagle3(DraftObjective):
     def target_phase_bytes(self, step: PlannedStep, soft: bool) -> tuple[int, int]:
         """(the target phase's bytes, what it hands the drafter): every hidden state HF returns with
         output_hidden_states, and ``soft`` labels projected onto the draft vocabulary's lm_head rows only ([B, S, Vd]
-        logits and their float32 softmax), argmax labels onto every token ([B, S, V]); from shards the batch's
-        teacher hidden states (bf16). Handed over: the fused features and the float32 soft labels."""
+        logits and their float32 softmax) with the whole vocabulary's log-partition a chunk of positions at a time
+        (vocab_map.draft_mass), argmax labels onto every token ([B, S, V], then the draft rows' float32 logits and
+        softmax); from shards the batch's teacher hidden states (bf16). Handed over: the fused features and the
+        target's float32 distribution over the draft vocabulary (the soft labels; with either labels, for alpha)."""
         n, a, a_t = step.tokens, step.element, step.target_element
         config = self.drafter.config
         t = Shape.of(self.target_config)
@@ -418,18 +459,24 @@ class Eagle3(DraftObjective):
         else:
             vocab_out = 0 if soft else t.vocab_size
             target_phase = frozen_forward(t, n, a_t, hidden_kept=t.num_hidden_layers + 1, vocab_out=vocab_out)
+            lse = min(n, vocab_map.LSE_CHUNK) * t.vocab_size * (a_t + F32)  # one chunk's logits of every token
             if soft:
-                target_phase += n * vd * (a_t + F32) + vd * t.hidden_size * a_t  # + the draft rows of lm_head
-        return target_phase, n * config.hidden_size * a + (n * vd * F32 if soft else 0)
+                target_phase += n * vd * (a_t + F32) + vd * t.hidden_size * a_t + lse  # + the draft rows of lm_head
+            else:
+                target_phase += 2 * n * vd * F32 + lse
+        return target_phase, n * config.hidden_size * a + n * (vd + 1) * F32
 
     def activation_bytes(self, step: PlannedStep) -> int:
         """The target phase against the training-time test's: each step the layer (2H attention input), its
-        [B, S, Vd] logits, their float32 log-softmax and the product; with ``recompute`` each step's outputs and the
-        last step with one recomputed in backward, else every step kept."""
+        [B, S, Vd] logits, their float32 log-softmax and the product, and the target's own probabilities the acceptance
+        is taken against (a loss other than ``kl`` keeps three more float32 [B, S, Vd] tensors for backward: the
+        drafter's probabilities, their minimum with the target's and the renormalised labels); with ``recompute``
+        each step's outputs and the last step with one recomputed in backward, else every step kept."""
         n, a = step.tokens, step.element
         d = self.draft_layer_shape()
         target_phase, handed = self.target_phase_bytes(step, self.labels == "soft")
-        one = layer_saved(d, n, a, extra_hidden=2) + n * d.vocab_size * (a + 2 * F32)
+        copies = 3 if self.loss_spec.is_kl else 6
+        one = layer_saved(d, n, a, extra_hidden=2) + n * d.vocab_size * (a + copies * F32)
         steps = min(self.ttt_steps, step.seq - 1)
         if self.recompute:
             kept = (steps - 1) * n * (d.hidden_size + 2 * d.kv_width) * a  # each recomputed step's outputs

@@ -84,26 +84,50 @@ def install_vocab_map(drafter, target_lm_head: torch.Tensor, rows: Iterable[tupl
     return float(counts[t2d].sum()) / max(1, int(counts.sum()))
 
 
+LSE_CHUNK = 1024
+"""Positions projected onto the whole vocabulary at a time for the target's log-partition (:func:`draft_mass`)."""
+
+
+def draft_mass(target, final: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
+    """The target's probability of its draft vocabulary [B, S] float32: ``exp(lse(draft logits) - lse(all logits))``,
+    the full vocabulary's log-partition taken :data:`LSE_CHUNK` positions at a time (one [C, V] tensor alive).
+
+    final: [B, S, Ht] the target's normed final hidden states; draft_logits: [B, S, Vd] its logits of the draft
+    vocabulary (with its output scaling, ``target.project``)."""
+    flat = final.flatten(0, -2)  # [B * S, Ht]
+    lse = torch.cat([torch.logsumexp(target.project(part).float(), dim=-1) for part in flat.split(LSE_CHUNK)])
+    return (torch.logsumexp(draft_logits.float(), dim=-1) - lse.view(final.shape[:-1])).exp().clamp(max=1.0)
+
+
 def online_target_signals(
     target, ids: torch.Tensor, drafter, soft: bool
-) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]:
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
     """The frozen target's signals for an EAGLE-3 or P-EAGLE drafter over the batch ``ids`` [B, S].
 
     With soft labels the target's final hidden state is projected onto the draft vocabulary's rows of its lm_head
     only: no [B, S, V] logits are made (the full vocabulary costs 8x the projection at a 1/8 draft vocabulary, and
     at 8B is the step's largest tensor), and the argmax, for the accuracy metrics, is the target's most likely token
-    of the draft vocabulary, as speculators reports it. Argmax labels need the argmax over the whole vocabulary
-    (positions whose argmax is outside the draft vocabulary are skipped), so they project onto every row.
+    of the draft vocabulary, as speculators reports it; the share of the draft vocabulary (:func:`draft_mass`) takes
+    the full vocabulary's log-partition a chunk of positions at a time. Argmax labels need the argmax over the whole
+    vocabulary (positions whose argmax is outside the draft vocabulary are skipped), so they project onto every row.
 
     Returns:
-        the hidden states of the drafter's aux layers (each [B, S, Ht]), the argmax [B, S] (target ids) and the soft
-        labels [B, S, Vd] (float32), or None with argmax labels.
+        the hidden states of the drafter's aux layers (each [B, S, Ht]), the argmax [B, S] (target ids), the target's
+        distribution over the draft vocabulary renormalised [B, S, Vd] (float32; the soft labels) and its mass there
+        before renormalising [B, S] (float32): their product is the target's own probabilities of the draft
+        vocabulary, what the expected acceptance is measured against (with either labels).
     """
     aux = list(drafter.config.aux_layers)
+    rows = drafter.draft_ids()
     if not soft:
         out = target(ids, hidden_layers=aux)  # logits [B, S, V]
-        return out.hidden_states, out.logits.argmax(-1), None
+        flat = out.logits.flatten(0, -2)  # [B * S, V]
+        lse = torch.cat([torch.logsumexp(part.float(), dim=-1) for part in flat.split(LSE_CHUNK)])
+        draft = out.logits.index_select(-1, rows.to(out.logits.device)).float()  # [B, S, Vd]
+        mass = (torch.logsumexp(draft, dim=-1) - lse.view(draft.shape[:-1])).exp().clamp(max=1.0)  # [B, S]
+        return out.hidden_states, out.logits.argmax(-1), torch.softmax(draft, dim=-1), mass
     out = target(ids, hidden_layers=[*aux, target.num_layers], logits=False)
     *hidden, final = out.hidden_states  # final: [B, S, Ht], the normed output lm_head projects
-    logits = target.project(final, drafter.draft_ids().to(final.device))  # [B, S, Vd]
-    return hidden, drafter.to_target_ids(logits.max(-1).indices), torch.softmax(logits.float(), dim=-1)
+    logits = target.project(final, rows.to(final.device))  # [B, S, Vd]
+    mass = draft_mass(target, final, logits)  # [B, S]
+    return hidden, drafter.to_target_ids(logits.max(-1).indices), torch.softmax(logits.float(), dim=-1), mass

@@ -8,6 +8,10 @@ row's trained positions, so that every kept placeholder has its whole rollout be
 sequence grows by ``1 + r + r^2 + ...`` instead of K. Element (a, d) is trained on the target's distribution over the
 draft vocabulary at position ``a + 1 + d`` (the token ``a + 2 + d``), soft labels renormalised over the draft
 vocabulary, under that position's loss mask; the loss is ``sum_d step_decay ** d * mean_d`` (per-depth means).
+``model.loss`` picks the per-element loss as EAGLE-3's does (``kl``, the cross entropy, by default; ``tv``, ``nla`` and
+``lk_hybrid`` toward the target's own probabilities over the draft vocabulary, not renormalised), and ``alpha_d`` logs
+depth d's expected acceptance ``sum_v min(p_v, q_v)`` against them, averaged over its trained elements (eagle3/
+objective.py).
 
 The drafter trains its own input embedding (initialised from the target's) and the placeholders ``mask_hidden`` and
 the embedding row of ``mask_token_id``, as speculators' P-EAGLE does. The objective extends EAGLE-3's
@@ -28,8 +32,9 @@ import torch
 
 from trainer.activation_memory import F32, PlannedStep, Shape, layer_saved
 from trainer.block_attention import Impl
+from trainer.distribution_loss import DEFAULT_ETA, acceptance, loss_rows
 from trainer.errors import RecipeError
-from trainer.methods.eagle3.labels import check_argmax_weight, mix_argmax
+from trainer.methods.eagle3.labels import check_argmax_weight, check_loss, mix_argmax
 from trainer.methods.eagle3.objective import Eagle3
 from trainer.methods.eagle3.vocab_map import online_target_signals
 from trainer.methods.peagle import kind as peagle_kind
@@ -95,6 +100,8 @@ class PEagle(Eagle3):
         step_decay: float = 1.0,
         loss_mean: Literal["element", "depth"] = "element",
         argmax_weight: float = 0.0,
+        loss: Literal["kl", "tv", "nla", "lk_hybrid"] = "kl",
+        lk_eta: float = DEFAULT_ETA,
         init_from: str | None = None,
         target_dtype: str = "float32",
         drafter_dtype: str = "float32",
@@ -130,7 +137,12 @@ class PEagle(Eagle3):
                 speculators' reduction); "depth", the sum of the per-depth means (every depth counted alike).
             argmax_weight: the weight w of a cross entropy on the target's most likely token of the draft vocabulary
                 mixed into each element's soft-label loss, ``(1 - w) * soft + w * CE(argmax)``, in [0, 1] (as
-                EAGLE-3's: the argmax is what greedy verification accepts).
+                EAGLE-3's: the argmax is what greedy verification accepts). Only with ``loss: kl``.
+            loss: each element's loss, as EAGLE-3's (trainer/distribution_loss.py): "kl" (the cross entropy), "tv"
+                (1 - alpha, alpha = sum_v min(p_v, q_v) the expected acceptance against the target's probabilities over
+                the draft vocabulary, not renormalised), "nla" (-log alpha) or "lk_hybrid" (lambda * KL + (1 - lambda)
+                * TV, lambda = exp(-lk_eta * alpha)).
+            lk_eta: the hybrid's temperature eta (3, the LK paper's and speculators' default).
             init_from: a training checkpoint or export of a P-EAGLE drafter to start from (weights, shape, vocabulary
                 map and placeholder token).
             target_dtype: the target's weights dtype.
@@ -151,6 +163,7 @@ class PEagle(Eagle3):
         if not 0.0 < cod_ratio <= 1.0:
             raise RecipeError(f"model.cod_ratio must be in (0, 1], got {cod_ratio}")
         self.argmax_weight = check_argmax_weight(argmax_weight)
+        self.loss_spec = check_loss(loss, lk_eta, argmax_weight)
         if not 0.0 <= cod_min_ratio <= 1.0:
             raise RecipeError(f"model.cod_min_ratio must be in [0, 1], got {cod_min_ratio}")
         if max_anchors is not None and max_anchors < 1:
@@ -214,14 +227,16 @@ class PEagle(Eagle3):
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, S] each
         drafter = self.drafter
-        hidden, argmax, probs = online_target_signals(self.target, ids, drafter, soft=True)  # probs [B, S, Vd]
+        hidden, argmax, probs, mass = online_target_signals(self.target, ids, drafter, soft=True)  # probs [B, S, Vd]
         aux = torch.cat([h[:, :-1] for h in hidden], dim=-1)  # [B, S - 1, n Ht]
         anchor, depth, valid = self.sample(loss_mask)  # [B, N] each
-        return self.parallel_loss(ids, loss_mask, aux, probs, argmax, anchor, depth, valid)
+        return self.parallel_loss(ids, loss_mask, aux, probs, argmax, anchor, depth, valid, mass)
 
-    def parallel_loss(self, ids, loss_mask, aux, probs, target_argmax, anchor, depth, valid):
+    def parallel_loss(self, ids, loss_mask, aux, probs, target_argmax, anchor, depth, valid, mass=None):
         """The loss of sampled elements. ids, loss_mask, target_argmax: [B, S]; aux: [B, S - 1, n Ht] the
-        concatenated target states; probs: [B, S, Vd] soft labels; anchor, depth, valid: [B, N]."""
+        concatenated target states; probs: [B, S, Vd] soft labels (renormalised over the draft vocabulary); anchor,
+        depth, valid: [B, N]; mass: [B, S] the target's probability of the draft vocabulary (``probs * mass`` its
+        own probabilities, what ``alpha_d`` and the losses other than ``kl`` are measured against), None: 1."""
         drafter = self.drafter
         B, N = anchor.shape
         n = ids.shape[1] - 2  # the depth-0 elements: anchors 0..S-3 in order (COD sampling's), placeholders after
@@ -231,13 +246,20 @@ class PEagle(Eagle3):
         logits = drafter.parallel(embeds, hidden, anchor, depth, valid, self.attention)  # [B, N, Vd]
         label = (anchor + 1 + depth).clamp(max=ids.shape[1] - 1)  # [B, N] label positions
         mask = valid & loss_mask.gather(1, label).bool()  # [B, N]
-        probs = mix_argmax(probs, self.argmax_weight)  # [B, S, Vd]
-        labels = probs.gather(1, label[..., None].expand(B, N, probs.shape[-1]))  # [B, N, Vd]
-        per = -(labels * torch.log_softmax(logits.float(), dim=-1)).sum(-1)  # [B, N]
+        where = label[..., None].expand(B, N, probs.shape[-1])  # [B, N, Vd]
+        own = probs.gather(1, where)  # [B, N, Vd] the target's probabilities, renormalised
+        if mass is not None:
+            own = own * mass.gather(1, label)[..., None]  # not renormalised
+        if self.loss_spec.is_kl:
+            labels = mix_argmax(probs, self.argmax_weight).gather(1, where)  # [B, N, Vd]
+            per = -(labels * torch.log_softmax(logits.float(), dim=-1)).sum(-1)  # [B, N]
+        else:
+            per = loss_rows(logits, own, self.loss_spec, want_kl=False)[0]  # [B, N]
         weight = self.step_decay ** depth.float()  # [B, N]
         metrics: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             hits = drafter.to_target_ids(logits.argmax(-1)) == target_argmax.gather(1, label)  # [B, N]
+            alpha = acceptance(torch.softmax(logits.float(), dim=-1), own)  # [B, N]
         depth_total = logits.new_zeros((), dtype=torch.float32)
         for d in range(self.num_depths):
             m = (mask & (depth == d)).float()
@@ -247,6 +269,7 @@ class PEagle(Eagle3):
             depth_total = depth_total + self.step_decay**d * loss_d
             metrics[f"loss_{d}"] = loss_d.detach()
             metrics[f"acc_{d}"] = (hits.float() * m).sum() / m.sum()
+            metrics[f"alpha_{d}"] = (alpha * m).sum() / m.sum()
         metrics["elements"] = valid.sum().float() / B
         if self.loss_mean == "depth":
             return depth_total, metrics
@@ -263,14 +286,16 @@ class PEagle(Eagle3):
     def activation_bytes(self, step: PlannedStep) -> int:
         """EAGLE-3's target phase (soft labels) against one parallel forward over the COD-sampled elements of every
         depth: the first layer (2H attention input), the plain layers after it, the logits with their float32
-        log-softmax, product and labels, beside the target states the elements read."""
+        log-softmax, product and labels, and the target's own probabilities (a loss other than ``kl`` keeps three more
+        float32 [elements, Vd] tensors for backward), beside the target states the elements read."""
         n, a = step.tokens, step.element
         d = self.draft_layer_shape()
         t = Shape.of(self.target_config)
         target_phase, handed = self.target_phase_bytes(step, soft=True)
         elements = int(step.batch * self.elements_per_row(step.seq))
         deeper = (self.drafter.num_decoder_layers - 1) * layer_saved(d, elements, a)
-        one = layer_saved(d, elements, a, extra_hidden=2) + deeper + elements * d.vocab_size * (a + 3 * F32)
+        copies = 4 if self.loss_spec.is_kl else 7
+        one = layer_saved(d, elements, a, extra_hidden=2) + deeper + elements * d.vocab_size * (a + copies * F32)
         states = n * len(self.drafter.config.aux_layers) * t.hidden_size * step.target_element
         return max(target_phase, handed + states + one)
 
