@@ -473,7 +473,8 @@ class DFlash(DraftObjective):
         """The target phase (every hidden state HF returns; from shards the batch's target layers) against the
         draft layers over the sampled blocks' slots, attending to the target's fused context, and the slots' logits
         through the target's lm_head in chunks whose gradients are taken in forward (a float32 [slots, H] gradient
-        kept for backward)."""
+        kept for backward; a loss other than ``kl`` takes its chunk's gradient by autograd, two more [C, V] float32
+        tensors alive)."""
         n, a, a_t = step.tokens, step.element, step.target_element
         config = self.drafter.config
         t = Shape.of(self.target_config)
@@ -488,7 +489,8 @@ class DFlash(DraftObjective):
         context = n * (m * t.hidden_size + t.hidden_size) * a_t + n * (m + 1) * t.hidden_size * a  # kept, fused
         layers = config.num_hidden_layers * (layer_saved(d, slots, a) + n * 2 * d.kv_width * a)
         grad = slots * d.hidden_size * F32  # the slot loss's gradient of the slots' outputs
-        return max(target_phase, context + layers + grad + chunked(step.chunk, slots, t.vocab_size))
+        copies = 3 if self.loss_spec.is_kl else 5  # autograd on the chunk: its log-softmax, q, min(q, p) and grad
+        return max(target_phase, context + layers + grad + chunked(step.chunk, slots, t.vocab_size, copies))
 
     def flops_per_token(self) -> float:
         S = self.data_seq_len()
