@@ -49,8 +49,8 @@ def naive_bias(drafter: XPressDrafter, slots: torch.Tensor, prev: list[int]) -> 
 
 
 def naive_xpress_loss(objective: XPress, ids: torch.Tensor, loss_mask: torch.Tensor) -> dict[str, float]:
-    """Each term's loss (data labels' cross entropy, slots weighted exp(-(k - 1) / gamma) normalised by the weights,
-    the base anchor's a plain mean with full weights) and the total."""
+    """Each term's loss (data labels' cross entropy, slots weighted exp(-(k - 1) / gamma) normalised by the weights;
+    the base anchor's a plain mean with ``base_anchor_full_weight``) and the total."""
     drafter, target = objective.drafter, objective.target
     c = drafter.config
     b, (B, S) = c.block_size, ids.shape
@@ -58,7 +58,7 @@ def naive_xpress_loss(objective: XPress, ids: torch.Tensor, loss_mask: torch.Ten
     anchors, keep = objective.anchors(trained, "train")
     out = target.model(ids, output_hidden_states=True)
     head, embedding = target.lm_head_weight, objective.embedding_weight()
-    passes = objective.consistency_passes
+    passes, full = objective.consistency_passes, objective.base_anchor_full_weight
     names = ["tf", *(f"consistency_round{j}" for j in range(passes)), "base_anchor"]
     sums = dict.fromkeys(names, 0.0)
     weights = 0.0
@@ -89,10 +89,10 @@ def naive_xpress_loss(objective: XPress, ids: torch.Tensor, loss_mask: torch.Ten
                 w = math.exp(-(k - 1) / objective.gamma)
                 for name in names:
                     loss = float(F.cross_entropy(logits[name][k][None], ids[r, t][None]))
-                    sums[name] += loss if name == "base_anchor" else w * loss
+                    sums[name] += loss if name == "base_anchor" and full else w * loss
                 weights += w
                 n += 1
-    terms = {name: sums[name] / (n if name == "base_anchor" else weights) for name in names}
+    terms = {name: sums[name] / (n if name == "base_anchor" and full else weights) for name in names}
     rounds = sum(terms[f"consistency_round{p}"] for p in range(passes)) / passes
     terms["total"] = (
         terms["tf"] + objective.consistency_weight * rounds + objective.base_anchor_weight * terms["base_anchor"]
@@ -113,8 +113,9 @@ def make_objective(tmp_path: Path, **options) -> XPress:
     return objective
 
 
-def test_the_loss_equals_blocks_drafted_alone_with_the_refiner_written_out(tmp_path):
-    objective = make_objective(tmp_path)
+@pytest.mark.parametrize("full", [True, False])
+def test_the_loss_equals_blocks_drafted_alone_with_the_refiner_written_out(full, tmp_path):
+    objective = make_objective(tmp_path, base_anchor_full_weight=full)
     ids = torch.randint(0, V - 1, (2, 11), generator=torch.Generator().manual_seed(1))
     loss_mask = torch.ones(2, 11, dtype=torch.bool)
     loss_mask[0, :4] = False

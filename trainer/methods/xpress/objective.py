@@ -25,6 +25,7 @@ from typing import Literal
 
 import torch
 
+from trainer.activation_memory import PlannedStep
 from trainer.block_attention import Impl
 from trainer.distribution_loss import DEFAULT_ETA
 from trainer.errors import RecipeError
@@ -206,6 +207,17 @@ class XPress(DFlash):
                 SlotTerm(None, scale=self.base_anchor_weight, name="base_anchor", uniform=self.base_anchor_full_weight)
             )
         return terms
+
+    def activation_bytes(self, step: PlannedStep) -> int:
+        """DFlash's estimate plus the refiner's tensors kept for backward over every slot of the sampled blocks: the
+        hidden cache (2r a slot) once, and per refine pass (the teacher-forced one and each free-running round) the
+        previous tokens' embedding, the projected and mixed features and the SwiGLU MLP's (about 6r + 3r * ratio)."""
+        c = self.drafter.config
+        slots = step.batch * min(self.max_anchors, step.seq) * c.block_size
+        r = c.xpress_rank
+        passes = 1 + (self.consistency_passes if self.consistency_weight > 0 else 0)
+        refiner = slots * (2 * r + passes * (6 * r + 3 * r * c.xpress_mlp_ratio)) * step.element
+        return super().activation_bytes(step) + refiner
 
     @torch.no_grad()
     def _argmax(self, blocks: torch.Tensor, head: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
