@@ -25,6 +25,7 @@ from trainer.decoding.proposers import NoProposer, ProposalContext
 from trainer.errors import ModelFolderError, RecipeError, UsageError
 from trainer.methods.dflash import kind as dflash_kind
 from trainer.methods.dflash.module import DFlashConfig
+from trainer.methods.dflash.objective import DFlash
 from trainer.methods.domino import kind as domino_kind
 from trainer.methods.domino.module import HEAD_KEYS, DominoConfig, DominoDrafter
 from trainer.methods.domino.objective import Domino, base_weight
@@ -300,3 +301,28 @@ def test_bad_input_is_refused_naming_the_value(tmp_path):
         load_with(emb_dim=4)
     assert load_with(pure_draft_prefix_len=None).config.pure_draft_prefix_len == 0  # absent: SpecForge's default
     assert load_with(emb_dim=None).config.emb_dim == 5  # from the top level
+
+
+def test_init_from_a_plain_dflash_adds_the_head_and_keeps_the_backbone(tmp_path):
+    save_target(tmp_path / "target")
+    path = str(tmp_path / "target")
+    plain = DFlash(path, num_draft_layers=1, target_layers=[1, 3], block_size=4, mask_token_id=V - 1)
+    record = dflash_kind.make_record(plain.drafter.config, path, ["LlamaForCausalLM"])
+    folder = dflash_kind.ZLAB.write(plain.drafter, record, tmp_path / "plain")
+    grown = Domino(path, init_from=str(folder), block_size=4, **HEAD)
+    assert isinstance(grown.drafter, DominoDrafter) and grown.drafter_record().kind == "domino"
+    assert (grown.drafter.config.emb_dim, grown.drafter.config.gru_hidden_dim) == (5, 6)
+    state = grown.drafter.state_dict()
+    for name, tensor in plain.drafter.state_dict().items():
+        assert torch.equal(state[name], tensor), name
+    assert {k for k in state if k not in plain.drafter.state_dict()} == {
+        "prefix_gru.weight_ih_l0", "prefix_gru.weight_hh_l0", "embed_proj.0.weight", "embed_proj.2.weight",
+    }  # fmt: skip
+
+
+def test_sharded_weights_are_refused(tmp_path, monkeypatch):
+    objective = objective_of(tmp_path)
+    monkeypatch.setattr(objective, "weights_are_sharded", lambda: True)
+    ids = torch.randint(0, V - 1, (1, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(RecipeError, match="FSDP2 and ZeRO-3 shard; train it with DDP or on one device"):
+        objective.compute_loss({"input_ids": ids, "loss_mask": torch.ones(1, 8, dtype=torch.bool)})
