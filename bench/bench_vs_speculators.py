@@ -5,8 +5,10 @@ then both drafters measured by our engine (``draftsmith eval``) on the same held
     python -m bench.bench_vs_speculators --method eagle3 [--steps 300] [--prompts 15] [--out artifacts/vs_speculators]
 
 ``--method`` is ``eagle3`` (EAGLE-3.1: ``fc_norm``, ``norm_output`` and ``norm_before_residual`` on, in both),
-``peagle`` or ``dflash``. Needs the demo's artifacts (the corpus and ``artifacts/tiny_target``) and speculators'
-virtualenv (``.cache/clients/speculators``, which ``DRAFTSMITH_TEST_CLIENTS=1 pytest tests/clients`` installs).
+``peagle``, ``dflash``, ``dflash2`` or ``xpress`` (the refiners: speculators' ``--selector-rank`` /
+``--xpress-rank`` 64 and ``--dflash-decay-gamma`` 7 as our recipes, its ``--loss-fn ce`` as our argmax labels unless
+``--loss``). Needs the demo's artifacts (the corpus and ``artifacts/tiny_target``) and speculators' virtualenv
+(``.cache/clients/speculators``, which ``DRAFTSMITH_TEST_CLIENTS=1 pytest tests/clients`` installs).
 Steps, each skipped when its output already exists under ``--out`` (delete a file to redo its step):
 
 1. data: ``draftsmith compare``'s training prompts (``trainer.compare.run.training_prompts``: 160 characters of
@@ -17,8 +19,8 @@ Steps, each skipped when its output already exists under ``--out`` (delete a fil
    sequence a step, as its collate function packs them); the token counts of those rows, from which speculators'
    own ``parse_vocab_mappings`` builds its d2t/t2d (``token_freq.pt``, as its ``prepare_data`` writes it);
 3. training, both at once with ``OMP_NUM_THREADS=1``: ours is ``draftsmith fit`` of the quickstart recipe
-   (``recipes/quickstart/{eagle3,peagle,dflash}.yaml``) with the steps and data overridden; speculators' is its
-   ``speculators.train`` code (``TrainConfig`` defaults, ``parse_vocab_mappings``, ``build_draft_model``,
+   (``recipes/quickstart/{eagle3,peagle,dflash,dflash2,xpress}.yaml``) with the steps and data overridden; speculators'
+   is its ``speculators.train`` code (``TrainConfig`` defaults, ``parse_vocab_mappings``, ``build_draft_model``,
    ``get_trainer_kwargs``, ``Trainer.run_training``) in its own virtualenv, this module run there with ``--side
    speculators``; the only change to its code path is the data loader, which runs the target's decoder on the step's
    rows (online, as ours does; not its lm_head, which speculators' loss applies itself) and hands the hidden states to
@@ -30,12 +32,12 @@ Steps, each skipped when its output already exists under ``--out`` (delete a fil
    set to ours (32 per row, 128 per packed step) so that both train the same blocks; P-EAGLE's layer is ours
    (``--draft-arch llama``, ``norm_before_residual`` off as in our recipe; its defaults are a Qwen3 layer with
    ``norm_before_residual``); ``sdpa`` attention (its default flex attention has no backward on CPU);
-4. export ours (``eagle3-speculators``, ``peagle-speculators``, ``dflash``); speculators' folder is its own
-   ``save_pretrained``; ``draftsmith eval`` reads both;
+4. export ours (``eagle3-speculators``, ``peagle-speculators``, ``dflash``, ``dflash2``, ``xpress``); speculators'
+   folder is its own ``save_pretrained``; ``draftsmith eval`` reads both;
 5. ``draftsmith eval`` of both, greedy, on the first ``--prompts`` held-out files (160-character prompts, as
-   ``draftsmith compare`` cuts them), ``--max-new-tokens`` each, K = 4 (EAGLE-3, P-EAGLE) or 15 (DFlash):
-   tau, acceptance per draft position; training tokens/s: ours the median of ``train/tokens_per_s`` (TensorBoard),
-   speculators' the median time between its optimizer steps (the target forward included, as in ours).
+   ``draftsmith compare`` cuts them), ``--max-new-tokens`` each, K = 4 (EAGLE-3, P-EAGLE) or 15 (DFlash and its
+   refiners): tau, acceptance per draft position; training tokens/s: ours the median of ``train/tokens_per_s``
+   (TensorBoard), speculators' the median time between its optimizer steps (the target forward included, as in ours).
 
 ``--speculators-optimizer adamw`` trains speculators' side with AdamW instead of its default Muon (the optimizer of
 our recipes; Muon's learning rate is the same peak lr, as speculators sets ``muon_lr`` by default).
@@ -80,6 +82,18 @@ METHODS = {
     ),
     "peagle": ("recipes/quickstart/peagle.yaml", "peagle-speculators", 4, []),
     "dflash": ("recipes/quickstart/dflash.yaml", "dflash", 15, ["--model.init_args.target_layers", "[1,2,3]"]),
+    "dflash2": ("recipes/quickstart/dflash2.yaml", "dflash2", 15, ["--model.init_args.target_layers", "[1,2,3]"]),
+    "xpress": ("recipes/quickstart/xpress.yaml", "xpress", 15, ["--model.init_args.target_layers", "[1,2,3]"]),
+}
+# speculators' --loss-fn where neither --loss nor --speculators-loss is given and its own default is not our recipe's
+# loss: our DFlash2 and XPress recipes train the cross entropy of the target's argmax (labels argmax, loss kl), which
+# is its ce (its defaults: kl_div for dflash2, {"ce": 0.1, "tv": 0.9} for xpress)
+SPECULATORS_DEFAULT_LOSS = {"dflash2": "ce", "xpress": "ce"}
+# what the two refiners' recipes set that speculators' defaults do not: the refiner's rank and the slot weights'
+# gamma (ours 7 at 16 slots, its 4)
+SPECULATORS_REFINER_ARGS = {
+    "dflash2": ["--selector-rank", "64", "--dflash-decay-gamma", "7"],
+    "xpress": ["--xpress-rank", "64", "--dflash-decay-gamma", "7"],
 }
 
 
@@ -212,6 +226,8 @@ def main_project(args: argparse.Namespace) -> int:
     if args.loss:
         fit_args = f"{fit_args} --model.init_args.loss {args.loss}"
         args.speculators_loss = SPECULATORS_LOSS.get(args.loss, args.loss)
+    elif not args.speculators_loss:
+        args.speculators_loss = SPECULATORS_DEFAULT_LOSS.get(args.method, "")
     if args.draft_layers is not None:  # both drafters this many decoder layers deep
         fit_args = f"{fit_args} --model.init_args.num_layers {args.draft_layers}".strip()
     if args.peak_lr is not None:  # both sides at another peak learning rate than the recipe's
@@ -325,6 +341,7 @@ def main_speculators(args: argparse.Namespace) -> int:
     else:
         argv += ["--num-layers", str(args.draft_layers or 2), "--block-size", "16", "--mask-token-id", str(MASK_TOKEN)]
         argv += ["--max-anchors", str(32 * ids.shape[1])]
+        argv += SPECULATORS_REFINER_ARGS.get(args.method, [])
     cfg = TrainConfig.resolve(argv)
     flat = argparse.Namespace(**cfg.flatten())
     set_seed(flat.seed, flat.deterministic_cuda)
