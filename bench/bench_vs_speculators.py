@@ -39,14 +39,15 @@ Steps, each skipped when its output already exists under ``--out`` (delete a fil
    refiners): tau, acceptance per draft position; training tokens/s: ours the median of ``train/tokens_per_s``
    (TensorBoard), speculators' the median time between its optimizer steps (the target forward included, as in ours).
 
-``--speculators-optimizer adamw`` trains speculators' side with AdamW instead of its default Muon (the optimizer of
-our recipes; Muon's learning rate is the same peak lr, as speculators sets ``muon_lr`` by default).
-``--peak-lr`` trains both sides at another peak learning rate than the recipe's (the same schedule otherwise).
-``--speculators-loss ce`` trains it on the target's argmax over the draft vocabulary (its ``--loss-fn``; default
-``kl_div`` for EAGLE-3 and P-EAGLE), the labels of our ``labels: argmax``; ``--loss L`` trains both sides with one of
-the LK-paper losses (``kl``, ``tv``, ``nla``, ``lk_hybrid``: our ``model.loss``, its ``--loss-fn``, ``kl`` being
-its ``kl_div``). ``--seed S`` seeds both sides (the drafters' initialisation; ours also its anchors), and ``--name``
-names the run's folder under ``--out`` (default: the method; the data is shared by every run under ``--out``).
+``--speculators-optimizer adamw`` trains speculators' side with AdamW instead of its default Muon (the optimizer of our
+recipes; Muon's learning rate is the same peak lr, as speculators sets ``muon_lr`` by default). ``--peak-lr`` trains
+both sides at another peak learning rate than the recipe's (the same schedule otherwise). ``--speculators-loss ce``
+trains it on the target's argmax over the draft vocabulary (its ``--loss-fn``; default ``kl_div`` for EAGLE-3 and
+P-EAGLE), the labels of our ``labels: argmax``; ``--loss L`` trains both sides with one of the LK-paper losses (``kl``,
+``tv``, ``nla``, ``lk_hybrid``: our ``model.loss``, its ``--loss-fn``, ``kl`` being its ``kl_div``; our EAGLE-3 and
+P-EAGLE recipes' ``argmax_weight`` then 0 but with ``kl``, as the mix is the KL's). ``--seed S`` seeds both sides (the
+drafters' initialisation; ours also its anchors), and ``--name`` names the run's folder under ``--out`` (default: the
+method; the data is shared by every run under ``--out``).
 
 Writes ``OUT/METHOD/vs_speculators.md`` (and prints it), with the ratios ours / speculators'.
 """
@@ -225,6 +226,8 @@ def main_project(args: argparse.Namespace) -> int:
     fit_args = f"{args.fit_args} --seed_everything {args.seed} --model.init_args.seed {args.seed}".strip()
     if args.loss:
         fit_args = f"{fit_args} --model.init_args.loss {args.loss}"
+        if args.loss != "kl" and args.method in ("eagle3", "peagle"):  # the recipes' argmax mix is the KL's alone
+            fit_args = f"{fit_args} --model.init_args.argmax_weight 0"
         args.speculators_loss = SPECULATORS_LOSS.get(args.loss, args.loss)
     elif not args.speculators_loss:
         args.speculators_loss = SPECULATORS_DEFAULT_LOSS.get(args.method, "")
@@ -244,9 +247,14 @@ def main_project(args: argparse.Namespace) -> int:
         cmd += ["--seed", str(args.seed)]
         procs["speculators"] = run(cmd, method_dir / "fit_speculators.log", python=SPECULATORS_PYTHON)
     seconds = json.loads(seconds_file.read_text()) if seconds_file.is_file() else {}
-    for name, proc in procs.items():
-        wait(proc, method_dir / f"fit_{name}.log")
-        seconds[name] = round(time.perf_counter() - started)  # both started together
+    try:
+        for name, proc in procs.items():
+            wait(proc, method_dir / f"fit_{name}.log")
+            seconds[name] = round(time.perf_counter() - started)  # both started together
+    finally:  # one side failed: the other stops too, rather than train on alone, unmeasured
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.terminate()
     seconds_file.write_text(json.dumps(seconds))
 
     _, fmt, k, _ = METHODS[args.method]
