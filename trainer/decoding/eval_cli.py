@@ -9,6 +9,9 @@ in loops with tau inside and outside them. The drafting flags (``--tree``, ``--t
 the fields of :class:`~trainer.decoding.options.ProposerOptions`, which the training callback takes too.
 ``--accept_threshold 0,0.2,0.4`` measures dynamic draft length at each threshold with one proposer, side by side in
 one report (a drafter that cannot estimate its acceptance is refused, naming the flag).
+``--context_lengths 256,1024,2048`` measures by context length: prompts cut at each length from the ``--prompts``
+documents (trainer/decoding/context.py), decoded together, and the report's ``by_context`` and
+acceptance_by_context.png give tau, acceptance per draft position and the target's own loss per length.
 
 Refused in one line before anything is decoded: a drafter export given as ``--target`` (named with its kind and the
 target it names), and a training checkpoint measured against a target other than the one whose fingerprint it
@@ -24,6 +27,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from trainer.decoding.context import cut_buckets, flatten, target_loss_by_context
 from trainer.decoding.drift import heldout_text, target_drift
 from trainer.decoding.evaluate import evaluate_drafter, load_prompts, refuse_drafter_as_target, resolve_drafter
 from trainer.decoding.identity import SpeculativeMismatchError
@@ -69,12 +73,26 @@ def build_parser() -> ToolParser:
         "--prompt_tokens", type=int, default=0, help="cut every prompt to its first N tokens (0: keep it whole)"
     )
     parser.add_argument(
+        "--context_lengths",
+        type=positive_ints("--context_lengths"),
+        default=None,
+        metavar="L[,L...]",
+        help="measure by context length: for each L, the first L tokens of every --prompts document at least "
+        "L + --max_new_tokens tokens long (--max_prompts: per length); the report adds by_context and "
+        "acceptance_by_context.png",
+    )
+    parser.add_argument(
         "--k", type=positive_ints("--k"), default=[4], help="drafts per round, or a sweep such as 1,2,4,8"
     )
     parser.add_argument("--max_new_tokens", type=int, default=128, help="output budget per prompt")
     parser.add_argument("--out", required=True, help="output directory for report.json, report.md, acceptance.png")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling-mode temperature (0 skips sampling)")
-    parser.add_argument("--max_prompts", type=int, default=0, help="use only the first N prompts (0: all)")
+    parser.add_argument(
+        "--max_prompts",
+        type=int,
+        default=0,
+        help="use only the first N prompts (0: all; per length with --context_lengths)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling mode")
     parser.add_argument(
         "--repeats",
@@ -128,6 +146,11 @@ def load_target(path: str, dtype: str, device: torch.device) -> tuple[PreTrained
     return target, tokenizer
 
 
+def _threshold(entry: dict) -> str:
+    """`` threshold X`` for an entry of dynamic draft length, else nothing."""
+    return f" threshold {entry['accept_threshold']:g}" if entry["accept_threshold"] > 0 else ""
+
+
 def _error(message: str, err: BaseException) -> None:
     """``error: <message>`` on standard error, and the hint of a :class:`UserError` on the next line."""
     print(f"error: {message}", file=sys.stderr)
@@ -150,7 +173,20 @@ def main(argv: list[str] | None = None) -> int:
         target, tokenizer = load_target(args.target, args.dtype, device)
         context = getattr(target.config, "max_position_embeddings", None)
         max_length = context - args.max_new_tokens if context else None
-        prompts = load_prompts(args.prompts, tokenizer, max_length, cut=args.prompt_tokens or None)
+        buckets, indices = None, None
+        if args.context_lengths:
+            if args.prompt_tokens:
+                raise UsageError(
+                    f"--prompt_tokens {args.prompt_tokens} with --context_lengths: the context lengths cut the prompts",
+                    hint="drop --prompt_tokens",
+                )
+            documents = load_prompts(args.prompts, tokenizer, None)
+            buckets = cut_buckets(
+                documents, args.context_lengths, args.max_new_tokens, max_length, args.max_prompts, args.prompts
+            )
+            prompts, indices = flatten(buckets)
+        else:
+            prompts = load_prompts(args.prompts, tokenizer, max_length, cut=args.prompt_tokens or None)
         # the thresholds reach the proposer through the engine: one proposer per set of the other options
         groups: dict[ProposerOptions, list[float]] = {}
         for options in sweep:
@@ -181,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         _error(f"{args.drafter}: {err}", err)
         return 2
-    if args.max_prompts > 0:
+    if args.max_prompts > 0 and buckets is None:
         prompts = prompts[: args.max_prompts]
     if args.write_tree:
         options, proposer = proposers[0]
@@ -206,13 +242,14 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as err:
             _error(f"--original_target {args.original_target!r} or --heldout {args.heldout!r}: {err}", err)
             return 2
+    losses = None  # the target's loss by context length: the same for every report
     for options, proposer in proposers:
         exit_layer = options.exit_layer
         out = Path(args.out) / f"exit_{exit_layer}" if len(proposers) > 1 else Path(args.out)
         try:
             report = evaluate_drafter(
                 target, proposer, prompts, args.k, args.max_new_tokens, args.temperature, eos, args.seed,
-                args.repeats[0], groups[options],
+                args.repeats[0], groups[options], indices,
             )  # fmt: skip
         except SpeculativeMismatchError as err:
             print(f"error: {err}", file=sys.stderr)
@@ -222,14 +259,18 @@ def main(argv: list[str] | None = None) -> int:
         )
         if exit_layer is not None:
             report["exit_layer"] = exit_layer
+        if buckets is not None:
+            losses = losses or target_loss_by_context(target, buckets)
+            for bucket in report["by_context"]:
+                bucket.update(losses[bucket["context_length"]])
         if original is not None:
             report["original_target"] = target_drift(
                 original, target, prompts, args.max_new_tokens, eos, report["loops"]["share"], args.original_target,
                 heldout, heldout_text(args.heldout, args.heldout_tokens),
             )  # fmt: skip
         written = write_report(report, out)
+        prefix = "" if exit_layer is None else f"E={exit_layer} "
         for entry in report["greedy"]:
-            prefix = "" if exit_layer is None else f"E={exit_layer} "
             low, high = entry["measured_speedup_quartiles"]
             dynamic = (
                 f" threshold {entry['accept_threshold']:g} ({entry['drafts_per_round']:.2f} drafts per round)"
@@ -241,6 +282,12 @@ def main(argv: list[str] | None = None) -> int:
                 "measured "
                 f"(quartiles {low:.2f}-{high:.2f}), "
                 f"{entry['projected_speedup']:.2f}x projected (c={entry['draft_cost']:.3f})"
+            )
+        for bucket in report.get("by_context", []):
+            taus = ", ".join(f"K={e['k']}{_threshold(e)} tau {e['tau']:.3f}" for e in bucket["greedy"])
+            print(
+                f"{prefix}context {bucket['context_length']} ({bucket['prompts']} prompts, target loss "
+                f"{bucket['target_loss']:.3f}): {taus}"
             )
         print(f"loop share of the target's output: {report['loops']['share']:.1%}; best K: {report['best_k']}")
         if original is not None:

@@ -21,7 +21,7 @@ import logging
 import math
 import os
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -377,18 +377,28 @@ def evaluate_drafter(
     seed: int = 0,
     repeats: int = 1,
     accept_thresholds: Sequence[float] = (0.0,),
+    buckets: Mapping[int, Sequence[int]] | None = None,
 ) -> dict:
     """Greedy and sampling evaluation for every K and every threshold of dynamic draft length (``accept_thresholds``,
     0: off), each run side by side with the target alone
     (:func:`run_side_by_side`, ``repeats`` passes); the entries of ``greedy`` and ``sampling`` go by threshold, then
     K. Raises :class:`SpeculativeMismatchError` on a greedy mismatch that is not a near-tie of the target's logits
-    (trainer/decoding/identity.py); near-ties are logged and listed in each greedy entry's ``near_ties``."""
+    (trainer/decoding/identity.py); near-ties are logged and listed in each greedy entry's ``near_ties``.
+
+    ``buckets`` (context length -> the indices of its prompts, trainer/decoding/context.py) adds ``by_context``: per
+    bucket, in the order given, its ``context_length``, ``prompts``, ``loops`` and ``greedy`` and ``sampling`` entries
+    made as the pooled ones are, from the same decodes (the measured speedup from that bucket's ratios; ``identical``
+    and ``near_ties`` from that bucket's prompts, whose indices stay those of ``prompts``)."""
     if not accept_thresholds:
         raise ValueError("accept_thresholds: give at least one threshold (0: off)")
     run_prompts(target, NoProposer(), prompts[:1], 1, min(8, max_new_tokens), 0.0, eos_token_id)  # warm-up
     report: dict = {"greedy": [], "sampling": [], "temperature": temperature, "repeats": repeats}
     report["accept_thresholds"] = list(accept_thresholds)
     greedy_base, masks = None, None
+    by_context = [
+        {"context_length": length, "prompts": len(indices), "greedy": [], "sampling": []}
+        for length, indices in (buckets or {}).items()
+    ]
     for threshold, k in ((t, k) for t in accept_thresholds for k in ks):
         base, results, ratios = run_side_by_side(
             target,
@@ -404,33 +414,29 @@ def evaluate_drafter(
         if greedy_base is None:
             greedy_base = base
             report["loops"], masks = loop_statistics(greedy_base)
+            for bucket, indices in zip(by_context, (buckets or {}).values()):
+                bucket["loops"] = loop_statistics([greedy_base[i] for i in indices])[0]
         ties = check_identity(greedy_base, results, k, target, prompts)
         for tie in ties:
             log.warning(describe_near_tie(tie, k, next(target.parameters()).dtype))
-        entry = summarize(results, base, k, ratios, threshold)
-        inside, outside = [], []
-        for res, mask in zip(results, masks):
-            a, b = metrics.split_rounds_by_loop(res.rounds, mask)
-            inside += a
-            outside += b
-        entry.update(
-            identical=not ties,
-            near_ties=[dataclasses.asdict(t) for t in ties],
-            tau_in_loops=metrics.tau(inside),
-            tau_outside_loops=metrics.tau(outside),
-            rounds_in_loops=len(inside),
-            rounds_outside_loops=len(outside),
-        )
+        entry = _greedy_entry(results, base, masks, ratios, k, threshold, ties)
         report["greedy"].append(entry)
         log.info(
             "greedy K=%d threshold=%g tau=%.3f speedup=%.2f", k, threshold, entry["tau"], entry["measured_speedup"]
         )
+        for bucket, indices in zip(by_context, (buckets or {}).values()):
+            sub = _subset(indices, len(prompts), results, base, masks, ratios)
+            chosen = set(indices)
+            bucket["greedy"].append(_greedy_entry(*sub, k, threshold, [t for t in ties if t.prompt in chosen]))
     if temperature > 0:
         for threshold, k in ((t, k) for t in accept_thresholds for k in ks):
             base, results, ratios = run_side_by_side(
                 target, proposer, prompts, k, max_new_tokens, temperature, eos_token_id, seed, repeats, threshold,
             )  # fmt: skip
             report["sampling"].append(summarize(results, base, k, ratios, threshold))
+            for bucket, indices in zip(by_context, (buckets or {}).values()):
+                sub_results, sub_base, _, sub_ratios = _subset(indices, len(prompts), results, base, masks, ratios)
+                bucket["sampling"].append(summarize(sub_results, sub_base, k, sub_ratios, threshold))
     best = max(report["greedy"], key=lambda e: e["measured_speedup"])
     report["best_k"] = best["k"]
     report["best_accept_threshold"] = best["accept_threshold"]
@@ -440,4 +446,53 @@ def evaluate_drafter(
         "seconds": sum(r.total_seconds for r in greedy_base),
         "forward_seconds": _forward_seconds(greedy_base),
     }
+    if buckets is not None:
+        report["by_context"] = by_context
     return report
+
+
+def _greedy_entry(
+    results: Sequence[GenerationResult],
+    base: Sequence[GenerationResult],
+    masks: Sequence[Sequence[bool]],
+    ratios: Sequence[float],
+    k: int,
+    threshold: float,
+    ties: Sequence,
+) -> dict:
+    """One greedy entry: :func:`summarize`, whether the outputs were identical (and the near-ties), and tau inside and
+    outside the loops of the target's own output (``masks``, one per prompt)."""
+    entry = summarize(results, base, k, ratios, threshold)
+    inside, outside = [], []
+    for res, mask in zip(results, masks):
+        a, b = metrics.split_rounds_by_loop(res.rounds, mask)
+        inside += a
+        outside += b
+    entry.update(
+        identical=not ties,
+        near_ties=[dataclasses.asdict(t) for t in ties],
+        tau_in_loops=metrics.tau(inside),
+        tau_outside_loops=metrics.tau(outside),
+        rounds_in_loops=len(inside),
+        rounds_outside_loops=len(outside),
+    )
+    return entry
+
+
+def _subset(
+    indices: Sequence[int],
+    count: int,
+    results: Sequence[GenerationResult],
+    base: Sequence[GenerationResult],
+    masks: Sequence[Sequence[bool]],
+    ratios: Sequence[float],
+) -> tuple[list, list, list, list[float]]:
+    """The results, baseline results, loop masks and side-by-side ratios of the prompts ``indices`` (of ``count``
+    prompts; :func:`run_side_by_side` gives ``count`` ratios per pass)."""
+    passes = len(ratios) // count
+    return (
+        [results[i] for i in indices],
+        [base[i] for i in indices],
+        [masks[i] for i in indices],
+        [ratios[p * count + i] for p in range(passes) for i in indices],
+    )

@@ -1,4 +1,5 @@
-"""Writers for the ``draftsmith eval`` report: report.json, report.md and acceptance.png."""
+"""Writers for the ``draftsmith eval`` report: report.json, report.md and acceptance.png (and, when it measured by
+context length, acceptance_by_context.png)."""
 
 from __future__ import annotations
 
@@ -76,6 +77,7 @@ def markdown(report: dict) -> str:
             )
     lines += _near_tie_lines(report)
     lines += _threshold_section(report)
+    lines += _context_section(report)
     lines += ["", "## Acceptance per draft position (greedy)", ""]
     for e in report["greedy"]:
         rates = ", ".join(_fmt(a, 2) for a in e["acceptance_per_position"])
@@ -142,6 +144,45 @@ def _threshold_section(report: dict) -> list[str]:
     return lines
 
 
+def _context_section(report: dict) -> list[str]:
+    """By context length (``by_context``): per length, mode and K, tau, acceptance per draft position and the target's
+    own loss on the prompts."""
+    buckets = report.get("by_context")
+    if not buckets:
+        return []
+    lines = [
+        "",
+        "## By context length",
+        "",
+        "Prompts: the first L tokens of every document at least L + max new tokens long (per length, the",
+        "documents long enough). Target loss: the target's own mean next-token cross entropy over those prompts'",
+        "tokens (nats per token), so a drop of tau that the target's loss shares is the target's, not the drafter's.",
+        "Loops: the share of the target's greedy output in loops at that length. All lengths were decoded in one",
+        "run, greedy output checked against the target's at each.",
+    ]
+    for mode in ("greedy", "sampling"):
+        if not any(b[mode] for b in buckets):
+            continue
+        lines += [
+            "",
+            f"### {mode.capitalize()}" + (f" (temperature {report['temperature']})" if mode == "sampling" else ""),
+            "",
+            "| context (tokens) | prompts | target loss | loops | K | tau | tau off loops | acceptance per position "
+            "| measured |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for b in buckets:
+            for e in b[mode]:
+                rates = ", ".join(_fmt(a, 2) for a in e["acceptance_per_position"])
+                lines.append(
+                    f"| {b['context_length']} | {b['prompts']} | {_fmt(b.get('target_loss'))} "
+                    f"| {_fmt(100 * b['loops']['share'], 1)}% "
+                    f"| {e['k']}{_threshold_label(e)} | {_fmt(e['tau'])} | {_fmt(e.get('tau_outside_loops'))} "
+                    f"| {rates} | {_measured(e)} |"
+                )
+    return lines
+
+
 def _drift_lines(drift: dict | None) -> list[str]:
     """The changed target beside the model it was fine-tuned from (``--original_target``), when given."""
     if not drift:
@@ -192,12 +233,55 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_by_context(report: dict, path: Path) -> None:
+    """By context length: acceptance per draft position (one line per length, K and mode) and tau per length (one
+    line per K and mode), the target's own loss per length on a second axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    buckets = report["by_context"]
+    lengths = [b["context_length"] for b in buckets]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for mode, style in (("greedy", "-o"), ("sampling", "--s")):
+        for b in buckets:
+            for e in b[mode]:
+                positions = list(range(1, len(e["acceptance_per_position"]) + 1))
+                label = f"{mode} L={b['context_length']} K={e['k']}{_threshold_label(e)}"
+                left.plot(positions, e["acceptance_per_position"], style, label=label)
+        for i, first in enumerate(buckets[0][mode]):  # entries line up across buckets: same thresholds and Ks
+            taus = [b[mode][i]["tau"] for b in buckets]
+            right.plot(lengths, taus, style, label=f"{mode} K={first['k']}{_threshold_label(first)}")
+    left.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.05), title="Acceptance per draft position")
+    left.legend(fontsize=7)
+    left.xaxis.set_major_locator(MaxNLocator(integer=True))
+    right.set_xscale("log", base=2)
+    right.set_xticks(lengths, [str(n) for n in lengths])
+    right.set(xlabel="context length (prompt tokens)", ylabel="tau (tokens per target forward)", title="tau by context")
+    losses = [b.get("target_loss") for b in buckets]
+    if all(isinstance(x, float) and math.isfinite(x) for x in losses):
+        twin = right.twinx()
+        twin.plot(lengths, losses, ":^", color="gray", label="target loss")
+        twin.set_ylabel("target loss (nats per token)")
+        twin.legend(fontsize=7, loc="lower right")
+    right.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def write_report(report: dict, out_dir: str | Path) -> list[Path]:
-    """Write report.json, report.md and acceptance.png into ``out_dir`` (created); returns their paths."""
+    """Write report.json, report.md and acceptance.png into ``out_dir`` (created), and acceptance_by_context.png
+    when the report has ``by_context``; returns their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "report.json", out / "report.md", out / "acceptance.png"]
     paths[0].write_text(json.dumps(_clean(report), indent=2) + "\n", encoding="utf-8")
     paths[1].write_text(markdown(report), encoding="utf-8")
     plot(report, paths[2])
+    if report.get("by_context"):
+        paths.append(out / "acceptance_by_context.png")
+        plot_by_context(report, paths[3])
     return paths
