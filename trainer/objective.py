@@ -417,6 +417,16 @@ class DraftObjective(L.LightningModule):
         """The datamodule's sequence length (for FLOP counts), or ``default`` before a trainer is attached."""
         return int(getattr(self.attached_datamodule(), "seq_len", default))
 
+    def metrics_due(self) -> bool:
+        """Whether this step's metrics reach the loggers (Lightning writes a training step's every
+        ``log_every_n_steps``; evaluation and a module without a trainer: always). A metric that costs compute of its
+        own (EAGLE-3's expected acceptance, which needs the target's log-partition over the whole vocabulary) is
+        computed only then."""
+        if self._trainer is None or not self.training:
+            return True
+        connector = getattr(self.trainer, "_logger_connector", None)
+        return bool(getattr(connector, "should_update_logs", True))
+
     def weights_are_sharded(self) -> bool:
         """True under FSDP2 or ZeRO-3, where a parameter read outside its module's forward is only a shard.
 

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.recipe_runs import data_overrides, fit, merge, trainer_overrides
 from trainer.checkpoints.reading import load_training_checkpoint
+from trainer.compare.fit_logs import read_scalars
 from trainer.decoding.generate import speculative_generate
 from trainer.decoding.proposers import NoProposer
 from trainer.decoding.tree import DraftTree
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 def eagle3_override(run: Path, corpus, target: Path, max_steps: int, every_n: int, **model) -> dict:
     return merge(
-        trainer_overrides(run, max_steps=max_steps, every_n=every_n),
+        trainer_overrides(run, max_steps=max_steps, every_n=every_n, log_every_n_steps=every_n),
         data_overrides(corpus),
         {"model": {"init_args": {"target": str(target), "draft_vocab_size": 256, "ttt_steps": 3, **model}}},
     )
@@ -51,6 +52,12 @@ def test_fit_logs_per_step_accuracy_and_records_the_drafter(eagle3_run, tiny_cor
     run, cli = eagle3_run
     metrics = cli.trainer.callback_metrics
     assert {"train/acc_0", "train/acc_2", "val/acc_1"} <= set(metrics)
+    # the expected acceptance (with kl a metric whose whole-vocabulary log-partition is taken only on the steps whose
+    # metrics Lightning writes, DraftObjective.metrics_due) reaches TensorBoard at exactly the steps the others do
+    scalars = read_scalars(run / "tensorboard", ("train/acc_0", "train/alpha_0", "train/alpha_2"))
+    assert len(scalars["train/acc_0"]) >= 2
+    assert set(scalars["train/alpha_0"]) == set(scalars["train/alpha_2"]) == set(scalars["train/acc_0"])
+    assert all(0.0 < value < 1.0 for value in scalars["train/alpha_0"].values())
     state, record = load_training_checkpoint(str(run / "checkpoints" / "last.ckpt"))
     assert record["kind"] == "eagle3" and record["config"]["aux_layers"] == [0, 1, 2]
     assert record["draft_tokens"] == 3 and record["target_layers"] == [0, 1, 2]

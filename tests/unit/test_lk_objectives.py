@@ -136,6 +136,46 @@ def test_eagle3_alpha_counts_the_mass_outside_the_draft_vocabulary_as_rejected(t
         assert float(metrics[f"alpha_{i}"]) < float(objective_full[f"alpha_{i}"])
 
 
+@pytest.mark.parametrize("method", ["eagle3", "peagle"])
+def test_kl_skips_the_target_log_partition_on_steps_whose_metrics_are_not_logged(method, tmp_path, monkeypatch):
+    """With ``kl`` the expected acceptance is a metric only: on a step whose metrics Lightning does not write
+    (``metrics_due`` False) the target's whole-vocabulary log-partition is not taken (no [*, V] projection) and no
+    alpha is logged, with the same loss; an LK loss reads it every step."""
+    if method == "eagle3":
+        objective, ids, loss_mask = eagle3(tmp_path)
+    else:
+        tiny_llama(tmp_path / "target", tied=False)
+        objective = PEagle(str(tmp_path / "target"), draft_vocab_size=32, target_layers=[0, 1, 2], mask_token_id=63,
+                           num_depths=3, cod_ratio=0.8)  # fmt: skip
+        rows = torch.randint(0, 60, (2, 10), generator=torch.Generator().manual_seed(1))
+        objective.install_vocab_map([(rows.numpy(), (rows > 3).numpy())])
+        ids, loss_mask = rows[:, :-1], rows[:, 1:] > 3
+        fixed = objective.sample(loss_mask)  # the same COD-sampled elements in every call
+        monkeypatch.setattr(objective, "sample", lambda _mask: fixed)
+    batch = {"input_ids": ids, "loss_mask": loss_mask}
+    projected: list[int] = []  # the vocabulary width of every projection of the target's final states
+    project = objective.target.project
+    monkeypatch.setattr(objective.target, "project", lambda h, rows=None: projected.append(
+        objective.target_config.vocab_size if rows is None else len(rows)) or project(h, rows))  # fmt: skip
+    with torch.no_grad():
+        torch.manual_seed(0)
+        logged, logged_metrics = objective.compute_loss(batch)
+        assert objective.target_config.vocab_size in projected
+        projected.clear()
+        monkeypatch.setattr(objective, "metrics_due", lambda: False)
+        torch.manual_seed(0)
+        quiet, quiet_metrics = objective.compute_loss(batch)
+    assert objective.target_config.vocab_size not in projected
+    assert torch.equal(logged, quiet)
+    assert any(k.startswith("alpha_") for k in logged_metrics)
+    assert not any(k.startswith("alpha_") for k in quiet_metrics)
+    assert {k for k in logged_metrics if not k.startswith("alpha_")} == set(quiet_metrics)
+    objective.loss_spec = type(objective.loss_spec).from_options("tv", 3.0)
+    with torch.no_grad():
+        _, tv_metrics = objective.compute_loss(batch)
+    assert objective.target_config.vocab_size in projected and any(k.startswith("alpha_") for k in tv_metrics)
+
+
 def test_eagle3_kl_gradients_equal_the_definitions(tmp_path):
     """``kl`` trains the cross entropy against the renormalised soft labels: its gradients equal those of the KL of
     the definitions (lk_hybrid at eta 0: lambda = 1, autograd through trainer/distribution_loss.py), which differs from

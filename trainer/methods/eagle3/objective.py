@@ -304,9 +304,11 @@ class Eagle3(DraftObjective):
 
     def _online_signals(self, ids: torch.Tensor):
         """Runs the target: (fused [B, S - 1, H], embedding, argmax [B, S], its distribution over the draft vocabulary
-        renormalised [B, S, Vd], None, its mass there [B, S]; vocab_map.online_target_signals)."""
+        renormalised [B, S, Vd], None, its mass there [B, S] or None when neither the loss nor this step's logged
+        metrics read it; vocab_map.online_target_signals)."""
+        with_mass = not self.loss_spec.is_kl or self.metrics_due()  # alpha_i is logged only every N steps
         hidden, argmax, probs, mass = vocab_map.online_target_signals(
-            self.target, ids, self.drafter, self.labels == "soft"
+            self.target, ids, self.drafter, self.labels == "soft", with_mass
         )
         fused = self.drafter.fuse([h[:, :-1] for h in hidden])  # [B, S - 1, H]
         return fused, self.target.model.get_input_embeddings(), argmax, probs, None, mass
@@ -349,7 +351,7 @@ class Eagle3(DraftObjective):
         target_argmax: torch.Tensor,
         target_probs: torch.Tensor,
         label_ok: torch.Tensor | None,
-        target_mass: torch.Tensor,
+        target_mass: torch.Tensor | None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The training-time-test loss, whatever the source of the target's signals.
 
@@ -363,7 +365,8 @@ class Eagle3(DraftObjective):
                 labels).
             label_ok: [B, S] bool, False where a soft label is missing (not trained), or None (all present).
             target_mass: [B, S] the target's probability of the draft vocabulary: ``target_probs * target_mass`` is
-                its own, what the acceptance ``alpha_i`` and the losses other than ``kl`` are measured against.
+                its own, what the acceptance ``alpha_i`` and the losses other than ``kl`` are measured against; None
+                (``kl`` on a step whose metrics are not logged): ``alpha_i`` is not computed.
         """
         drafter = self.drafter
         B, S = ids.shape
@@ -391,7 +394,9 @@ class Eagle3(DraftObjective):
             if label_ok is not None:
                 mask = mask * label_ok[:, 1 + i :]
             log_q = torch.log_softmax(logits[:, :n].float(), dim=-1)  # [B, n, Vd]
-            own = target_probs[:, 1 + i :] * target_mass[:, 1 + i :, None]  # [B, n, Vd] not renormalised
+            own = None  # [B, n, Vd] the target's own probabilities (not renormalised), where known
+            if target_mass is not None:
+                own = target_probs[:, 1 + i :] * target_mass[:, 1 + i :, None]
             if self.labels == "soft":
                 if spec.is_kl:
                     per_pos = -(soft_labels[:, 1 + i :] * log_q).sum(-1)  # [B, n]
@@ -411,7 +416,9 @@ class Eagle3(DraftObjective):
                 trained = loss_mask[:, 1 + i :]
                 hits = (guess[:, :n] == target_argmax[:, 1 + i :]) & trained
                 accuracy = hits.sum().float() / trained.sum().clamp(min=1).float()
-                alpha = (acceptance(log_q.exp(), own) * trained).sum() / trained.sum().clamp(min=1).float()
+                alpha = None  # [] the mean expected acceptance, where the target's own probabilities are known
+                if own is not None:
+                    alpha = (acceptance(log_q.exp(), own) * trained).sum() / trained.sum().clamp(min=1).float()
             return out, k, v, loss_i, accuracy, alpha, guess
 
         hidden, tokens = fused, ids[:, 1:]
@@ -432,7 +439,8 @@ class Eagle3(DraftObjective):
             total = total + self.step_decay**i * loss_i
             metrics[f"acc_{i}"] = accuracy
             metrics[f"loss_{i}"] = loss_i.detach()
-            metrics[f"alpha_{i}"] = alpha
+            if alpha is not None:
+                metrics[f"alpha_{i}"] = alpha
             tokens = guess if data_tokens is None else data_tokens[:, i + 2 : i + 1 + S]  # [B, S - 1]
         return total, metrics
 

@@ -100,22 +100,25 @@ def draft_mass(target, final: torch.Tensor, draft_logits: torch.Tensor) -> torch
 
 
 def online_target_signals(
-    target, ids: torch.Tensor, drafter, soft: bool
-) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+    target, ids: torch.Tensor, drafter, soft: bool, with_mass: bool = True
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The frozen target's signals for an EAGLE-3 or P-EAGLE drafter over the batch ``ids`` [B, S].
 
     With soft labels the target's final hidden state is projected onto the draft vocabulary's rows of its lm_head
     only: no [B, S, V] logits are made (the full vocabulary costs 8x the projection at a 1/8 draft vocabulary, and
     at 8B is the step's largest tensor), and the argmax, for the accuracy metrics, is the target's most likely token
     of the draft vocabulary, as speculators reports it; the share of the draft vocabulary (:func:`draft_mass`) takes
-    the full vocabulary's log-partition a chunk of positions at a time. Argmax labels need the argmax over the whole
-    vocabulary (positions whose argmax is outside the draft vocabulary are skipped), so they project onto every row.
+    the full vocabulary's log-partition a chunk of positions at a time, skipped without ``with_mass`` (it costs as
+    much as the projection onto every row: the objectives ask for it when a loss or a logged metric reads it). Argmax
+    labels need the argmax over the whole vocabulary (positions whose argmax is outside the draft vocabulary are
+    skipped), so they project onto every row, and the mass comes with them.
 
     Returns:
         the hidden states of the drafter's aux layers (each [B, S, Ht]), the argmax [B, S] (target ids), the target's
         distribution over the draft vocabulary renormalised [B, S, Vd] (float32; the soft labels) and its mass there
-        before renormalising [B, S] (float32): their product is the target's own probabilities of the draft
-        vocabulary, what the expected acceptance is measured against (with either labels).
+        before renormalising [B, S] (float32; None with soft labels and not ``with_mass``): their product is the
+        target's own probabilities of the draft vocabulary, what the expected acceptance is measured against (with
+        either labels).
     """
     aux = list(drafter.config.aux_layers)
     rows = drafter.draft_ids()
@@ -129,5 +132,5 @@ def online_target_signals(
     out = target(ids, hidden_layers=[*aux, target.num_layers], logits=False)
     *hidden, final = out.hidden_states  # final: [B, S, Ht], the normed output lm_head projects
     logits = target.project(final, rows.to(final.device))  # [B, S, Vd]
-    mass = draft_mass(target, final, logits)  # [B, S]
+    mass = draft_mass(target, final, logits) if with_mass else None  # [B, S]
     return hidden, drafter.to_target_ids(logits.max(-1).indices), torch.softmax(logits.float(), dim=-1), mass

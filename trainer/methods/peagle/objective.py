@@ -227,7 +227,8 @@ class PEagle(Eagle3):
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, S] each
         drafter = self.drafter
-        hidden, argmax, probs, mass = online_target_signals(self.target, ids, drafter, soft=True)  # probs [B, S, Vd]
+        with_mass = not self.loss_spec.is_kl or self.metrics_due()  # alpha_d is logged only every N steps
+        hidden, argmax, probs, mass = online_target_signals(self.target, ids, drafter, True, with_mass)  # [B, S, Vd]
         aux = torch.cat([h[:, :-1] for h in hidden], dim=-1)  # [B, S - 1, n Ht]
         anchor, depth, valid = self.sample(loss_mask)  # [B, N] each
         return self.parallel_loss(ids, loss_mask, aux, probs, argmax, anchor, depth, valid, mass)
@@ -236,7 +237,8 @@ class PEagle(Eagle3):
         """The loss of sampled elements. ids, loss_mask, target_argmax: [B, S]; aux: [B, S - 1, n Ht] the
         concatenated target states; probs: [B, S, Vd] soft labels (renormalised over the draft vocabulary); anchor,
         depth, valid: [B, N]; mass: [B, S] the target's probability of the draft vocabulary (``probs * mass`` its
-        own probabilities, what ``alpha_d`` and the losses other than ``kl`` are measured against), None: 1."""
+        own probabilities, what ``alpha_d`` and the losses other than ``kl`` are measured against); None: the losses
+        take it as 1 and ``alpha_d`` is not computed (``kl`` on a step whose metrics are not logged)."""
         drafter = self.drafter
         B, N = anchor.shape
         n = ids.shape[1] - 2  # the depth-0 elements: anchors 0..S-3 in order (COD sampling's), placeholders after
@@ -259,7 +261,7 @@ class PEagle(Eagle3):
         metrics: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             hits = drafter.to_target_ids(logits.argmax(-1)) == target_argmax.gather(1, label)  # [B, N]
-            alpha = acceptance(torch.softmax(logits.float(), dim=-1), own)  # [B, N]
+            alpha = None if mass is None else acceptance(torch.softmax(logits.float(), dim=-1), own)  # [B, N]
         depth_total = logits.new_zeros((), dtype=torch.float32)
         for d in range(self.num_depths):
             m = (mask & (depth == d)).float()
@@ -269,7 +271,8 @@ class PEagle(Eagle3):
             depth_total = depth_total + self.step_decay**d * loss_d
             metrics[f"loss_{d}"] = loss_d.detach()
             metrics[f"acc_{d}"] = (hits.float() * m).sum() / m.sum()
-            metrics[f"alpha_{d}"] = (alpha * m).sum() / m.sum()
+            if alpha is not None:
+                metrics[f"alpha_{d}"] = (alpha * m).sum() / m.sum()
         metrics["elements"] = valid.sum().float() / B
         if self.loss_mean == "depth":
             return depth_total, metrics
