@@ -51,7 +51,8 @@ def cut_buckets(
             raise UsageError(f"--context_lengths {length}: a context length must be at least 1 token")
         if max_length is not None and length > max_length:
             raise UsageError(
-                f"--context_lengths {length}: longer than the {max_length} tokens the target's context leaves beside "
+                f"--context_lengths {length}: longer than the {max_length} tokens the target's context "
+                f"(max_position_embeddings {max_length + max_new_tokens}) leaves beside "
                 f"--max_new_tokens {max_new_tokens}",
                 hint="give shorter lengths, lower --max_new_tokens, or measure a target with a longer "
                 "max_position_embeddings",
