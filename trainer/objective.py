@@ -139,6 +139,7 @@ class DraftObjective(L.LightningModule):
         self._peak_flops: float | None = None
         self._step_started: float | None = None
         self._tokens_in_step = 0
+        self._rate_window = [0, 0.0]  # tokens and step seconds since train/tokens_per_s was last written
         self._tokens_seen = 0  # over every rank and step of the run, resumes included (kept in checkpoints)
         self._tokens_in_batch: int | None = None
         self._zero_grad_steps = 0
@@ -596,12 +597,19 @@ class DraftObjective(L.LightningModule):
             self.log("train/tokens", float(self._tokens_seen))
             self._log_final_tokens()
             elapsed = time.perf_counter() - (self._step_started or time.perf_counter())
-            if elapsed > 0:
-                tokens_per_s = self._tokens_in_step * self.trainer.world_size / elapsed
+            window = self._rate_window
+            window[0] += self._tokens_in_step * self.trainer.world_size
+            window[1] += elapsed
+            if window[1] > 0:
+                # over the steps since the last written value, not this step alone: a step whose metrics are written
+                # may compute more than the others (DraftObjective.metrics_due)
+                tokens_per_s = window[0] / window[1]
                 self.log("train/tokens_per_s", tokens_per_s, prog_bar=True)
                 if self._peak_flops:
                     mfu = tokens_per_s * self.flops_per_token() / (self._peak_flops * self.trainer.world_size)
                     self.log("train/mfu", mfu)
+            if self.metrics_due():
+                self._rate_window = [0, 0.0]
             self._step_started, self._tokens_in_step = None, 0
             self._save_last_if_final()
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -69,3 +70,52 @@ def test_an_objective_that_states_no_data_requirements_is_named():
 
     with pytest.raises(NotImplementedError, match="Bare does not say what its data must match"):
         Bare().setup("fit")
+
+
+class Clocked(Probe):
+    """A probe whose steps take 1 s of a fake clock, or 5 s on the steps whose metrics are written (as a metric that
+    costs compute of its own makes them: DraftObjective.metrics_due)."""
+
+    def __init__(self, target: str, clock: list[float]) -> None:
+        """
+        Args:
+            target: the target.
+            clock: the fake clock's time, a one-element list the test's perf_counter reads.
+        """
+        super().__init__(target)
+        self.clock, self.due = clock, []
+
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        due = self.metrics_due()
+        self.due.append(due)
+        self.clock[0] += 5.0 if due else 1.0
+        x = batch["input_ids"].float()[:, :4]  # [B, 4]
+        return self.head(x).pow(2).mean(), {}
+
+
+def test_tokens_per_s_is_the_rate_over_the_steps_since_the_last_written_value(tiny_corpus, tmp_path, monkeypatch):
+    """train/tokens_per_s is written every log_every_n_steps as the tokens of the steps since the last written value
+    over their step time, not the written step's own rate: metrics_due is True on exactly the written steps, which a
+    costly metric makes slower than the others."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+
+    import trainer.objective as objective_module
+
+    clock = [100.0]
+    monkeypatch.setattr(objective_module.time, "perf_counter", lambda: clock[0])
+    probe = Clocked(str(save_random_target(tmp_path / "target", tiny_corpus.tokenizer_dir)), clock)
+    monkeypatch.setattr(objective_module, "measure_matmul_peak", lambda *_: None)
+    B, S = 2, 8
+    rows = [{"input_ids": torch.full((S,), i), "loss_mask": torch.ones(S, dtype=torch.bool)} for i in range(12)]
+    loader = torch.utils.data.DataLoader(rows, batch_size=B)
+    logger = CSVLogger(str(tmp_path), name="log")
+    trainer = pl.Trainer(max_steps=6, log_every_n_steps=3, logger=logger, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")  # fmt: skip
+    trainer.fit(probe, loader)
+    assert probe.due == [False, False, True, False, False, True]
+    lines = (Path(logger.log_dir) / "metrics.csv").read_text().splitlines()
+    header = lines[0].split(",")
+    written = [dict(zip(header, line.split(","), strict=True)) for line in lines[1:]]
+    rates = {int(row["step"]): float(row["train/tokens_per_s"]) for row in written if row.get("train/tokens_per_s")}
+    assert rates == {2: pytest.approx(3 * B * S / 7.0), 5: pytest.approx(3 * B * S / 7.0)}
