@@ -223,7 +223,8 @@ def main_project(args: argparse.Namespace) -> int:
         save_rows(art, train_file, args.steps, rows)
     ours_run, theirs_dir = method_dir / "ours", method_dir / "speculators"
     lr, warmup = recipe_optim(args.method)
-    fit_args = f"{args.fit_args} --seed_everything {args.seed} --model.init_args.seed {args.seed}".strip()
+    seeds = f"--seed_everything {args.seed} --model.init_args.seed {args.seed} --data.init_args.seed {args.seed}"
+    fit_args = f"{args.fit_args} {seeds}".strip()
     if args.loss:
         fit_args = f"{fit_args} --model.init_args.loss {args.loss}"
         if args.loss != "kl" and args.method in ("eagle3", "peagle"):  # the recipes' argmax mix is the KL's alone
