@@ -123,7 +123,7 @@ def completions(art: Path, data: Path) -> Path:
     return done
 
 
-def save_rows(art: Path, train_file: Path, steps: int, out: Path) -> None:
+def save_rows(art: Path, train_file: Path, steps: int, out: Path, seed: int = 0) -> None:
     """The rows our data module serves for ``steps`` steps ([steps, 4, 257] token ids, [steps, 4, 257] trained flag
     of each token as a label) and the token counts of the trained tokens (speculators' ``token_freq.pt``)."""
     import torch
@@ -132,7 +132,7 @@ def save_rows(art: Path, train_file: Path, steps: int, out: Path) -> None:
 
     data = TextDataModule(
         tokenizer=str(art / "corpus" / "tokenizer"), train_files=[str(train_file)],
-        val_files=[str(art / "corpus" / "heldout.jsonl")], seq_len=SEQ, batch_size=ROWS,
+        val_files=[str(art / "corpus" / "heldout.jsonl")], seq_len=SEQ, batch_size=ROWS, seed=seed,
     )  # fmt: skip
     data.setup("fit")
     tokens, trained = [], []
@@ -220,7 +220,7 @@ def main_project(args: argparse.Namespace) -> int:
     method_dir = out / (args.name or args.method)
     rows = method_dir / "rows"
     if not (rows / "rows.pt").is_file():
-        save_rows(art, train_file, args.steps, rows)
+        save_rows(art, train_file, args.steps, rows, args.seed)  # in the order our data module seeded so serves
     ours_run, theirs_dir = method_dir / "ours", method_dir / "speculators"
     lr, warmup = recipe_optim(args.method)
     seeds = f"--seed_everything {args.seed} --model.init_args.seed {args.seed} --data.init_args.seed {args.seed}"
