@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from trainer.documents import allowed_keys, document_positions
 from trainer.errors import ModelFolderError, PathError, RecipeError, UserError
 from trainer.logit_scaling import LogitScaling
 
@@ -178,6 +179,61 @@ def resolve_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def document_attention(
+    model: PreTrainedModel,
+    document_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The ``attention_mask`` and ``position_ids`` that make an HF causal LM (transformers 5.24) run a packed row as
+    its documents alone: no token attends across documents, positions restart at each document's first token.
+
+    For the ``eager`` and ``sdpa`` attentions of a model without sliding-window layers, an explicit 4D mask
+    [B, 1, S, S] (boolean for sdpa, additive 0 / dtype-min for eager, the forms transformers' own masks take; a 4D
+    mask is used as given by ``masking_utils``). Otherwise (flash attention, flex, sliding-window layers) no mask:
+    transformers finds the documents from ``position_ids`` restarting at 0 (``find_packed_sequence_indices``, applied
+    when no 2D mask and no cache are given), which also keeps every layer's own window.
+
+    Args:
+        model: the HF causal LM (or its decoder) the inputs are for.
+        document_ids: [B, S] int64, non-decreasing along each row (trainer/documents.py).
+        attention_mask: [B, S] padding mask (1 = a real token), or None; combined with the documents in the 4D mask.
+        position_ids: must be None: the positions are the documents' own.
+
+    Returns:
+        (attention_mask, position_ids): a [B, 1, S, S] mask or None, and [B, S] positions.
+    """
+    if position_ids is not None:
+        raise ValueError("document_ids and position_ids are exclusive: the positions are counted within each document")
+    if document_ids.ndim != 2:
+        raise ValueError(f"document_ids must be [B, S], got shape {tuple(document_ids.shape)}")
+    positions = document_positions(document_ids)  # [B, S]
+    config = model.config
+    implementation = getattr(config, "_attn_implementation", None) or "eager"
+    sliding = getattr(config, "sliding_window", None) is not None and any(
+        kind != "full_attention" for kind in (getattr(config, "layer_types", None) or ["sliding_attention"])
+    )
+    if implementation not in ("eager", "sdpa") or sliding:
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError(
+                f"document_ids with a padding attention_mask needs the eager or sdpa attention without sliding "
+                f"windows (this model: {implementation}{', sliding window' if sliding else ''})"
+            )
+        return None, positions
+    index = torch.arange(document_ids.shape[1], device=document_ids.device)  # [S]
+    allowed = allowed_keys(index, index, document_ids, document_ids)  # [B, S, S]
+    if attention_mask is not None:
+        allowed = allowed & attention_mask.bool()[:, None, :]  # [B, S, S]
+        allowed = allowed | torch.eye(allowed.shape[-1], dtype=torch.bool, device=allowed.device)  # a padded query
+        # keeps itself: a row without any key would give NaN in sdpa (its output is never read)
+    allowed = allowed[:, None]  # [B, 1, S, S]
+    if implementation == "sdpa":
+        return allowed, positions
+    dtype = model.get_input_embeddings().weight.dtype
+    additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)  # [B, 1, S, S]
+    return additive.masked_fill(~allowed, torch.finfo(dtype).min), positions
+
+
 @dataclass
 class TargetOutput:
     """What a target forward returns.
@@ -277,15 +333,31 @@ class FrozenTarget(nn.Module):
         logits = nn.functional.linear(hidden, weight, bias)  # [..., R]
         return self.logit_scaling(logits)  # [..., R]
 
-    def final_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def final_hidden(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The normalised last hidden state, [B, S, H]: ``logit_scaling(lm_head(final_hidden))`` gives the logits.
 
         Used by chunked losses, which project to the vocabulary one chunk of positions at a time (and apply
         :attr:`logit_scaling` to each chunk, ``teacher_scaling`` of :func:`trainer.losses.fused_kd_loss`).
+
+        Args:
+            input_ids: [B, S] token ids.
+            attention_mask: [B, S] padding mask, or None.
+            document_ids: [B, S] the document of every position of a packed row (trainer/documents.py), or None:
+                each document is then run as if alone (:func:`document_attention`).
         """
         with torch.no_grad():
             backbone = self.model.get_decoder()
-            return backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+            position_ids = None
+            if document_ids is not None:
+                attention_mask, position_ids = document_attention(backbone, document_ids, attention_mask)
+            return backbone(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            ).last_hidden_state
 
     @torch.no_grad()
     def forward(
@@ -297,15 +369,33 @@ class FrozenTarget(nn.Module):
         use_cache: bool = False,
         position_ids: torch.Tensor | None = None,
         logits: bool = True,
+        document_ids: torch.Tensor | None = None,
     ) -> TargetOutput:
-        """input_ids: [B, S]; hidden_layers: indices into HF ``hidden_states`` (0 embeddings, L final normed output);
-        ``logits`` False skips the output projection (no [B, S, V] tensor: ask for layer L and project what is
-        needed, as EAGLE-3's soft labels project onto the draft vocabulary only)."""
+        """One forward of the target.
+
+        Args:
+            input_ids: [B, S] token ids.
+            attention_mask: [B, S] padding mask, or None.
+            hidden_layers: indices into HF ``hidden_states`` (0 embeddings, L final normed output).
+            cache: a KV cache to extend, or None.
+            use_cache: return the updated cache.
+            position_ids: [B, S] positions, or None (HF counts from the cache's length).
+            logits: False skips the output projection (no [B, S, V] tensor: ask for layer L and project what is
+                needed, as EAGLE-3's soft labels project onto the draft vocabulary only).
+            document_ids: [B, S] int64 the document of every position of a packed row (trainer/documents.py), or
+                None (one document per row): no position attends across documents and positions restart at each
+                document's first token, so every document's hidden states and logits are those of it alone
+                (:func:`document_attention`). Exclusive with ``position_ids`` and with a cache.
+        """
         L = self.num_layers
         for i in hidden_layers:
             if not 0 <= i <= L:
                 raise ValueError(f"hidden layer index {i} out of range: the target has hidden_states 0..{L}")
         model = self.model if logits else self.model.get_decoder()
+        if document_ids is not None:
+            if cache is not None or use_cache:
+                raise ValueError("document_ids is for training forwards over packed rows: not with a KV cache")
+            attention_mask, position_ids = document_attention(model, document_ids, attention_mask, position_ids)
         out = model(
             input_ids=input_ids,
             attention_mask=attention_mask,
