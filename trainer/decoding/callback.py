@@ -31,10 +31,12 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from trainer.decoding import metrics
+from trainer.decoding.context import cut_buckets, target_loss_by_context
 from trainer.decoding.evaluate import load_prompts, loop_statistics, run_prompts
 from trainer.decoding.identity import check_identity
 from trainer.decoding.options import ProposerOptions
-from trainer.decoding.proposers import NoProposer
+from trainer.decoding.proposers import NoProposer, Proposer
+from trainer.errors import UsageError
 from trainer.registry import DrafterRecord, get_kind
 
 
@@ -64,6 +66,8 @@ class SpeculativeEvalCallback(pl.Callback):
         options: ProposerOptions = ProposerOptions(),
         seed: int = 0,
         eos_token_id: int | None = None,
+        context_lengths: list[int] | None = None,
+        documents: str | list[list[int]] | None = None,
     ) -> None:
         """
         Args:
@@ -80,6 +84,11 @@ class SpeculativeEvalCallback(pl.Callback):
                 ``accept_threshold``: dynamic draft length).
             seed: seed of the sampling mode.
             eos_token_id: token that ends a generation, or None for the full budget.
+            context_lengths: also measure by context length (``draftsmith eval --context_lengths``): for each L, the
+                first L tokens of every ``documents`` document at least L + ``max_new_tokens`` tokens long (the first
+                ``max_prompts`` of them), logged as ``spec_eval/tau_ctx{L}`` and the like; None: off.
+            documents: the long documents those prompts are cut from: a jsonl file in any of ``prompts``' line
+                formats (such as the corpus' held-out file), each read whole, or token lists; None: ``prompts``.
         """
         super().__init__()
         if k < 1 or max_new_tokens < 1 or every_n_steps < 1 or prompt_tokens < 0 or temperature < 0:
@@ -89,6 +98,16 @@ class SpeculativeEvalCallback(pl.Callback):
             )
         if isinstance(prompts, str) and not prompts:
             raise ValueError("SpeculativeEvalCallback needs prompts: a jsonl file or token lists")
+        if context_lengths is not None and (not context_lengths or any(n < 1 for n in context_lengths)):
+            raise UsageError(
+                f"SpeculativeEvalCallback: context_lengths {context_lengths}: give a non-empty list of lengths >= 1 "
+                "(or null: off)"
+            )
+        self.context_lengths = sorted(set(context_lengths)) if context_lengths else None
+        self.documents = prompts if documents is None else documents
+        self.buckets: dict[int, list[list[int]]] | None = None
+        self._context_reference: dict[int, list] = {}
+        self._context_losses: dict[int, dict] | None = None
         self.source = prompts
         self.prompt_tokens, self.max_prompts = prompt_tokens, max_prompts
         self.k, self.max_new_tokens, self.every_n_steps = k, max_new_tokens, every_n_steps
@@ -99,26 +118,42 @@ class SpeculativeEvalCallback(pl.Callback):
         self._last_step = -1
         self.last: dict[str, float] = {}
 
-    def _load_prompts(self, record: DrafterRecord) -> list[list[int]]:
-        if isinstance(self.source, str | Path):
+    @staticmethod
+    def _read(source: str | Path | list[list[int]], record: DrafterRecord, cut: int | None) -> list[list[int]]:
+        """Token ids of a jsonl file (read with the drafter's tokenizer) or of token lists, each cut to ``cut``."""
+        if isinstance(source, str | Path):
             from transformers import AutoTokenizer
 
             if not record.tokenizer:
                 raise ValueError("SpeculativeEvalCallback: the drafter record names no tokenizer to read the prompts")
             tokenizer = AutoTokenizer.from_pretrained(record.tokenizer)
-            prompts = load_prompts(self.source, tokenizer, cut=self.prompt_tokens or None)
-        else:
-            prompts = [list(p)[: self.prompt_tokens or None] for p in self.source]
+            return load_prompts(source, tokenizer, cut=cut)
+        return [list(p)[:cut] for p in source]
+
+    def _load_prompts(self, record: DrafterRecord) -> list[list[int]]:
+        prompts = self._read(self.source, record, self.prompt_tokens or None)
         if not prompts:
             raise ValueError("SpeculativeEvalCallback needs at least one prompt")
         return prompts[: self.max_prompts] if self.max_prompts > 0 else prompts
+
+    def _cut_buckets(self, record: DrafterRecord, target: PreTrainedModel) -> dict[int, list[list[int]]]:
+        """The prompts of every context length, cut as ``draftsmith eval --context_lengths`` cuts them."""
+        context = getattr(target.config, "max_position_embeddings", None)
+        source = str(self.documents) if isinstance(self.documents, str | Path) else "the documents given"
+        return cut_buckets(
+            self._read(self.documents, record, None), self.context_lengths, self.max_new_tokens,
+            context - self.max_new_tokens if context else None, self.max_prompts, source,
+            "SpeculativeEvalCallback: context_lengths", "max_new_tokens",
+        )  # fmt: skip
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Check the module before training starts: a module that cannot be measured fails now, not at step N."""
         if not isinstance(pl_module, SpeculativeEvalModule):
             raise TypeError(f"{type(pl_module).__name__} does not implement the SpeculativeEvalCallback protocol")
-        pl_module.speculative_eval_target()
+        target = pl_module.speculative_eval_target()
         self.prompts = self._load_prompts(pl_module.drafter_record())
+        if self.context_lengths:
+            self.buckets = self._cut_buckets(pl_module.drafter_record(), target)
 
     def evaluate(self, pl_module: pl.LightningModule) -> dict[str, float]:
         """Run the evaluation now; returns the values logged."""
@@ -126,6 +161,8 @@ class SpeculativeEvalCallback(pl.Callback):
         record = pl_module.drafter_record()
         if self.prompts is None:
             self.prompts = self._load_prompts(record)
+        if self.context_lengths and self.buckets is None:
+            self.buckets = self._cut_buckets(record, target)
         kind = get_kind(record.kind, type(pl_module).__name__)
         was_training = pl_module.training
         pl_module.eval()
@@ -136,7 +173,8 @@ class SpeculativeEvalCallback(pl.Callback):
                 proposer.check_k(self.k)
                 # a target that trains (Medusa-2, LayerSkip, MTP heads fine-tunes: the model drafts for itself)
                 # changes its own greedy output between evaluations: its reference is decoded anew each time
-                if self._reference is None or any(p.requires_grad for p in target.parameters()):
+                trains = any(p.requires_grad for p in target.parameters())
+                if self._reference is None or trains:
                     self._reference = run_prompts(
                         target, NoProposer(), self.prompts, 1, self.max_new_tokens, 0.0, self.eos_token_id
                     )
@@ -155,9 +193,40 @@ class SpeculativeEvalCallback(pl.Callback):
                         self.eos_token_id, self.seed, threshold,
                     )  # fmt: skip
                     values.update(self._values(sampled, "_sampling"))
+                if self.buckets and (self._context_losses is None or trains):  # changes only if the target trains
+                    self._context_losses = target_loss_by_context(target, self.buckets)
+                for length, prompts in (self.buckets or {}).items():
+                    values.update(self._context_values(target, proposer, length, prompts, trains))
         finally:
             pl_module.train(was_training)
         self.last = values
+        return values
+
+    def _context_values(
+        self, target: PreTrainedModel, proposer: Proposer, length: int, prompts: list[list[int]], trains: bool
+    ) -> dict[str, float]:
+        """The values of one context length's prompts, decoded on their own (suffix ``_ctx{length}``)."""
+        suffix = f"_ctx{length}"
+        if length not in self._context_reference or trains:
+            self._context_reference[length] = run_prompts(
+                target, NoProposer(), prompts, 1, self.max_new_tokens, 0.0, self.eos_token_id
+            )
+        reference = self._context_reference[length]
+        threshold = self.options.accept_threshold
+        greedy = run_prompts(
+            target, proposer, prompts, self.k, self.max_new_tokens, 0.0, self.eos_token_id, accept_threshold=threshold
+        )
+        ties = check_identity(reference, greedy, self.k, target, prompts)
+        values = self._values(greedy, suffix)
+        values[f"spec_eval/near_ties{suffix}"] = float(len(ties))
+        values[f"spec_eval/loop_share{suffix}"] = loop_statistics(reference)[0]["share"]
+        values[f"spec_eval/target_loss{suffix}"] = (self._context_losses or {})[length]["target_loss"]
+        if self.temperature > 0:
+            sampled = run_prompts(
+                target, proposer, prompts, self.k, self.max_new_tokens, self.temperature, self.eos_token_id,
+                self.seed, threshold,
+            )  # fmt: skip
+            values.update(self._values(sampled, f"_sampling{suffix}"))
         return values
 
     def _values(self, results, suffix: str) -> dict[str, float]:

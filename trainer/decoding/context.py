@@ -29,6 +29,8 @@ def cut_buckets(
     max_length: int | None = None,
     max_prompts: int = 0,
     source: str = "the documents",
+    lengths_key: str = "--context_lengths",
+    budget_key: str = "--max_new_tokens",
 ) -> dict[int, list[list[int]]]:
     """The prompts of every context length: the first L tokens of every document of at least L + ``max_new_tokens``
     tokens, in the documents' order.
@@ -40,6 +42,8 @@ def cut_buckets(
         max_length: the longest prompt the target's context leaves beside the output budget (None: no limit).
         max_prompts: keep the first this many prompts of each bucket (0: all).
         source: what the documents are (a file name), for the refusals.
+        lengths_key: how the refusals name the lengths (eval's flag; a recipe key elsewhere).
+        budget_key: how the refusals name the output budget.
 
     Raises:
         UsageError: a length over ``max_length``, naming both.
@@ -48,21 +52,21 @@ def cut_buckets(
     buckets: dict[int, list[list[int]]] = {}
     for length in sorted(set(lengths)):
         if length < 1:
-            raise UsageError(f"--context_lengths {length}: a context length must be at least 1 token")
+            raise UsageError(f"{lengths_key} {length}: a context length must be at least 1 token")
         if max_length is not None and length > max_length:
             raise UsageError(
-                f"--context_lengths {length}: longer than the {max_length} tokens the target's context "
+                f"{lengths_key} {length}: longer than the {max_length} tokens the target's context "
                 f"(max_position_embeddings {max_length + max_new_tokens}) leaves beside "
-                f"--max_new_tokens {max_new_tokens}",
-                hint="give shorter lengths, lower --max_new_tokens, or measure a target with a longer "
+                f"{budget_key} {max_new_tokens}",
+                hint=f"give shorter lengths, lower {budget_key}, or measure a target with a longer "
                 "max_position_embeddings",
             )
         bucket = [list(doc[:length]) for doc in documents if len(doc) >= length + max_new_tokens]
         if not bucket:
             longest = max((len(doc) for doc in documents), default=0)
             raise DataError(
-                f"--context_lengths {length}: no document of {source} has the {length + max_new_tokens} tokens a "
-                f"{length}-token prompt and --max_new_tokens {max_new_tokens} need (the longest has {longest})",
+                f"{lengths_key} {length}: no document of {source} has the {length + max_new_tokens} tokens a "
+                f"{length}-token prompt and {budget_key} {max_new_tokens} need (the longest has {longest})",
                 hint="give shorter lengths or a file of longer documents",
             )
         buckets[length] = bucket[:max_prompts] if max_prompts > 0 else bucket
