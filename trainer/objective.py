@@ -28,7 +28,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import lightning as L
 import torch
@@ -128,6 +128,10 @@ def lr_factor(step: int, optim: Optim, total_steps: int) -> float:
 class DraftObjective(L.LightningModule):
     """Shared training logic. Every objective subclasses this, or the objective of the one method it extends (a method
     family: P-EAGLE's extends EAGLE-3's, DSpark's DFlash's)."""
+
+    # Whether every forward of this objective over the batch (target and drafter) passes the batch's document_ids
+    # (trainer/documents.py) to its attention; otherwise data.document_masking is refused (check_document_masking).
+    honours_document_ids: ClassVar[bool] = False
 
     def __init__(self, optim: Optim = Optim()) -> None:
         """
@@ -287,6 +291,15 @@ class DraftObjective(L.LightningModule):
         """The trainer's datamodule, or None outside a trainer."""
         return getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
 
+    def check_document_masking(self, datamodule) -> None:
+        """Refuses packed rows with document masking (``data.document_masking``) for an objective whose forwards
+        would ignore their ``document_ids`` (:attr:`honours_document_ids` False) and train across documents."""
+        if getattr(datamodule, "document_masking", False) and not self.honours_document_ids:
+            raise RecipeError(
+                f"data.document_masking=true: {type(self).__name__} does not pass document_ids to its attention "
+                "(it would attend across documents); set data.document_masking=false"
+            )
+
     def setup(self, stage: str) -> None:
         """Refuses data the objective cannot train on: :meth:`check_data` of the trainer's datamodule against
         :meth:`data_requirements`. An objective that checks more overrides this and calls it first."""
@@ -307,6 +320,7 @@ class DraftObjective(L.LightningModule):
         Returns:
             The set-up ShardDataModule (shards), else None.
         """
+        self.check_document_masking(datamodule)
         width, vocab_size, name = requirements.width, requirements.vocab_size, requirements.name
         target_layers, hidden_size = requirements.target_layers, requirements.hidden_size
         check_context(self.target_config, getattr(datamodule, "seq_len", None), self.target_path)
@@ -358,6 +372,7 @@ class DraftObjective(L.LightningModule):
         Raises:
             TokenizerError: the model holds no tokenizer, or the data's differs (named by both folders).
         """
+        self.check_document_masking(datamodule)
         check_context(self.target_config, getattr(datamodule, "seq_len", None), self.target_path)
         if self.target_signals == "shards":
             return

@@ -234,6 +234,20 @@ def document_attention(
     return additive.masked_fill(~allowed, torch.finfo(dtype).min), positions
 
 
+def document_kwargs(model: PreTrainedModel, document_ids: torch.Tensor | None) -> dict[str, torch.Tensor | None]:
+    """The ``attention_mask`` and ``position_ids`` keyword arguments of an HF forward of ``model`` over packed rows
+    (:func:`document_attention`), or no arguments when ``document_ids`` is None (one document per row).
+
+    Args:
+        model: the HF causal LM (or its decoder), e.g. a KD student.
+        document_ids: [B, S] the batch's ``document_ids``, or None.
+    """
+    if document_ids is None:
+        return {}
+    attention_mask, position_ids = document_attention(model, document_ids)
+    return {"attention_mask": attention_mask, "position_ids": position_ids}
+
+
 @dataclass
 class TargetOutput:
     """What a target forward returns.

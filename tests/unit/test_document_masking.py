@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import tiny_llama, tiny_model
+from tests.helpers import text_datamodule, tiny_llama, tiny_model, write_jsonl
+from trainer.errors import RecipeError
 from trainer.target import FrozenTarget
 
 # --------------------------------------------------------------------------------------------------- the target
@@ -61,3 +62,142 @@ def test_document_ids_refuse_a_cache_and_explicit_positions():
         target(ids, document_ids=documents, use_cache=True)
     with pytest.raises(ValueError, match="exclusive"):
         target(ids, document_ids=documents, position_ids=torch.arange(7)[None])
+
+
+# ----------------------------------------------------------------------------------------------------------- data
+
+DOCS = [f"def f{i}(x):\n    return x * {i} + {i * i}\n" * (1 + i % 4) for i in range(14)]
+
+
+def alone(tok, docs: list[str]) -> tuple[list[int], list[int]]:
+    """Each document tokenized alone with its EOS, concatenated: the stream and the document of every token."""
+    stream, owner = [], []
+    for d, text in enumerate(docs):
+        ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        stream += ids
+        owner += [d] * len(ids)
+    return stream, owner
+
+
+def dense(owners: list[int]) -> list[int]:
+    """Documents renumbered from 0 along a row, one more at every change."""
+    out = [0]
+    for a, b in zip(owners, owners[1:]):
+        out.append(out[-1] + (a != b))
+    return out
+
+
+def test_batches_carry_the_packers_document_boundaries(tiny_corpus, tok, tmp_path):
+    """document_ids against each document tokenized alone, a document holding EOS inside included (boundaries are not
+    guessed from EOS); a document's first token is no label."""
+    docs = DOCS[:5] + [f"a = 1{tok.eos_token}b = 2\n"] + DOCS[5:]
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in docs])
+    seq = 16
+    dm = text_datamodule(
+        tiny_corpus, tmp_path, train_files=[data], seq_len=seq, batch_size=3, shuffle=False, document_masking=True
+    )
+    dm.setup("fit")
+    stream, owner = alone(tok, docs)
+    assert stream.count(tok.eos_token_id) == len(docs) + 1
+    first = [t == 0 or owner[t] != owner[t - 1] for t in range(len(stream))]
+    assert len(dm.train_dataset) == (len(stream) - 1) // seq  # no row lacks a trained label here
+    for r in range(len(dm.train_dataset)):
+        item = dm.train_dataset[r]
+        span = range(r * seq, r * seq + seq)
+        assert item["input_ids"].tolist() == [stream[t] for t in span]
+        assert item["document_ids"].tolist() == dense([owner[t] for t in span])
+        assert item["loss_mask"].tolist() == [not first[t + 1] for t in span]
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["document_ids"].shape == (3, seq) and batch["document_ids"].dtype == torch.long
+    assert (batch["document_ids"][:, 0] == 0).all() and (batch["document_ids"].diff(dim=1) >= 0).all()
+    val = text_datamodule(
+        tiny_corpus, tmp_path, train_files=[data], val_files=[data], seq_len=seq, document_masking=True
+    )
+    val.setup("fit")
+    assert next(iter(val.val_dataloader()))["document_ids"].shape[1] == seq
+
+
+def test_document_masking_without_packing_is_refused(tiny_corpus, tmp_path):
+    with pytest.raises(RecipeError, match="document_masking.*pack"):
+        text_datamodule(tiny_corpus, tmp_path, train_files=[], pack=False, document_masking=True)
+
+
+# ----------------------------------------------------------------------------------------------------- objectives
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("target")
+    tiny_llama(4, vocab=64, dtype=torch.float32).save_pretrained(path)
+    return str(path)
+
+
+def packed_batch(lengths: list[int], vocab: int = 64, seed: int = 2) -> dict[str, torch.Tensor]:
+    """One packed row of documents of these lengths: a document's last position (whose label would be the next
+    document's first token) is not trained, as TextDataModule serves it with document masking."""
+    ids, documents = packed_row([lengths], vocab, seed)  # [1, S] each
+    mask = torch.ones_like(ids, dtype=torch.bool)  # [1, S]
+    mask[0, :-1] = documents[0, 1:] == documents[0, :-1]
+    labels = torch.where(mask, ids.roll(-1, 1), torch.full_like(ids, -100))  # [1, S]
+    return {"input_ids": ids, "labels": labels, "loss_mask": mask, "document_ids": documents}
+
+
+def per_document_sum(loss_of, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed row's loss times its trained positions, and the sum of each document's loss (computed alone, as
+    a row of its own) times its trained positions."""
+    packed = loss_of(batch) * batch["loss_mask"].sum()
+    total = torch.zeros((), dtype=packed.dtype)
+    for span in each_alone(batch["document_ids"], 0):
+        alone = {k: v[:, span] for k, v in batch.items() if k != "document_ids"}
+        total = total + loss_of(alone) * alone["loss_mask"].sum()
+    return packed, total
+
+
+@pytest.mark.parametrize("loss", ["kl", "tv"])
+def test_kd_loss_of_a_packed_row_is_the_sum_of_each_documents_own(target_dir, loss):
+    from trainer.methods.draft_model.kd import KnowledgeDistillation
+
+    model = KnowledgeDistillation(
+        target=target_dir, drafter_config={"num_hidden_layers": 1}, loss=loss, loss_chunk_size=5, alpha=0.3
+    )
+    batch = packed_batch([6, 3, 8, 5])
+    packed, total = per_document_sum(lambda b: model.compute_loss(b)[0], batch)
+    torch.testing.assert_close(packed, total, atol=1e-5, rtol=1e-5)
+    unmasked = model.compute_loss({k: v for k, v in batch.items() if k != "document_ids"})[0]
+    assert not torch.isclose(unmasked * batch["loss_mask"].sum(), total, atol=1e-3)
+
+
+def test_on_policy_distills_a_packed_row_per_document_and_prompts_stay_in_the_first(target_dir):
+    from trainer.methods.draft_model.on_policy import OnPolicyDistillation
+
+    model = OnPolicyDistillation(
+        target=target_dir, drafter_config={"num_hidden_layers": 1}, lmbda=0.0, prompt_len=9, loss_chunk_size=4
+    ).eval()
+    batch = packed_batch([4, 7, 5], seed=3)
+    packed, total = per_document_sum(lambda b: model.compute_loss(b)[0], batch)
+    torch.testing.assert_close(packed, total, atol=1e-5, rtol=1e-5)
+    generated = model.generate(model.student, batch, sample_seed=0)
+    assert int(generated.prompt_lengths.max()) == 4  # the first document, not prompt_len tokens across two
+
+
+def test_objectives_that_ignore_document_ids_refuse_document_masking(tiny_corpus, tmp_path):
+    from trainer.methods.draft_model.pretrain import CausalLMPretraining
+    from trainer.objective import DraftObjective
+
+    class Ignoring(DraftObjective):
+        """An objective whose forwards would attend across documents."""
+
+    data = text_datamodule(tiny_corpus, tmp_path, train_files=[], document_masking=True)
+    with pytest.raises(RecipeError, match="document_masking=true: Ignoring does not pass document_ids"):
+        Ignoring().check_document_masking(data)
+    CausalLMPretraining(tokenizer=tiny_corpus.tokenizer_dir).check_document_masking(data)  # it honours them
+
+
+def test_precompute_refuses_document_masking(tiny_corpus, tmp_path, target_dir):
+    from trainer.data.precompute import precompute
+    from trainer.errors import UsageError
+
+    data = text_datamodule(tiny_corpus, tmp_path, train_files=[], document_masking=True)
+    with pytest.raises(UsageError, match="document_masking=true: precomputed shards store no document boundaries"):
+        precompute(data, target_dir, str(tmp_path / "shards"))
+    assert not (tmp_path / "shards").exists()

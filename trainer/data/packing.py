@@ -5,6 +5,9 @@ A row holds `seq_len + 1` token ids and a per-token "trained" flag; an example b
     input_ids  [S] long   row[:-1]
     labels     [S] long   row[1:] (the next token), IGNORE_INDEX where it is not trained
     loss_mask  [S] bool   True where labels is trained (aligned with labels)
+    document_ids [S] long (rows packed with document masking only) the document of each input position within its
+                 row, counted from 0 (trainer/documents.py): row[0] may be the tail of a document cut at the previous
+                 row; it is document 0 of this row
 
 A row "has nothing to train" when no label is trained (`trained[1:]` all False; `trained[0]` is never a label of its
 row). `label_sources` tells which stream (file) each label of a row comes from, so that callers can drop such rows
@@ -24,17 +27,22 @@ MIN_PAD_TOKENS = 2  # pad_rows drops streams shorter than this: one token gives 
 class TokenRows(Dataset):
     """Rows of `seq_len + 1` tokens with a trained flag per token, served as next-token examples."""
 
-    def __init__(self, ids: np.ndarray, trained: np.ndarray) -> None:
+    def __init__(self, ids: np.ndarray, trained: np.ndarray, starts: np.ndarray | None = None) -> None:
         """Wrap the arrays.
 
         Args:
             ids: [R, S + 1] token ids.
             trained: [R, S + 1] bool, True where a token is a training target.
+            starts: [R, S + 1] bool, True where a token is the first of its document (`document_starts`), or None:
+                with it every example carries `document_ids`.
         """
         if ids.shape != trained.shape or ids.ndim != 2:
             raise ValueError(f"ids {ids.shape} and trained {trained.shape} must be equal 2-d shapes")
+        if starts is not None and starts.shape != ids.shape:
+            raise ValueError(f"starts {starts.shape} must have the shape of ids {ids.shape}")
         self.ids = ids
         self.trained = trained
+        self.starts = starts
 
     def __len__(self) -> int:
         return self.ids.shape[0]
@@ -43,7 +51,17 @@ class TokenRows(Dataset):
         row = torch.from_numpy(self.ids[index].astype(np.int64))  # [S + 1]
         trained = torch.from_numpy(self.trained[index, 1:].copy())  # [S]
         labels = torch.where(trained, row[1:], torch.full_like(row[1:], IGNORE_INDEX))  # [S]
-        return {"input_ids": row[:-1], "labels": labels, "loss_mask": trained}
+        example = {"input_ids": row[:-1], "labels": labels, "loss_mask": trained}
+        if self.starts is not None:
+            example["document_ids"] = document_ids(self.starts[index])
+        return example
+
+
+def document_ids(starts: np.ndarray) -> torch.Tensor:
+    """[S] int64 the document of each input position of a row of S + 1 tokens whose document starts are ``starts``
+    [S + 1] bool: 0 for the row's first token (whether or not a document starts there), one more at every start."""
+    counts = np.cumsum(starts[1:-1], dtype=np.int64)  # [S - 1] starts among tokens 1..t
+    return torch.from_numpy(np.concatenate([np.zeros(1, np.int64), counts]))  # [S]
 
 
 def pack_rows(streams: list[tuple[np.ndarray, np.ndarray]], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -58,6 +76,22 @@ def pack_rows(streams: list[tuple[np.ndarray, np.ndarray]], seq_len: int) -> tup
     rows = max(0, (ids.shape[0] - 1) // seq_len)
     index = np.arange(rows)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]  # [R, S + 1]
     return ids[index], trained[index]
+
+
+def document_starts(lengths: np.ndarray, seq_len: int) -> np.ndarray:
+    """[R, S + 1] bool: which tokens of the `pack_rows` rows of streams of these lengths are a stream's first token.
+
+    Args:
+        lengths: [D] tokens of each stream, in the order given to pack_rows.
+        seq_len: the rows' seq_len.
+    """
+    lengths = np.asarray(lengths, np.int64)
+    total = int(lengths.sum())
+    rows = max(0, (total - 1) // seq_len)
+    first = np.zeros(total, bool)  # [N]
+    first[(np.cumsum(lengths) - lengths)[lengths > 0]] = True
+    index = np.arange(rows)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]  # [R, S + 1]
+    return first[index]
 
 
 def pad_rows(streams: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:

@@ -101,6 +101,11 @@ def precompute(
             f"k, samples_per_shard, batch_size and temperature must be positive: {k=}, "
             f"{samples_per_shard=}, {batch_size=}, {temperature=}"
         )
+    if data.document_masking:
+        raise UsageError(
+            "data.document_masking=true: precomputed shards store no document boundaries (the target would run across "
+            "documents); set data.document_masking=false, or train online"
+        )
     rank, world, local_rank = rank_and_world()
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)

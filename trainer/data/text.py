@@ -12,6 +12,14 @@ share one token, so every token but the first is a label exactly once); attentio
 inside a row, the EOS token separates documents; the ragged tail is dropped. With `pack=False` every document is
 one row, truncated to `seq_len + 1` tokens or right-padded with the pad token (padding is never trained).
 
+Document masking (`document_masking=True`, packed rows only): every batch also carries
+
+    document_ids [B, S] long  the document of each input position within its row (trainer/documents.py), from the
+                              packer's own boundaries (not guessed from EOS: a chat document may hold EOS tokens)
+
+and a document's first token is no label (the previous document's last token would predict it across the boundary),
+so a packed row trains exactly what its documents alone would; the objectives pass `document_ids` to every attention.
+
 Chat (`format="chat"`): each conversation (a list of {"role", "content"} messages) goes through the tokenizer's chat
 template with `return_assistant_tokens_mask=True`; only assistant tokens are trained. An EOS is appended (not
 trained) when the rendered conversation does not end with one; rows are then packed or padded as for text.
@@ -50,7 +58,7 @@ import lightning as L
 import numpy as np
 from torch.utils.data import DataLoader
 
-from trainer.data.packing import TokenRows, label_sources, pack_rows, pad_rows
+from trainer.data.packing import TokenRows, document_starts, label_sources, pack_rows, pad_rows
 from trainer.data.sampler import ResumableSampler, resume_point
 from trainer.data.sources import DocumentReader, Documents, check_data_paths
 from trainer.data.tokenizer import check_before_reading, load_tokenizer, tokenizer_hash
@@ -103,6 +111,7 @@ class TextDataModule(L.LightningDataModule):
         cache_dir: str | None = None,
         trust_remote_code: bool = False,
         min_trained_fraction: float = 0.01,
+        document_masking: bool = False,
     ) -> None:
         """Configure the data; nothing is read until `prepare_data` / `setup`.
 
@@ -134,6 +143,9 @@ class TextDataModule(L.LightningDataModule):
             min_trained_fraction: refuse data whose trained share of label tokens (assistant tokens for chat) is below
                 this, per local file (over the whole source for a hub split or a carve-out), naming the file and its
                 share; 0 disables this check. Data with no trained token at all is always refused.
+            document_masking: packed rows carry `document_ids` [B, S] (the packer's document boundaries) so that no
+                token attends across documents and positions restart at each document; a document's first token is
+                then no label. Needs pack=True.
         """
         super().__init__()
         if seq_len < 1 or batch_size < 1:
@@ -144,6 +156,8 @@ class TextDataModule(L.LightningDataModule):
             raise RecipeError(f"format must be 'text' or 'chat', got {format!r}")
         if not 0.0 <= min_trained_fraction < 1.0:
             raise RecipeError(f"min_trained_fraction must be in [0, 1), got {min_trained_fraction}")
+        if document_masking and not pack:
+            raise RecipeError("data.document_masking=true needs data.pack=true: unpacked rows hold one document each")
         self.save_hyperparameters()
         self.tokenizer_path = tokenizer
         self.train_files = list(train_files) if train_files else None
@@ -169,6 +183,7 @@ class TextDataModule(L.LightningDataModule):
         )
         self.trust_remote_code = trust_remote_code
         self.min_trained_fraction = min_trained_fraction
+        self.document_masking = document_masking
         # every local path is checked at construction, before anything is read or tokenized
         check_data_paths(
             {
@@ -296,8 +311,9 @@ class TextDataModule(L.LightningDataModule):
         info = {s: (len(idx), sorted(roles[s])) for s, idx in missing.items()}
         return streams, np.asarray(tags, np.int64), info
 
-    def _rows(self, docs: Documents, role: str, source: str, per_file: bool) -> tuple[np.ndarray, np.ndarray]:
-        """The rows of `docs` without those that have nothing to train, after the trained-share checks.
+    def _rows(self, docs: Documents, role: str, source: str, per_file: bool) -> tuple[np.ndarray, ...]:
+        """The rows of `docs` without those that have nothing to train, after the trained-share checks: ids and
+        trained [R, S + 1], and with document masking the document starts [R, S + 1] (`document_starts`).
 
         Args:
             docs: the documents or conversations.
@@ -310,6 +326,9 @@ class TextDataModule(L.LightningDataModule):
             streams, tags, missing = self._tokenize_chat(docs)
         else:
             streams, tags = self._tokenize_text(docs)
+        if self.document_masking:
+            for _, trained_flags in streams:
+                trained_flags[:1] = False  # a document's first token is predicted by nothing of its own
         if self.pack:
             ids, trained = pack_rows(streams, self.seq_len)  # [R, S + 1] each
         else:
@@ -319,6 +338,7 @@ class TextDataModule(L.LightningDataModule):
             return ids, trained  # too small: the caller says so (no rows because nothing is left: checked below)
         lengths = np.fromiter((s[0].shape[0] for s in streams), np.int64, len(streams))  # [D]
         del streams
+        starts = document_starts(lengths, self.seq_len) if self.document_masking else None  # [R, S + 1]
         label_src, real = label_sources(lengths, tags.astype(np.int32), self.seq_len, self.pack)  # [R, S] each
         n = len(docs.names)
         labels = trained[:, 1:]  # [R, S] the trained labels
@@ -333,7 +353,8 @@ class TextDataModule(L.LightningDataModule):
         self._check_trained(docs, stats, missing, role, source, per_file)
         if not keep.all():
             ids, trained = ids[keep], trained[keep]
-        return ids, trained
+            starts = None if starts is None else starts[keep]
+        return (ids, trained) if starts is None else (ids, trained, starts)
 
     def _check_trained(
         self,
@@ -421,9 +442,11 @@ class TextDataModule(L.LightningDataModule):
             "split": [self.val_fraction, self.seed, self.max_documents],
             "checks": [self.min_trained_fraction],  # cached rows passed the checks of this value
         }
+        if self.document_masking:  # other rows (no first-token labels) and their starts; absent: the keys of before
+            record["documents"] = True
         return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:24]
 
-    def _build(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    def _build(self) -> dict[str, tuple[np.ndarray, ...]]:
         files, split = self._sources("train")
         docs = self.reader.documents(files, split)
         train_source = docs.label()
@@ -463,24 +486,24 @@ class TextDataModule(L.LightningDataModule):
                 )
         return out
 
-    def _load_or_build(self, write: bool) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    def _load_or_build(self, write: bool) -> dict[str, tuple[np.ndarray, ...]]:
         folder = Path(self.cache_dir) / self._cache_key()
         if (folder / "done").is_file():
             out = {}
             for role in ("train", "val"):
                 if (folder / f"{role}_ids.npy").is_file():
                     # memory-mapped: worker processes and ranks on one node share the pages
-                    ids = np.load(folder / f"{role}_ids.npy", mmap_mode="r")
-                    out[role] = (ids, np.load(folder / f"{role}_trained.npy", mmap_mode="r"))
+                    names = ("ids", "trained", "starts") if self.document_masking else ("ids", "trained")
+                    out[role] = tuple(np.load(folder / f"{role}_{name}.npy", mmap_mode="r") for name in names)
             log.info("loaded tokenized rows from %s", folder)
             return out
         out = self._build()
         if write:
             tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
             tmp.mkdir(parents=True, exist_ok=True)
-            for role, (ids, trained) in out.items():
-                np.save(tmp / f"{role}_ids.npy", ids)
-                np.save(tmp / f"{role}_trained.npy", trained)
+            for role, arrays in out.items():
+                for name, array in zip(("ids", "trained", "starts"), arrays, strict=False):
+                    np.save(tmp / f"{role}_{name}.npy", array)
             (tmp / "done").write_text("ok\n")
             try:
                 tmp.rename(folder)

@@ -36,7 +36,7 @@ from trainer.losses import KD_LOSSES, SPARSE_LOSSES, fused_kd_loss, kd_loss, spa
 from trainer.methods.draft_model import kind as hf_causal_lm
 from trainer.objective import DataRequirements, DraftObjective, Optim, TargetSignals, causal_lm_flops_per_token
 from trainer.registry import DrafterRecord
-from trainer.target import resolve_dtype
+from trainer.target import document_kwargs, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,8 @@ def distillation_activation_bytes(objective: DraftObjective, step: PlannedStep) 
 
 class KnowledgeDistillation(DraftObjective):
     """Distils a drafter from an online target, or from target shards, on the datamodule's sequences."""
+
+    honours_document_ids = True  # teacher and student both see the batch's document_ids
 
     def __init__(
         self,
@@ -173,6 +175,8 @@ class KnowledgeDistillation(DraftObjective):
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         input_ids, labels, loss_mask = batch["input_ids"], batch["labels"], batch["loss_mask"]  # [B, S] each
+        documents = batch.get("document_ids")  # [B, S] packed rows with document masking, else absent
+        student_inputs = document_kwargs(self.student, documents)
         V = self.vocab_size
         options = dict(
             loss=self.loss_spec.name,
@@ -183,7 +187,7 @@ class KnowledgeDistillation(DraftObjective):
         )
         hard_labels = labels if self.alpha > 0 else None
         if self.target_signals == "shards":
-            student_logits = self.student(input_ids=input_ids, use_cache=False).logits[..., :V]  # [B, S, V]
+            student_logits = self.student(input_ids=input_ids, use_cache=False, **student_inputs).logits[..., :V]
             out = sparse_kd_loss(
                 student_logits,
                 batch["teacher_topk_ids"].long(),  # [B, S, k]
@@ -200,16 +204,18 @@ class KnowledgeDistillation(DraftObjective):
         elif self.weights_are_sharded():
             # FSDP2 / ZeRO-3: the output weight is only a shard outside the forward, so take the logits from the
             # forward ([B, S, V] in the model's dtype) and upcast them to float32 one chunk of positions at a time.
-            student_logits = self.student(input_ids=input_ids, use_cache=False).logits[..., :V]  # [B, S, V]
-            target_logits = self.target(input_ids).logits[..., :V]  # [B, S, V]
+            student_logits = self.student(input_ids=input_ids, use_cache=False, **student_inputs).logits[..., :V]
+            target_logits = self.target(input_ids, document_ids=documents).logits[..., :V]  # [B, S, V]
             out = kd_loss(
                 student_logits, target_logits, loss_mask, hard_labels, chunk_size=self.loss_chunk_size, **options
             )
         else:
             # both models' own logits: the output scaling each one's forward applies after its lm_head (a drafter
             # built from a Gemma-2 target's config soft-caps as the target does), as the two branches above see it
-            target_hidden = self.target.final_hidden(input_ids)  # [B, S, Ht]
-            student_hidden = self.student.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
+            target_hidden = self.target.final_hidden(input_ids, document_ids=documents)  # [B, S, Ht]
+            student_hidden = self.student.get_decoder()(
+                input_ids=input_ids, use_cache=False, **student_inputs
+            ).last_hidden_state  # [B, S, H]
             out = fused_kd_loss(
                 student_hidden,  # [B, S, H]
                 self.student.get_output_embeddings().weight[:V],  # [V, H]

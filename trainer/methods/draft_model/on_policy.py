@@ -50,6 +50,7 @@ from trainer.methods.draft_model import kind as hf_causal_lm
 from trainer.methods.draft_model.kd import build_drafter, distillation_activation_bytes, drafter_vocab_size
 from trainer.objective import DataRequirements, DraftObjective, Optim, causal_lm_flops_per_token, derived_seed
 from trainer.registry import DrafterRecord
+from trainer.target import document_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +139,8 @@ def assemble(
 
 class OnPolicyDistillation(DraftObjective):
     """Generalized-JSD distillation on a mix of drafter-generated, target-generated and data set sequences."""
+
+    honours_document_ids = True  # data rows: teacher and student see document_ids; prompts stay in one document
 
     def __init__(
         self,
@@ -252,6 +255,8 @@ class OnPolicyDistillation(DraftObjective):
         """Continuations of the batch's prompts by ``model`` (put in eval mode for the call), as training sequences."""
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, S] each
         lengths = prompt_lengths(loss_mask, self.prompt, self.prompt_len)  # [B]
+        if "document_ids" in batch:  # a packed row's prompt stays within its first document
+            lengths = torch.minimum(lengths, (batch["document_ids"] == 0).sum(dim=1))  # [B]
         prompts, attention = left_pad(input_ids, lengths, self.pad_id)  # [B, P] each
         width = model.get_output_embeddings().weight.shape[0]
         config = GenerationConfig(
@@ -276,12 +281,17 @@ class OnPolicyDistillation(DraftObjective):
             model.train(was_training)
         return assemble(prompts, lengths, out[:, prompts.shape[1] :], self.eos_id, self.pad_id)
 
-    def distill(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> LossParts:
+    def distill(
+        self, input_ids: torch.Tensor, loss_mask: torch.Tensor, document_ids: torch.Tensor | None = None
+    ) -> LossParts:
         """The loss (``loss``; T^2 * generalized JSD(beta) by default) between target and drafter at the positions of
-        loss_mask ([B, S] each), with the acceptance."""
+        loss_mask ([B, S] each), with the acceptance; ``document_ids`` [B, S] (packed rows with document masking, or
+        None) keeps both models' attention within each document."""
         V = self.vocab_size
-        target_hidden = self.target.final_hidden(input_ids)  # [B, S, Ht]
-        student_hidden = self.student.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state  # [B, S, H]
+        target_hidden = self.target.final_hidden(input_ids, document_ids=document_ids)  # [B, S, Ht]
+        student_hidden = self.student.get_decoder()(
+            input_ids=input_ids, use_cache=False, **document_kwargs(self.student, document_ids)
+        ).last_hidden_state  # [B, S, H]
         return fused_kd_loss(
             student_hidden,
             self.student.get_output_embeddings().weight[:V],  # [V, H]
@@ -315,15 +325,17 @@ class OnPolicyDistillation(DraftObjective):
             elif self.seq_kd:
                 source = "target"
         metrics: dict[str, torch.Tensor] = {}
+        documents = None  # generated rows hold one document: their prompt is cut within the row's first
         if source == "data":
             input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, S] each
+            documents = batch.get("document_ids")  # [B, S], or absent without document masking
         else:
             model = self.student if source == "student" else self.target.model
             gen = self.generate(model, batch, sample_seed)
             input_ids, loss_mask = gen.input_ids, gen.loss_mask  # [B, T] each
             metrics["generated_tokens"] = gen.generated_lengths.float().mean()
             self.count_tokens(int((gen.prompt_lengths + gen.generated_lengths).sum()))  # what the step ran on
-        out = self.distill(input_ids, loss_mask)
+        out = self.distill(input_ids, loss_mask, documents)
         metrics["on_policy"] = torch.tensor(float(source == "student"), device=device)
         metrics["kd"] = out.kd.detach()
         metrics["alpha_0"] = out.alpha

@@ -22,12 +22,15 @@ from trainer.losses import chunked_cross_entropy
 from trainer.methods.draft_model import kind as hf_causal_lm
 from trainer.objective import DataRequirements, DraftObjective, Optim, causal_lm_flops_per_token
 from trainer.registry import DrafterRecord
+from trainer.target import document_kwargs
 
 log = logging.getLogger(__name__)
 
 
 class CausalLMPretraining(DraftObjective):
     """Trains a fresh Llama-architecture model with next-token cross entropy."""
+
+    honours_document_ids = True  # packed rows with document masking: the model attends within each document
 
     def __init__(
         self,
@@ -94,10 +97,13 @@ class CausalLMPretraining(DraftObjective):
         return layers * layer_saved(t, step.tokens, step.element) + chunked(step.chunk, step.tokens, t.vocab_size)
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        documents = document_kwargs(self.model, batch.get("document_ids"))  # mask and positions of packed rows
         if self.weights_are_sharded():  # FSDP2 / ZeRO-3: the output weight is a shard outside the forward
-            logits = self.model(input_ids=batch["input_ids"], use_cache=False).logits  # [B, S, V]
+            logits = self.model(input_ids=batch["input_ids"], use_cache=False, **documents).logits  # [B, S, V]
             return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100), {}
-        hidden = self.model.get_decoder()(input_ids=batch["input_ids"], use_cache=False).last_hidden_state  # [B, S, H]
+        hidden = self.model.get_decoder()(
+            input_ids=batch["input_ids"], use_cache=False, **documents
+        ).last_hidden_state  # [B, S, H]
         weight = self.model.get_output_embeddings().weight  # [V, H]
         return chunked_cross_entropy(hidden, weight, batch["labels"], self.loss_chunk_size), {}
 
