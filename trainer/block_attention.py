@@ -156,19 +156,35 @@ def anchored_block_attention(
 # ---- EAGLE-3: training-time test -----------------------------------------------------------------------------------
 
 
-def ttt_mask_mod(seq_len: int):
-    """The flex ``mask_mod`` of EAGLE-3's TTT step over the keys of steps 0..i concatenated (``seq_len`` each)."""
+def ttt_mask_mod(seq_len: int, step: int = 0, window: int | None = None, documents: torch.Tensor | None = None):
+    """The flex ``mask_mod`` of EAGLE-3's TTT step ``step`` over the keys of steps 0..step concatenated (``seq_len``
+    each), with an optional sliding ``window`` and ``documents`` [B, S] (trainer/documents.py); see
+    trainer/methods/eagle3/module.py's ``ttt_attention`` for what the window keeps."""
 
     def mask_mod(b, h, q_idx, kv_idx):
-        step, pos = kv_idx // seq_len, kv_idx % seq_len
-        return ((step == 0) & (pos <= q_idx)) | ((step > 0) & (pos == q_idx))
+        key_step, pos = kv_idx // seq_len, kv_idx % seq_len
+        first = (key_step == 0) & (pos <= q_idx)
+        diagonal = (key_step > 0) & (pos == q_idx)
+        if window is not None:  # the query sits at position q_idx + step, step 0's keys at pos, step j's at q_idx + j
+            first = first & (q_idx + step - pos < window)
+            diagonal = diagonal & (step - key_step < window)
+        if documents is not None:
+            last = seq_len - 1  # flex may evaluate padded query indices
+            first = first & (documents[b, pos] == documents[b, torch.clamp(q_idx, max=last)])
+        return first | diagonal
 
     return mask_mod
 
 
-def ttt_flex_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+def ttt_flex_attention(
+    q: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    window: int | None = None,
+    documents: torch.Tensor | None = None,
+) -> torch.Tensor:
     """EAGLE-3's TTT attention at step ``len(keys) - 1`` by flex attention. q: [B, nh, S, D]; keys[j], values[j]:
-    [B, nkv, S, D] -> [B, nh, S, D]."""
+    [B, nkv, S, D]; window: the sliding window or None; documents: [B, S] or None -> [B, nh, S, D]."""
     S = q.shape[2]
     k, v = torch.cat(list(keys), dim=2), torch.cat(list(values), dim=2)  # [B, nkv, (i + 1) S, D]
-    return flex_attention(q, k, v, ttt_mask_mod(S), q.shape[0])
+    return flex_attention(q, k, v, ttt_mask_mod(S, len(keys) - 1, window, documents), q.shape[0])

@@ -78,33 +78,37 @@ def test_mask_matches_its_definition_and_flex_matches_dense():
     anchor = torch.tensor([[0, 1, 2, 3, 4, 0, 2, 3, 2, 0], [0, 1, 2, 3, 1, 1, 2, 0, 0, 0]])
     depth = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1, 2, 3], [0, 0, 0, 0, 1, 2, 1, 0, 0, 0]])
     valid = torch.tensor([[True] * 10, [True] * 7 + [False] * 3])
-    allowed = peagle_mask(anchor, depth, valid)[:, 0]
-    for b in range(2):
-        for q in range(10):
-            for k in range(10):
-                aq, ak, dq, dk = (int(x) for x in (anchor[b, q], anchor[b, k], depth[b, q], depth[b, k]))
-                rule = (dk == 0 and ak <= aq) or (ak == aq and dk <= dq)
-                expected = (rule and bool(valid[b, q]) and bool(valid[b, k])) or q == k
-                assert bool(allowed[b, q, k]) == expected, (b, q, k)
+    for window in (None, 2):
+        allowed = peagle_mask(anchor, depth, valid, window)[:, 0]
+        for b in range(2):
+            for q in range(10):
+                for k in range(10):
+                    aq, ak, dq, dk = (int(x) for x in (anchor[b, q], anchor[b, k], depth[b, q], depth[b, k]))
+                    rule = (dk == 0 and ak <= aq) or (ak == aq and dk <= dq)
+                    rule = rule and (window is None or (aq + dq) - (ak + dk) < window)
+                    expected = (rule and bool(valid[b, q]) and bool(valid[b, k])) or q == k
+                    assert bool(allowed[b, q, k]) == expected, (b, q, k)
     from trainer.block_attention import flex_attention
     from trainer.methods.eagle3.module import masked_attention
 
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 4, 10, 8), torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8)
-    flex = flex_attention(q, k, v, peagle_mask_mod(anchor, depth, valid), 2)  # uncompiled on CPU
-    torch.testing.assert_close(flex, masked_attention(q, k, v, peagle_mask(anchor, depth, valid)), rtol=1e-5,
-                               atol=1e-5)  # fmt: skip
+    for window in (None, 2):
+        flex = flex_attention(q, k, v, peagle_mask_mod(anchor, depth, valid, window), 2)  # uncompiled on CPU
+        dense = masked_attention(q, k, v, peagle_mask(anchor, depth, valid, window))
+        torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("num_layers", [1, 3])
-def test_the_split_dense_pass_equals_one_masked_pass_over_every_element_and_flex(num_layers):
+@pytest.mark.parametrize(("num_layers", "window"), [(1, None), (3, None), (3, 3)])
+def test_the_split_dense_pass_equals_one_masked_pass_over_every_element_and_flex(num_layers, window):
     """``parallel`` projects the placeholders once and splits the attention (causal depth-0 block, masked
     placeholders): the same logits as projecting every element and attending under the whole mask in every layer, and
-    as flex; elements out of COD sampling's order are refused."""
+    as flex (with a sliding window too); elements out of COD sampling's order are refused."""
     from trainer.methods.eagle3.module import masked_attention
 
     target = tiny_llama(seed=3)
     drafter = drafter_for(target, seed=4, num_layers=num_layers)
+    drafter.config.window = window
     S, K = 12, 4
     trained = torch.ones(2, S + 1, dtype=torch.bool)
     trained[1, 7] = False
@@ -127,7 +131,7 @@ def test_the_split_dense_pass_equals_one_masked_pass_over_every_element_and_flex
         all_hidden = torch.cat([hidden, ph.expand(2, -1, -1)], 1)
         cos, sin = drafter.rope(all_hidden, anchor + depth)
         q, k, v = drafter.midlayer.qkv(all_embeds, all_hidden, cos, sin)
-        allowed = peagle_mask(anchor, depth, valid)
+        allowed = peagle_mask(anchor, depth, valid, window)
         h = drafter.midlayer.finish(all_hidden, masked_attention(q, k, v, allowed))
         for layer in drafter.deep_layers:
             h = layer.finish(h, masked_attention(*layer.qkv(h, cos, sin), allowed))
@@ -145,10 +149,11 @@ def objective(tmp_path, **kwargs) -> PEagle:
 
 
 @pytest.mark.parametrize(
-    ("loss_mean", "argmax_weight", "num_layers"), [("element", 0.0, 1), ("depth", 0.0, 1), ("element", 0.3, 2)]
+    ("loss_mean", "argmax_weight", "num_layers", "window"),
+    [("element", 0.0, 1, None), ("depth", 0.0, 1, None), ("element", 0.3, 2, None), ("element", 0.0, 2, 3)],
 )
 def test_every_trained_element_is_what_drafting_computes_and_the_loss_is_the_naive_one(
-    tmp_path, loss_mean, argmax_weight, num_layers
+    tmp_path, loss_mean, argmax_weight, num_layers, window
 ):
     """Element (a, d) of the parallel pass equals the last logits of a plain forward over entries 0..a and d
     placeholders (what the proposer runs); the loss is the soft CE of the trained elements (mixed with argmax_weight
@@ -162,6 +167,7 @@ def test_every_trained_element_is_what_drafting_computes_and_the_loss_is_the_nai
         loss_mean=loss_mean,
         argmax_weight=argmax_weight,
         num_layers=num_layers,
+        window=window,
     )
     assert len(obj.drafter.deep_layers) == num_layers - 1
     rows = torch.randint(0, 60, (2, 10), generator=torch.Generator().manual_seed(1))

@@ -24,6 +24,11 @@ speculators 0.9's names. The native format writes ``norm_before_residual`` and `
 a drafter trained with ``fc_norm`` or ``norm_output``, which those loaders have no key for (they would draft with
 another network without a word): such a drafter is exported as ``eagle3-speculators``.
 
+Sliding window (module.py ``Eagle3Config.window``): the speculators format writes ``sliding_window`` and ``layer_types``
+(``sliding_attention`` for every decoder layer) into ``transformer_layer_config``, as HF Llama/Qwen3 configs spell them
+and as speculators 0.9's ``Eagle3DraftModel`` reads them; the native format has no such key and refuses a windowed
+drafter.
+
 The loaders follow each engine's naming rules: they map every tensor of the file to a drafter parameter, and fail
 when a tensor is not consumed, a parameter is missing, a shape differs, or the layer ids disagree between the two
 conventions.
@@ -57,6 +62,9 @@ def _layer_keys(config: Eagle3Config, layers: int = 1) -> dict:
     out = {k: llama[k] for k in keep}
     out["model_type"] = "llama"
     out["num_hidden_layers"] = layers
+    if config.window is not None:  # HF Llama/Qwen3 spelling, read by speculators 0.9 (see the module docstring)
+        out["sliding_window"] = config.window
+        out["layer_types"] = ["sliding_attention"] * layers
     out["tie_word_embeddings"] = False
     rope = dict(config.rope_parameters)
     out["rope_theta"] = rope.get("rope_theta", 10000.0)  # older engine versions read these two keys
@@ -69,6 +77,12 @@ def save_native(drafter: Eagle3Drafter, out_dir: str, dtype: torch.dtype | None 
     """Write the native EAGLE-3 checkpoint (SGLang and vLLM ``LlamaForCausalLMEagle3``); a drafter trained with a
     norm flag the native loaders cannot read (``fc_norm``, ``norm_output``) is refused naming it."""
     c = drafter.config
+    if c.window is not None:
+        raise UsageError(
+            f"the native eagle3 format cannot express a sliding window (window: {c.window}): its loaders read no "
+            "window key and would draft with full attention",
+            hint="export it with --format eagle3-speculators",
+        )
     for flag in NORM_FLAGS:
         if flag not in NATIVE_FLAGS and getattr(c, flag):
             raise UsageError(
@@ -214,9 +228,27 @@ def decoder_layers(layer: dict, where: str) -> int:
     return layers
 
 
+def layer_window(layer: dict, where: str) -> int | None:
+    """The sliding window of a layer config (``layer_types`` all ``sliding_attention`` with ``sliding_window``), or
+    None (no ``layer_types``, or all ``full_attention``); a mix of both, or a bad window, is refused."""
+    types = layer.get("layer_types")
+    if types is None or all(t == "full_attention" for t in types):
+        return None
+    window = layer.get("sliding_window")
+    if any(t != "sliding_attention" for t in types):
+        raise ModelFolderError(
+            f"{where}: layer_types {types}: draftsmith's drafters have one window for every layer (all "
+            "sliding_attention or all full_attention)"
+        )
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ModelFolderError(f"{where}: layer_types asks for sliding_attention but sliding_window is {window!r}")
+    return window
+
+
 def _config(layer: dict, top: dict, aux_layers: list[int], where: str, flags: dict[str, bool]) -> Eagle3Config:
     if flags.get("norm_before_fc") and flags.get("fc_norm"):
         raise ModelFolderError(f"{where}: config.json sets both norm_before_fc and fc_norm (mutually exclusive)")
+    window = layer_window(layer, where)
     try:
         rope = layer.get("rope_parameters") or {"rope_type": "default", "rope_theta": layer["rope_theta"]}
         return Eagle3Config(
@@ -232,6 +264,7 @@ def _config(layer: dict, top: dict, aux_layers: list[int], where: str, flags: di
             rms_norm_eps=layer["rms_norm_eps"],
             rope_parameters=rope,
             max_position_embeddings=layer["max_position_embeddings"],
+            window=window,
             **flags,
         )
     except KeyError as err:
@@ -288,6 +321,10 @@ def load_native(path: str) -> Eagle3Drafter:
     for flag in NORM_FLAGS:
         if flag not in NATIVE_FLAGS and config.get(flag):
             raise ModelFolderError(f"{path}: {flag} is not a key of the native format (the engines would ignore it)")
+    if layer_window(config, path) is not None:
+        raise ModelFolderError(
+            f"{path}: the native eagle3 format has no sliding window (layer_types {config['layer_types']})"
+        )
     drafter = Eagle3Drafter(_config(config, config, vllm_ids, path, _flags(config, NATIVE_FLAGS, path)))
     return consume_tensors(drafter, tensors, lambda name: name, path)
 

@@ -32,6 +32,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from trainer.block_attention import Impl, resolve_impl, ttt_flex_attention
+from trainer.documents import allowed_keys, document_positions
 from trainer.layers import AttentionProjections, GatedMLP, RMSNorm, repeat_kv
 
 
@@ -66,6 +67,9 @@ class Eagle3Config:
         fc_norm: one RMSNorm per target state (``fc_norm.{j}``) before the concatenation (EAGLE-3.1); exclusive with
             ``norm_before_fc``.
         norm_output: the next step is fed ``norm(o)`` instead of ``o``, and ``lm_head`` reads it (EAGLE-3.1).
+        window: the sliding window of the drafter's attention, in tokens (trainer/documents.py: a query at position
+            t sees keys at t - window + 1 .. t), or None for full attention; training-time test and drafting apply
+            the same one (:func:`ttt_attention`, :meth:`Eagle3Drafter.forward`).
     """
 
     hidden_size: int
@@ -84,9 +88,13 @@ class Eagle3Config:
     norm_before_fc: bool = False
     fc_norm: bool = False
     norm_output: bool = False
+    window: int | None = None
 
     def __post_init__(self) -> None:
         self.aux_layers = tuple(int(i) for i in self.aux_layers)
+        if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int)
+                                        or self.window < 1):  # fmt: skip
+            raise ValueError(f"Eagle3Config.window must be a positive number of tokens or None, got {self.window!r}")
         if self.norm_before_fc and self.fc_norm:
             raise ValueError("norm_before_fc and fc_norm are mutually exclusive (one norm of the concatenation, or one "
                              "per target state)")  # fmt: skip
@@ -262,6 +270,34 @@ def causal_after(n: int, m: int, device: torch.device | str) -> torch.Tensor:
     return torch.ones(n, m + n, dtype=torch.bool, device=device).tril(m)
 
 
+def windowed(
+    allowed: torch.Tensor,
+    window: int | None,
+    positions: torch.Tensor,
+    past_len: int,
+    key_positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``allowed`` with the keys further than ``window`` behind each query masked (trainer/documents.py's convention).
+
+    Args:
+        allowed: [N, M + N] or [B, 1, N, M + N] bool over past then new keys.
+        window: the sliding window, or None (``allowed`` returned as it is).
+        positions: [B, N] the queries' rotary positions.
+        past_len: M, the cached keys.
+        key_positions: [M + N] the keys' rotary positions; None: the past at 0..M-1, the new keys at ``positions``.
+
+    Returns:
+        [B, 1, N, M + N] bool (``allowed`` itself without a window).
+    """
+    if window is None:
+        return allowed
+    if key_positions is None:
+        past = torch.arange(past_len, device=positions.device).expand(positions.shape[0], past_len)  # [B, M]
+        key_positions = torch.cat([past, positions], dim=1)  # [B, M + N]
+    inside = (positions[:, :, None] - key_positions[..., None, :]) < window  # [B, N, M + N]
+    return allowed & inside[:, None]
+
+
 def cached_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -278,30 +314,45 @@ def cached_attention(
 
 
 def ttt_attention(
-    q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], impl: Impl = "dense"
+    q: torch.Tensor,
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    impl: Impl = "dense",
+    window: int | None = None,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of training-time-test step ``i = len(keys) - 1`` without building the ``[S, (i + 1) S]`` mask.
 
     Query ``t`` sees the step-0 keys ``0..t`` (causal) and, for every later step ``j = 1..i``, only the key at its
     own position ``t``. q: [B, nh, S, D]; keys[j], values[j]: [B, nkv, S, D] -> [B, nh, S, D].
 
+    ``window`` (trainer/documents.py's convention, by rotary position): query ``t`` of step ``i`` sits at position
+    ``t + i``, the step-0 key ``p`` at ``p`` and the step-``j`` key at ``t + j``, so it keeps the step-0 keys with
+    ``t + i - p < window`` and the step-``j`` keys with ``i - j < window``: what drafting depth ``i`` after position
+    ``t`` sees (its cache and its ancestors, proposer.py). ``documents`` [B, S]: step-0 keys of another document are
+    masked (the later steps' keys are the query's own element).
+
     ``impl``: ``dense`` computes the causal scores [S, S] and the i diagonal ones [S, i] and normalises them together;
     ``flex`` runs the same mask through flex attention (trainer/block_attention.py: fused, no probabilities
     stored; CUDA only for training); ``auto`` picks flex on CUDA.
     """
     if _resolved(impl, q) == "flex":
-        return ttt_flex_attention(q, list(keys), list(values))
+        return ttt_flex_attention(q, list(keys), list(values), window, documents)
     groups = q.shape[1] // keys[0].shape[1]
-    S = q.shape[2]
+    S, i = q.shape[2], len(keys) - 1
     scale = 1.0 / math.sqrt(q.shape[-1])
     k0, v0 = repeat_kv(keys[0], groups), repeat_kv(values[0], groups)  # [B, nh, S, D]
-    causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()  # [S, S]
-    scores = [(q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]  # [B, nh, S, S]
-    for k in keys[1:]:
+    index = torch.arange(S, device=q.device)  # [S]
+    # causal by element, the window by position: query t (position t + i) keeps p <= t with t - p < window - i
+    allowed = allowed_keys(index, index, documents, documents, None if window is None else window - i)  # [(B,) S, S]
+    allowed = allowed if allowed.dim() == 2 else allowed[:, None]  # [S, S] or [B, 1, S, S]
+    skip = 0 if window is None else max(0, i - window)  # steps 1..skip fall outside the window (j > i - window kept)
+    scores = [(q @ k0.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))]  # [B, nh, S, S]
+    for k in keys[1 + skip :]:
         scores.append((q * repeat_kv(k, groups)).sum(-1, keepdim=True) * scale)  # [B, nh, S, 1]
-    probs = torch.softmax(torch.cat(scores, dim=-1).float(), dim=-1).to(q.dtype)  # [B, nh, S, S + i]
+    probs = torch.softmax(torch.cat(scores, dim=-1).float(), dim=-1).to(q.dtype)  # [B, nh, S, S + kept]
     out = probs[..., :S] @ v0  # [B, nh, S, D]
-    for j, v in enumerate(values[1:]):
+    for j, v in enumerate(values[1 + skip :]):
         out = out + probs[..., S + j : S + j + 1] * repeat_kv(v, groups)
     return out
 
@@ -311,12 +362,20 @@ def _resolved(impl: Impl, q: torch.Tensor) -> str:
     return resolve_impl(impl, q.device, torch.is_grad_enabled() and q.requires_grad)
 
 
-def ttt_mask(seq_len: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The mask :func:`ttt_attention` applies, built explicitly: ``[S, (step + 1) S]`` bool over the keys of steps
-    0..step concatenated in step order (for tests and for reading)."""
-    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()  # [S, S]
-    eye = torch.eye(seq_len, dtype=torch.bool, device=device)  # [S, S]
-    return torch.cat([causal] + [eye] * step, dim=1)
+def ttt_mask(
+    seq_len: int,
+    step: int,
+    device: torch.device | str = "cpu",
+    window: int | None = None,
+    documents: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The mask :func:`ttt_attention` applies, built explicitly: ``[S, (step + 1) S]`` bool (``[B, S, (step + 1) S]``
+    with ``documents`` [B, S]) over the keys of steps 0..step concatenated in step order (for tests and reading)."""
+    index = torch.arange(seq_len, device=device)  # [S]
+    first = allowed_keys(index, index, documents, documents, None if window is None else window - step)  # [(B,) S, S]
+    eye = torch.eye(seq_len, dtype=torch.bool, device=device).expand_as(first)  # [..., S, S]
+    later = [eye & (window is None or step - j < window) for j in range(1, step + 1)]
+    return torch.cat([first, *later], dim=-1)
 
 
 class Eagle3Drafter(nn.Module):
@@ -405,6 +464,7 @@ class Eagle3Drafter(nn.Module):
         positions: torch.Tensor,
         past: tuple[torch.Tensor, torch.Tensor] | None = None,
         allowed: torch.Tensor | None = None,
+        key_positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """One drafter pass over new elements, attending to ``past`` keys/values and to each other.
 
@@ -415,6 +475,9 @@ class Eagle3Drafter(nn.Module):
             past: cached (k, v), each [B, nkv, M, D], or None.
             allowed: [N, M + N] (or [B, 1, N, M + N]) bool over past then new keys; None is causal over the new
                 elements after all of ``past``.
+            key_positions: [M + N] the rotary positions of the past then new keys, which ``config.window`` reads
+                (keys further than the window behind a query are masked); None: the past entries sit at 0..M-1 and
+                the new ones at ``positions`` (a cache of committed positions).
 
         Returns:
             out [B, N, H] (the feature for the next step, post-norm with ``norm_output``), logits [B, N, Vd], and the
@@ -422,8 +485,10 @@ class Eagle3Drafter(nn.Module):
         """
         cos, sin = self.rope(hidden, positions)
         q, k, v = self.midlayer.qkv(embeds, hidden, cos, sin)  # [B, nh, N, D], [B, nkv, N, D] x2
+        past_len = 0 if past is None else past[0].shape[2]
         if allowed is None:
-            allowed = causal_after(hidden.shape[1], 0 if past is None else past[0].shape[2], hidden.device)
+            allowed = causal_after(hidden.shape[1], past_len, hidden.device)
+        allowed = windowed(allowed, self.config.window, positions, past_len, key_positions)
         out, logits = self.outputs(self.midlayer.finish(hidden, cached_attention(q, k, v, past, allowed)))
         return out, logits, (k, v)
 
@@ -436,6 +501,7 @@ class Eagle3Drafter(nn.Module):
         keys: Sequence[torch.Tensor],
         values: Sequence[torch.Tensor],
         impl: Impl = "dense",
+        documents: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """One training-time-test step ``i = len(keys)`` over every element of a row.
 
@@ -447,6 +513,7 @@ class Eagle3Drafter(nn.Module):
             positions: [B, S] rotary positions (the step-0 positions plus i).
             keys, values: the keys and values of steps 0..i-1, each [B, nkv, S, D].
             impl: the TTT attention's implementation (see :func:`ttt_attention`).
+            documents: [B, S] the document of every element (trainer/documents.py), or None (one document).
 
         Returns:
             out [B, S, H] (the next step's features), logits [B, S, Vd], and this step's (k, v).
@@ -454,7 +521,8 @@ class Eagle3Drafter(nn.Module):
         embeds = embedding(tokens).to(hidden.dtype)  # [B, S, H]
         cos, sin = self.rope(hidden, positions)
         q, k, v = self.midlayer.qkv(embeds, hidden, cos, sin)
-        out, logits = self.outputs(self.midlayer.finish(hidden, ttt_attention(q, [*keys, k], [*values, v], impl)))
+        attn = ttt_attention(q, [*keys, k], [*values, v], impl, self.config.window, documents)  # [B, nh, S, D]
+        out, logits = self.outputs(self.midlayer.finish(hidden, attn))
         return out, logits, k, v
 
     def unroll(
@@ -465,6 +533,7 @@ class Eagle3Drafter(nn.Module):
         steps: int,
         data_tokens: torch.Tensor | None = None,
         impl: Impl = "dense",
+        documents: torch.Tensor | None = None,
     ):
         """Training-time test: yields the draft logits [B, S, Vd] of steps 0..steps-1.
 
@@ -477,14 +546,18 @@ class Eagle3Drafter(nn.Module):
                 otherwise [B, S + steps] a token stream whose entry ``t + 1 + i`` is fed at step i (the data's
                 tokens, as in the reference implementations).
             impl: the TTT attention's implementation (see :func:`ttt_attention`).
+            documents: [B, S] the document of every element (trainer/documents.py): attention stays inside each
+                document and rotary positions count from its first token; None is one document.
         """
         B, S, _ = fused.shape
         base = torch.arange(S, device=fused.device).expand(B, S)  # [B, S]
+        if documents is not None:
+            base = document_positions(documents)  # [B, S]
         hidden, tokens = fused, next_tokens
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         for i in range(steps):
-            hidden, logits, k, v = self.ttt_step(embedding, hidden, tokens, base + i, keys, values, impl)
+            hidden, logits, k, v = self.ttt_step(embedding, hidden, tokens, base + i, keys, values, impl, documents)
             keys.append(k)
             values.append(v)
             yield logits

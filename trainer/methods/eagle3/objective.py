@@ -67,6 +67,7 @@ from torch.utils.checkpoint import checkpoint
 from trainer.activation_memory import F32, PlannedStep, Shape, frozen_forward, layer_saved
 from trainer.block_attention import Impl
 from trainer.distribution_loss import DEFAULT_ETA, acceptance, loss_rows, sparse_loss_rows
+from trainer.documents import check_window
 from trainer.errors import RecipeError
 from trainer.methods.eagle3 import kind as eagle3_kind
 from trainer.methods.eagle3 import vocab_map
@@ -124,6 +125,7 @@ class Eagle3(DraftObjective):
         norm_before_fc: bool = False,
         fc_norm: bool = False,
         norm_output: bool = False,
+        window: int | None = None,
         optim: Optim = Optim(),
     ) -> None:
         """
@@ -172,6 +174,11 @@ class Eagle3(DraftObjective):
                 ``fc_norm``); exclusive with norm_before_fc.
             norm_output: feed the post-norm drafter output to the next TTT step and drafting step, and to ``lm_head``
                 (EAGLE-3.1 against attention drift, speculators' ``norm_output``).
+            window: sliding-window draft attention, in tokens: a query at position t sees keys at t - window + 1 .. t
+                (trainer/documents.py), in training-time test and in drafting alike; null (the default) attends to
+                every earlier key. Exported as the layer config's ``sliding_window`` and ``layer_types`` in the
+                speculators format; the native format refuses it. With ``init_from`` it replaces the window the
+                drafter was trained with (a mask, not a weight).
             optim: optimizer and learning-rate schedule.
         """
         super().__init__(optim)
@@ -184,6 +191,7 @@ class Eagle3(DraftObjective):
         self.loss_spec = check_loss(loss, lk_eta, argmax_weight)
         self.ttt_steps, self.step_decay, self.labels, self.ttt_inputs = ttt_steps, step_decay, labels, ttt_inputs
         self.recompute, self.attention = recompute, attention
+        check_window(window, "model.window")
         frozen = self.load_target(target, target_signals, target_dtype, trust_remote_code)
         flags = self.norm_flags(
             norm_before_residual=norm_before_residual,
@@ -197,6 +205,7 @@ class Eagle3(DraftObjective):
             self.drafter = self.drafter_from_init(init_from, flags)
         else:
             self.drafter = Eagle3Drafter(self.new_config(frozen, target, draft_vocab_size, target_layers, flags))
+        self.drafter.config.window = window
         self.drafter.to(resolve_dtype(drafter_dtype))
 
     # ---- what the methods extending EAGLE-3 share (P-EAGLE, trainer/methods/peagle/) ----------------------------

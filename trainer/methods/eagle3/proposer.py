@@ -112,10 +112,12 @@ class _Eagle3Base(BaseProposer):
         position: int,
         round_kv: tuple[torch.Tensor, torch.Tensor] | None,
         ancestors: torch.Tensor | None,
+        round_positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Draft entries for N nodes at one depth. tokens: [N] target ids; feats: [1, N, H] their parents' outputs;
-        round_kv: earlier draft entries [1, nkv, M, D] each; ancestors: [N, M] bool (which of them each node sees).
-        Returns out [1, N, H], logits [N, Vd] and the new entries."""
+        round_kv: earlier draft entries [1, nkv, M, D] each; ancestors: [N, M] bool (which of them each node sees);
+        round_positions: [M] the earlier draft entries' rotary positions (which the drafter's window reads; the
+        cache's entries sit at 0..C-1). Returns out [1, N, H], logits [N, Vd] and the new entries."""
         assert self.past is not None
         N = tokens.numel()
         C = self._cached()
@@ -129,7 +131,14 @@ class _Eagle3Base(BaseProposer):
         if M:
             allowed[:, C : C + M] = ancestors
         allowed[:, C + M :] = torch.eye(N, dtype=torch.bool, device=tokens.device)
-        out, logits, kv = self.drafter(embeds, feats, positions, (past_k, past_v), allowed)
+        key_positions = torch.cat(
+            [
+                torch.arange(C, device=tokens.device),
+                *([] if round_positions is None else [round_positions]),
+                positions[0],
+            ]
+        )  # [C + M + N]
+        out, logits, kv = self.drafter(embeds, feats, positions, (past_k, past_v), allowed, key_positions)
         return out, logits[0], kv
 
     def _chain(self, ctx: ProposalContext, feat: torch.Tensor, logits: torch.Tensor) -> DraftTree:
@@ -154,7 +163,8 @@ class _Eagle3Base(BaseProposer):
                 break
             M = 0 if round_kv is None else round_kv[0].shape[2]
             ancestors = torch.ones(1, M, dtype=torch.bool, device=token.device)
-            feat, step_logits, kv = self._step(token, feat, T - 2 + depth, round_kv, ancestors)
+            round_positions = torch.arange(T - 1, T - 2 + depth, device=token.device)  # [M]: one entry per depth
+            feat, step_logits, kv = self._step(token, feat, T - 2 + depth, round_kv, ancestors, round_positions)
             round_kv = (
                 kv if round_kv is None else (torch.cat([round_kv[0], kv[0]], 2), torch.cat([round_kv[1], kv[1]], 2))
             )
@@ -236,6 +246,7 @@ class Eagle3TreeProposer(_Eagle3Base):
         candidates = add_children(-1, 0.0, logits, 1)
         feats = {-1: feat}  # node -> [1, 1, H] output feature of its entry (-1: the root's)
         round_kv = None
+        round_positions = torch.zeros(0, dtype=torch.long, device=device)  # [M] the round's entries' positions
         for d in range(1, ctx.k):
             # a node under the threshold is cut, and its children would be too: it is not expanded
             alive = [n for n in candidates if path[n] >= threshold]
@@ -251,7 +262,8 @@ class Eagle3TreeProposer(_Eagle3Base):
                     a = parent[a]
             tokens = torch.tensor([tok[n] for n in frontier], device=device)  # [N]
             parent_feats = torch.cat([feats[parent[n]] for n in frontier], dim=1)  # [1, N, H]
-            out, step_logits, kv = self._step(tokens, parent_feats, T - 2 + d, round_kv, ancestors)
+            out, step_logits, kv = self._step(tokens, parent_feats, T - 2 + d, round_kv, ancestors, round_positions)
+            round_positions = torch.cat([round_positions, torch.full((len(frontier),), T - 2 + d, device=device)])
             round_kv = (
                 kv if round_kv is None else (torch.cat([round_kv[0], kv[0]], 2), torch.cat([round_kv[1], kv[1]], 2))
             )

@@ -33,6 +33,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from trainer.block_attention import Impl, flex_attention, resolve_impl
+from trainer.documents import allowed_keys
 from trainer.layers import repeat_kv
 from trainer.methods.eagle3.module import (
     DecoderLayer,
@@ -41,6 +42,7 @@ from trainer.methods.eagle3.module import (
     cached_attention,
     causal_after,
     masked_attention,
+    windowed,
 )
 
 
@@ -65,28 +67,35 @@ class PEagleConfig(Eagle3Config):
             raise ValueError(f"mask_token_id {self.mask_token_id} must be a token id in 0..{self.vocab_size - 1}")
 
 
-def peagle_mask(anchor: torch.Tensor, depth: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+def peagle_mask(
+    anchor: torch.Tensor, depth: torch.Tensor, valid: torch.Tensor | None = None, window: int | None = None
+) -> torch.Tensor:
     """anchor, depth: [B, N] (valid: [B, N] bool, False for padding) -> allowed [B, 1, N, N] bool.
 
     Query q sees key k iff (``d_k == 0`` and ``a_k <= a_q``) or (``a_k == a_q`` and ``d_k <= d_q``); padding keys are
-    hidden and a padding query sees itself only (no empty rows)."""
+    hidden and a padding query sees itself only (no empty rows). With a ``window``, also only keys whose position
+    ``a_k + d_k`` is less than ``window`` behind the query's ``a_q + d_q`` (trainer/documents.py), as drafting."""
     aq, ak = anchor[:, :, None], anchor[:, None, :]  # [B, N, 1], [B, 1, N]
     dq, dk = depth[:, :, None], depth[:, None, :]
     allowed = ((dk == 0) & (ak <= aq)) | ((ak == aq) & (dk <= dq))  # [B, N, N]
+    if window is not None:
+        allowed = allowed & ((aq + dq) - (ak + dk) < window)
     if valid is not None:
         eye = torch.eye(anchor.shape[1], dtype=torch.bool, device=anchor.device)
         allowed = (allowed & valid[:, None, :] & valid[:, :, None]) | eye
     return allowed[:, None]
 
 
-def peagle_mask_mod(anchor: torch.Tensor, depth: torch.Tensor, valid: torch.Tensor):
-    """The flex ``mask_mod`` of :func:`peagle_mask` (anchor, depth, valid: [B, N])."""
+def peagle_mask_mod(anchor: torch.Tensor, depth: torch.Tensor, valid: torch.Tensor, window: int | None = None):
+    """The flex ``mask_mod`` of :func:`peagle_mask` (anchor, depth, valid: [B, N]; the window)."""
     last = anchor.shape[1] - 1
 
     def mask_mod(b, h, q_idx, kv_idx):
         q, k = torch.clamp(q_idx, max=last), torch.clamp(kv_idx, max=last)  # flex may evaluate padded indices
         aq, ak, dq, dk = anchor[b, q], anchor[b, k], depth[b, q], depth[b, k]
         rule = ((dk == 0) & (ak <= aq)) | ((ak == aq) & (dk <= dq))
+        if window is not None:
+            rule = rule & ((aq + dq) - (ak + dk) < window)
         return (rule & valid[b, q] & valid[b, k]) | (q_idx == kv_idx)
 
     return mask_mod
@@ -157,7 +166,7 @@ class PEagleDrafter(Eagle3Drafter):
         qp, kp, vp = (t.expand(B, -1, P, -1) for t in self.midlayer.project(place_embeds, place_fused))
         q, k = apply_rotary_pos_emb(torch.cat([q0, qp], 2), torch.cat([k0, kp], 2), cos, sin)
         v = torch.cat([v0, vp], dim=2)  # [B, nkv, N, D]
-        mask = _ParallelMask(n, anchor, depth, valid, impl)
+        mask = _ParallelMask(n, anchor, depth, valid, impl, self.config.window)
         h = self.midlayer.finish(features, mask.attend(q, k, v))  # [B, N, H]
         for layer in self.deep_layers:
             h = layer.finish(h, mask.attend(*layer.qkv(h, cos, sin)))
@@ -188,6 +197,7 @@ class PEagleDrafter(Eagle3Drafter):
         cos, sin = self.rope(hidden, positions)
         if allowed is None:
             allowed = causal_after(hidden.shape[1], 0 if past is None else past[0][0].shape[2], hidden.device)
+        allowed = windowed(allowed, self.config.window, positions, 0 if past is None else past[0][0].shape[2])
         new: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -212,19 +222,25 @@ class _ParallelMask:
     depth: torch.Tensor  # [B, N]
     valid: torch.Tensor  # [B, N]
     impl: Impl
+    window: int | None = None
 
     @cached_property
     def placeholder_rows(self) -> torch.Tensor:
         """[B, 1, P, N] the mask's rows of the elements after the depth-0 ones (built once for every layer)."""
-        return peagle_mask(self.anchor, self.depth, self.valid)[:, :, self.n :]
+        return peagle_mask(self.anchor, self.depth, self.valid, self.window)[:, :, self.n :]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [B, nh, N, D]; k, v: [B, nkv, N, D] -> [B, nh, N, D]."""
         n, B = self.n, q.shape[0]
         if resolve_impl(self.impl, q.device, torch.is_grad_enabled() and q.requires_grad) == "flex":
-            return flex_attention(q, k, v, peagle_mask_mod(self.anchor, self.depth, self.valid), B)
+            return flex_attention(q, k, v, peagle_mask_mod(self.anchor, self.depth, self.valid, self.window), B)
         groups = q.shape[1] // k.shape[1]
         keys0, values0 = repeat_kv(k[:, :, :n], groups), repeat_kv(v[:, :, :n], groups)
-        first = F.scaled_dot_product_attention(q[:, :, :n], keys0, values0, is_causal=True)  # [B, nh, n, D]
+        if self.window is None:
+            first = F.scaled_dot_product_attention(q[:, :, :n], keys0, values0, is_causal=True)  # [B, nh, n, D]
+        else:
+            index = torch.arange(n, device=q.device)  # [n]
+            causal = allowed_keys(index, index, None, None, self.window)  # [n, n]
+            first = F.scaled_dot_product_attention(q[:, :, :n], keys0, values0, attn_mask=causal)  # [B, nh, n, D]
         rest = masked_attention(q[:, :, n:], k, v, self.placeholder_rows)  # [B, nh, P, D]
         return torch.cat([first, rest], dim=2)

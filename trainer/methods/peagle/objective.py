@@ -33,6 +33,7 @@ import torch
 from trainer.activation_memory import F32, PlannedStep, Shape, layer_saved
 from trainer.block_attention import Impl
 from trainer.distribution_loss import DEFAULT_ETA, acceptance, loss_rows
+from trainer.documents import check_window
 from trainer.errors import RecipeError
 from trainer.methods.eagle3.labels import check_argmax_weight, check_loss, mix_argmax
 from trainer.methods.eagle3.objective import Eagle3
@@ -111,6 +112,7 @@ class PEagle(Eagle3):
         norm_before_residual: bool = False,
         norm_before_fc: bool = False,
         fc_norm: bool = False,
+        window: int | None = None,
         optim: Optim = Optim(),
     ) -> None:
         """
@@ -153,6 +155,9 @@ class PEagle(Eagle3):
             norm_before_residual: as EAGLE-3's (the layer's residual is its normed input features).
             norm_before_fc: as EAGLE-3's (one RMSNorm over the concatenated target states); exclusive with fc_norm.
             fc_norm: as EAGLE-3's (one RMSNorm per target state, EAGLE-3.1).
+            window: as EAGLE-3's: sliding-window draft attention in tokens (element (a, d) sits at position a + d and
+                sees keys at a + d - window + 1 .. a + d), in training and drafting alike; null attends to every
+                earlier key. Written to the speculators export's layer config (``sliding_window``, ``layer_types``).
             optim: optimizer and learning-rate schedule.
         """
         # the objective base's: EAGLE-3's constructor takes the TTT options, which P-EAGLE has none of
@@ -178,6 +183,7 @@ class PEagle(Eagle3):
         self.num_depths, self.cod_ratio, self.cod_min_ratio = num_depths, cod_ratio, cod_min_ratio
         self.max_anchors = max_anchors
         self.step_decay, self.loss_mean, self.attention = step_decay, loss_mean, attention
+        check_window(window, "model.window")
         frozen = self.load_target(target, "online", target_dtype, trust_remote_code)
         torch.manual_seed(seed)
         self.sampler = torch.Generator().manual_seed(seed)
@@ -190,6 +196,7 @@ class PEagle(Eagle3):
             self.drafter = PEagleDrafter(PEagleConfig(**base.to_dict(), mask_token_id=mask_id, num_layers=num_layers))
             with torch.no_grad():
                 self.drafter.embed_tokens.weight.copy_(frozen.model.get_input_embeddings().weight.float())
+        self.drafter.config.window = window
         self.drafter.to(resolve_dtype(drafter_dtype))
 
     def _mask_token_id(self, asked: int | None, vocab_size: int) -> int:
