@@ -28,14 +28,15 @@ TINY_STUDENT = {
 }
 
 
-def save_random_target(folder: Path, tokenizer_dir) -> Path:
+def save_random_target(folder: Path, tokenizer_dir, seed: int = 0) -> Path:
     """A random 2-layer Llama of :data:`TINY_MODEL` with the tokenizer of ``tokenizer_dir`` saved beside it (no
-    training: for tests that need a target of the right shape, not a good one)."""
+    training: for tests that need a target of the right shape, not a good one; another ``seed``, another target of
+    the same shapes)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tok), max_position_embeddings=256, eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id, tie_word_embeddings=False, **TINY_MODEL,

@@ -9,7 +9,10 @@ headers and one small slice per tensor), so a model that was never built, as in 
 fingerprint as one that was.
 
 ``draftsmith eval`` reads a training checkpoint's recorded fingerprints (:func:`recorded_fingerprints`) and compares
-the target's with the ``--target`` folder's (:func:`differences`: the path aside).
+the target's with the ``--target`` folder's (:func:`differences`: the path aside). ``draftsmith export`` writes the
+target's fingerprint beside every exported folder (:data:`EXPORT_RECORD`, :func:`write_export_record`), which eval
+compares the same way. A drafter that trained its target and carries it (Medusa-2's model, an MTP pre-training's
+trunk) is compared with ``--target`` by the sampled values of the weights both hold (:func:`sample_differences`).
 """
 
 from __future__ import annotations
@@ -44,6 +47,30 @@ def config_hash(config) -> str:
     return _sha(json.dumps(data, sort_keys=True, default=str).encode())
 
 
+def _file_entries(files: Mapping[str, Path]) -> dict[str, tuple[list[int], str, bytes]]:
+    """Tensor name -> (shape, dtype, sampled values) read from safetensors files (name -> file): headers and one
+    small slice per tensor."""
+    from safetensors import safe_open
+
+    by_file: dict = {}
+    for name, file in files.items():
+        by_file.setdefault(file, []).append(name)
+    entries = {}
+    for file, names in by_file.items():
+        with safe_open(str(file), framework="pt") as f:
+            for name in names:
+                part = f.get_slice(name)
+                shape = list(part.get_shape())
+                head = part[:1] if len(shape) > 1 else part[:SAMPLE]
+                entries[name] = (shape, str(part.get_dtype()), _sample(head))
+    return entries
+
+
+def _tensor_entries(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[list[int], str, bytes]]:
+    """Tensor name -> (shape, dtype, sampled values) of tensors in memory."""
+    return {n: (list(t.shape), str(t.dtype), _sample(t.detach().cpu())) for n, t in tensors.items()}
+
+
 def fingerprint(name_or_path: str, config, tensors: Mapping[str, torch.Tensor] | None = None) -> dict[str, str]:
     """The fingerprint of a frozen model.
 
@@ -52,8 +79,6 @@ def fingerprint(name_or_path: str, config, tensors: Mapping[str, torch.Tensor] |
         config: its HF config.
         tensors: its weights, used when the model has no safetensors files to read (None: read the files).
     """
-    from safetensors import safe_open
-
     from trainer.target import weight_map
 
     shapes, sample = hashlib.sha256(), hashlib.sha256()
@@ -64,19 +89,9 @@ def fingerprint(name_or_path: str, config, tensors: Mapping[str, torch.Tensor] |
             raise
         files = None
     if files is not None:
-        by_file: dict = {}
-        for name, file in files.items():
-            by_file.setdefault(file, []).append(name)
-        entries = {}
-        for file, names in by_file.items():
-            with safe_open(str(file), framework="pt") as f:
-                for name in names:
-                    part = f.get_slice(name)
-                    shape = list(part.get_shape())
-                    head = part[:1] if len(shape) > 1 else part[:SAMPLE]
-                    entries[name] = (shape, str(part.get_dtype()), _sample(head))
+        entries = _file_entries(files)
     else:
-        entries = {n: (list(t.shape), str(t.dtype), _sample(t.detach().cpu())) for n, t in tensors.items()}
+        entries = _tensor_entries(tensors)
     for name in sorted(entries):
         shape, dtype, values = entries[name]
         shapes.update(f"{name}:{shape}:{dtype};".encode())
@@ -126,3 +141,60 @@ def recorded_fingerprints(checkpoint: str | Path) -> dict[str, dict[str, str]]:
     if frozen is not None and not isinstance(frozen, dict):
         raise CheckpointError(f"checkpoint {checkpoint}: frozen_models is a {type(frozen).__name__}, not a mapping")
     return dict(frozen or {})
+
+
+EXPORT_RECORD = "target_fingerprint.json"  # beside an exported drafter: the fingerprint of the target it was made for
+
+
+def write_export_record(folder: str | Path, target: Mapping[str, str]) -> Path:
+    """Writes ``target``'s fingerprint beside an exported drafter (:data:`EXPORT_RECORD`); engines ignore the file."""
+    path = Path(folder) / EXPORT_RECORD
+    path.write_text(json.dumps({"target": dict(target)}, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def export_record(folder: str | Path) -> dict[str, str] | None:
+    """The target fingerprint an exported folder records (:func:`write_export_record`), None when it has none.
+
+    Raises:
+        ModelFolderError: a record that is not JSON or holds no ``target`` mapping of strings, naming the file.
+    """
+    from trainer.errors import ModelFolderError
+
+    path = Path(folder) / EXPORT_RECORD
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ModelFolderError(f"{path}: not JSON ({err})") from err
+    target = data.get("target") if isinstance(data, dict) else None
+    if not isinstance(target, dict) or not all(isinstance(v, str) for v in target.values()):
+        raise ModelFolderError(f"{path}: holds no 'target' fingerprint (a mapping of strings)")
+    return target
+
+
+def sample_differences(
+    tensors: Mapping[str, torch.Tensor] | str | Path, name_or_path: str | Path
+) -> tuple[int, list[str]]:
+    """Compares weights (in memory, as a drafter's carried target, or a model folder's) with a model folder's
+    safetensors weights, tensor by tensor, by their sampled values (:func:`fingerprint`'s sample: bfloat16-rounded,
+    so a float32 copy and a bfloat16 save of the same weights agree).
+
+    Args:
+        tensors: name -> tensor, or the folder (or hub id) whose safetensors weights are compared.
+        name_or_path: the model folder (or hub id) compared with.
+
+    Returns:
+        (the number of tensor names both hold with one shape, the names among them whose sampled values differ);
+        (0, []) means no weight in common to compare.
+    """
+    from trainer.target import weight_map
+
+    if isinstance(tensors, (str, Path)):
+        ours = _file_entries(weight_map(str(tensors)))
+    else:
+        ours = _tensor_entries(tensors)
+    theirs = _file_entries({n: f for n, f in weight_map(str(name_or_path)).items() if n in ours})
+    common = sorted(n for n in theirs if ours[n][0] == theirs[n][0])
+    return len(common), [n for n in common if ours[n][2] != theirs[n][2]]

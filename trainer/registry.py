@@ -111,6 +111,9 @@ class DrafterKind:
         proposer: (module, record, target model, options) -> a proposer.
         load_weights: (module, record, checkpoint state dict, where) -> None, loading a training checkpoint's
             weights into the rebuilt module; None is :func:`load_components` (strict).
+        carried_target: module -> the target model the drafter trained and carries (Medusa-2's target, an MTP
+            pre-training's trunk), or None; ``draftsmith eval`` compares its weights with ``--target``'s. None: the
+            kind never carries one.
     """
 
     name: str
@@ -118,6 +121,7 @@ class DrafterKind:
     formats: tuple[ExportFormat, ...]
     proposer: Callable[..., object]
     load_weights: Callable[[nn.Module, DrafterRecord, dict, str], None] | None = None
+    carried_target: Callable[[nn.Module], nn.Module | None] | None = None
 
     def load(self, record: DrafterRecord, state: dict, where: str) -> nn.Module:
         """The module of ``record`` with a training checkpoint's weights."""

@@ -57,6 +57,9 @@ class World:
     other_tokenizer: Path
     drafter_export: Path
     chat_input: Path
+    other_target: Path  # a second random target of the same shapes (other weights)
+    medusa_export: Path  # vLLM Medusa heads exported from a checkpoint trained against ``target``
+    mtp_checkpoint: Path  # an MTP pre-training checkpoint whose trunk is ``target``'s weights
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +84,48 @@ def world(tiny_corpus, tmp_path_factory) -> World:
     chat.write_text(
         json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}]})
     )
-    return World(root, tiny_corpus, target, shards, other, Path(drafter), chat)
+    other_target = save_random_target(root / "other_target", tiny_corpus.tokenizer_dir, seed=1)
+    medusa = _export_of_heads_for(target, root)
+    return World(
+        root, tiny_corpus, target, shards, other, Path(drafter), chat, other_target, medusa, _mtp_for(target, root)
+    )
+
+
+def _export_of_heads_for(target: Path, root: Path) -> Path:
+    """``draftsmith export`` of Medusa heads whose training checkpoint recorded ``target``'s fingerprint."""
+    from transformers import AutoConfig
+
+    from trainer.export.cli import export
+    from trainer.fingerprint import fingerprint
+    from trainer.methods.medusa import kind as medusa_kind
+    from trainer.methods.medusa.module import MedusaConfig, MedusaDrafter
+
+    config = AutoConfig.from_pretrained(target)
+    heads = MedusaDrafter(MedusaConfig(hidden_size=config.hidden_size, vocab_size=config.vocab_size, num_heads=2))
+    checkpoint = {
+        "state_dict": {f"drafter.{k}": v for k, v in heads.state_dict().items()},
+        "drafter": medusa_kind.make_record(heads.config, str(target), config).to_dict(),
+        "frozen_models": {"target": fingerprint(str(target), config)},
+    }
+    torch.save(checkpoint, root / "medusa.ckpt")
+    folder, _ = export(str(root / "medusa.ckpt"), str(root / "medusa_export"))
+    return Path(folder)
+
+
+def _mtp_for(target: Path, root: Path) -> Path:
+    """An MTP pre-training checkpoint (modules and the trunk trained with them) whose trunk is ``target``'s."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.methods.mtp import record as mtp_record
+    from trainer.methods.mtp.module import MTPConfig, MTPDrafter
+
+    trunk = AutoModelForCausalLM.from_pretrained(target)
+    config = MTPConfig.for_trunk(trunk.config, depth=1)
+    drafter = MTPDrafter(config, trunk)
+    record = mtp_record.make_record(config, None, ["LlamaForCausalLM"], with_trunk=True, tokenizer=str(target))
+    state = {f"drafter.{k}": v for k, v in drafter.state_dict().items()}
+    torch.save({"state_dict": state, "drafter": record.to_dict()}, root / "mtp.ckpt")
+    return root / "mtp.ckpt"
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +266,12 @@ def _crafted_checkpoint(ctx: Ctx) -> Path:
     ctx.notes["marker"] = ctx.tmp / "ran"
     torch.save({"state_dict": {}, "drafter": {}, "x": RunsACommand(ctx.notes["marker"])}, path)
     return path
+
+
+def _eval(ctx: Ctx, target: Path, drafter: Path | str) -> list[str]:
+    """``draftsmith eval`` of ``drafter`` against ``target`` on the held-out file's first 16 tokens, into ``out``."""
+    prompts = ["--prompts", str(ctx.world.corpus.heldout_file), "--prompt_tokens", "16", "--max_new_tokens", "8"]
+    return ["eval", "--target", str(target), "--drafter", str(drafter), *prompts, "--out", str(ctx.tmp / "out")]
 
 
 @dataclass
@@ -378,6 +428,21 @@ ROWS = [
             str(c.tmp / "out"),
         ],  # fmt: skip
         lambda c: f"--target {c.world.drafter_export}: a drafter export",
+    ),
+    Row(
+        "eval-target-with-empty-weights",
+        lambda c: _eval(c, c.target_copy(lambda f: (f / "model.safetensors").write_bytes(b"")), "none"),
+        lambda c: f"{c.tmp / 'target_copy' / 'model.safetensors'} is empty (0 bytes)",
+    ),
+    Row(
+        "eval-medusa-export-against-another-target",
+        lambda c: _eval(c, c.world.other_target, c.world.medusa_export),
+        lambda c: f"--drafter {c.world.medusa_export}: exported for another target",
+    ),
+    Row(
+        "eval-mtp-with-its-trunk-against-another-target",
+        lambda c: _eval(c, c.world.other_target, c.world.mtp_checkpoint),
+        lambda c: f"--target {c.world.other_target} is not that model",
     ),
     Row(
         "generate-misspelled-target",

@@ -4,25 +4,31 @@ training checkpoint measured against a target other than the one whose fingerpri
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-from transformers import AutoConfig, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from tests.helpers import tiny_llama
 from trainer.cli import main as draftsmith
 from trainer.decoding.evaluate import check_trained_target, drafter_export
 from trainer.errors import CheckpointError
-from trainer.fingerprint import fingerprint, recorded_fingerprints
+from trainer.export.cli import export
+from trainer.fingerprint import EXPORT_RECORD, export_record, fingerprint, recorded_fingerprints, sample_differences
 from trainer.methods.dflash import export as dflash_formats
 from trainer.methods.dflash.module import DFlashConfig, DFlashDrafter
 from trainer.methods.draft_model import kind as hf_causal_lm
 from trainer.methods.layerskip import kind as layerskip
 from trainer.methods.medusa import export as medusa_formats
+from trainer.methods.medusa import kind as medusa_kind
 from trainer.methods.medusa.module import MedusaConfig, MedusaDrafter
+from trainer.methods.mtp import record as mtp_record
+from trainer.methods.mtp.module import MTPConfig, MTPDrafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -157,3 +163,110 @@ def test_what_the_check_reads(root, tmp_path):
     bare = write_checkpoint(root, tmp_path / "bare.ckpt", frozen=False)
     assert recorded_fingerprints(bare) == {}
     check_trained_target(bare, str(root / "other"))
+
+
+# ---- exports, and drafters that carry the target they trained ----------------------------------------------------
+
+
+def write_medusa_checkpoint(root, path) -> str:
+    """A Medusa-1 training checkpoint of heads trained against ``root/target``, with the target's fingerprint."""
+    target = str(root / "target")
+    config = AutoConfig.from_pretrained(target)
+    heads = MedusaDrafter(MedusaConfig(hidden_size=config.hidden_size, vocab_size=config.vocab_size, num_heads=2))
+    record = medusa_kind.make_record(heads.config, target, config)
+    checkpoint = {
+        "state_dict": {f"drafter.{k}": v for k, v in heads.state_dict().items()},
+        "drafter": record.to_dict(),
+        "frozen_models": {"target": fingerprint(target, config)},
+    }
+    torch.save(checkpoint, path)
+    return str(path)
+
+
+def test_an_export_records_its_target_and_is_refused_against_another(root, tmp_path, capsys):
+    ckpt = write_medusa_checkpoint(root, tmp_path / "medusa.ckpt")
+    folder, _ = export(ckpt, str(tmp_path / "medusa_vllm"))
+    config = AutoConfig.from_pretrained(root / "target")
+    assert export_record(folder) == fingerprint(str(root / "target"), config)  # the fingerprint the checkpoint kept
+    shutil.rmtree(root / "out", ignore_errors=True)
+    assert run_eval(root, str(root / "other"), str(folder)) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and [line.split(":")[0] for line in err.splitlines()[-2:]] == ["error", "hint"]
+    assert f"--drafter {folder}: exported for another target: its {EXPORT_RECORD} records" in err
+    assert "they differ in sample" in err
+    assert not (root / "out").exists()
+    assert run_eval(root, str(root / "other"), str(folder), "--allow_other_target") == 0
+    copy = tmp_path / "copy_of_target"
+    shutil.copytree(root / "target", copy)
+    assert run_eval(root, str(copy), str(folder)) == 0
+
+
+@pytest.mark.parametrize("folder", ["medusa", "medusa_tgi", "dflash", "dflash_speculators"])
+def test_a_third_party_export_without_a_record_is_measured_with_one_warning(root, caplog, folder):
+    """A folder another tool wrote (here: the format writers alone, as a third-party trainer would) holds no record:
+    it is measured, and one warning line says that nothing but its vocabulary and shapes ties it to the target."""
+    assert export_record(root / folder) is None
+    with caplog.at_level(logging.WARNING, logger="trainer.decoding.evaluate"):
+        assert run_eval(root, str(root / "other"), str(root / folder)) == 0
+    warnings = [r.getMessage() for r in caplog.records if "records no target fingerprint" in r.getMessage()]
+    assert len(warnings) == 1 and "\n" not in warnings[0]
+    assert warnings[0].startswith(f"--drafter {root / folder}: records no target fingerprint")
+    assert f"--target {root / 'other'}" in warnings[0]
+
+
+def write_mtp_checkpoint(root, path) -> str:
+    """An MTP pre-training checkpoint: modules and the trunk trained with them, the trunk being ``root/target``'s
+    weights (as a run that saved its trunk to ``root/target`` holds); no frozen model, so no fingerprint."""
+    trunk = AutoModelForCausalLM.from_pretrained(root / "target")
+    config = MTPConfig.for_trunk(trunk.config, depth=1)
+    drafter = MTPDrafter(config, trunk)
+    record = mtp_record.make_record(config, None, ["LlamaForCausalLM"], with_trunk=True, tokenizer=str(root / "target"))
+    torch.save(
+        {"state_dict": {f"drafter.{k}": v for k, v in drafter.state_dict().items()}, "drafter": record.to_dict()}, path
+    )
+    return str(path)
+
+
+def test_an_mtp_checkpoint_with_its_own_trunk_is_refused_against_another_target(root, tmp_path, capsys):
+    ckpt = write_mtp_checkpoint(root, tmp_path / "mtp.ckpt")
+    assert recorded_fingerprints(ckpt) == {}  # nothing recorded: the trunk itself is compared
+    shutil.rmtree(root / "out", ignore_errors=True)
+    assert run_eval(root, str(root / "other"), ckpt) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and [line.split(":")[0] for line in err.splitlines()[-2:]] == ["error", "hint"]
+    assert f"--drafter {ckpt}: it trained its target and carries it" in err
+    assert f"--target {root / 'other'} is not that model" in err and "weights both hold differ" in err
+    assert not (root / "out").exists()
+    assert run_eval(root, str(root / "other"), ckpt, "--allow_other_target") == 0
+    assert run_eval(root, str(root / "target"), ckpt) == 0
+
+
+def safe_keys(path) -> set[str]:
+    with safe_open(str(path), framework="pt") as f:
+        return set(f.keys())
+
+
+def test_a_carried_target_is_compared_by_sampled_values(root, tmp_path):
+    """The comparison against a naive one: every tensor the two hold, its first row rounded to bfloat16."""
+    ours = AutoModelForCausalLM.from_pretrained(root / "target").state_dict()
+    theirs = AutoModelForCausalLM.from_pretrained(root / "other").state_dict()
+    saved = safe_keys(root / "other" / "model.safetensors")  # what the folder's file holds (a tied lm_head is not)
+    names = [n for n in ours if n in saved]
+    naive = [
+        n
+        for n in sorted(names)
+        if not torch.equal(*(m[n].flatten()[: m[n].shape[-1]][:16].bfloat16() for m in (ours, theirs)))
+    ]
+    assert sample_differences(ours, root / "other") == (len(names), naive)
+    assert sample_differences({k: v.bfloat16() for k, v in ours.items()}, root / "target") == (len(names), [])
+    assert sample_differences({"unrelated": torch.zeros(2)}, root / "target") == (0, [])
+
+
+def test_a_target_with_an_empty_weights_file_is_refused_naming_it(root, tmp_path, capsys):
+    target = tmp_path / "target"
+    shutil.copytree(root / "target", target)
+    (target / "model.safetensors").write_bytes(b"")
+    assert run_eval(root, str(target), "prompt-lookup") == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and [line.split(":")[0] for line in err.splitlines()[-2:]] == ["error", "hint"]
+    assert f"--target {str(target)!r}: {target / 'model.safetensors'} is empty (0 bytes)" in err

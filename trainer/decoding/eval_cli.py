@@ -13,9 +13,12 @@ one report (a drafter that cannot estimate its acceptance is refused, naming the
 documents (trainer/decoding/context.py), decoded together, and the report's ``by_context`` and
 acceptance_by_context.png give tau, acceptance per draft position and the target's own loss per length.
 
-Refused in one line before anything is decoded: a drafter export given as ``--target`` (named with its kind and the
-target it names), and a training checkpoint measured against a target other than the one whose fingerprint it
-recorded (unless ``--allow_other_target``); trainer/decoding/evaluate.py holds both checks.
+Refused in one line before anything is decoded: a ``--target`` folder whose safetensors file is empty or truncated
+(named), a drafter export given as ``--target`` (named with its kind and the target it names), and a drafter measured
+against a target other than the one it was made for (unless ``--allow_other_target``): the fingerprint a training
+checkpoint recorded or ``draftsmith export`` wrote beside an export, or the weights of a target the drafter trained
+and carries; trainer/decoding/evaluate.py holds these checks (a drafter export that records no target is measured,
+with one warning line).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from trainer.decoding.options import ProposerOptions, add_option_arguments, opti
 from trainer.decoding.report import write_report
 from trainer.errors import ModelFolderError, TokenizerError, UsageError, UserError
 from trainer.flags import ToolParser
+from trainer.target import check_safetensors_headers
 
 
 def build_parser() -> ToolParser:
@@ -138,6 +142,7 @@ def load_target(path: str, dtype: str, device: torch.device) -> tuple[PreTrained
     if not (folder / "config.json").is_file():
         raise ModelFolderError(f"--target {path!r} is not a local model folder (no config.json)")
     refuse_drafter_as_target(path)
+    check_safetensors_headers(path, f"--target {path!r}")  # an empty or truncated weights file, named
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, ImportError) as err:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from torch import nn
 from transformers import AutoConfig, PreTrainedModel
 
 from trainer.data.tokenizer import tokenizer_hash
@@ -38,8 +39,16 @@ from trainer.decoding.proposers import NoProposer, Proposer, build_proposer, reg
 from trainer.errors import CheckpointError, ModelFolderError
 from trainer.export.files import folder_config
 from trainer.export.speculators import read_block
-from trainer.fingerprint import describe, differences, fingerprint, recorded_fingerprints
-from trainer.registry import check_target, get_kind, is_training_checkpoint, load_drafter, recognise
+from trainer.fingerprint import (
+    EXPORT_RECORD,
+    describe,
+    differences,
+    export_record,
+    fingerprint,
+    recorded_fingerprints,
+    sample_differences,
+)
+from trainer.registry import DrafterRecord, check_target, get_kind, is_training_checkpoint, load_drafter, recognise
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +120,8 @@ def resolve_drafter(
     of a training checkpoint or an exported folder, whose drafter kind builds the proposer.
 
     A drafter made for another target (vocabulary, hidden size, layers, tokenizer) is refused, naming the path;
-    so is a training checkpoint whose recorded target fingerprint is not ``target_path``'s
-    (:func:`check_trained_target`), unless ``allow_other_target`` or the drafter trained its target (Medusa-2).
+    so is one whose recorded or carried target is not ``target_path`` (:func:`check_drafters_target`), unless
+    ``allow_other_target``.
 
     Args:
         spec: the ``--drafter`` value.
@@ -131,10 +140,8 @@ def resolve_drafter(
             f"({', '.join(registered_proposers())})"
         )
     module, record = load_drafter(spec)
-    # a drafter that trained its target (Medusa-2: with_target) recorded the target it started from, and is measured
-    # against the one it trained: only frozen targets are compared
-    if target_path is not None and is_training_checkpoint(Path(spec)) and not record.config.get("with_target"):
-        check_trained_target(spec, target_path, allow_other_target)
+    if target_path is not None:
+        check_drafters_target(spec, module, record, target_path, allow_other_target)
     check_target(record, target.config, spec)
     drafter_tokenizer = load_tokenizer_if_present(record.tokenizer) if record.tokenizer else None
     if drafter_tokenizer is not None and target_tokenizer is not None:
@@ -211,6 +218,111 @@ def refuse_drafter_as_target(path: str) -> None:
         hint=f"pass it as --drafter {path} and its target model as --target"
         + (f" {target}" if target else " (the model it was trained for)"),
     )
+
+
+def check_drafters_target(
+    spec: str, module: nn.Module, record: DrafterRecord, target_path: str, allow_other_target: bool = False
+) -> None:
+    """Refuse to measure a drafter against a target other than the one it was made for, by what it holds of it:
+
+    - a drafter that trained its target and carries it (Medusa-2, an MTP pre-training's trunk; the kind's
+      ``carried_target``), from a checkpoint or an export: :func:`check_carried_target`;
+    - a training checkpoint: the fingerprint it recorded (:func:`check_trained_target`);
+    - an exported folder: the fingerprint ``draftsmith export`` wrote beside it (:func:`check_exported_target`).
+
+    Args:
+        spec: the ``--drafter`` path.
+        module: the drafter loaded from it.
+        record: its record.
+        target_path: the ``--target`` folder.
+        allow_other_target: measure it anyway (no check, no warning).
+    """
+    carry = get_kind(record.kind, spec).carried_target
+    carried = carry(module) if carry is not None else None
+    if carried is not None:
+        check_carried_target(spec, carried, target_path, allow_other_target)
+    elif is_training_checkpoint(Path(spec)):
+        check_trained_target(spec, target_path, allow_other_target)
+    else:
+        check_exported_target(spec, target_path, allow_other_target)
+
+
+def _same_weights_or_refuse(spec: str, what: str, ours, target_path: str, allow_other_target: bool) -> None:
+    """:func:`sample_differences` of ``ours`` and ``target_path``: a :class:`CheckpointError` when no weight is in
+    common or any differs (``what``: the weights ``ours`` are, in the message)."""
+    if allow_other_target:
+        return
+    compared, differ = sample_differences(ours, target_path)
+    if compared and not differ:
+        return
+    found = (
+        "no weight of the same name and shape in common"
+        if not compared
+        else f"{len(differ)} of the {compared} weights both hold differ ({differ[0]} first)"
+    )
+    raise CheckpointError(
+        f"--drafter {spec}: {what}, and --target {target_path} is not that model: {found}",
+        hint="give that model as --target; to measure the drafter against this one anyway, pass --allow_other_target",
+    )
+
+
+def check_carried_target(spec: str, carried: nn.Module, target_path: str, allow_other_target: bool = False) -> None:
+    """Refuse a drafter that carries the target it trained (Medusa-2, an MTP trunk trained with its modules) measured
+    against another model: its weights and ``target_path``'s are compared by sampled values, tensor by tensor
+    (:func:`~trainer.fingerprint.sample_differences`; a float32 copy and a bfloat16 save agree).
+
+    Raises:
+        CheckpointError: no weight in common, or one differing, unless ``allow_other_target``.
+    """
+    what = "it trained its target and carries it (the model to measure it with)"
+    _same_weights_or_refuse(spec, what, carried.state_dict(), target_path, allow_other_target)
+
+
+def check_exported_target(spec: str, target_path: str, allow_other_target: bool = False) -> None:
+    """Refuse an exported drafter measured against a target other than the one it was made for, as far as its folder
+    says which: the fingerprint ``draftsmith export`` wrote beside it (:data:`~trainer.fingerprint.EXPORT_RECORD`),
+    compared as a training checkpoint's is; for a target model with a drafter's files beside it (an MTP, MTP-heads or
+    LayerSkip export), that model's own weights, compared with ``target_path``'s. A drafter export without a record
+    (a folder another tool wrote, or an export older than the record) is one warning line saying that nothing ties it
+    to ``target_path``; a draft model folder (kind ``hf_causal_lm``) without one is left to the tokenizer check.
+
+    Raises:
+        CheckpointError: a recorded fingerprint that differs, or a model folder whose weights differ, unless
+            ``allow_other_target``.
+    """
+    folder = Path(spec)
+    recorded = export_record(folder)
+    if recorded is not None:
+        if allow_other_target:
+            return
+        current = fingerprint(target_path, AutoConfig.from_pretrained(target_path))
+        differ = differences(recorded, current)
+        if differ:
+            raise CheckpointError(
+                f"--drafter {spec}: exported for another target: its {EXPORT_RECORD} records ({describe(recorded)}), "
+                f"--target {target_path} is ({describe(current)}); they differ in {', '.join(differ)}",
+                hint="give the target it was trained with as --target; to measure it against this one anyway, pass "
+                "--allow_other_target (a config hash alone can change with the transformers version)",
+            )
+        return
+    found = drafter_export(folder)
+    if found is not None:
+        if not allow_other_target:
+            named = f"; it names {found[2]}, which is not compared" if found[2] else ""
+            log.warning(
+                f"--drafter {spec}: records no target fingerprint (not exported by draftsmith export, or before it "
+                f"wrote {EXPORT_RECORD}){named}: nothing but the vocabulary and shapes ties it to --target "
+                f"{target_path}"
+            )
+        return
+    try:
+        kind, fmt = recognise(folder)
+    except ModelFolderError:
+        return
+    if fmt.generic or folder.resolve() == Path(target_path).resolve():
+        return
+    what = f"a target model with a {kind.name} drafter's files beside it (format {fmt.name})"
+    _same_weights_or_refuse(spec, what, str(folder), target_path, allow_other_target)
 
 
 def check_trained_target(checkpoint: str, target_path: str, allow_other_target: bool = False) -> None:

@@ -1,7 +1,10 @@
 """``draftsmith export --ckpt CKPT --out DIR [--format FORMAT]``: a trained drafter in a serving engine's format.
 
 The checkpoint's drafter record says what the drafter is; its kind says which formats it can be written in
-(trainer/registry.py). Without ``--format`` the kind's first format is written.
+(trainer/registry.py). Without ``--format`` the kind's first format is written. Beside it goes the fingerprint of the
+frozen target the checkpoint recorded (``target_fingerprint.json``, trainer/fingerprint.py), which ``draftsmith eval``
+compares with its ``--target``; a drafter that carries the target it trained (Medusa-2, an MTP pre-training) is
+compared by that target's own weights instead, and gets none.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import sys
 from pathlib import Path
 
 from trainer.errors import CheckpointError, PathError, UserError, debugging, error_report
+from trainer.fingerprint import recorded_fingerprints, write_export_record
 from trainer.flags import ToolParser
 from trainer.registry import DrafterRecord, get_kind, is_training_checkpoint, kinds
 
@@ -38,7 +42,13 @@ def export(ckpt: str, out: str, fmt: str | None = None) -> tuple[Path, str]:
     record = DrafterRecord.from_dict(raw, ckpt)
     kind = get_kind(record.kind, ckpt)
     writer = kind.format(fmt)
-    return writer.write(kind.load(record, state, ckpt), record, Path(out)), writer.name
+    module = kind.load(record, state, ckpt)
+    folder = writer.write(module, record, Path(out))
+    recorded = recorded_fingerprints(ckpt)
+    target = recorded.get("target") or recorded.get("teacher")  # KD checkpoints record their target as the teacher
+    if isinstance(target, dict) and (kind.carried_target is None or kind.carried_target(module) is None):
+        write_export_record(folder, target)
+    return folder, writer.name
 
 
 def build_parser() -> ToolParser:

@@ -47,9 +47,13 @@ def record_of(drafter: MedusaDrafter, target: str | None = None) -> DrafterRecor
     """The record of heads read back from an export."""
     c = drafter.config
     return DrafterRecord(
-        kind=KIND, config=c.to_dict(), target=target, target_vocab_size=c.vocab_size,
-        target_hidden_size=c.hidden_size, draft_tokens=c.num_heads,
-    )  # fmt: skip
+        kind=KIND,
+        config=c.to_dict(),
+        target=target,
+        target_vocab_size=c.vocab_size,
+        target_hidden_size=c.hidden_size,
+        draft_tokens=c.num_heads,
+    )
 
 
 def build(record: DrafterRecord) -> MedusaDrafter:
@@ -115,4 +119,13 @@ TGI = ExportFormat(
     recognise=lambda folder: "medusa_num_heads" in folder_config(folder) and (folder / formats.TGI_WEIGHTS).is_file(),
 )
 
-register_kind(DrafterKind(name=KIND, build=build, formats=(VLLM, TGI), proposer=proposer, load_weights=load_weights))
+register_kind(
+    DrafterKind(
+        name=KIND,
+        build=build,
+        formats=(VLLM, TGI),
+        proposer=proposer,
+        load_weights=load_weights,
+        carried_target=lambda drafter: drafter.model,  # Medusa-2's trained target (None for Medusa-1)
+    )
+)

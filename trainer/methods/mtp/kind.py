@@ -50,9 +50,15 @@ def proposer(drafter: MTPDrafter, record: DrafterRecord, target: PreTrainedModel
     lm_head."""
     layers = int(text_config(target.config).num_hidden_layers)
     return MTPProposer(
-        drafter.mtp, target.get_input_embeddings(), target.get_output_embeddings(), layers, tree=options.tree,
-        tree_nodes=options.tree_nodes, tree_top_k=options.tree_top_k, rank_temperature=options.rank_temperature,
-    )  # fmt: skip
+        drafter.mtp,
+        target.get_input_embeddings(),
+        target.get_output_embeddings(),
+        layers,
+        tree=options.tree,
+        tree_nodes=options.tree_nodes,
+        tree_top_k=options.tree_top_k,
+        rank_temperature=options.rank_temperature,
+    )
 
 
 def write_layout(drafter: MTPDrafter, record: DrafterRecord, out: Path) -> Path:
@@ -104,6 +110,11 @@ HF = ExportFormat(
 
 register_kind(
     DrafterKind(
-        name=KIND, build=build, formats=(MODEL, NEXTN, QWEN3_NEXT, HF), proposer=proposer, load_weights=load_weights
+        name=KIND,
+        build=build,
+        formats=(MODEL, NEXTN, QWEN3_NEXT, HF),
+        proposer=proposer,
+        load_weights=load_weights,
+        carried_target=lambda drafter: drafter.trunk,  # the trunk trained with the modules (pre-training), or None
     )
 )
