@@ -73,10 +73,18 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_mod, 
 # ---- DFlash: anchored blocks ---------------------------------------------------------------------------------------
 
 
-def anchored_block_mask(anchors: torch.Tensor, context_len: int, block: int) -> torch.Tensor:
+def anchored_block_mask(
+    anchors: torch.Tensor,
+    context_len: int,
+    block: int,
+    window: int | None = None,
+    documents: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The DFlash mask written out: bool [B, N * b, S + N * b] (True: may attend), for tests and for reading.
 
-    anchors: [B, N] anchor positions; context_len: S; block: b.
+    anchors: [B, N] anchor positions; context_len: S; block: b; window: a block anchored at a sees the context
+    a - window .. a - 1 only (speculators' sliding layer, trainer/methods/dflash/module.py); documents: [B, S], the
+    context of the anchor's own document only.
     """
     B, N = anchors.shape
     q = torch.arange(N * block, device=anchors.device)  # [Q]
@@ -84,11 +92,23 @@ def anchored_block_mask(anchors: torch.Tensor, context_len: int, block: int) -> 
     q_block = q // block  # [Q]
     anchor = anchors[:, q_block]  # [B, Q]
     context = (kv[None, None, :] < context_len) & (kv[None, None, :] < anchor[:, :, None])  # [B, Q, K]
+    if window is not None:
+        context = context & (kv[None, None, :] >= anchor[:, :, None] - window)
+    if documents is not None:
+        key_doc = documents[:, kv.clamp(max=context_len - 1)]  # [B, K]
+        query_doc = documents.gather(1, anchor.clamp(max=context_len - 1))  # [B, Q]
+        context = context & (key_doc[:, None, :] == query_doc[:, :, None])
     same = (kv[None, :] >= context_len) & ((kv[None, :] - context_len) // block == q_block[:, None])  # [Q, K]
     return context | same[None]
 
 
-def anchored_block_mask_mod(anchors: torch.Tensor, context_len: int, block: int):
+def anchored_block_mask_mod(
+    anchors: torch.Tensor,
+    context_len: int,
+    block: int,
+    window: int | None = None,
+    documents: torch.Tensor | None = None,
+):
     """The flex ``mask_mod`` of :func:`anchored_block_mask`."""
 
     last = anchors.shape[1] - 1
@@ -97,6 +117,11 @@ def anchored_block_mask_mod(anchors: torch.Tensor, context_len: int, block: int)
         q_block = q_idx // block
         anchor = anchors[b, torch.clamp(q_block, max=last)]  # flex may evaluate padded query indices
         context = (kv_idx < context_len) & (kv_idx < anchor)
+        if window is not None:
+            context = context & (kv_idx >= anchor - window)
+        if documents is not None:
+            key = torch.clamp(kv_idx, max=context_len - 1)
+            context = context & (documents[b, key] == documents[b, torch.clamp(anchor, max=context_len - 1)])
         same = (kv_idx >= context_len) & ((kv_idx - context_len) // block == q_block)
         return context | same
 
@@ -112,6 +137,8 @@ def anchored_block_attention(
     anchors: torch.Tensor,
     block: int,
     impl: Impl = "auto",
+    window: int | None = None,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """DFlash attention of every block of a batch in one call (the layout in the module docstring).
 
@@ -122,6 +149,9 @@ def anchored_block_attention(
         anchors: [B, N] the anchor position of every block.
         block: b, slots per block.
         impl: ``flex``, ``dense`` or ``auto``.
+        window: a block anchored at ``a`` sees the context ``a - window .. a - 1`` only (None: all of ``0..a-1``).
+        documents: [B, S] the document of every context position (trainer/documents.py): a block sees the context
+            of its anchor's document only; None is one document.
 
     The dense path computes the context scores [B, nh, N * b, S] (masked to each block's prefix) and the
     within-block scores [B, nh, N, b, b] separately and normalises them together: ``N * b * (S + b)`` scores where
@@ -136,12 +166,17 @@ def anchored_block_attention(
     if resolve_impl(impl, q.device, torch.is_grad_enabled() and q.requires_grad) == "flex":
         k = torch.cat([k_ctx, k_blk], dim=2)  # [B, nkv, S + Q, D]
         v = torch.cat([v_ctx, v_blk], dim=2)
-        return flex_attention(q, k, v, anchored_block_mask_mod(anchors, S, block), B)
+        return flex_attention(q, k, v, anchored_block_mask_mod(anchors, S, block, window, documents), B)
     N, g = Q // block, nh // nkv
     scale = 1.0 / math.sqrt(D)
     qg = q.reshape(B, nkv, g * Q, D)  # heads h = kv * g + i share kv head kv
     scores_ctx = (qg @ k_ctx.transpose(-1, -2) * scale).view(B, nkv, g, N, block, S)  # [B, nkv, g, N, b, S]
-    visible = torch.arange(S, device=q.device)[None, None, :] < anchors[:, :, None]  # [B, N, S]
+    index = torch.arange(S, device=q.device)[None, None, :]  # [1, 1, S]
+    visible = index < anchors[:, :, None]  # [B, N, S]
+    if window is not None:
+        visible = visible & (index >= anchors[:, :, None] - window)
+    if documents is not None:
+        visible = visible & (documents[:, None, :] == documents.gather(1, anchors.clamp(max=S - 1))[:, :, None])
     scores_ctx = scores_ctx.masked_fill(~visible[:, None, None, :, None, :], float("-inf"))
     q_blocks = q.view(B, nkv, g, N, block, D)
     k_blocks = k_blk.view(B, nkv, 1, N, block, D)

@@ -350,7 +350,7 @@ def test_sliding_layers_round_trip_in_the_speculators_format_and_not_in_zlabs(tm
     torch.testing.assert_close(draft_logits(reloaded), draft_logits(drafter), rtol=0, atol=0)
     with pytest.raises(ModelFolderError, match=r"layer_types \['sliding_attention', 'full_attention'\].*z-lab format"):
         formats.save_zlab(drafter, str(tmp_path / "zlab"))
-    with pytest.raises(ValueError, match="trains full-attention DFlash layers only"):
+    with pytest.raises(ValueError, match="draftsmith trains non-causal blocks only"):
         drafter.train_blocks(torch.zeros(1, 6, 16), torch.zeros(1, 4, 16), torch.tensor([[2]]), "dense")
     # a z-lab folder whose layers are sliding is refused naming the field (its block's causality is unsaid)
     zlab = formats.save_zlab(small_drafter(4), str(tmp_path / "zlab"))

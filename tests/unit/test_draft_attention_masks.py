@@ -158,3 +158,117 @@ def test_an_unwindowed_export_writes_no_window_keys(tmp_path):
 def test_a_bad_window_is_refused_naming_the_key(objective, window):
     with pytest.raises(RecipeError, match=r"model\.window="):
         objective(target="never-loaded", window=window)
+
+
+# ---- DFlash's anchored blocks -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("window", "packed"), [(None, False), (3, False), (None, True), (4, True)])
+def test_anchored_attention_applies_the_window_and_the_documents_of_a_naive_mask(window, packed):
+    from trainer.block_attention import anchored_block_attention, anchored_block_mask
+
+    torch.manual_seed(1)
+    B, nh, nkv, S, N, b, D = 2, 4, 2, 20, 3, 4, 8
+    documents = documents_of([6, 9, 5], B) if packed else None
+    q = torch.randn(B, nh, N * b, D, dtype=torch.float64)
+    k_ctx, v_ctx, k_blk, v_blk = (torch.randn(B, nkv, n, D, dtype=torch.float64) for n in (S, S, N * b, N * b))
+    anchors = torch.tensor([[0, 7, 19], [3, 6, 12]])
+    allowed = torch.zeros(B, N * b, S + N * b, dtype=torch.bool)  # block j: context a_j - window .. a_j - 1
+    for r in range(B):
+        for j in range(N):
+            a = int(anchors[r, j])
+            for s in range(b):
+                for c in range(a):
+                    same = documents is None or bool(documents[r, c] == documents[r, a])
+                    allowed[r, j * b + s, c] = (window is None or c >= a - window) and same
+                allowed[r, j * b + s, S + j * b : S + (j + 1) * b] = True
+    assert torch.equal(anchored_block_mask(anchors, S, b, window, documents), allowed)
+    keys = torch.cat([k_ctx, k_blk], 2).repeat_interleave(2, 1)
+    values = torch.cat([v_ctx, v_blk], 2).repeat_interleave(2, 1)
+    naive = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None])
+    dense = anchored_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, b, "dense", window, documents)
+    torch.testing.assert_close(dense, naive, rtol=1e-12, atol=1e-12)
+    args = [t.float() for t in (q, k_ctx, v_ctx, k_blk, v_blk)]
+    flex = anchored_block_attention(*args, anchors, b, "flex", window, documents)  # uncompiled forward on CPU
+    torch.testing.assert_close(flex.double(), naive, rtol=1e-5, atol=1e-5)
+
+
+def windowed_dflash(drafter, window: int):
+    """``drafter`` with every layer a non-causal sliding one of ``window`` (what ``model.window`` sets)."""
+    c = drafter.config
+    c.layer_types, c.sliding_window, c.sliding_window_non_causal = (
+        ("sliding_attention",) * c.num_hidden_layers,
+        window,
+        True,
+    )
+    return drafter
+
+
+def test_windowed_training_blocks_equal_drafting_each_block_alone_and_a_long_window_changes_nothing():
+    from tests.unit.test_dflash_drafter import small_drafter as small_dflash
+
+    drafter = small_dflash(2)
+    embedding = torch.nn.Embedding(50, 16)
+    B, S, b = 2, 12, 4
+    context = drafter.context([torch.randn(B, S, 16) for _ in range(2)])  # [B, S, H]
+    anchors = torch.tensor([[0, 5, 10], [1, 3, 11]])
+    block_ids = drafter.block_ids(torch.randint(0, 48, (B, S)).gather(1, anchors))  # [B, N * b]
+    with torch.no_grad():
+        full = drafter.train_blocks(context, embedding(block_ids), anchors, "dense")
+        for window in (S, S + 7):  # every context position stays inside: exactly the full layers' outputs
+            assert torch.equal(windowed_dflash(drafter, window).train_blocks(context, embedding(block_ids), anchors,
+                                                                             "dense"), full)  # fmt: skip
+        out = windowed_dflash(drafter, 3).train_blocks(context, embedding(block_ids), anchors, "dense")
+        assert not torch.allclose(out, full, atol=1e-4)
+        for r in range(B):
+            for j in range(3):
+                a = int(anchors[r, j])
+                past = drafter.context_kv(context[r : r + 1, :a], torch.arange(a)[None])
+                block = embedding(block_ids[r : r + 1, j * b : (j + 1) * b])  # [1, b, H]
+                alone = drafter.draft(block, torch.arange(a, a + b)[None], past)
+                torch.testing.assert_close(out[r : r + 1, j * b : (j + 1) * b], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_windowed_dflash_decoding_is_the_targets_greedy_output_and_drafts_the_training_blocks():
+    from tests.unit.test_dflash_proposer import Recording, setup
+    from trainer.methods.dflash.proposer import DFlashTreeProposer
+
+    target, drafter = setup(1)
+    windowed_dflash(drafter, 4)
+    embedding, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    prompt = torch.randint(0, 127, (11,), generator=torch.Generator().manual_seed(1))
+    alone = speculative_generate(target, prompt, NoProposer(), k=0, max_new_tokens=24).tokens
+    chain = Recording(drafter, embedding, head)
+    for proposer in (chain, DFlashTreeProposer(drafter, embedding, head, top_k=3, budget=10)):
+        assert speculative_generate(target, prompt, proposer, k=4, max_new_tokens=24).tokens == alone
+    for tokens, logits in chain.rounds:
+        T = tokens.numel()
+        with torch.no_grad():
+            hidden = target(tokens[None], output_hidden_states=True).hidden_states
+            context = drafter.context([hidden[i] for i in drafter.config.target_layers])  # [1, T, H]
+            block = drafter.block_ids(tokens[-1:])[None]  # [1, b]
+            out = drafter.train_blocks(context, embedding[block], torch.tensor([[T - 1]]), "dense")  # [1, b, H]
+        torch.testing.assert_close(logits, out[0, 1:] @ head.t(), rtol=1e-6, atol=1e-6)
+
+
+def test_dflash_speculators_export_keeps_the_window(tmp_path):
+    from tests.unit.test_dflash_drafter import small_drafter as small_dflash
+    from tests.unit.test_dflash_export import draft_logits
+    from trainer.methods.dflash import export as dflash_formats
+
+    drafter = windowed_dflash(small_dflash(4), 3).eval()
+    out = dflash_formats.save_speculators(drafter, str(tmp_path / "spec"), verifier="some/target")
+    config = json.loads((out / "config.json").read_text())
+    layer = config["transformer_layer_config"]
+    assert (layer["layer_types"], layer["sliding_window"]) == (["sliding_attention"] * 2, 3)
+    assert config["sliding_window_non_causal"] is True
+    reloaded = dflash_formats.load_speculators(str(out))
+    assert reloaded.config == drafter.config
+    torch.testing.assert_close(draft_logits(reloaded), draft_logits(drafter), rtol=0, atol=0)
+
+
+def test_dflash_refuses_a_bad_window_naming_the_key():
+    from trainer.methods.dflash.objective import DFlash
+
+    with pytest.raises(RecipeError, match=r"model\.window=0"):
+        DFlash(target="never-loaded", window=0)

@@ -14,13 +14,14 @@ hidden states of every position before ``p``, computed once and shared by the la
     h = h + o_proj(attention(Q, K, V))               (non-causal: every slot sees the whole context and block)
     h = h + mlp(post_attention_layernorm(h))
 
-That is a ``full_attention`` layer, the only kind draftsmith trains. Drafters written by speculators' trainer
-declare their layers ``sliding_attention`` by default (``layer_types`` and ``sliding_window`` of its
-``transformer_layer_config``, ``sliding_window_non_causal`` beside it); such a layer of a block anchored at ``p``
-sees the context of positions ``p - sliding_window .. p - 1`` only, and inside the block slot ``k`` sees slots
-``0..k`` (causal) unless ``sliding_window_non_causal`` (speculators' ``create_anchor_block_mask_mod``). A layer
-declared sliding without a window (``sliding_window`` None) is a full one, as there. :meth:`DFlashDrafter.draft`
-(the proposer) runs both kinds; :meth:`DFlashDrafter.train_blocks` runs full layers only.
+That is a ``full_attention`` layer; the objective's ``model.window`` trains non-causal ``sliding_attention`` ones.
+Drafters written by speculators' trainer declare their layers ``sliding_attention`` by default (``layer_types`` and
+``sliding_window`` of its ``transformer_layer_config``, ``sliding_window_non_causal`` beside it); such a layer of a
+block anchored at ``p`` sees the context of positions ``p - sliding_window .. p - 1`` only, and inside the block slot
+``k`` sees slots ``0..k`` (causal) unless ``sliding_window_non_causal`` (speculators'
+``create_anchor_block_mask_mod``). A layer declared sliding without a window (``sliding_window`` None) is a full one,
+as there. :meth:`DFlashDrafter.draft` (the proposer) runs both kinds; :meth:`DFlashDrafter.train_blocks` runs full
+layers and non-causal sliding ones.
 
 and the output ``norm(h)`` goes through the target's lm_head (not part of the drafter) on slots 1..b-1. Parameter
 names are the z-lab checkpoint's (``layers.{i}.self_attn.{q,k,v,o}_proj``, ``q_norm``, ``k_norm``, ``mlp.*``, the
@@ -49,6 +50,7 @@ from transformers.activations import ACT2FN
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from trainer.block_attention import Impl, anchored_block_attention
+from trainer.documents import document_positions
 from trainer.layers import AttentionProjections, GatedMLP, RMSNorm, repeat_kv
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -367,7 +369,12 @@ class DFlashDrafter(nn.Module):
         return ids.flatten(-2)
 
     def train_blocks(
-        self, context: torch.Tensor, embeds: torch.Tensor, anchors: torch.Tensor, impl: Impl = "auto"
+        self,
+        context: torch.Tensor,
+        embeds: torch.Tensor,
+        anchors: torch.Tensor,
+        impl: Impl = "auto",
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Every block of a batch in one pass.
 
@@ -376,35 +383,56 @@ class DFlashDrafter(nn.Module):
             embeds: [B, N * b] block inputs: the target's embeddings of :meth:`block_ids`, [B, N * b, H].
             anchors: [B, N] the anchor position of every block (its slots sit at anchor .. anchor + b - 1).
             impl: the block-sparse attention's implementation (``auto``: flex on CUDA, dense elsewhere).
+            documents: [B, S] the document of every position (trainer/documents.py): a block sees its anchor's
+                document only and rotary positions count from its first token; None is one document.
+
+        A sliding layer (:meth:`DFlashConfig.windowed`) sees the context ``anchor - sliding_window .. anchor - 1``,
+        as :meth:`draft`; its block must be non-causal (``sliding_window_non_causal``, what ``model.window`` sets).
 
         Returns:
             [B, N * b, H] the normed outputs of every slot (slot 0 of each block included).
         """
-        if not self.config.all_full:
+        c = self.config
+        causal = [i for i in range(c.num_hidden_layers) if c.windowed(i) and not c.sliding_window_non_causal]
+        if causal:
             raise ValueError(
-                f"layer_types={list(self.config.layer_types or [])} with sliding_window={self.config.sliding_window}: "
-                "draftsmith trains full-attention DFlash layers only (a drafter read from such an export drafts)"
+                f"layer_types={list(c.layer_types or [])} with sliding_window={c.sliding_window} and "
+                "sliding_window_non_causal false: draftsmith trains non-causal blocks only (a drafter read from such "
+                "an export drafts)"
             )
         B, S, _ = context.shape
-        b = self.config.block_size
-        positions = (anchors[:, :, None] + torch.arange(b, device=anchors.device)).flatten(1)  # [B, N * b]
+        b = c.block_size
+        base = torch.arange(S, device=anchors.device).expand(B, S)  # [B, S]
+        first = anchors  # [B, N] the anchors' rotary positions (an anchor may sit past the row, as in drafting)
+        if documents is not None:
+            offset = base - document_positions(documents)  # [B, S] each position's document start
+            base = base - offset
+            first = anchors - offset.gather(1, anchors.clamp(max=S - 1))
+        positions = (first[:, :, None] + torch.arange(b, device=anchors.device)).flatten(1)  # [B, N * b]
         cos, sin = self.rope(embeds, positions)
-        cos_c, sin_c = self.rope(embeds, torch.arange(S, device=anchors.device).expand(B, S))
-
-        def attend(q, k, v, context_kv):
-            return anchored_block_attention(q, *context_kv, k, v, anchors, b, impl)
+        cos_c, sin_c = self.rope(embeds, base)
 
         h = embeds.to(self.fc.weight.dtype)
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
+            window = c.sliding_window if c.windowed(index) else None
+
+            def attend(q, k, v, context_kv, window=window):
+                return anchored_block_attention(q, *context_kv, k, v, anchors, b, impl, window, documents)
+
             h = layer(h, cos, sin, attend, (context, cos_c, sin_c))
         return self.norm(h)
 
     def forward(
-        self, hidden: Sequence[torch.Tensor], embeds: torch.Tensor, anchors: torch.Tensor, impl: Impl = "auto"
+        self,
+        hidden: Sequence[torch.Tensor],
+        embeds: torch.Tensor,
+        anchors: torch.Tensor,
+        impl: Impl = "auto",
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The training pass: :meth:`context` of the target hidden states ([B, S, H] each, in ``target_layers``
         order), then :meth:`train_blocks` (as the module's forward, so that sharding strategies gather ``fc``)."""
-        return self.train_blocks(self.context(hidden), embeds, anchors, impl)
+        return self.train_blocks(self.context(hidden), embeds, anchors, impl, documents)
 
     def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> list[KV]:
         """Keys and values of context entries for every layer (the proposer caches them).

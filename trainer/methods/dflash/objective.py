@@ -62,9 +62,11 @@ from torch import nn
 from trainer.activation_memory import F32, PlannedStep, Shape, chunked, frozen_forward, layer_saved
 from trainer.block_attention import Impl
 from trainer.distribution_loss import DEFAULT_ETA, DistributionLoss
+from trainer.documents import check_window
 from trainer.errors import CheckpointError, RecipeError, UserError
 from trainer.methods.dflash import kind as dflash_kind
 from trainer.methods.dflash.module import (
+    SLIDING,
     DFlashConfig,
     DFlashDrafter,
     check_mask_token,
@@ -115,6 +117,7 @@ class DFlash(DraftObjective):
         trust_remote_code: bool = False,
         seed: int = 0,
         target_signals: TargetSignals = "online",
+        window: int | None = None,
         optim: Optim = Optim(),
     ) -> None:
         """
@@ -152,6 +155,11 @@ class DFlash(DraftObjective):
             seed: seed of the drafter's initialisation and of the anchors.
             target_signals: "online" runs the target in every step; "shards" reads its hidden states of
                 ``target_layers`` (and top-k next tokens, for soft labels) from a ShardDataModule, never building it.
+            window: sliding-window draft attention, in tokens: every draft layer becomes a non-causal
+                ``sliding_attention`` one whose block anchored at a sees the context a - window .. a - 1 (speculators'
+                meaning of its ``sliding_window``), in training and drafting alike; null (the default) sees the whole
+                context. Exported as ``layer_types``, ``sliding_window`` and ``sliding_window_non_causal: true`` in the
+                speculators format; the z-lab format refuses it. With ``init_from`` it replaces the loaded drafter's.
             optim: optimizer and learning-rate schedule.
         """
         super().__init__(optim)
@@ -178,6 +186,7 @@ class DFlash(DraftObjective):
         self.position_weights, self.dpace_alpha = position_weights, float(dpace_alpha)
         self.labels, self.attention = labels, attention
         self.max_anchors, self.loss_chunk_size, self.seed = max_anchors, loss_chunk_size, seed
+        check_window(window, "model.window")
         frozen = self.load_target(target, target_signals, target_dtype, trust_remote_code)
         torch.manual_seed(seed)
         if init_from is not None:
@@ -202,6 +211,10 @@ class DFlash(DraftObjective):
                 raise RecipeError(str(err)) from err
             config = DFlashConfig.from_target(frozen.config, num_draft_layers, layers, block_size, mask)
             self.drafter = self.drafter_class(self.drafter_config(replace(config, vocab_size=rows)))
+        if window is not None:
+            c = self.drafter.config
+            c.layer_types, c.sliding_window = (SLIDING,) * c.num_hidden_layers, window
+            c.sliding_window_non_causal = True
         self.drafter.to(resolve_dtype(drafter_dtype))
         b = self.drafter.config.block_size
         self.gamma = default_gamma(b) if gamma is None else gamma
