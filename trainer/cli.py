@@ -34,13 +34,13 @@ local ranks of Lightning's process launcher, so that none waits in a collective.
 from __future__ import annotations
 
 import importlib
-import logging
 import os
 import signal
 import sys
 import time
 
 from trainer.errors import DEBUG_ENV, UserError, debugging, error_report, user_error_in
+from trainer.output import configure_logging
 
 DEBUG_FLAG = "--debug"
 USER_ERROR_STATUS = 2
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.argv[1:] = args  # LightningCLI and its process launchers read sys.argv
         else:
             argv = args
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(debug=debugging())
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
         return 0
@@ -131,8 +131,15 @@ def _run(args: list[str], argv: list[str] | None) -> int:
     from trainer.recipe import DraftsmithCLI  # Lightning is imported for fits only: the tools start seconds sooner
 
     DraftsmithCLI.running_trainer = None
+    started = time.monotonic()
     cli = DraftsmithCLI(args=argv)  # None: LightningCLI reads sys.argv, as its subprocess launchers expect
     status = exit_status_after_fit(cli.trainer) if args[0] == "fit" else 0
+    if args[0] == "fit" and cli.trainer.is_global_zero:
+        from trainer.progress import fit_summary
+
+        configs = [args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--config", "-c")]
+        configs += [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
+        print(fit_summary(cli.trainer, cli.model, configs, time.monotonic() - started, status), flush=True)
     _close_process_group()
     return status
 

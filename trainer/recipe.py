@@ -15,20 +15,23 @@ import inspect
 import logging
 import os
 import re
+import sys
 import warnings
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from jsonargparse import ArgumentError, Namespace
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
 
 from trainer.checkpoints.atomic import default_checkpoint_io
 from trainer.data.sources import check_data_paths
 from trainer.errors import RecipeError
+from trainer.output import adopt_library_loggers
 from trainer.preemption import PreemptionCheckpoint, default_preemption_checkpoint
+from trainer.progress import ModelSummaryWithoutFlops, ProgressLog, StepProgressBar
 from trainer.renamed_keys import checkpoint_names_renamed, renamed_key_message
 from trainer.run_folder import SaveConfigBesideCheckpoints
 
@@ -92,7 +95,12 @@ class _RecipeParser(LightningArgumentParser):
 class DraftsmithCLI(LightningCLI):
     """LightningCLI with the project's defaults: any objective, any datamodule, no auto-added optimizer groups; the
     data paths checked before anything is built; every fit saves checkpoints atomically (AtomicCheckpointIO) and
-    saves ``last.ckpt`` on SIGTERM, SIGINT and SIGUSR1 (PreemptionCheckpoint), unless its recipe names its own."""
+    saves ``last.ckpt`` on SIGTERM, SIGINT and SIGUSR1 (PreemptionCheckpoint), unless its recipe names its own.
+
+    What a fit prints (trainer/progress.py): the ``progress`` section (:class:`~trainer.progress.ProgressLog`,
+    ``--progress.every_n_steps``, ``--progress.every_seconds``) logs plain-text progress lines; off a terminal (standard
+    error not a TTY) Lightning's progress bar is off unless the recipe sets ``trainer.enable_progress_bar``, on a
+    terminal it is :class:`~trainer.progress.StepProgressBar`; the model summary has no FLOPs column."""
 
     running_trainer: Trainer | None = None
     """The trainer of the last DraftsmithCLI built in this process: the error handler of ``draftsmith``
@@ -108,6 +116,7 @@ class DraftsmithCLI(LightningCLI):
                 jsonargparse's ArgumentError instead). A renamed key (trainer/renamed_keys.py) is refused with its new
                 name either way.
         """
+        adopt_library_loggers()  # Lightning's own handler would print every message a second time
         super().__init__(
             model_class=LightningModule,
             datamodule_class=LightningDataModule,
@@ -121,6 +130,11 @@ class DraftsmithCLI(LightningCLI):
             parser_kwargs={"default_env": False, "allow_abbrev": False, "exit_on_error": exit_on_error},
             parser_class=_RecipeParser,
         )
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        """The ``progress`` section: :class:`~trainer.progress.ProgressLog`'s ``every_n_steps`` and
+        ``every_seconds``, a callback of every fit."""
+        parser.add_lightning_class_args(ProgressLog, "progress")
 
     def before_instantiate_classes(self) -> None:
         """Checks every local data path of the recipe (``data.train_files``, ``val_files``, ``shards``) before the
@@ -156,7 +170,17 @@ class DraftsmithCLI(LightningCLI):
                 # acted on at this batch end; Lightning moves the checkpoint callbacks after it (_reorder_callbacks)
                 callbacks.append(default_preemption_checkpoint())
             kwargs["callbacks"] = callbacks
+        if trainer_config.get("enable_progress_bar") is None and "enable_progress_bar" not in kwargs:
+            if not sys.stderr.isatty():  # a log file: ProgressLog's lines instead of a bar that prints at the end
+                kwargs["enable_progress_bar"] = False
+            elif not any(isinstance(c, ProgressBar) for c in [*kwargs.get("callbacks", []), *extra]):
+                kwargs.setdefault("callbacks", []).append(StepProgressBar())
+        adopt_library_loggers()  # the recipe's classes may have imported transformers since __init__
         trainer = super().instantiate_trainer(**kwargs)
+        trainer.callbacks = [
+            ModelSummaryWithoutFlops(max_depth=c._max_depth, **c._summarize_kwargs) if _default_summary(c) else c
+            for c in trainer.callbacks
+        ]
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint):
                 # A resumed run writes its last.ckpt over the one it resumed from. Lightning would write last-v1.ckpt
@@ -167,6 +191,13 @@ class DraftsmithCLI(LightningCLI):
         _warn_emulated_bf16(trainer, self._get(self.config_init, "model"))
         DraftsmithCLI.running_trainer = trainer
         return trainer
+
+
+def _default_summary(callback: Any) -> bool:
+    """Whether ``callback`` is the model summary Lightning adds by default (plain or Rich)."""
+    from lightning.pytorch.callbacks import RichModelSummary
+
+    return type(callback) in (ModelSummary, RichModelSummary)
 
 
 def _warn_emulated_bf16(trainer: Trainer, model: Any) -> None:

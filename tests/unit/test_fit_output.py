@@ -1,0 +1,178 @@
+"""What ``draftsmith fit`` prints into a log file (trainer/progress.py, trainer/output.py): a progress line per
+interval from rank zero only, each message once in one format, no FLOPs, and a closing block naming the checkpoint
+on disk and the next commands."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests._multiproc import run_group
+from tests.recipe_runs import RECIPES, kd_override, save_random_target, write_override
+from trainer.errors import RecipeError
+from trainer.output import block, duration
+from trainer.progress import ProgressLog
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 4
+EVERY = 2
+_PROGRESS = re.compile(r"^INFO: step (\d+)/(\d+) \| loss [\d.e+-]+ \| lr [\d.e+-]+ \| [\d,]+ tok/s \| elapsed \S+")
+
+
+@pytest.fixture(scope="module")
+def target(tiny_corpus, tmp_path_factory) -> Path:
+    return save_random_target(tmp_path_factory.mktemp("fit_output") / "target", tiny_corpus.tokenizer_dir)
+
+
+def _fit(run: Path, tiny_corpus, target: Path, devices: int = 1) -> str:
+    """``draftsmith fit`` of the KD recipe for :data:`STEPS` steps of the tiny student, output to a file, Lightning's
+    defaults for the progress bar and the model summary; returns the file's text."""
+    run.mkdir(parents=True)
+    override = kd_override(run, tiny_corpus, target, max_steps=STEPS, every_n=STEPS)
+    del override["trainer"]["enable_progress_bar"]  # the default: what a user's run does off a terminal
+    override["trainer"]["enable_model_summary"] = True
+    override["trainer"]["val_check_interval"] = 3
+    cmd = [
+        str(Path(sys.executable).parent / "draftsmith"),
+        "fit",
+        "--config",
+        str(RECIPES / "quickstart" / "kd.yaml"),
+        *(["--config", str(RECIPES / "_base" / "ddp.yaml")] if devices > 1 else []),
+        "--config",
+        str(write_override(run / "override.yaml", override)),
+        "--progress.every_n_steps",
+        str(EVERY),
+        "--trainer.devices",
+        str(devices),
+        "--trainer.accelerator",
+        "cpu",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    res = run_group(cmd, timeout=300, log_dir=run / "logs", env=env, cwd=str(REPO))
+    assert res.ok, f"fit failed (timed out: {res.timed_out}, exit {res.returncodes}):\n{res.output[-5000:]}"
+    return (run / "logs" / "proc0.log").read_text()
+
+
+def _progress_steps(log: str) -> list[int]:
+    return [int(m[1]) for line in log.splitlines() if (m := _PROGRESS.match(line))]
+
+
+def _expected_steps() -> list[int]:
+    """The steps with a line: every EVERY-th and the last (a loop over the steps, not the callback's rule)."""
+    return [step for step in range(1, STEPS + 1) if step % EVERY == 0 or step == STEPS]
+
+
+@pytest.mark.slow
+def test_a_fit_into_a_file_prints_progress_each_message_once_and_a_summary(tiny_corpus, target, tmp_path):
+    log = _fit(tmp_path / "run", tiny_corpus, target)
+    lines = log.splitlines()
+    # progress: a line at every interval, none twice (every_seconds' default of 120 s adds none in a run this short)
+    assert _progress_steps(log) == _expected_steps(), log
+    assert any(re.match(r"^INFO: step 3/4 \| val loss [\d.]+$", line) for line in lines), log
+    # each message once, one format: no message both bare and with a logger name (Lightning's own handler)
+    bare = {line.split(": ", 1)[1] for line in lines if re.match(r"^[A-Z]+: ", line)}
+    named = {line.split(": ", 1)[1] for line in lines if re.match(r"^[A-Z]+ [\w.]+: ", line)}
+    assert not bare & named, bare & named
+    assert sum("Seed set to 0" in line for line in lines) == 1, log
+    assert sum("max_steps=4` reached" in line for line in lines) == 1, log
+    # the noise is gone, the model summary stays
+    assert "Total params" in log and "FLOPs" not in log and "Total Flops" not in log
+    assert "litlogger" not in log and "LeafSpec" not in log and "Loading weights" not in log
+    assert "Epoch 0/-2" not in log
+    # the closing block: the checkpoint on disk and the next commands
+    title = next(i for i, line in enumerate(lines) if line.startswith("== fit done in "))
+    rows = dict(re.match(r"^(\w+)\s+(.*)$", line).groups() for line in lines[title + 1 :] if re.match(r"^\w+\s", line))
+    checkpoint = Path(rows["checkpoint"])
+    assert checkpoint.name == "last.ckpt" and checkpoint.exists()
+    assert Path(rows["export"]).is_dir() and rows["export"] == str(tmp_path / "run" / "student")
+    assert rows["steps"].startswith(f"{STEPS}/{STEPS}, ")
+    assert rows["next"].startswith(f"draftsmith eval --target {target} --drafter {tmp_path / 'run' / 'student'} ")
+
+
+@pytest.mark.slow
+def test_a_two_process_fit_prints_progress_from_rank_zero_only(tiny_corpus, target, tmp_path):
+    log = _fit(tmp_path / "run", tiny_corpus, target, devices=2)  # rank 1 writes into the same file
+    assert "distributed_backend=gloo" in log or "All distributed processes registered" in log, log
+    assert _progress_steps(log) == _expected_steps(), log
+    assert sum(line.startswith("== fit done in ") for line in log.splitlines()) == 1, log
+
+
+def test_progress_line_reads_the_logged_values(caplog):
+    """The line of a step, from the trainer's metrics, against its values formatted by hand."""
+    import torch
+
+    class Trainer:
+        global_step, max_steps, current_epoch = 120, 600, 0
+        callbacks: list = []
+        callback_metrics = {
+            "train/loss": torch.tensor(2.3125),
+            "train/lr": torch.tensor(3e-4),
+            "train/tokens_per_s": torch.tensor(1734.4),
+            "val/loss": torch.tensor(2.5),
+        }
+
+    progress = ProgressLog(every_n_steps=50, every_seconds=0)
+    progress.started, progress.ended, progress._first_step = 0.0, 130.0, 0
+    assert progress.line(Trainer()) == (
+        f"step 120/600 | loss {2.3125:.4g} | lr {3e-4:.1e} | 1,734 tok/s | elapsed 2m10s | "
+        f"eta {duration(130 / 120 * 480)} | val loss 2.5"
+    )
+
+
+@pytest.mark.parametrize(("key", "value"), [("every_n_steps", -1), ("every_seconds", -5.0)])
+def test_progress_refuses_negative_intervals(key, value):
+    with pytest.raises(RecipeError, match=f"progress.{key}: .*{value}"):
+        ProgressLog(**{key: value})
+
+
+def test_block_aligns_rows_drops_empty_ones_and_lists_the_next_commands():
+    rows = [("checkpoint", "a/last.ckpt"), ("tau", ""), ("loss", "1\n2")]
+    text = block("fit done in 2m10s", rows, ["cmd 1", "cmd 2"])
+    assert text.splitlines() == [
+        "== fit done in 2m10s " + "=" * (72 - len("fit done in 2m10s")),
+        "checkpoint  a/last.ckpt",
+        "loss        1",
+        "            2",
+        "next        cmd 1",
+        "            cmd 2",
+    ]
+
+
+@pytest.mark.parametrize("seconds", [0, 42, 130, 3599, 3600, 3725])
+def test_duration_against_divmod(seconds):
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    expected = f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+    assert duration(seconds) == expected
+
+
+def test_logging_format_names_the_logger_for_warnings_and_under_debug():
+    import io
+    import warnings
+
+    from trainer.output import configure_logging
+
+    root = logging.getLogger()
+    level, handlers, showwarning, filters = root.level, list(root.handlers), warnings.showwarning, warnings.filters[:]
+    bars = os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS")
+    try:
+        for debug in (False, True):
+            stream = io.StringIO()
+            configure_logging(debug=debug, stream=stream)
+            logging.getLogger("some.module").info("hello")
+            logging.getLogger("some.module").warning("careful")
+            prefix = "INFO some.module: " if debug else "INFO: "
+            assert stream.getvalue().splitlines() == [prefix + "hello", "WARNING some.module: careful"]
+    finally:
+        for handler in root.handlers:
+            if handler not in handlers:
+                root.removeHandler(handler)
+        root.setLevel(level)
+        warnings.showwarning, warnings.filters[:] = showwarning, filters
+        if bars is None:
+            os.environ.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)

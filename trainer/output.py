@@ -1,0 +1,164 @@
+"""What the ``draftsmith`` commands print: one log format, the dependency noise they drop, and the closing block.
+
+Log lines go to standard error through one handler on the root logger, as ``LEVEL: message`` (``WARNING name:
+message`` for warnings and errors, where the logger's name says where to look); ``--debug`` names the logger on every
+line and keeps everything filtered below. Lightning and transformers each install a handler of their own (Lightning's
+``lightning`` logger writes ``INFO: message`` and also propagates to the root logger, so every message printed twice):
+:func:`adopt_library_loggers` removes those handlers, so their messages reach the root handler alone. Python warnings
+are logged too (``WARNING: message (Category at file:line)``).
+
+Dropped unless ``--debug`` (messages that say nothing the user can act on), each by a filter on its own message:
+
+- Lightning's tip to install litlogger;
+- the deprecation warning about ``LeafSpec`` that Lightning's own ``_pytree`` module raises under recent torch;
+- transformers' "Token indices sequence length is longer than the specified maximum sequence length": the data
+  modules tokenize whole documents and cut them into rows of ``seq_len`` themselves, so no such sequence reaches a
+  model;
+- off a terminal, the tqdm bars of transformers and huggingface_hub (``HF_HUB_DISABLE_PROGRESS_BARS``, unless set).
+
+:func:`block` is the closing block every command ends with: a title line, aligned ``label  value`` rows and the next
+commands to run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import warnings
+from collections.abc import Sequence
+
+_HANDLER_NAME = "draftsmith"
+
+# (logger name prefix, message pattern): log records dropped unless --debug
+_NOISE: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("lightning", re.compile(r"Tip: .*litlogger")),
+    ("transformers.tokenization_utils_base", re.compile(r"Token indices sequence length is longer than the specified")),
+)
+# (message pattern, module pattern) of Python warnings dropped unless --debug
+_NOISY_WARNINGS: tuple[tuple[str, str], ...] = (
+    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", r"lightning\..*"),
+)
+
+
+class _Format(logging.Formatter):
+    """``LEVEL: message`` for info, ``LEVEL name: message`` for warnings and errors, and for every line under
+    ``--debug``."""
+
+    def __init__(self, debug: bool) -> None:
+        """
+        Args:
+            debug: name the logger on every line.
+        """
+        super().__init__()
+        self.debug = debug
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        if record.exc_info:
+            message += "\n" + self.formatException(record.exc_info)
+        named = self.debug or (record.levelno >= logging.WARNING and record.name not in ("root", "py.warnings"))
+        return f"{record.levelname} {record.name}: {message}" if named else f"{record.levelname}: {message}"
+
+
+class _DropNoise(logging.Filter):
+    """Drops the records of :data:`_NOISE`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        for prefix, pattern in _NOISE:
+            if record.name.startswith(prefix) and pattern.search(str(record.msg)):
+                return False
+        return True
+
+
+_DROP = _DropNoise()
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """``warnings.showwarning`` through the log: ``WARNING: message (Category at file:line)``."""
+    logging.getLogger("py.warnings").warning("%s (%s at %s:%s)", message, category.__name__, filename, lineno)
+
+
+def configure_logging(debug: bool, stream=None) -> None:
+    """Installs the root handler of :mod:`trainer.output`'s format at level INFO (replacing one an earlier call
+    installed), routes Python warnings through it, drops the noise listed in the module docstring unless ``debug``,
+    and adopts Lightning's and transformers' loggers if they are already imported.
+
+    Args:
+        debug: keep everything and name the logger on every line.
+        stream: where log lines go (None: standard error).
+    """
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if h.get_name() == _HANDLER_NAME]:
+        root.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stderr if stream is None else stream)
+    handler.set_name(_HANDLER_NAME)
+    handler.setFormatter(_Format(debug))
+    if not debug:
+        handler.addFilter(_DROP)
+        # transformers' loggers do not propagate until adopted: filter its noisy one where it logs
+        for name, _ in _NOISE:
+            if name.startswith("transformers"):
+                logging.getLogger(name).addFilter(_DROP)
+        for message, module in _NOISY_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, module=module)
+        if not (sys.stderr.isatty() if stream is None else stream.isatty()):
+            os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    warnings.showwarning = _show_warning
+    adopt_library_loggers()
+
+
+def adopt_library_loggers() -> None:
+    """Removes the handlers Lightning and transformers put on their own loggers, so that their messages reach the
+    root handler alone, once and in its format. Does nothing while :func:`configure_logging` has not run (the root
+    logger has no handler of ours: a library used from Python keeps its own output) or for a library not imported."""
+    if not any(h.get_name() == _HANDLER_NAME for h in logging.getLogger().handlers):
+        return
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        if name in sys.modules:
+            library = logging.getLogger(name)
+            for handler in list(library.handlers):
+                library.removeHandler(handler)
+            library.propagate = True
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_default_handler()
+        hf_logging.enable_propagation()
+
+
+# ------------------------------------------------------------------------------------------------ closing blocks
+
+
+def duration(seconds: float) -> str:
+    """``42s``, ``2m10s``, ``1h05m``: a duration as a log reads it."""
+    seconds = max(0, int(round(seconds)))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def block(title: str, rows: Sequence[tuple[str, str]], next_commands: Sequence[str] = ()) -> str:
+    """The closing block of a command: ``== title ==``, one ``label  value`` row per entry (labels aligned; a value
+    of several lines continues under the first), then ``next`` and the commands to run next, one per line.
+
+    Args:
+        title: what ran and how it ended, e.g. ``"fit done in 2m10s"``.
+        rows: (label, value) pairs, in order; an empty value drops its row.
+        next_commands: the exact commands to run next.
+    """
+    rows = [(label, value) for label, value in rows if value]
+    if next_commands:
+        rows.append(("next", "\n".join(next_commands)))
+    width = max((len(label) for label, _ in rows), default=0) + 2
+    lines = [f"== {title} " + "=" * max(3, 72 - len(title))]
+    for label, value in rows:
+        first, *more = value.split("\n")
+        lines.append(f"{label:<{width}}{first}")
+        lines.extend(" " * width + line for line in more)
+    return "\n".join(lines)
