@@ -38,6 +38,14 @@ Lightning registers its handlers (while the model is built or the data tokenized
 would without this callback (SIGTERM: killed, status 143; Ctrl-C: KeyboardInterrupt, status 1), with nothing to save
 yet. Under Lightning's own process launcher (``devices: N`` without SLURM or torchrun), a SIGTERM sent to rank 0 is
 forwarded to the other ranks, as Lightning does.
+
+DataLoader workers (``data.num_workers > 0``): Ctrl-C in a terminal, and SLURM's scancel or time limit, signal every
+process of the job, the workers too. A worker that a SIGINT stops, or that a SIGTERM kills (PyTorch's worker handler),
+makes the main process raise "DataLoader worker ... is killed by signal" before it can save. The data modules' loaders
+start their workers with :func:`worker_leaves_stop_signals_to_the_main_process`: a worker ignores SIGINT, and a
+SIGTERM while its loader still runs; the main process saves, stops and shuts its workers down as at the end of any
+fit (a SIGTERM after the loader began its shutdown, as PyTorch sends a worker that did not exit in time, ends the
+worker; one whose main process died ends by PyTorch's own watchdog).
 """
 
 from __future__ import annotations
@@ -224,6 +232,31 @@ class PreemptionCheckpoint(L.Callback):
         if callback is None or callback.dirpath is None:
             raise RecipeError("PreemptionCheckpoint: the ModelCheckpoint has no dirpath yet")
         return str(Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}")
+
+
+def worker_leaves_stop_signals_to_the_main_process(worker_id: int) -> None:
+    """The ``worker_init_fn`` of the data modules' DataLoaders: in a worker process, ignore SIGINT, and SIGTERM while
+    the loader runs (the main process saves, stops and shuts its workers down; see the module's docstring).
+
+    Args:
+        worker_id: the worker's index (DataLoader's argument; unused).
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _worker_sigterm)
+
+
+def _worker_sigterm(signum: int, frame: FrameType | None) -> None:
+    """A worker's SIGTERM: ignored while its loader runs; once the loader set its ``done_event`` (the shutdown that
+    ends with ``terminate()`` for a worker too slow to exit), the worker exits, as PyTorch's own handler does for a
+    SIGTERM from its main process."""
+    while frame is not None:
+        if frame.f_code.co_name == "_worker_loop":  # torch.utils.data._utils.worker
+            done = frame.f_locals.get("done_event")
+            if done is not None and not done.is_set():
+                return
+            break
+        frame = frame.f_back
+    os._exit(0)
 
 
 def default_preemption_checkpoint() -> PreemptionCheckpoint:

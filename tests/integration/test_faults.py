@@ -19,13 +19,15 @@ import time
 from pathlib import Path
 
 import lightning as L
+import psutil
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests.cli_server import CliChild, CliServer
-from tests.recipe_runs import RECIPES, kd_override, record_batches, write_override
+from tests.recipe_runs import RECIPES, kd_override, merge, record_batches, write_override
 from tests.slurm_cluster import recorded_batches
 from trainer.errors import RecipeError
 from trainer.preemption import PreemptionCheckpoint, default_preemption_checkpoint, exit_status_after_fit
@@ -36,7 +38,9 @@ SIGNAL_AT = 7  # the run waits at the end of step 7 while the test signals it
 START_TIMEOUT_S = 600.0
 
 
-def _override(run: Path, corpus, target: Path, wait: bool) -> dict:
+def _override(run: Path, corpus, target: Path, wait: bool, workers: int = 0) -> dict:
+    """The KD fit of MAX_STEPS steps recording its batches, waiting at the end of step SIGNAL_AT when ``wait``, with
+    ``workers`` DataLoader worker processes."""
     callbacks = [record_batches(run)]
     if wait:
         callbacks.append(
@@ -45,7 +49,8 @@ def _override(run: Path, corpus, target: Path, wait: bool) -> dict:
                 "init_args": {"step": SIGNAL_AT, "marker": str(run / "waiting"), "release": str(run / "release")},
             }
         )
-    return kd_override(run, corpus, target, MAX_STEPS, EVERY_N, callbacks=callbacks)
+    override = kd_override(run, corpus, target, MAX_STEPS, EVERY_N, callbacks=callbacks)
+    return merge(override, {"data": {"init_args": {"num_workers": workers}}}) if workers else override
 
 
 @pytest.fixture(scope="module")
@@ -90,10 +95,11 @@ def _steps(run: Path) -> list[int]:
     return [json.loads(line)["step"] for line in (run / "batches.jsonl").read_text().splitlines()]
 
 
-def _resume_to_the_end(cli: CliServer, run: Path, corpus, target: Path, from_step: int) -> None:
+def _resume_to_the_end(cli: CliServer, run: Path, corpus, target: Path, from_step: int, workers: int = 0) -> None:
     """``--ckpt_path last`` in a fresh process: it starts at ``from_step``, runs to MAX_STEPS and exits 0."""
     before = len(_steps(run))
-    proc, log = _start(cli, run, _override(run, corpus, target, wait=False), "resume", ("--ckpt_path", "last"))
+    override = _override(run, corpus, target, wait=False, workers=workers)
+    proc, log = _start(cli, run, override, "resume", ("--ckpt_path", "last"))
     status = _finish(proc, log)
     assert status == 0, log.read_text()[-4000:]
     assert _steps(run)[before:] == list(range(from_step, MAX_STEPS))
@@ -121,6 +127,56 @@ def test_a_signal_saves_last_ckpt_and_exits_non_zero(cli, tiny_corpus, random_ta
     assert _steps(run) == list(range(SIGNAL_AT))
     if signum == signal.SIGTERM:  # both signals save the same last.ckpt: one resume shows it runs on to the end
         _resume_to_the_end(cli, run, tiny_corpus, random_target, SIGNAL_AT)
+
+
+WORKERS = 2
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_with_workers(cli, tiny_corpus, random_target, tmp_path_factory) -> Path:
+    """The run the signalled ones are compared with: MAX_STEPS steps with WORKERS DataLoader workers, no signal."""
+    run = tmp_path_factory.mktemp("uninterrupted_with_workers") / "run"
+    run.mkdir()
+    proc, log = _start(cli, run, _override(run, tiny_corpus, random_target, wait=False, workers=WORKERS), "whole")
+    assert _finish(proc, log) == 0, log.read_text()[-4000:]
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_process_group_with_dataloader_workers(
+    cli, tiny_corpus, random_target, uninterrupted_with_workers, tmp_path, signum, status
+):
+    """``data.num_workers: 2``, the signal sent to the fit's whole process group (as Ctrl-C in a terminal and SLURM's
+    scancel or time limit send it), so that the DataLoader workers receive it too: the fit saves last.ckpt of the step
+    it arrived at and exits with 128 + the signal as without workers, no worker process outlives it, and the resume
+    ends with the batches and weights of an uninterrupted run with workers."""
+    run = tmp_path / "run"
+    run.mkdir()
+    proc, log = _start(cli, run, _override(run, tiny_corpus, random_target, wait=True, workers=WORKERS), "signalled")
+    try:
+        _wait_until_waiting(proc, run, log)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= WORKERS, [c.cmdline() for c in children]  # the training loader's persistent workers
+        assert os.getpgid(proc.pid) == proc.pid  # a session of its own: the group is the fit and its children
+        os.killpg(proc.pid, signum)
+        time.sleep(0.5)
+        (run / "release").touch()
+        code = _finish(proc, log)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, f"left running: {[c.pid for c in alive]}"
+    assert code == status, f"exit status {code}, expected {status}:\n{log.read_text()[-4000:]}"
+    assert _ckpt_step(run / "checkpoints" / "last.ckpt") == SIGNAL_AT
+    assert not list((run / "checkpoints").glob("*.tmp"))
+    assert _steps(run) == list(range(SIGNAL_AT))
+    _resume_to_the_end(cli, run, tiny_corpus, random_target, SIGNAL_AT, workers=WORKERS)
+    assert recorded_batches(run) == recorded_batches(uninterrupted_with_workers)
+    ours, theirs = (load_file(r / "student" / "model.safetensors") for r in (run, uninterrupted_with_workers))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
 @pytest.mark.slow

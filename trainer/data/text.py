@@ -63,6 +63,7 @@ from trainer.data.sampler import ResumableSampler, resume_point
 from trainer.data.sources import DocumentReader, Documents, check_data_paths
 from trainer.data.tokenizer import check_before_reading, load_tokenizer, tokenizer_hash
 from trainer.errors import DataError, PathError, RecipeError, TokenizerError
+from trainer.preemption import worker_leaves_stop_signals_to_the_main_process
 
 log = logging.getLogger(__name__)
 
@@ -558,6 +559,7 @@ class TextDataModule(L.LightningDataModule):
             drop_last=True,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
+            worker_init_fn=worker_leaves_stop_signals_to_the_main_process,  # Ctrl-C, SIGTERM: the main process saves
         )
 
     def val_dataloader(self) -> DataLoader | list:
@@ -566,7 +568,10 @@ class TextDataModule(L.LightningDataModule):
             self.setup("validate")
         if self.val_dataset is None:
             return []
-        return DataLoader(self.val_dataset, batch_size=self.val_batch_size, shuffle=False, num_workers=self.num_workers)
+        return DataLoader(
+            self.val_dataset, batch_size=self.val_batch_size, shuffle=False, num_workers=self.num_workers,
+            worker_init_fn=worker_leaves_stop_signals_to_the_main_process,
+        )  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         """The training data position (saved in checkpoints): see trainer/data/sampler.py."""
