@@ -9,7 +9,9 @@ nothing is instantiated: the target's config comes from ``AutoConfig.from_pretra
 drafter is the target's config with ``model.init_args.drafter_config`` applied (as the KD objective builds it) or
 ``model.init_args.drafter``'s config, batch and sequence come from ``data.init_args`` (a ShardDataModule's sequence
 length from its shards' manifest), chunk size from ``model.init_args.loss_chunk_size`` and precision from
-``trainer.precision``.
+``trainer.precision``. Data of mixed lengths (``data.init_args.long_seq_len`` with a ``long_fraction`` above 0) is
+planned at its step of larger activations: ``batch_size`` rows of ``seq_len``, or ``batch_size / k`` rows of
+``long_seq_len`` (k = long_seq_len / seq_len); ``--batch_size`` or ``--seq_len`` plans exactly the step they name.
 
 What is counted, per GPU, for N GPUs (the ZeRO paper's accounting, Adam/AdamW):
 
@@ -156,6 +158,7 @@ def plan_from_recipe(
         drafter_shape = Shape.from_config(drafter_dict, "the drafter config")
     if data is None:
         raise RecipeError("draftsmith plan: the recipe has no data")
+    steps_given = batch is not None or seq is not None
     if batch is None:
         if "batch_size" not in data:
             raise RecipeError("draftsmith plan: the recipe's data has no init_args.batch_size; pass --batch_size")
@@ -168,16 +171,23 @@ def plan_from_recipe(
     chunk = model.get("loss_chunk_size")
     # a recipe without a target trains a fresh model from its own config: --target/--target_config do not apply
     objective = build_objective(recipe.model.class_path, model, target_dict if model.get("target") else None)
+    steps = [(int(batch), int(seq))]
+    if not steps_given and data.get("long_seq_len") and data.get("long_fraction"):  # mixed lengths: the longest rows
+        steps.append((int(batch) * int(seq) // int(data.long_seq_len), int(data.long_seq_len)))
+    planned = [
+        (objective.activation_bytes(PlannedStep.of(objective, b, s, str(precision), chunk)), b, s) for b, s in steps
+    ]
+    activations, batch, seq = max(planned, key=lambda p: (p[0], p[2]))  # larger activations; the long on a tie
     text = None if target_dict is None else target_dict.get("text_config", target_dict)
     return Plan(
         target=Shape.from_config(text, source) if text is not None and model.get("target") else None,
         drafter=drafter_shape,
-        batch=int(batch),
-        seq=int(seq),
+        batch=batch,
+        seq=seq,
         precision=str(precision),
         chunk_size=None if chunk is None else int(chunk),
         counts=count(objective),
-        activations=objective.activation_bytes(PlannedStep.of(objective, int(batch), int(seq), str(precision), chunk)),
+        activations=activations,
         stage=strategy_stage(recipe.trainer.get("strategy")),
     )
 
