@@ -125,6 +125,15 @@ def lr_factor(step: int, optim: Optim, total_steps: int) -> float:
     return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * shape
 
 
+def longest_rows(datamodule) -> tuple[int | None, str]:
+    """The tokens of the datamodule's longest training rows and their recipe key: ``data.long_seq_len`` with mixed
+    lengths, else ``data.seq_len`` (None for a datamodule without one)."""
+    long = getattr(datamodule, "long_seq_len", None)
+    if long:
+        return int(long), "data.long_seq_len"
+    return getattr(datamodule, "seq_len", None), "data.seq_len"
+
+
 class DraftObjective(L.LightningModule):
     """Shared training logic. Every objective subclasses this, or the objective of the one method it extends (a method
     family: P-EAGLE's extends EAGLE-3's, DSpark's DFlash's)."""
@@ -323,7 +332,8 @@ class DraftObjective(L.LightningModule):
         self.check_document_masking(datamodule)
         width, vocab_size, name = requirements.width, requirements.vocab_size, requirements.name
         target_layers, hidden_size = requirements.target_layers, requirements.hidden_size
-        check_context(self.target_config, getattr(datamodule, "seq_len", None), self.target_path)
+        rows, key = longest_rows(datamodule)
+        check_context(self.target_config, rows, self.target_path, key)
         if self.target_signals != "shards":
             check_data_tokenizer(datamodule, name or self.target_path, self.tokenizer, width, vocab_size or width)
             return None
@@ -373,7 +383,8 @@ class DraftObjective(L.LightningModule):
             TokenizerError: the model holds no tokenizer, or the data's differs (named by both folders).
         """
         self.check_document_masking(datamodule)
-        check_context(self.target_config, getattr(datamodule, "seq_len", None), self.target_path)
+        rows, key = longest_rows(datamodule)
+        check_context(self.target_config, rows, self.target_path, key)
         if self.target_signals == "shards":
             return
         name = self.target_path or getattr(self, "tokenizer_path", None) or self.hparams.get("tokenizer")

@@ -107,7 +107,7 @@ def check_config_keys(name_or_path: str, config) -> None:
         )
 
 
-def check_context(config, seq_len: int | None, target: str | None) -> None:
+def check_context(config, seq_len: int | None, target: str | None, key: str = "data.seq_len") -> None:
     """Refuses rows longer than the target's context (``max_position_embeddings`` of its config): positions beyond it
     have no trained rotary or position embedding, and a model with learned positions fails with an index error.
 
@@ -115,9 +115,10 @@ def check_context(config, seq_len: int | None, target: str | None) -> None:
         config: the target's HF config (None: nothing to check, as for a model trained from scratch).
         seq_len: the data's tokens per row (``data.seq_len``; None or 0: unknown).
         target: the target's path, for the message.
+        key: the recipe key of ``seq_len`` (``data.long_seq_len`` for the long rows of mixed lengths).
 
     Raises:
-        RecipeError: naming ``data.seq_len``, its value, and the target's limit.
+        RecipeError: naming the key, its value, and the target's limit.
     """
     if config is None or not seq_len:
         return
@@ -125,9 +126,9 @@ def check_context(config, seq_len: int | None, target: str | None) -> None:
     limit = getattr(text, "max_position_embeddings", None)
     if isinstance(limit, int) and seq_len > limit:
         raise RecipeError(
-            f"data.seq_len={seq_len} is beyond the context of the target {target!r}: max_position_embeddings={limit} "
+            f"{key}={seq_len} is beyond the context of the target {target!r}: max_position_embeddings={limit} "
             "in its config.json",
-            hint=f"set data.seq_len to at most {limit}",
+            hint=f"set {key} to at most {limit}",
         )
 
 

@@ -3,11 +3,13 @@ alone; the data module serves the packer's exact boundaries; the KD loss sums ea
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from tests.helpers import text_datamodule, tiny_llama, tiny_model, write_jsonl
-from trainer.errors import RecipeError
+from trainer.errors import CheckpointError, RecipeError
 from trainer.target import FrozenTarget
 
 # --------------------------------------------------------------------------------------------------- the target
@@ -201,3 +203,149 @@ def test_precompute_refuses_document_masking(tiny_corpus, tmp_path, target_dir):
     with pytest.raises(UsageError, match="document_masking=true: precomputed shards store no document boundaries"):
         precompute(data, target_dir, str(tmp_path / "shards"))
     assert not (tmp_path / "shards").exists()
+
+
+# ---------------------------------------------------------------------------------------------- mixed-length rows
+
+
+def test_mixed_length_steps_hold_equal_tokens_and_serve_every_label_once(tiny_corpus, tok, tmp_path):
+    """Long steps serve batch_size / k rows of long_seq_len, short steps batch_size rows of seq_len cut as packing at
+    seq_len would; over an epoch every label of the stream is served exactly once, with document_ids of its row."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in DOCS * 3])
+    seq, k, batch = 8, 4, 4
+    options = dict(train_files=[data], seq_len=seq, batch_size=batch, long_seq_len=k * seq, document_masking=True)
+    dm = text_datamodule(tiny_corpus, tmp_path, long_fraction=0.5, shuffle=False, **options)
+    dm.setup("fit")
+    stream, owner = alone(tok, DOCS * 3)
+    units, per_batch = len(dm.train_dataset), batch // k  # long rows in the data, and per step
+    assert units == (len(stream) - 1) // (k * seq)
+    batches = list(dm.train_dataloader())
+    assert len(batches) == units // per_batch
+    assert sum(b["input_ids"].shape[1] == k * seq for b in batches) == round(0.5 * len(batches))
+    served = []
+    for i, b in enumerate(batches):
+        assert b["input_ids"].numel() == batch * seq  # equal tokens per step
+        long = b["input_ids"].shape == (per_batch, k * seq)
+        assert long or b["input_ids"].shape == (batch, seq)
+        first = i * per_batch * k * seq  # shuffle=False: step i serves long rows i * per_batch ...
+        starts = [first + r * b["input_ids"].shape[1] for r in range(b["input_ids"].shape[0])]
+        for r, start in enumerate(starts):
+            span = range(start, start + b["input_ids"].shape[1])
+            assert b["input_ids"][r].tolist() == [stream[t] for t in span]
+            assert b["labels"][r][b["loss_mask"][r]].tolist() == [
+                stream[t + 1] for t in span if owner[t + 1] == owner[t]
+            ]
+            assert b["document_ids"][r].tolist() == dense([owner[t] for t in span])
+            served += [t + 1 for t in span]
+    assert served == list(range(1, len(batches) * per_batch * k * seq + 1))  # each label once, none lost
+
+    def steps(seed: int) -> list[torch.Tensor]:
+        module = text_datamodule(tiny_corpus, tmp_path, long_fraction=0.5, seed=seed, **options)
+        return [b["input_ids"] for b in module.train_dataloader()]
+
+    first_run = steps(1)
+    assert all(torch.equal(a, b) for a, b in zip(first_run, steps(1), strict=True))  # a function of the seed
+    assert [a.shape for a in first_run] != [a.shape for a in steps(2)]  # and another seed, another schedule
+
+
+class Recorder(L.LightningModule):
+    """Records every training batch it sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.seen: list[dict[str, torch.Tensor]] = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append({k: v.clone() for k, v in batch.items()})
+        return (self.w * batch["input_ids"].float().mean() - 1.0) ** 2
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def fit(dm, root, max_steps: int, ckpt_every: int | None = None, ckpt_path: str | None = None) -> list[dict]:
+    callbacks = [ModelCheckpoint(dirpath=root, filename="{step}", every_n_train_steps=ckpt_every, save_top_k=-1)]
+    model = Recorder()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=bool(ckpt_every), callbacks=callbacks if ckpt_every else [], limit_val_batches=0,
+        default_root_dir=str(root), max_steps=max_steps,
+    )  # fmt: skip
+    trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
+    return model.seen
+
+
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
+@pytest.mark.parametrize("long_fraction", [0.0, 0.4])
+def test_resume_serves_the_uninterrupted_batches(tiny_corpus, tmp_path, long_fraction):
+    """Document masking alone, and with mixed lengths: a checkpoint mid-epoch, resumed into the next epoch, serves
+    the batches (tokens, document_ids, lengths) of an uninterrupted run."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in DOCS * 2])
+    options = dict(train_files=[data], seq_len=8, batch_size=4, document_masking=True, seed=3)
+    if long_fraction:
+        options.update(long_seq_len=16, long_fraction=long_fraction)
+
+    def module():
+        return text_datamodule(tiny_corpus, tmp_path, **options)
+
+    probe = module()
+    n = len(probe.train_dataloader())  # batches per epoch
+    total, stop = n + n // 2, n // 2 + 1
+    straight = fit(module(), tmp_path / "a", total)
+    first = fit(module(), tmp_path / "b", stop, ckpt_every=stop)
+    checkpoint = str(tmp_path / "b" / f"step={stop}.ckpt")
+    rest = fit(module(), tmp_path / "c", total, ckpt_path=checkpoint)
+    assert len(straight) == total and len(first) + len(rest) == total
+    for got, want in zip(first + rest, straight, strict=True):
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    if long_fraction:
+        assert {b["input_ids"].shape[1] for b in straight} == {8, 16}
+        changed = dict(options, long_fraction=0.6)
+        with pytest.raises(CheckpointError, match="long_fraction=0.4.*data.long_fraction=0.6"):
+            fit(text_datamodule(tiny_corpus, tmp_path, **changed), tmp_path / "d", total, ckpt_path=checkpoint)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"long_seq_len": 20}, r"data.long_seq_len=20 must be a multiple \(2x or more\) of data.seq_len=8"),
+        ({"long_seq_len": 8}, "data.long_seq_len=8 must be a multiple"),
+        ({"long_seq_len": 24}, "data.batch_size=4 must be divisible by data.long_seq_len / data.seq_len = 3"),
+        ({"long_seq_len": 16, "pack": False}, "data.long_seq_len needs data.pack=true"),
+        ({"long_fraction": 0.5}, "data.long_fraction=0.5 needs data.long_seq_len"),
+        ({"long_seq_len": 16, "long_fraction": 1.5}, r"data.long_fraction=1.5: a share of the training steps"),
+    ],
+)
+def test_mixed_length_settings_that_cannot_keep_tokens_equal_are_refused(tiny_corpus, tmp_path, options, message):
+    with pytest.raises(RecipeError, match=message):
+        text_datamodule(tiny_corpus, tmp_path, train_files=[], seq_len=8, batch_size=4, **options)
+
+
+def test_long_rows_beyond_the_targets_context_are_refused_naming_long_seq_len(tiny_corpus, tmp_path, target_dir):
+    from trainer.methods.draft_model.kd import KnowledgeDistillation
+
+    model = KnowledgeDistillation(target=target_dir, drafter_config={"num_hidden_layers": 1})
+    data = text_datamodule(tiny_corpus, tmp_path, train_files=[], seq_len=128, batch_size=4, long_seq_len=512)
+    with pytest.raises(RecipeError, match="data.long_seq_len=512 is beyond the context .*max_position_embeddings=256"):
+        model.check_data_tokenizer(data)
+
+
+def test_the_planner_plans_the_step_of_the_longest_rows():
+    """A recipe of mixed lengths is planned at whichever of its two steps needs more activations (the long one on a
+    tie); --seq_len plans the step it names."""
+    from pathlib import Path
+
+    from trainer.planner import plan_from_recipe
+
+    kd = str(Path(__file__).resolve().parents[2] / "recipes" / "quickstart" / "kd.yaml")  # batch 8 x 256
+    mixed = ["--data.init_args.long_seq_len", "2048", "--data.init_args.long_fraction", "0.25"]
+    plan = plan_from_recipe([kd], target="llama-3.2-1b", overrides=mixed)
+    short = plan_from_recipe([kd], target="llama-3.2-1b", batch=8, seq=256)
+    long = plan_from_recipe([kd], target="llama-3.2-1b", batch=1, seq=2048)
+    assert plan.activations == max(short.activations, long.activations)
+    expected = long if long.activations >= short.activations else short
+    assert (plan.batch, plan.seq) == (expected.batch, expected.seq)
+    assert plan_from_recipe([kd], target="llama-3.2-1b", overrides=mixed, seq=256).seq == 256
+    unmixed = plan_from_recipe([kd], target="llama-3.2-1b", overrides=mixed[:2])  # long_fraction 0: no long step
+    assert (unmixed.batch, unmixed.seq) == (8, 256)

@@ -131,3 +131,58 @@ def label_sources(lengths: np.ndarray, tags: np.ndarray, seq_len: int, pack: boo
     label = np.broadcast_to(tags[keep][:, None], (int(keep.sum()), seq_len))  # [R, S]
     real = np.arange(1, seq_len + 1)[None, :] < n[:, None]  # [R, S]
     return label, real
+
+
+class MixedRows(Dataset):
+    """Packed rows of ``split * S + 1`` tokens (stride ``split * S``), each served whole (one long row) or as the
+    ``split`` rows of ``S + 1`` tokens (stride ``S``) that `pack_rows` at ``S`` would cut from the same tokens: either
+    way every token of it but the first is a label exactly once. Keys are ``(index, long)`` pairs (`MixedLengthSampler`
+    in trainer/data/sampler.py); an example's tensors are [n, T]: [1, split * S] long, [split, S] short, which
+    `collate_rows` concatenates into a batch."""
+
+    def __init__(self, ids: np.ndarray, trained: np.ndarray, starts: np.ndarray | None, split: int) -> None:
+        """Wrap the arrays.
+
+        Args:
+            ids: [R, split * S + 1] token ids.
+            trained: [R, split * S + 1] bool, True where a token is a training target.
+            starts: [R, split * S + 1] bool document starts (`document_starts`), or None: without document_ids.
+            split: short rows per long row (long_seq_len / seq_len).
+        """
+        if (ids.shape[1] - 1) % split:
+            raise ValueError(f"rows of {ids.shape[1] - 1} tokens do not split into {split} equal rows")
+        self.rows = TokenRows(ids, trained, starts)
+        self.split = split
+        self.seq_len = (ids.shape[1] - 1) // split
+
+    @property
+    def ids(self) -> np.ndarray:
+        """[R, split * S + 1] the long rows' token ids (every token but each row's first is a label once)."""
+        return self.rows.ids
+
+    @property
+    def trained(self) -> np.ndarray:
+        """[R, split * S + 1] their trained flags."""
+        return self.rows.trained
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, key: tuple[int, bool]) -> dict[str, torch.Tensor]:
+        index, long = key
+        if long:
+            return {name: value[None] for name, value in self.rows[index].items()}  # each [1, split * S]
+        S = self.seq_len
+        cut = np.arange(self.split)[:, None] * S + np.arange(S + 1)[None, :]  # [split, S + 1]
+        short = TokenRows(
+            self.rows.ids[index][cut],
+            self.rows.trained[index][cut],
+            None if self.rows.starts is None else self.rows.starts[index][cut],
+        )
+        examples = [short[j] for j in range(self.split)]
+        return {name: torch.stack([e[name] for e in examples]) for name in examples[0]}  # each [split, S]
+
+
+def collate_rows(examples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A batch of `MixedRows` examples: their [n, T] tensors concatenated into [sum n, T]."""
+    return {name: torch.cat([e[name] for e in examples]) for name in examples[0]}

@@ -106,6 +106,11 @@ def precompute(
             "data.document_masking=true: precomputed shards store no document boundaries (the target would run across "
             "documents); set data.document_masking=false, or train online"
         )
+    if data.long_seq_len is not None:
+        raise UsageError(
+            f"data.long_seq_len={data.long_seq_len}: precomputed shards hold rows of one length (data.seq_len); "
+            "set data.long_seq_len=null"
+        )
     rank, world, local_rank = rank_and_world()
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)

@@ -119,15 +119,19 @@ class ResumableSampler(DistributedSampler):
         gen.manual_seed(self.seed + epoch)
         return torch.randperm(self.num_samples_total, generator=gen)
 
-    def __iter__(self) -> Iterator[int]:
+    def _batches(self) -> tuple[int, torch.Tensor]:
+        """The first global batch this iteration serves, and this rank's samples of it and of every later batch of the
+        epoch, [batches - start, B] (consuming the resume position)."""
         start = 0
         if self._resume is not None and self._resume[0] == self.epoch:
             start = self._resume[1]
         self._resume = None
         order = self.epoch_order(self.epoch)[: self.batches_per_epoch * self.global_batch_size]
         # [batches, world, B] -> this rank's [batches - start, B]
-        mine = order.view(self.batches_per_epoch, self.num_replicas, self.batch_size)[start:, self.rank]
-        return iter(mine.reshape(-1).tolist())
+        return start, order.view(self.batches_per_epoch, self.num_replicas, self.batch_size)[start:, self.rank]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._batches()[1].reshape(-1).tolist())
 
     def __len__(self) -> int:
         # The full epoch even when resuming mid-epoch: Lightning's progress counter resumes at the consumed count.
@@ -173,3 +177,64 @@ def resume_point(
         )
     consumed = int(position["consumed_samples"])
     return int(position["epoch"]), consumed // global_batch
+
+
+class MixedLengthSampler(ResumableSampler):
+    """A `ResumableSampler` over long rows (trainer/data/packing.py `MixedRows`) that also says, per global batch,
+    whether the batch is served as long rows or split into short ones: it yields ``(index, long)`` pairs.
+
+    The long batches of an epoch are ``round(long_fraction * batches_per_epoch)`` of its global batches, drawn from
+    ``seed + epoch`` after the epoch's order: a function of (seed, epoch, batch) only, the same on every rank, so a
+    resumed run serves the batches (and their lengths) of an uninterrupted one.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        epoch: int = 0,
+        start_batch: int = 0,
+        long_fraction: float = 0.0,
+    ) -> None:
+        """Build the sampler.
+
+        Args:
+            num_samples: long rows in the data set.
+            batch_size: long rows per batch on one rank (a short batch splits each into several short rows).
+            rank: this process's global rank.
+            world_size: number of ranks.
+            seed: seeds the per-epoch permutation and schedule (`seed + epoch`).
+            shuffle: permute each epoch; False keeps the data set order (the schedule is still drawn).
+            epoch: the epoch of the first iteration.
+            start_batch: global batches of `epoch` already consumed.
+            long_fraction: share of each epoch's global batches served as long rows, in [0, 1].
+        """
+        super().__init__(num_samples, batch_size, rank, world_size, seed, shuffle, epoch, start_batch)
+        self.long_fraction = float(long_fraction)
+
+    def long_batches(self, epoch: int) -> torch.Tensor:
+        """[batches_per_epoch] bool: which global batches of `epoch` are long; a function of (seed, epoch) only."""
+        gen = torch.Generator()
+        gen.manual_seed(self.seed + epoch)
+        if self.shuffle:
+            torch.randperm(self.num_samples_total, generator=gen)  # the epoch's order: the schedule is the next draw
+        n = self.batches_per_epoch
+        chosen = torch.randperm(n, generator=gen)[: round(self.long_fraction * n)]  # [n_long]
+        long = torch.zeros(n, dtype=torch.bool)
+        long[chosen] = True
+        return long
+
+    def __iter__(self) -> Iterator[tuple[int, bool]]:  # type: ignore[override]
+        epoch = self.epoch
+        start, mine = self._batches()  # [batches - start, B]
+        long = self.long_batches(epoch)[start:]  # [batches - start]
+        flags = long[:, None].expand_as(mine)  # [batches - start, B]
+        return iter(zip(mine.reshape(-1).tolist(), flags.reshape(-1).tolist(), strict=True))
+
+    def position(self, batches_done: int) -> dict[str, Any]:
+        """`ResumableSampler.position`, with the long share (a resume under another share is refused)."""
+        return {**super().position(batches_done), "long_fraction": self.long_fraction}

@@ -20,6 +20,14 @@ Document masking (`document_masking=True`, packed rows only): every batch also c
 and a document's first token is no label (the previous document's last token would predict it across the boundary),
 so a packed row trains exactly what its documents alone would; the objectives pass `document_ids` to every attention.
 
+Mixed lengths (`long_seq_len`, `long_fraction`, packed rows only): the training stream is packed into rows of
+`long_seq_len + 1` tokens, a multiple `k` of `seq_len`. A `long_fraction` share of each epoch's steps serves
+`batch_size / k` such rows whole; the other steps split each of them into the `k` rows of `seq_len + 1` tokens that
+packing at `seq_len` would cut, `batch_size` rows in all: every step holds `batch_size * seq_len` tokens, and each
+token is a label exactly once whichever way its row is served. Which steps are long is drawn from the seed and the
+epoch (trainer/data/sampler.py `MixedLengthSampler`), so a resumed run serves the batches of an uninterrupted one.
+Validation rows stay at `seq_len`.
+
 Chat (`format="chat"`): each conversation (a list of {"role", "content"} messages) goes through the tokenizer's chat
 template with `return_assistant_tokens_mask=True`; only assistant tokens are trained. An EOS is appended (not
 trained) when the rendered conversation does not end with one; rows are then packed or padded as for text.
@@ -58,17 +66,44 @@ import lightning as L
 import numpy as np
 from torch.utils.data import DataLoader
 
-from trainer.data.packing import TokenRows, document_starts, label_sources, pack_rows, pad_rows
-from trainer.data.sampler import ResumableSampler, resume_point
+from trainer.data.packing import (
+    MixedRows,
+    TokenRows,
+    collate_rows,
+    document_starts,
+    label_sources,
+    pack_rows,
+    pad_rows,
+)
+from trainer.data.sampler import MixedLengthSampler, ResumableSampler, resume_point
 from trainer.data.sources import DocumentReader, Documents, check_data_paths
 from trainer.data.tokenizer import check_before_reading, load_tokenizer, tokenizer_hash
-from trainer.errors import DataError, PathError, RecipeError, TokenizerError
+from trainer.errors import CheckpointError, DataError, PathError, RecipeError, TokenizerError
 from trainer.preemption import worker_leaves_stop_signals_to_the_main_process
 
 log = logging.getLogger(__name__)
 
 CACHE_VERSION = 2  # 2: rows with nothing to train are dropped
 _SHOW_RECORDS = 5  # records named in a warning about several
+
+
+def check_long_rows(seq_len: int, batch_size: int, pack: bool, long_seq_len: int | None, long_fraction: float) -> None:
+    """Refuses mixed-length settings that cannot keep every step's tokens equal, naming the keys and values."""
+    if not 0.0 <= long_fraction <= 1.0:
+        raise RecipeError(f"data.long_fraction={long_fraction}: a share of the training steps, in [0, 1]")
+    if long_seq_len is None:
+        if long_fraction > 0:
+            raise RecipeError(f"data.long_fraction={long_fraction} needs data.long_seq_len (the long rows' length)")
+        return
+    if not pack:
+        raise RecipeError("data.long_seq_len needs data.pack=true: long rows are cut from the packed stream")
+    if long_seq_len <= seq_len or long_seq_len % seq_len:
+        raise RecipeError(f"data.long_seq_len={long_seq_len} must be a multiple (2x or more) of data.seq_len={seq_len}")
+    if batch_size % (long_seq_len // seq_len):
+        raise RecipeError(
+            f"data.batch_size={batch_size} must be divisible by data.long_seq_len / data.seq_len = "
+            f"{long_seq_len // seq_len}: a long step serves batch_size / {long_seq_len // seq_len} rows"
+        )
 
 
 class ResumableLoader(DataLoader):
@@ -113,6 +148,8 @@ class TextDataModule(L.LightningDataModule):
         trust_remote_code: bool = False,
         min_trained_fraction: float = 0.01,
         document_masking: bool = False,
+        long_seq_len: int | None = None,
+        long_fraction: float = 0.0,
     ) -> None:
         """Configure the data; nothing is read until `prepare_data` / `setup`.
 
@@ -147,6 +184,10 @@ class TextDataModule(L.LightningDataModule):
             document_masking: packed rows carry `document_ids` [B, S] (the packer's document boundaries) so that no
                 token attends across documents and positions restart at each document; a document's first token is
                 then no label. Needs pack=True.
+            long_seq_len: tokens per long training row: a multiple k >= 2 of seq_len, with k dividing batch_size, and
+                no longer than the target's context; a long step serves batch_size / k such rows (as many tokens as a
+                step of batch_size rows of seq_len). None: every row has seq_len tokens. Needs pack=True.
+            long_fraction: share of each epoch's training steps served as long rows, in [0, 1] (needs long_seq_len).
         """
         super().__init__()
         if seq_len < 1 or batch_size < 1:
@@ -159,6 +200,7 @@ class TextDataModule(L.LightningDataModule):
             raise RecipeError(f"min_trained_fraction must be in [0, 1), got {min_trained_fraction}")
         if document_masking and not pack:
             raise RecipeError("data.document_masking=true needs data.pack=true: unpacked rows hold one document each")
+        check_long_rows(seq_len, batch_size, pack, long_seq_len, long_fraction)
         self.save_hyperparameters()
         self.tokenizer_path = tokenizer
         self.train_files = list(train_files) if train_files else None
@@ -185,6 +227,9 @@ class TextDataModule(L.LightningDataModule):
         self.trust_remote_code = trust_remote_code
         self.min_trained_fraction = min_trained_fraction
         self.document_masking = document_masking
+        self.long_seq_len = long_seq_len
+        self.long_fraction = long_fraction
+        self.split = 1 if long_seq_len is None else long_seq_len // seq_len  # short rows per training row
         # every local path is checked at construction, before anything is read or tokenized
         check_data_paths(
             {
@@ -312,7 +357,7 @@ class TextDataModule(L.LightningDataModule):
         info = {s: (len(idx), sorted(roles[s])) for s, idx in missing.items()}
         return streams, np.asarray(tags, np.int64), info
 
-    def _rows(self, docs: Documents, role: str, source: str, per_file: bool) -> tuple[np.ndarray, ...]:
+    def _rows(self, docs: Documents, role: str, source: str, per_file: bool, seq_len: int) -> tuple[np.ndarray, ...]:
         """The rows of `docs` without those that have nothing to train, after the trained-share checks: ids and
         trained [R, S + 1], and with document masking the document starts [R, S + 1] (`document_starts`).
 
@@ -321,6 +366,7 @@ class TextDataModule(L.LightningDataModule):
             role: "training" or "validation" (for messages).
             source: what the messages call the whole data.
             per_file: check the trained share of every source (else of the whole data).
+            seq_len: the rows' length (seq_len; long_seq_len for the training rows of mixed lengths).
         """
         missing: dict[int, tuple[int, list[str]]] = {}
         if self.format == "chat":
@@ -331,7 +377,7 @@ class TextDataModule(L.LightningDataModule):
             for _, trained_flags in streams:
                 trained_flags[:1] = False  # a document's first token is predicted by nothing of its own
         if self.pack:
-            ids, trained = pack_rows(streams, self.seq_len)  # [R, S + 1] each
+            ids, trained = pack_rows(streams, seq_len)  # [R, S + 1] each
         else:
             pad = self.tokenizer.pad_token_id
             ids, trained = pad_rows(streams, self.seq_len, self.tokenizer.eos_token_id if pad is None else pad)
@@ -339,8 +385,8 @@ class TextDataModule(L.LightningDataModule):
             return ids, trained  # too small: the caller says so (no rows because nothing is left: checked below)
         lengths = np.fromiter((s[0].shape[0] for s in streams), np.int64, len(streams))  # [D]
         del streams
-        starts = document_starts(lengths, self.seq_len) if self.document_masking else None  # [R, S + 1]
-        label_src, real = label_sources(lengths, tags.astype(np.int32), self.seq_len, self.pack)  # [R, S] each
+        starts = document_starts(lengths, seq_len) if self.document_masking else None  # [R, S + 1]
+        label_src, real = label_sources(lengths, tags.astype(np.int32), seq_len, self.pack)  # [R, S] each
         n = len(docs.names)
         labels = trained[:, 1:]  # [R, S] the trained labels
         keep = labels.any(axis=1)  # [R] rows with something to train
@@ -445,6 +491,8 @@ class TextDataModule(L.LightningDataModule):
         }
         if self.document_masking:  # other rows (no first-token labels) and their starts; absent: the keys of before
             record["documents"] = True
+        if self.long_seq_len is not None:  # training rows of long_seq_len
+            record["long_seq_len"] = self.long_seq_len
         return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:24]
 
     def _build(self) -> dict[str, tuple[np.ndarray, ...]]:
@@ -473,14 +521,16 @@ class TextDataModule(L.LightningDataModule):
             val_docs, docs = docs.take(np.nonzero(is_val)[0]), docs.take(np.nonzero(~is_val)[0])
             val_source = f"{len(val_docs)} documents carved from {train_source}"
             val_per_file = False  # a few carved documents say little about a file's share
-        out = {"train": self._rows(docs, "training", train_source, per_file=True)}
+        row = self.seq_len * self.split
+        out = {"train": self._rows(docs, "training", train_source, per_file=True, seq_len=row)}
         if len(out["train"][0]) == 0:
+            key = "seq_len" if self.long_seq_len is None else "long_seq_len"
             raise DataError(
                 f"the training data is too small: {len(docs)} documents give fewer tokens than one sequence of"
-                f" seq_len + 1 = {self.seq_len + 1} tokens: {train_source}"
+                f" {key} + 1 = {row + 1} tokens: {train_source}"
             )
         if val_docs is not None:
-            out["val"] = self._rows(val_docs, "validation", val_source, per_file=val_per_file)
+            out["val"] = self._rows(val_docs, "validation", val_source, per_file=val_per_file, seq_len=self.seq_len)
             if len(out["val"][0]) == 0:
                 raise DataError(
                     f"the validation data is too small for one sequence of {self.seq_len + 1} tokens: {val_source}"
@@ -526,7 +576,11 @@ class TextDataModule(L.LightningDataModule):
             return
         check_before_reading(self)
         rows = self._load_or_build(write=True)
-        self.train_dataset = TokenRows(*rows["train"])
+        if self.long_seq_len is None:
+            self.train_dataset = TokenRows(*rows["train"])
+        else:
+            ids, trained, *starts = rows["train"]
+            self.train_dataset = MixedRows(ids, trained, starts[0] if starts else None, self.split)
         self.val_dataset = TokenRows(*rows["val"]) if "val" in rows else None
 
     def _rank_world(self) -> tuple[int, int]:
@@ -541,21 +595,35 @@ class TextDataModule(L.LightningDataModule):
             self.setup("fit")
         assert self.train_dataset is not None
         rank, world = self._rank_world()
+        rows_per_batch = self.batch_size // self.split  # training rows (long rows with mixed lengths) per batch
         epoch, start = 0, 0
         # Lightning restores the data module's state for validate/test too: only a fit from a checkpoint resumes.
         resuming = self.trainer is None or getattr(self.trainer, "ckpt_path", None) is not None
         if self._resume_position and resuming:
+            saved = self._resume_position.get("long_fraction", 0.0)  # absent: a checkpoint without mixed lengths
+            if saved != self.long_fraction:
+                raise CheckpointError(
+                    f"cannot resume the data position: the checkpoint has long_fraction={saved!r}, this run has "
+                    f"data.long_fraction={self.long_fraction!r} (the schedule of long steps changed)"
+                )
             epoch, start = resume_point(
-                self._resume_position, len(self.train_dataset), self.batch_size, world, self.seed, self.shuffle
+                self._resume_position, len(self.train_dataset), rows_per_batch, world, self.seed, self.shuffle
             )
         self._resume_position = None
-        self._train_sampler = ResumableSampler(
-            len(self.train_dataset), self.batch_size, rank, world, self.seed, self.shuffle, epoch, start
-        )
+        if self.long_seq_len is None:
+            self._train_sampler = ResumableSampler(
+                len(self.train_dataset), self.batch_size, rank, world, self.seed, self.shuffle, epoch, start
+            )
+        else:
+            self._train_sampler = MixedLengthSampler(
+                len(self.train_dataset), rows_per_batch, rank, world, self.seed, self.shuffle, epoch, start,
+                self.long_fraction,
+            )  # fmt: skip
         return ResumableLoader(
             self.train_dataset,
-            batch_size=self.batch_size,
+            batch_size=rows_per_batch,
             sampler=self._train_sampler,
+            collate_fn=None if self.long_seq_len is None else collate_rows,
             drop_last=True,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
