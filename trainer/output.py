@@ -28,6 +28,7 @@ import re
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 
 _HANDLER_NAME = "draftsmith"
 
@@ -162,3 +163,28 @@ def block(title: str, rows: Sequence[tuple[str, str]], next_commands: Sequence[s
         lines.append(f"{label:<{width}}{first}")
         lines.extend(" " * width + line for line in more)
     return "\n".join(lines)
+
+
+def recorded_eval_prompts(checkpoint: str | Path) -> tuple[str, int] | None:
+    """The prompts file (and ``prompt_tokens``) that a fit's own evaluation used, read from the ``config.yaml`` saved
+    beside its checkpoint (trainer/run_folder.py): the SpeculativeEvalCallback's ``prompts``, else the first of the
+    data's ``val_files``; None when the config or both are missing."""
+    import yaml
+
+    config_file = Path(checkpoint).parent / "config.yaml"
+    try:
+        config = yaml.safe_load(config_file.read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    callbacks = (config.get("trainer") or {}).get("callbacks") or []
+    for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
+        if isinstance(callback, dict) and str(callback.get("class_path", "")).endswith("SpeculativeEvalCallback"):
+            init_args = callback.get("init_args") or {}
+            if isinstance(init_args.get("prompts"), str):
+                return init_args["prompts"], int(init_args.get("prompt_tokens") or 0)
+    val_files = ((config.get("data") or {}).get("init_args") or {}).get("val_files")
+    if isinstance(val_files, list) and val_files and isinstance(val_files[0], str):
+        return val_files[0], 0
+    return None

@@ -23,7 +23,9 @@ with one warning line).
 
 from __future__ import annotations
 
+import shlex
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -38,6 +40,8 @@ from trainer.decoding.options import ProposerOptions, add_option_arguments, opti
 from trainer.decoding.report import write_report
 from trainer.errors import ModelFolderError, TokenizerError, UsageError, UserError
 from trainer.flags import ToolParser
+from trainer.output import block, duration
+from trainer.registry import is_training_checkpoint
 from trainer.target import check_safetensors_headers
 
 
@@ -167,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``draftsmith eval``; returns the exit status: 2 for a bad input or a greedy output mismatch (a
     :class:`~trainer.errors.UserError` goes to the command's handler, which prints it and exits 2)."""
     args = build_parser().parse_args(argv)
+    started = time.monotonic()
     if args.heldout_tokens < 0 or args.heldout_tokens == 1:
         raise UsageError(f"--heldout_tokens must be 0 (the target's context) or at least 2, got {args.heldout_tokens}")
     if args.device == "auto":
@@ -248,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             _error(f"--original_target {args.original_target!r} or --heldout {args.heldout!r}: {err}", err)
             return 2
     losses = None  # the target's loss by context length: the same for every report
+    summary: list[tuple[str, str]] = []  # rows of the closing block
     for options, proposer in proposers:
         exit_layer = options.exit_layer
         out = Path(args.out) / f"exit_{exit_layer}" if len(proposers) > 1 else Path(args.out)
@@ -294,7 +300,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"{prefix}context {bucket['context_length']} ({bucket['prompts']} prompts, target loss "
                 f"{bucket['target_loss']:.3f}): {taus}"
             )
-        print(f"loop share of the target's output: {report['loops']['share']:.1%}; best K: {report['best_k']}")
+        best = next((e for e in report["greedy"] if e["k"] == report["best_k"]), None)
+        if best is not None:
+            summary.append(
+                (
+                    f"{prefix}best K",
+                    f"{best['k']}{_threshold(best)}: tau {best['tau']:.3f}, {best['measured_speedup']:.2f}x measured",
+                )
+            )
+        summary.append((f"{prefix}loops", f"{report['loops']['share']:.1%} of the target's greedy output"))
         if original is not None:
             drift = report["original_target"]
             print(
@@ -302,7 +316,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"({drift['original']['heldout_loss']:.3f}), loop share {drift['target']['loop_share']:.1%} "
                 f"({drift['original']['loop_share']:.1%})"
             )
-        print("wrote " + ", ".join(str(p) for p in written))
+        summary.append((f"{prefix}report", ", ".join(str(p) for p in written)))
+    rows = [("target", args.target), ("drafter", args.drafter), ("prompts", f"{len(prompts)} from {args.prompts}")]
+    commands = []
+    if is_training_checkpoint(Path(args.drafter)):
+        out = Path(args.drafter).resolve().parent.parent / "export"
+        commands.append(f"draftsmith export --ckpt {shlex.quote(args.drafter)} --out {shlex.quote(str(out))}")
+    print(block(f"eval done in {duration(time.monotonic() - started)}", rows + summary, commands), flush=True)
     return 0
 
 

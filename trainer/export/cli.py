@@ -9,12 +9,15 @@ compared by that target's own weights instead, and gets none.
 
 from __future__ import annotations
 
+import shlex
 import sys
+import time
 from pathlib import Path
 
 from trainer.errors import CheckpointError, PathError, UserError, debugging, error_report
 from trainer.fingerprint import recorded_fingerprints, write_export_record
 from trainer.flags import ToolParser
+from trainer.output import block, duration, recorded_eval_prompts
 from trainer.registry import DrafterRecord, get_kind, is_training_checkpoint, kinds
 
 
@@ -28,6 +31,12 @@ def export(ckpt: str, out: str, fmt: str | None = None) -> tuple[Path, str]:
     Nothing is written when the checkpoint holds no drafter record, a kind draftsmith does not know, or a kind that
     cannot be written as ``fmt``.
     """
+    folder, name, _ = _export(ckpt, out, fmt)
+    return folder, name
+
+
+def _export(ckpt: str, out: str, fmt: str | None) -> tuple[Path, str, DrafterRecord]:
+    """:func:`export`, also returning the checkpoint's drafter record."""
     from trainer.checkpoints.reading import load_training_checkpoint
 
     path = Path(ckpt)
@@ -48,7 +57,7 @@ def export(ckpt: str, out: str, fmt: str | None = None) -> tuple[Path, str]:
     target = recorded.get("target") or recorded.get("teacher")  # KD checkpoints record their target as the teacher
     if isinstance(target, dict) and (kind.carried_target is None or kind.carried_target(module) is None):
         write_export_record(folder, target)
-    return folder, writer.name
+    return folder, writer.name, record
 
 
 def build_parser() -> ToolParser:
@@ -63,8 +72,9 @@ def build_parser() -> ToolParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``draftsmith export``; returns the exit status (2 when nothing could be written)."""
     args = build_parser().parse_args(argv)
+    started = time.monotonic()
     try:
-        path, name = export(args.ckpt, args.out, args.format)
+        path, name, record = _export(args.ckpt, args.out, args.format)
     except UserError as err:
         if debugging():
             raise
@@ -73,5 +83,20 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, KeyError) as err:  # a format's writer refusing this drafter
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"exported {args.ckpt} as {name} to {path}")
+    others = [f.name for f in get_kind(record.kind, args.ckpt).formats if f.name != name]
+    rows = [
+        ("checkpoint", str(args.ckpt)),
+        ("drafter", f"{record.kind}, written as {name}" + (f" (other formats: {', '.join(others)})" if others else "")),
+        ("folder", str(path)),
+    ]
+    commands = []
+    if record.target:
+        prompts, prompt_tokens = recorded_eval_prompts(args.ckpt) or ("PROMPTS.jsonl", 0)
+        commands.append(
+            f"draftsmith eval --target {shlex.quote(record.target)} --drafter {shlex.quote(str(path))} "
+            f"--prompts {shlex.quote(prompts)}"
+            + (f" --prompt_tokens {prompt_tokens}" if prompt_tokens else "")
+            + f" --out {shlex.quote(str(path.parent / (path.name + '_eval')))}"
+        )
+    print(block(f"export done in {duration(time.monotonic() - started)}", rows, commands), flush=True)
     return 0
