@@ -37,6 +37,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import shlex
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ from trainer.data.generate_io import (
 from trainer.data.server_client import OpenAIClient, RecordReply, ServerRegenerator, ordered_map, served_model
 from trainer.data.target_replies import Regenerator, complete_records, load_target, regenerate_records, seed_of
 from trainer.errors import DataError, PathError, UsageError
+from trainer.output import block, duration
 
 log = logging.getLogger(__name__)
 
@@ -418,10 +420,18 @@ def main(argv: list[str] | None = None) -> int:
     kwargs = cfg.as_dict()
     kwargs.pop("config", None)
     stats = regenerate(**kwargs)
-    rate = f"{stats.written / stats.seconds:.2f} records/s, {stats.tokens / stats.seconds:.1f} tokens/s"
-    print(
-        f"wrote {stats.written} records ({stats.records} in {kwargs['output']}) in {stats.seconds:.1f} s ({rate}): "
-        f"{stats.turns} replies generated ({stats.tokens} tokens), {stats.truncated} cut at max_new_tokens, "
-        f"{len(stats.empty)} records with an empty reply"
+    seconds = max(stats.seconds, 1e-9)
+    rate = f"{stats.written / seconds:.2f} records/s, {stats.tokens / seconds:.1f} tokens/s"
+    data_format = "chat" if kwargs.get("prompt_field") is None else "text"
+    rows = [
+        ("records", f"{stats.written} written ({stats.records} in the output), {rate}"),
+        ("replies", f"{stats.turns} generated ({stats.tokens} tokens), {stats.truncated} cut at max_new_tokens"),
+        ("empty", f"{len(stats.empty)} records with an empty reply"),
+        ("output", str(kwargs["output"])),
+    ]
+    command = (
+        f"draftsmith fit --config recipes/quickstart/kd.yaml --data.init_args.train_files "
+        f"{shlex.quote('[' + str(kwargs['output']) + ']')} --data.init_args.format {data_format}"
     )
+    print(block(f"generate done in {duration(stats.seconds)}", rows, [command]), flush=True)
     return 0

@@ -21,6 +21,7 @@ import inspect
 import json
 import logging
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -44,6 +45,7 @@ from trainer.data.text import TextDataModule
 from trainer.data.tokenizer import tokenizer_hash
 from trainer.data.vocab import load_tokenizer_if_present, shared_vocab_size
 from trainer.errors import UsageError
+from trainer.output import block, duration
 from trainer.renamed_keys import renamed_precompute_key_message
 from trainer.target import FrozenTarget
 
@@ -271,9 +273,34 @@ def main(argv: list[str] | None = None) -> int:
     init = parser.instantiate_classes(cfg)
     kwargs = {name: init[name] for name in inspect.signature(precompute).parameters}
     summary = precompute(**kwargs)
-    print(
-        f"precompute: {summary['written']} sequences in {summary['shards']} shards "
-        f"({summary['kept']} kept from an earlier run) in {summary['seconds']} s; "
-        f"manifest {'written' if summary['complete'] else 'pending (other ranks still running)'}: {cfg.out}"
+    if rank_and_world()[0] != 0:
+        return 0
+    rows = [
+        ("sequences", f"{summary['written']} written in {summary['shards']} shards ({summary['kept']} kept)"),
+        ("manifest", "written" if summary["complete"] else "pending (other ranks still running)"),
+        ("shards", str(cfg.out)),
+    ]
+    args = list(sys.argv[1:] if argv is None else argv)
+    recipes = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--config"]
+    fit_recipe = _fit_recipe_for(recipes[-1]) if recipes else None
+    command = (
+        f"draftsmith fit --config {shlex.quote(fit_recipe or 'RECIPE.yaml')} "
+        f"--data.init_args.shards {shlex.quote(str(cfg.out))}"
     )
+    print(block(f"precompute done in {duration(summary['seconds'])}", rows, [command]), flush=True)
     return 0
+
+
+def _fit_recipe_for(precompute_recipe: str) -> str | None:
+    """The fit recipe beside ``precompute_recipe`` whose opening comment names it (``draftsmith precompute --config
+    <it>``: the offline recipes say which shards they read), or None."""
+    recipe = Path(precompute_recipe)
+    for candidate in sorted(recipe.parent.glob("*.yaml")):
+        head = candidate.read_text(errors="replace").split("\n", 12)[:12]
+        if (
+            head
+            and head[0].startswith("# draftsmith fit")
+            and any(f"draftsmith precompute --config {precompute_recipe} " in line + " " for line in head)
+        ):
+            return str(candidate)
+    return None
