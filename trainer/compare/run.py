@@ -37,6 +37,7 @@ from trainer.compare.config import CompareConfig, CompareConfigError, Method, fi
 from trainer.decoding.options import option_arguments
 from trainer.errors import DataError, UserError, debugging, error_report
 from trainer.flags import ToolParser
+from trainer.output import block, duration
 
 FIT_TAGS = ("train/tokens", "spec_eval/tau", "spec_eval/tau_sampling")
 
@@ -407,7 +408,13 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as err:
         print(error_report(err), file=sys.stderr)
         return 2
-    print("wrote " + ", ".join(str(p) for p in paths))
+    ran = len(only & set(names))
+    failed = f", {failures} failed (failed.json in their folders)" if failures else ""
+    rows = [("methods", f"{ran - failures} of {ran} done{failed}"), ("report", "\n".join(str(p) for p in paths))]
+    other = config.seed + 1  # the same comparison at another seed: which orderings of methods hold
+    rerun = f"draftsmith compare --config {args.config} --seed {other} --out {comparison.out}_seed{other}"
+    title = f"compare done in {duration(time.perf_counter() - started)}"
+    print(block(title, rows, [f"{rerun} --stability {comparison.out}"]), flush=True)
     return 1 if failures else 0
 
 
