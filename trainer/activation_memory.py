@@ -14,6 +14,14 @@ tensors autograd saves, :func:`layer_saved` per decoder layer; the chunked losse
 and input; fused attention, no S x S scores). A chunked loss keeps three float32 ``[chunk, V]`` tensors alive
 (logits, softmax, gradient), a loss against a second distribution six.
 
+Attention: the drafters' block-sparse attention (trainer/block_attention.py) is fused under ``flex`` (on CUDA, and what
+``auto`` picks there) and keeps no scores; its ``dense`` path (what ``auto`` picks on CPU, and the recipes' default)
+keeps float32 probabilities and their copy in the activations' dtype for every query and key it scores
+(:func:`dense_scores`), quadratic in the sequence length: at 8B width and 8k tokens that alone outgrows a GPU. The
+frozen target's attention (:func:`target_scores`): sdpa, flash and flex kernels keep no scores, but transformers builds
+a boolean ``[B, 1, S, S]`` mask for a padded or packed row; eager attention materialises its scores and float32 softmax
+per head.
+
 Element sizes: the trained part's activations are 2 bytes under ``bf16-mixed``/``16-mixed`` (autocast) and the
 ``*-true`` half precisions, else the trained weights' own size; the frozen target's are its weights' size (2 under
 autocast).
@@ -126,6 +134,9 @@ class PlannedStep:
             weights' size; the trained part's without a target).
         chunk: positions per chunk of the loss (the recipe's ``loss_chunk_size``, else the objective's, else 256).
         shards: the target's signals come from shards (``target_signals: shards``): its forward never runs.
+        device: where the step runs, ``cuda`` (a drafter's ``auto`` attention is flex there) or ``cpu`` (dense).
+        target_scores: bytes of the frozen target's attention scores and mask alive in one layer's forward
+            (:func:`target_scores` of its attention implementation; 0 without a target forward).
     """
 
     batch: int
@@ -134,6 +145,14 @@ class PlannedStep:
     target_element: int
     chunk: int
     shards: bool
+    device: str = "cuda"
+    target_scores: int = 0
+
+    def fused(self, impl: str) -> bool:
+        """Whether a drafter attention ``impl`` (``auto``, ``flex`` or ``dense``, trainer/block_attention.py) runs
+        fused on this step's device: flex on CUDA (``flex``, or ``auto`` there); on CPU flex cannot train, every
+        implementation is dense."""
+        return self.device == "cuda" and impl in ("flex", "auto")
 
     @property
     def tokens(self) -> int:
@@ -141,7 +160,9 @@ class PlannedStep:
         return self.batch * self.seq
 
     @classmethod
-    def of(cls, objective: Any, batch: int, seq: int, precision: str, chunk_size: int | None) -> PlannedStep:
+    def of(
+        cls, objective: Any, batch: int, seq: int, precision: str, chunk_size: int | None, device: str = "cuda"
+    ) -> PlannedStep:
         """The step of ``objective`` (a DraftObjective, built on the meta device) on ``batch`` x ``seq`` tokens.
 
         Args:
@@ -150,6 +171,7 @@ class PlannedStep:
             seq: tokens per sequence.
             precision: Lightning's trainer.precision.
             chunk_size: the recipe's ``loss_chunk_size`` (None: the objective's own, else 256).
+            device: ``cuda`` or ``cpu``, where the step runs (which attention ``auto`` picks).
         """
         a = element_bytes(objective.trainable_module(), precision)
         target_model = getattr(objective.target, "model", None)
@@ -164,6 +186,8 @@ class PlannedStep:
             target_element=a_t,
             chunk=chunk_size or getattr(objective, "loss_chunk_size", 256),
             shards=objective.target_signals == "shards",
+            device=device,
+            target_scores=0 if target_model is None else target_scores(target_model.config, batch, seq, a_t),
         )
 
 
@@ -174,11 +198,34 @@ def layer_saved(shape: Shape, tokens: int, a: int, extra_hidden: int = 0) -> int
     return tokens * ((10 + extra_hidden) * h + 4 * shape.intermediate_size + 2 * shape.kv_width) * a
 
 
-def frozen_forward(shape: Shape, tokens: int, a: int, hidden_kept: int = 1, vocab_out: int = 0) -> int:
-    """The frozen target's forward under no_grad: its largest transient layer, the hidden states it returns
-    (``hidden_kept`` of them) and ``vocab_out`` rows of logits per token."""
+def frozen_forward(shape: Shape, tokens: int, a: int, hidden_kept: int = 1, vocab_out: int = 0, scores: int = 0) -> int:
+    """The frozen target's forward under no_grad: its largest transient layer (``scores``: its attention's scores and
+    mask, :attr:`PlannedStep.target_scores`), the hidden states it returns (``hidden_kept`` of them) and ``vocab_out``
+    rows of logits per token."""
     h, i = shape.hidden_size, shape.intermediate_size
-    return tokens * (3 * h + 3 * i) * a + tokens * (hidden_kept * h + vocab_out) * a
+    return tokens * (3 * h + 3 * i) * a + scores + tokens * (hidden_kept * h + vocab_out) * a
+
+
+def target_scores(config: Any, batch: int, seq: int, a: int) -> int:
+    """The frozen target's attention memory in one layer's forward on ``batch`` x ``seq`` tokens, by its attention
+    implementation (``config._attn_implementation``): eager keeps every head's scores and their float32 softmax beside
+    its additive ``[B, 1, S, S]`` mask; sdpa, flash and flex keep no scores, only the boolean ``[B, 1, S, S]`` mask
+    transformers builds for a padded or packed row (an upper bound: an unpadded row gets none)."""
+    implementation = getattr(config, "_attn_implementation", None) or "eager"
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    square = batch * seq * seq  # [B, 1, S, S]
+    if implementation == "eager":
+        return square * a + square * text.num_attention_heads * (a + F32)
+    return square
+
+
+def dense_scores(batch: int, heads: int, queries: int, keys: int, a: int, live: bool = False) -> int:
+    """A dense (unfused) attention layer's scores over ``queries`` x ``keys`` per head: the float32 probabilities and
+    their copy in the activations' dtype ``a``, saved for backward; ``live`` adds what its backward holds in flight
+    while it runs (the gradients of the copy, of the float32 probabilities and of the scores: ``a + 2 x 4`` bytes a
+    score)."""
+    per_score = (a + F32) + ((a + 2 * F32) if live else 0)
+    return batch * heads * queries * keys * per_score
 
 
 def chunked(chunk: int, tokens: int, vocab: int, copies: int = 3) -> int:

@@ -419,3 +419,58 @@ def test_the_cpu_estimate_is_the_row_of_the_recipes_strategy(pieces, stage):
     """``--cpu`` reports the row of the strategy the recipe composes: DeepSpeed's stage, else DDP's."""
     configs = [str(ROOT / "recipes" / "quickstart" / "kd.yaml")] + [str(ROOT / "recipes" / "_base" / p) for p in pieces]
     assert plan_from_recipe(configs, target="llama-3.2-1b").stage == stage
+
+
+# ------------------------------------------------------------------------------------------------- long rows
+
+LLAMA31_8B = str(ROOT / "tests" / "fixtures" / "real_configs" / "llama31_8b")
+
+
+def test_dense_ttt_attention_keeps_the_scores_the_plan_counts():
+    """EAGLE-3's dense training-time-test attention (what ``auto`` runs on CPU) keeps, for backward, storages of one
+    score per query, key and head: measured on CPU in bf16, the score-sized ones (at least a byte a score) are the
+    plan's :func:`dense_scores` (float32 probabilities and their bf16 copy) within 0.8x-1.25x."""
+    from trainer.activation_memory import dense_scores
+    from trainer.methods.eagle3.module import ttt_attention
+
+    B, nh, nkv, S, D, i = 2, 4, 2, 64, 8, 2
+    torch.manual_seed(0)
+    q = torch.randn(B, nh, S, D, dtype=torch.bfloat16, requires_grad=True)  # [B, nh, S, D]
+    keys = [torch.randn(B, nkv, S, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(i + 1)]
+    values = [torch.randn(B, nkv, S, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(i + 1)]
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = ttt_attention(q, keys, values, "dense")  # [B, nh, S, D]
+    assert out.shape == (B, nh, S, D)
+    measured = sum(n for n in seen.values() if n >= B * nh * S * S)
+    planned = dense_scores(B, nh, S, S + i, 2)
+    assert 0.8 * planned <= measured <= 1.25 * planned, (measured, planned)
+
+
+@pytest.mark.parametrize("recipe", ["eagle3_llama31_8b.yaml", "dflash_llama31_8b.yaml"])
+def test_long_rows_grow_linearly_fused_and_quadratically_dense(recipe):
+    """The 8B recipes at 8k, 16k and 24k tokens: with flex attention (the GPU rows) the activations grow by the same
+    bytes for each 8k more tokens (linear in S: no score is kept); dense (the --cpu line, or ``attention: dense``)
+    the extra bytes over the flex estimate are the scores per head, naively: EAGLE-3 keeps two TTT steps' float32
+    probabilities and bf16 copy ([S, S + 6], recompute) and one step's backward gradients (bf16 + 2 float32); DFlash
+    keeps them in each of its 5 layers for its 512 x 16 slots over S + 16 keys, one layer's gradients in flight."""
+    flex = ["--model.init_args.attention", "flex"]
+    plans = [plan_from_recipe([str(ROOT / "recipes" / recipe)], target_config=LLAMA31_8B, seq=s, overrides=flex)
+             for s in (8192, 16384, 24576)]  # fmt: skip
+    gpu = [p.activations for p in plans]
+    assert gpu[2] - gpu[1] == gpu[1] - gpu[0] > 0
+    for plan in plans:
+        S, heads = plan.seq, 32
+        if recipe.startswith("eagle3"):
+            scores = S * (S + 6) * heads  # B = 1
+            expected = 2 * scores * (2 + 4) + scores * (2 + 4 + 4)
+        else:
+            scores = 512 * 16 * (S + 16) * heads
+            expected = 5 * scores * (2 + 4) + scores * (2 + 4 + 4)
+        assert plan.cpu_activations - plan.activations == expected

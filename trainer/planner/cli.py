@@ -28,9 +28,10 @@ What is counted, per GPU, for N GPUs (the ZeRO paper's accounting, Adam/AdamW):
   (Lightning's 2e8 elements; fp32 under ZeRO-1, the gradients' dtype under ZeRO-2);
 * activations: the objective's own estimate of one step, ``activation_bytes`` (trainer/activation_memory.py), the
   peak of the target's forward under no_grad and the trained part's forward and backward: per trained layer
-  B x S x (10 H + 4 I + 2 H_kv) x a bytes saved for backward (a = 4 for 32-true, else 2; fused attention, no S x S
-  scores), what the target hands over, and a chunked loss's float32 chunks. An objective without an estimate is
-  refused by name.
+  B x S x (10 H + 4 I + 2 H_kv) x a bytes saved for backward (a = 4 for 32-true, else 2), the S x S scores per head
+  of a drafter attention that is not fused (``attention: dense``, or ``auto`` on CPU: the GPU rows plan ``auto`` as
+  flex, the ``--cpu`` line as dense), the target's attention mask (or an eager target's scores), what the target
+  hands over, and a chunked loss's float32 chunks. An objective without an estimate is refused by name.
 
 The total is the sum but for ZeRO's step-only buffers (the fp32 partition gradient and AdamW's temporary, built in
 the optimizer step after backward has freed the activations): a ZeRO row counts the larger of those and the
@@ -96,10 +97,12 @@ class Plan:
     counts: Counts
     activations: int
     stage: str = "ddp"  # the row of the recipe's trainer.strategy: zero1-3 for DeepSpeed, else ddp
+    cpu_activations: int | None = None  # the same step on CPU (dense attention); None: as on the GPUs
 
-    def estimates(self, gpus: int) -> list[Estimate]:
-        """Bytes per GPU (per process) for DDP and ZeRO 1-3."""
-        return estimate_counts(self.counts, self.activations, gpus, self.precision)
+    def estimates(self, gpus: int, cpu: bool = False) -> list[Estimate]:
+        """Bytes per GPU (per process) for DDP and ZeRO 1-3; ``cpu``: per CPU process (a drafter's attention dense)."""
+        activations = self.cpu_activations if cpu and self.cpu_activations is not None else self.activations
+        return estimate_counts(self.counts, activations, gpus, self.precision)
 
 
 def plan_from_recipe(
@@ -178,6 +181,7 @@ def plan_from_recipe(
         (objective.activation_bytes(PlannedStep.of(objective, b, s, str(precision), chunk)), b, s) for b, s in steps
     ]
     activations, batch, seq = max(planned, key=lambda p: (p[0], p[2]))  # larger activations; the long on a tie
+    cpu_step = PlannedStep.of(objective, batch, seq, str(precision), chunk, device="cpu")
     text = None if target_dict is None else target_dict.get("text_config", target_dict)
     return Plan(
         target=Shape.from_config(text, source) if text is not None and model.get("target") else None,
@@ -189,6 +193,7 @@ def plan_from_recipe(
         counts=count(objective),
         activations=activations,
         stage=strategy_stage(recipe.trainer.get("strategy")),
+        cpu_activations=objective.activation_bytes(cpu_step),
     )
 
 
@@ -297,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     out.append("")
     out.append(f"fits: {', '.join(fitting)}" if fitting else "fits: none (reduce the batch, or add GPUs)")
     if args.cpu:
-        row = next(e for e in plan.estimates(1) if e.stage == plan.stage)
+        row = next(e for e in plan.estimates(1, cpu=True) if e.stage == plan.stage)
         process = row.total + CPU_RUNTIME_BYTES
         out.append(
             f"one CPU process ({plan.precision}, {plan.stage}): {process / GIB:.2f} GiB peak resident memory "

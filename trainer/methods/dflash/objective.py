@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.activation_memory import F32, PlannedStep, Shape, chunked, frozen_forward, layer_saved
+from trainer.activation_memory import F32, PlannedStep, Shape, chunked, dense_scores, frozen_forward, layer_saved
 from trainer.block_attention import Impl
 from trainer.distribution_loss import DEFAULT_ETA, DistributionLoss
 from trainer.documents import check_window
@@ -85,7 +85,7 @@ from trainer.objective import (
     derived_seed,
 )
 from trainer.registry import DrafterRecord, check_target, load_drafter
-from trainer.target import FrozenTarget, resolve_dtype
+from trainer.target import FrozenTarget, document_kwargs, resolve_dtype
 
 
 class DFlash(DraftObjective):
@@ -93,6 +93,7 @@ class DFlash(DraftObjective):
 
     drafter_class: type[DFlashDrafter] = DFlashDrafter
     """The drafter this objective builds (a block refiner's objective names its own, refiner.py)."""
+    honours_document_ids = True  # target and blocks see document_ids; a slot past its anchor's document is not trained
 
     def __init__(
         self,
@@ -335,6 +336,9 @@ class DFlash(DraftObjective):
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()  # [B, S] each
+        # [B, S] packed rows with document masking, else absent (shard batches never carry it: precompute refuses
+        # data.document_masking, and target_signals: shards takes a ShardDataModule only)
+        documents = batch.get("document_ids")
         target = self.target
         stage = "train" if self.training else "val"
         drafter, b = self.drafter, self.drafter.config.block_size
@@ -348,11 +352,14 @@ class DFlash(DraftObjective):
             final = None
         else:
             with torch.no_grad():
-                out = target.model.get_decoder()(input_ids=ids, output_hidden_states=True, use_cache=False)
+                decoder = target.model.get_decoder()
+                out = decoder(
+                    input_ids=ids, output_hidden_states=True, use_cache=False, **document_kwargs(decoder, documents)
+                )
             hidden = [out.hidden_states[i] for i in drafter.config.target_layers]  # each [B, S, H]
             final = out.last_hidden_state  # [B, S, H] normed: the target's logits are lm_head(final)
         embeds = F.embedding(drafter.block_ids(ids.gather(1, anchors)), self.embedding_weight())  # [B, N * b, H]
-        blocks = drafter(hidden, embeds, anchors, self.attention).view(B, N, b, -1)  # [B, N, b, H]
+        blocks = drafter(hidden, embeds, anchors, self.attention, documents).view(B, N, b, -1)  # [B, N, b, H]
         slots = blocks[:, :, 1:]  # [B, N, b - 1, H]
 
         positions = anchors[:, :, None] + torch.arange(1, b, device=ids.device)  # [B, N, b - 1]: token of slot k
@@ -360,6 +367,8 @@ class DFlash(DraftObjective):
         safe = positions.clamp(max=S - 1)
         rows = torch.arange(B, device=ids.device)[:, None, None].expand_as(positions)
         selected = keep[:, :, None] & inside & trained[rows, safe]  # [B, N, b - 1]
+        if documents is not None:  # a slot whose token lies in another document than its anchor is not trained
+            selected = selected & (documents[rows, safe] == documents.gather(1, anchors)[:, :, None])
         idx = selected.flatten().nonzero()[:, 0]  # [n]
         flat_rows, flat_pos = rows.flatten()[idx], safe.flatten()[idx]  # [n] each
         if self.position_weights == "dpace":  # weights from each block's losses, per chunk of whole blocks
@@ -487,7 +496,8 @@ class DFlash(DraftObjective):
         draft layers over the sampled blocks' slots, attending to the target's fused context, and the slots' logits
         through the target's lm_head in chunks whose gradients are taken in forward (a float32 [slots, H] gradient
         kept for backward; a loss other than ``kl`` takes its chunk's gradient by autograd, two more [C, V] float32
-        tensors alive)."""
+        tensors alive). Unfused (``attention: dense``, or ``auto`` off CUDA) every layer also keeps its slots' scores
+        over the context and their block (:func:`dense_scores`), one layer's backward gradients of them in flight."""
         n, a, a_t = step.tokens, step.element, step.target_element
         config = self.drafter.config
         t = Shape.of(self.target_config)
@@ -498,9 +508,13 @@ class DFlash(DraftObjective):
         if step.shards:
             target_phase = m * n * t.hidden_size * 2
         else:
-            target_phase = frozen_forward(t, n, a_t, hidden_kept=t.num_hidden_layers + 1)
+            target_phase = frozen_forward(t, n, a_t, hidden_kept=t.num_hidden_layers + 1, scores=step.target_scores)
         context = n * (m * t.hidden_size + t.hidden_size) * a_t + n * (m + 1) * t.hidden_size * a  # kept, fused
         layers = config.num_hidden_layers * (layer_saved(d, slots, a) + n * 2 * d.kv_width * a)
+        if not step.fused(self.attention):  # the dense path's [B, nh, N * b, S + b] scores in every layer
+            shape = (step.batch, d.num_attention_heads, slots // step.batch, step.seq + config.block_size)
+            saved = dense_scores(*shape, a)
+            layers += config.num_hidden_layers * saved + dense_scores(*shape, a, live=True) - saved
         grad = slots * d.hidden_size * F32  # the slot loss's gradient of the slots' outputs
         copies = 3 if self.loss_spec.is_kl else 5  # autograd on the chunk: its log-softmax, q, min(q, p) and grad
         return max(target_phase, context + layers + grad + chunked(step.chunk, slots, t.vocab_size, copies))

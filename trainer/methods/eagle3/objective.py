@@ -64,10 +64,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from trainer.activation_memory import F32, PlannedStep, Shape, frozen_forward, layer_saved
+from trainer.activation_memory import F32, PlannedStep, Shape, dense_scores, frozen_forward, layer_saved
 from trainer.block_attention import Impl
 from trainer.distribution_loss import DEFAULT_ETA, acceptance, loss_rows, sparse_loss_rows
-from trainer.documents import check_window
+from trainer.documents import check_window, document_positions
 from trainer.errors import RecipeError
 from trainer.methods.eagle3 import kind as eagle3_kind
 from trainer.methods.eagle3 import vocab_map
@@ -100,6 +100,7 @@ class Eagle3(DraftObjective):
     """The kind of the drafters it trains (``init_from`` must hold one)."""
     method_name: str = "EAGLE-3"
     """The method's name in messages."""
+    honours_document_ids = True  # target and TTT attention see document_ids; cross-document labels are not trained
 
     def __init__(
         self,
@@ -304,20 +305,27 @@ class Eagle3(DraftObjective):
     # ---- training ------------------------------------------------------------------------------------------------
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ids = batch["input_ids"]  # [B, S]
-        signals = self._shard_signals(batch) if self.target_signals == "shards" else self._online_signals(ids)
-        return self._ttt_loss(ids, batch["loss_mask"], *signals)
+        # [B, S] packed rows with document masking, else absent (shard batches never carry it: precompute refuses
+        # data.document_masking, and target_signals: shards takes a ShardDataModule only)
+        documents = batch.get("document_ids")
+        if self.target_signals == "shards":
+            signals = self._shard_signals(batch)
+        else:
+            signals = self._online_signals(ids, documents)
+        return self._ttt_loss(ids, batch["loss_mask"], *signals, documents=documents)
 
     def _draft_index(self) -> torch.Tensor:
         """[V] the draft index of every target id (meaningful where ``t2d``)."""
         return torch.cumsum(self.drafter.t2d.long(), 0) - 1
 
-    def _online_signals(self, ids: torch.Tensor):
+    def _online_signals(self, ids: torch.Tensor, documents: torch.Tensor | None = None):
         """Runs the target: (fused [B, S - 1, H], embedding, argmax [B, S], its distribution over the draft vocabulary
         renormalised [B, S, Vd], None, its mass there [B, S] or None when neither the loss nor this step's logged
-        metrics read it; vocab_map.online_target_signals)."""
+        metrics read it; vocab_map.online_target_signals). ``documents`` [B, S]: each document of a packed row run
+        alone (trainer/documents.py), or None."""
         with_mass = not self.loss_spec.is_kl or self.metrics_due()  # alpha_i is logged only every N steps
         hidden, argmax, probs, mass = vocab_map.online_target_signals(
-            self.target, ids, self.drafter, self.labels == "soft", with_mass
+            self.target, ids, self.drafter, self.labels == "soft", with_mass, documents
         )
         fused = self.drafter.fuse([h[:, :-1] for h in hidden])  # [B, S - 1, H]
         return fused, self.target.model.get_input_embeddings(), argmax, probs, None, mass
@@ -361,6 +369,7 @@ class Eagle3(DraftObjective):
         target_probs: torch.Tensor,
         label_ok: torch.Tensor | None,
         target_mass: torch.Tensor | None,
+        documents: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The training-time-test loss, whatever the source of the target's signals.
 
@@ -376,6 +385,10 @@ class Eagle3(DraftObjective):
             target_mass: [B, S] the target's probability of the draft vocabulary: ``target_probs * target_mass`` is
                 its own, what the acceptance ``alpha_i`` and the losses other than ``kl`` are measured against; None
                 (``kl`` on a step whose metrics are not logged): ``alpha_i`` is not computed.
+            documents: [B, S] the document of every position of a packed row (trainer/documents.py), or None (one
+                document): element t attends within token t's document, at rotary positions counted from its first
+                token, and step i does not train (nor count in its metrics) an element whose label position
+                t + 1 + i lies in another document.
         """
         drafter = self.drafter
         B, S = ids.shape
@@ -390,16 +403,23 @@ class Eagle3(DraftObjective):
         total = fused.new_zeros((), dtype=torch.float32)
         metrics: dict[str, torch.Tensor] = {}
         positions = torch.arange(S - 1, device=ids.device).expand(B, S - 1)  # [B, S - 1] rotary positions of step 0
+        elements = None  # [B, S - 1] the document of element t (token t's), or None
+        if documents is not None:
+            elements = documents[:, :-1]
+            positions = document_positions(documents)[:, :-1]  # [B, S - 1] counted within each document
         steps = min(self.ttt_steps, S - 1)  # step i trains elements whose label position t + 1 + i is in the row
 
         def step(i: int, hidden: torch.Tensor, tokens: torch.Tensor, *kv: torch.Tensor):
             """TTT step i: (out, k, v, loss_i, acc_i, alpha_i, guess [B, S - 1]) from the step's inputs alone, so that
             it can be recomputed in backward."""
             out, logits, k, v = drafter.ttt_step(
-                embedding, hidden, tokens, positions + i, kv[:i], kv[i:], self.attention
+                embedding, hidden, tokens, positions + i, kv[:i], kv[i:], self.attention, elements
             )
             n = S - 1 - i  # elements whose label position t + 1 + i is inside the row
-            mask = loss_mask[:, 1 + i :].float()  # [B, n]
+            trained = loss_mask[:, 1 + i :].bool()  # [B, n]
+            if elements is not None:  # the label position in the element's own document
+                trained = trained & (documents[:, 1 + i :] == elements[:, :n])
+            mask = trained.float()  # [B, n]
             if label_ok is not None:
                 mask = mask * label_ok[:, 1 + i :]
             log_q = torch.log_softmax(logits[:, :n].float(), dim=-1)  # [B, n, Vd]
@@ -422,7 +442,6 @@ class Eagle3(DraftObjective):
             loss_i = (per_pos * mask).sum() / mask.sum().clamp(min=1.0)
             with torch.no_grad():
                 guess = drafter.to_target_ids(logits.max(-1).indices)  # [B, S - 1], argmax (labels.py: faster)
-                trained = loss_mask[:, 1 + i :]
                 hits = (guess[:, :n] == target_argmax[:, 1 + i :]) & trained
                 accuracy = hits.sum().float() / trained.sum().clamp(min=1).float()
                 alpha = None  # [] the mean expected acceptance, where the target's own probabilities are known
@@ -475,7 +494,9 @@ class Eagle3(DraftObjective):
             target_phase = len(config.aux_layers) * n * t.hidden_size * 2
         else:
             vocab_out = 0 if soft else t.vocab_size
-            target_phase = frozen_forward(t, n, a_t, hidden_kept=t.num_hidden_layers + 1, vocab_out=vocab_out)
+            target_phase = frozen_forward(
+                t, n, a_t, hidden_kept=t.num_hidden_layers + 1, vocab_out=vocab_out, scores=step.target_scores
+            )
             lse = min(n, vocab_map.LSE_CHUNK) * t.vocab_size * (a_t + F32)  # one chunk's logits of every token
             if soft:
                 target_phase += n * vd * (a_t + F32) + vd * t.hidden_size * a_t + lse  # + the draft rows of lm_head
@@ -488,17 +509,24 @@ class Eagle3(DraftObjective):
         [B, S, Vd] logits, their float32 log-softmax and the product, and the target's own probabilities the acceptance
         is taken against (a loss other than ``kl`` keeps three more float32 [B, S, Vd] tensors for backward: the
         drafter's probabilities, their minimum with the target's and the renormalised labels); with ``recompute``
-        each step's outputs and the last step with one recomputed in backward, else every step kept."""
+        each step's outputs and the last step with one recomputed in backward, else every step kept. Unfused
+        (``attention: dense``, or ``auto`` off CUDA) each step also keeps its [S, S + i] scores per head
+        (:func:`dense_scores`), one step's backward gradients of them in flight: quadratic in the sequence length."""
         n, a = step.tokens, step.element
         d = self.draft_layer_shape()
         target_phase, handed = self.target_phase_bytes(step, self.labels == "soft")
         copies = 3 if self.loss_spec.is_kl else 6
-        one = layer_saved(d, n, a, extra_hidden=2) + n * d.vocab_size * (a + copies * F32)
         steps = min(self.ttt_steps, step.seq - 1)
+        scores = in_flight = 0
+        if not step.fused(self.attention):  # [B, nh, S, S + i] per step
+            shape = (step.batch, d.num_attention_heads, step.seq, step.seq + steps - 1)
+            scores = dense_scores(*shape, a)
+            in_flight = dense_scores(*shape, a, live=True) - scores
+        one = layer_saved(d, n, a, extra_hidden=2) + scores + n * d.vocab_size * (a + copies * F32)
         if self.recompute:
             kept = (steps - 1) * n * (d.hidden_size + 2 * d.kv_width) * a  # each recomputed step's outputs
-            return max(target_phase, handed + kept + one + one)
-        return max(target_phase, handed + steps * one)
+            return max(target_phase, handed + kept + one + one + in_flight)
+        return max(target_phase, handed + steps * one + in_flight)
 
     def flops_per_token(self) -> float:
         drafter = 2.0 * count_params(self.drafter)
