@@ -100,7 +100,7 @@ def draft_mass(target, final: torch.Tensor, draft_logits: torch.Tensor) -> torch
 
 
 def online_target_signals(
-    target, ids: torch.Tensor, drafter, soft: bool, with_mass: bool = True
+    target, ids: torch.Tensor, drafter, soft: bool, with_mass: bool = True, documents: torch.Tensor | None = None
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The frozen target's signals for an EAGLE-3 or P-EAGLE drafter over the batch ``ids`` [B, S].
 
@@ -111,7 +111,8 @@ def online_target_signals(
     the full vocabulary's log-partition a chunk of positions at a time, skipped without ``with_mass`` (it costs as
     much as the projection onto every row: the objectives ask for it when a loss or a logged metric reads it). Argmax
     labels need the argmax over the whole vocabulary (positions whose argmax is outside the draft vocabulary are
-    skipped), so they project onto every row, and the mass comes with them.
+    skipped), so they project onto every row, and the mass comes with them. ``documents`` [B, S] (a packed row's
+    document_ids, trainer/documents.py): the target runs each document alone (FrozenTarget.forward's document_ids).
 
     Returns:
         the hidden states of the drafter's aux layers (each [B, S, Ht]), the argmax [B, S] (target ids), the target's
@@ -123,13 +124,13 @@ def online_target_signals(
     aux = list(drafter.config.aux_layers)
     rows = drafter.draft_ids()
     if not soft:
-        out = target(ids, hidden_layers=aux)  # logits [B, S, V]
+        out = target(ids, hidden_layers=aux, document_ids=documents)  # logits [B, S, V]
         flat = out.logits.flatten(0, -2)  # [B * S, V]
         lse = torch.cat([torch.logsumexp(part.float(), dim=-1) for part in flat.split(LSE_CHUNK)])
         draft = out.logits.index_select(-1, rows.to(out.logits.device)).float()  # [B, S, Vd]
         mass = (torch.logsumexp(draft, dim=-1) - lse.view(draft.shape[:-1])).exp().clamp(max=1.0)  # [B, S]
         return out.hidden_states, out.logits.argmax(-1), torch.softmax(draft, dim=-1), mass
-    out = target(ids, hidden_layers=[*aux, target.num_layers], logits=False)
+    out = target(ids, hidden_layers=[*aux, target.num_layers], logits=False, document_ids=documents)
     *hidden, final = out.hidden_states  # final: [B, S, Ht], the normed output lm_head projects
     logits = target.project(final, rows.to(final.device))  # [B, S, Vd]
     mass = draft_mass(target, final, logits) if with_mass else None  # [B, S]

@@ -33,7 +33,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from trainer.block_attention import Impl, flex_attention, resolve_impl
-from trainer.documents import allowed_keys
+from trainer.documents import allowed_keys, document_positions
 from trainer.layers import repeat_kv
 from trainer.methods.eagle3.module import (
     DecoderLayer,
@@ -68,27 +68,43 @@ class PEagleConfig(Eagle3Config):
 
 
 def peagle_mask(
-    anchor: torch.Tensor, depth: torch.Tensor, valid: torch.Tensor | None = None, window: int | None = None
+    anchor: torch.Tensor,
+    depth: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    window: int | None = None,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """anchor, depth: [B, N] (valid: [B, N] bool, False for padding) -> allowed [B, 1, N, N] bool.
 
     Query q sees key k iff (``d_k == 0`` and ``a_k <= a_q``) or (``a_k == a_q`` and ``d_k <= d_q``); padding keys are
     hidden and a padding query sees itself only (no empty rows). With a ``window``, also only keys whose position
-    ``a_k + d_k`` is less than ``window`` behind the query's ``a_q + d_q`` (trainer/documents.py), as drafting."""
+    ``a_k + d_k`` is less than ``window`` behind the query's ``a_q + d_q`` (trainer/documents.py), as drafting. With
+    ``documents`` [B, S] (the row's document_ids, trainer/documents.py), also only keys whose anchor is in the query
+    anchor's document."""
     aq, ak = anchor[:, :, None], anchor[:, None, :]  # [B, N, 1], [B, 1, N]
     dq, dk = depth[:, :, None], depth[:, None, :]
     allowed = ((dk == 0) & (ak <= aq)) | ((ak == aq) & (dk <= dq))  # [B, N, N]
     if window is not None:
         allowed = allowed & ((aq + dq) - (ak + dk) < window)
+    if documents is not None:
+        owner = documents.gather(1, anchor)  # [B, N] the document of every element's anchor
+        allowed = allowed & (owner[:, :, None] == owner[:, None, :])
     if valid is not None:
         eye = torch.eye(anchor.shape[1], dtype=torch.bool, device=anchor.device)
         allowed = (allowed & valid[:, None, :] & valid[:, :, None]) | eye
     return allowed[:, None]
 
 
-def peagle_mask_mod(anchor: torch.Tensor, depth: torch.Tensor, valid: torch.Tensor, window: int | None = None):
-    """The flex ``mask_mod`` of :func:`peagle_mask` (anchor, depth, valid: [B, N]; the window)."""
+def peagle_mask_mod(
+    anchor: torch.Tensor,
+    depth: torch.Tensor,
+    valid: torch.Tensor,
+    window: int | None = None,
+    documents: torch.Tensor | None = None,
+):
+    """The flex ``mask_mod`` of :func:`peagle_mask` (anchor, depth, valid: [B, N]; the window; documents [B, S])."""
     last = anchor.shape[1] - 1
+    owner = None if documents is None else documents.gather(1, anchor)  # [B, N] each element's anchor's document
 
     def mask_mod(b, h, q_idx, kv_idx):
         q, k = torch.clamp(q_idx, max=last), torch.clamp(kv_idx, max=last)  # flex may evaluate padded indices
@@ -96,6 +112,8 @@ def peagle_mask_mod(anchor: torch.Tensor, depth: torch.Tensor, valid: torch.Tens
         rule = ((dk == 0) & (ak <= aq)) | ((ak == aq) & (dk <= dq))
         if window is not None:
             rule = rule & ((aq + dq) - (ak + dk) < window)
+        if owner is not None:
+            rule = rule & (owner[b, q] == owner[b, k])
         return (rule & valid[b, q] & valid[b, k]) | (q_idx == kv_idx)
 
     return mask_mod
@@ -138,6 +156,7 @@ class PEagleDrafter(Eagle3Drafter):
         depth: torch.Tensor,
         valid: torch.Tensor,
         impl: Impl = "dense",
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Training pass over sampled elements -> logits [B, N, Vd].
 
@@ -148,6 +167,8 @@ class PEagleDrafter(Eagle3Drafter):
                 (COD sampling's order), the others placeholders (depth >= 1) or padding.
             valid: [B, N] bool, False for padding.
             impl: the :func:`peagle_mask` attention, dense or flex (trainer/block_attention.py, CUDA for training).
+            documents: [B, S] the row's document_ids (trainer/documents.py), or None (one document): an element
+                attends within its anchor's document only, at rotary positions counted from that document's start.
 
         Every placeholder has the same inputs (``mask_token_id``'s embedding, the fused ``mask_hidden``), so their
         first-layer queries, keys and values are projected once and differ by the rotary embedding alone (the deeper
@@ -161,12 +182,15 @@ class PEagleDrafter(Eagle3Drafter):
         P = anchor.shape[1] - n  # placeholders and padding per row
         place_embeds, place_fused = self.placeholder(1)  # [1, 1, H] each
         features = torch.cat([hidden, place_fused.expand(B, P, -1)], dim=1)  # [B, N, H]
-        cos, sin = self.rope(features, anchor + depth)  # [B, N, D] each
+        start = anchor  # [B, N] the anchors' rotary positions
+        if documents is not None:
+            start = document_positions(documents).gather(1, anchor)  # [B, N] counted within each document
+        cos, sin = self.rope(features, start + depth)  # [B, N, D] each
         q0, k0, v0 = self.midlayer.project(embeds, hidden)  # [B, nh, n, D], [B, nkv, n, D] x2
         qp, kp, vp = (t.expand(B, -1, P, -1) for t in self.midlayer.project(place_embeds, place_fused))
         q, k = apply_rotary_pos_emb(torch.cat([q0, qp], 2), torch.cat([k0, kp], 2), cos, sin)
         v = torch.cat([v0, vp], dim=2)  # [B, nkv, N, D]
-        mask = _ParallelMask(n, anchor, depth, valid, impl, self.config.window)
+        mask = _ParallelMask(n, anchor, depth, valid, impl, self.config.window, documents)
         h = self.midlayer.finish(features, mask.attend(q, k, v))  # [B, N, H]
         for layer in self.deep_layers:
             h = layer.finish(h, mask.attend(*layer.qkv(h, cos, sin)))
@@ -223,24 +247,28 @@ class _ParallelMask:
     valid: torch.Tensor  # [B, N]
     impl: Impl
     window: int | None = None
+    documents: torch.Tensor | None = None  # [B, S] the row's document_ids, or None
 
     @cached_property
     def placeholder_rows(self) -> torch.Tensor:
         """[B, 1, P, N] the mask's rows of the elements after the depth-0 ones (built once for every layer)."""
-        return peagle_mask(self.anchor, self.depth, self.valid, self.window)[:, :, self.n :]
+        return peagle_mask(self.anchor, self.depth, self.valid, self.window, self.documents)[:, :, self.n :]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [B, nh, N, D]; k, v: [B, nkv, N, D] -> [B, nh, N, D]."""
         n, B = self.n, q.shape[0]
         if resolve_impl(self.impl, q.device, torch.is_grad_enabled() and q.requires_grad) == "flex":
-            return flex_attention(q, k, v, peagle_mask_mod(self.anchor, self.depth, self.valid, self.window), B)
+            mod = peagle_mask_mod(self.anchor, self.depth, self.valid, self.window, self.documents)
+            return flex_attention(q, k, v, mod, B)
         groups = q.shape[1] // k.shape[1]
         keys0, values0 = repeat_kv(k[:, :, :n], groups), repeat_kv(v[:, :, :n], groups)
-        if self.window is None:
+        if self.window is None and self.documents is None:
             first = F.scaled_dot_product_attention(q[:, :, :n], keys0, values0, is_causal=True)  # [B, nh, n, D]
         else:
             index = torch.arange(n, device=q.device)  # [n]
-            causal = allowed_keys(index, index, None, None, self.window)  # [n, n]
+            docs = None if self.documents is None else self.documents[:, :n]  # [B, n]: element a is anchor a
+            causal = allowed_keys(index, index, docs, docs, self.window)  # [n, n] or [B, n, n]
+            causal = causal if causal.dim() == 2 else causal[:, None]  # [n, n] or [B, 1, n, n]
             first = F.scaled_dot_product_attention(q[:, :, :n], keys0, values0, attn_mask=causal)  # [B, nh, n, D]
         rest = masked_attention(q[:, :, n:], k, v, self.placeholder_rows)  # [B, nh, P, D]
         return torch.cat([first, rest], dim=2)

@@ -52,6 +52,7 @@ def cod_sample(
     floor: float,
     generator: torch.Generator | None = None,
     max_anchors: int | None = None,
+    documents: torch.Tensor | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """COD sampling of one row: ``trained`` [n + 1] bool, the loss mask of label positions 1..n+1 of the n elements
     (``trained[a + d]``: element (a, d) has a trained label). Returns per depth d = 0.. (anchors [m_d], depth d):
@@ -59,17 +60,27 @@ def cod_sample(
     label, of size ``int(n_trained * max(ratio ** d, floor))`` (all of them when fewer), n_trained the anchors with a
     trained depth-0 label. With ``max_anchors`` below n_trained, depth 1 draws from ``max_anchors`` of those, drawn at
     random, and they are n_trained (speculators' ``max_anchors``: the deeper depths' budget, whatever the row's
-    length)."""
+    length). ``documents`` [n + 2]: the row's document_ids (trainer/documents.py); a label position ``a + 1 + d`` in
+    another document than anchor ``a`` counts as untrained (None: one document)."""
     n = trained.numel() - 1
     anchors = torch.arange(n, device=trained.device)
     out = [(anchors, 0)]
-    base = int(trained[:n].sum())
+
+    def labelled(a: torch.Tensor, d: int) -> torch.Tensor:
+        """[m] bool: element (a, d) has a trained label in its anchor's document."""
+        ok = trained[(a + d).clamp(max=n)]
+        if documents is not None:
+            ok = ok & (documents[(a + 1 + d).clamp(max=n + 1)] == documents[a])
+        return ok
+
+    first = labelled(anchors, 0)  # [n]
+    base = int(first.sum())
     if max_anchors is not None and base > max_anchors:
-        seeds = anchors[trained[:n]]
+        seeds = anchors[first]
         pick = torch.randperm(base, generator=generator, device="cpu")[:max_anchors].to(seeds.device)
         anchors, base = seeds[pick.sort().values], max_anchors
     for d in range(1, depths):
-        keep = anchors[(anchors + d <= n - 1) & trained[(anchors + d).clamp(max=n)]]
+        keep = anchors[(anchors + d <= n - 1) & labelled(anchors, d)]
         size = int(base * max(ratio**d, floor))
         if size <= 0 or keep.numel() == 0:
             break
@@ -215,12 +226,16 @@ class PEagle(Eagle3):
             "token of the tokenizer)",
         )
 
-    def sample(self, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """COD elements of every row, padded: anchor, depth [B, N] long and valid [B, N] bool (loss_mask [B, S])."""
+    def sample(
+        self, loss_mask: torch.Tensor, documents: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """COD elements of every row, padded: anchor, depth [B, N] long and valid [B, N] bool (loss_mask [B, S];
+        documents [B, S] the rows' document_ids or None)."""
         rows = []
         for b in range(loss_mask.shape[0]):
+            row_documents = None if documents is None else documents[b].cpu()
             parts = cod_sample(loss_mask[b, 1:].cpu(), self.num_depths, self.cod_ratio, self.cod_min_ratio,
-                               self.sampler, self.max_anchors)  # fmt: skip
+                               self.sampler, self.max_anchors, row_documents)  # fmt: skip
             rows.append((torch.cat([a for a, _ in parts]), torch.cat([d for _, d in parts])))
         N = max(a.numel() for a, _ in rows)
         anchor = torch.zeros(len(rows), N, dtype=torch.long)
@@ -233,28 +248,35 @@ class PEagle(Eagle3):
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, S] each
+        documents = batch.get("document_ids")  # [B, S] packed rows with document masking, else absent
         drafter = self.drafter
         with_mass = not self.loss_spec.is_kl or self.metrics_due()  # alpha_d is logged only every N steps
-        hidden, argmax, probs, mass = online_target_signals(self.target, ids, drafter, True, with_mass)  # [B, S, Vd]
+        hidden, argmax, probs, mass = online_target_signals(
+            self.target, ids, drafter, True, with_mass, documents
+        )  # probs: [B, S, Vd]
         aux = torch.cat([h[:, :-1] for h in hidden], dim=-1)  # [B, S - 1, n Ht]
-        anchor, depth, valid = self.sample(loss_mask)  # [B, N] each
-        return self.parallel_loss(ids, loss_mask, aux, probs, argmax, anchor, depth, valid, mass)
+        anchor, depth, valid = self.sample(loss_mask, documents)  # [B, N] each
+        return self.parallel_loss(ids, loss_mask, aux, probs, argmax, anchor, depth, valid, mass, documents)
 
-    def parallel_loss(self, ids, loss_mask, aux, probs, target_argmax, anchor, depth, valid, mass=None):
+    def parallel_loss(self, ids, loss_mask, aux, probs, target_argmax, anchor, depth, valid, mass=None, documents=None):
         """The loss of sampled elements. ids, loss_mask, target_argmax: [B, S]; aux: [B, S - 1, n Ht] the
         concatenated target states; probs: [B, S, Vd] soft labels (renormalised over the draft vocabulary); anchor,
         depth, valid: [B, N]; mass: [B, S] the target's probability of the draft vocabulary (``probs * mass`` its
         own probabilities, what ``alpha_d`` and the losses other than ``kl`` are measured against); None: the losses
-        take it as 1 and ``alpha_d`` is not computed (``kl`` on a step whose metrics are not logged)."""
+        take it as 1 and ``alpha_d`` is not computed (``kl`` on a step whose metrics are not logged); documents:
+        [B, S] the rows' document_ids (trainer/documents.py) or None: elements attend within their anchor's document
+        and an element whose label position is in another document is not trained."""
         drafter = self.drafter
         B, N = anchor.shape
         n = ids.shape[1] - 2  # the depth-0 elements: anchors 0..S-3 in order (COD sampling's), placeholders after
         real = aux[:, :n].to(drafter.mask_hidden.dtype)  # [B, n, n Ht]
         hidden = drafter.fuse(list(real.split(drafter.config.target_hidden_size, dim=-1)))  # [B, n, H]
         embeds = drafter.embed_tokens(ids[:, 1 : n + 1]).to(hidden.dtype)  # [B, n, H]: token a + 1 of anchor a
-        logits = drafter.parallel(embeds, hidden, anchor, depth, valid, self.attention)  # [B, N, Vd]
+        logits = drafter.parallel(embeds, hidden, anchor, depth, valid, self.attention, documents)  # [B, N, Vd]
         label = (anchor + 1 + depth).clamp(max=ids.shape[1] - 1)  # [B, N] label positions
         mask = valid & loss_mask.gather(1, label).bool()  # [B, N]
+        if documents is not None:  # the label position in the anchor's own document
+            mask = mask & (documents.gather(1, label) == documents.gather(1, anchor))
         where = label[..., None].expand(B, N, probs.shape[-1])  # [B, N, Vd]
         own = probs.gather(1, where)  # [B, N, Vd] the target's probabilities, renormalised
         if mass is not None:
