@@ -7,6 +7,14 @@ checkpoint directory. :func:`parse_recipe` reads a recipe with the same parser w
 plan`` and ``draftsmith slurm submit`` use it). The other subcommands are plain tools, each a module with
 ``main(argv) -> int``.
 
+Output
+------
+Log lines go to standard error in one format (trainer/output.py: ``INFO: message``, the logger's name on warnings,
+every message once, dependency noise nobody can act on dropped unless ``--debug``). A fit logs progress lines
+(trainer/progress.py, the recipe's ``progress`` section) and, on global rank 0, ends with a closing block on standard
+output: what ran, steps, tokens, time, final losses, tau when measured, the ``last.ckpt``, export and log folders that
+exist, and the ``draftsmith export`` and ``draftsmith eval`` commands to run next. The tools end with such a block too.
+
 Errors
 ------
 A mistake the user can fix is a :class:`~trainer.errors.UserError`, raised where the check is made (in a tool, in an
@@ -171,6 +179,8 @@ def _end(err: Exception) -> int:
     if error is None:
         if rank is not None and _peer_failed(store, rank):
             return USER_ERROR_STATUS  # a consequence of another rank's error, which that rank reported
+        if rank is not None and _collective_failed(err):
+            return _report_lost_ranks(store, rank)
         raise err
     if rank is None or rank == 0:
         if store is not None:
@@ -189,6 +199,87 @@ def _end(err: Exception) -> int:
 
 
 _GONE = object()  # rank 0's store no longer answers
+
+PEER_LOST_STATUS = 1
+_ALIVE_KEY = "draftsmith/alive/"
+_COLLECTIVE_FAILURES = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "timed out",
+    "timeout",
+    "connection refused",
+)
+
+
+def _collective_failed(err: BaseException) -> bool:
+    """Whether ``err`` (or an exception it wraps) is a failed collective or store call: torch.distributed's
+    ``DistError`` family, or gloo's and the store's connection and timeout errors."""
+    try:
+        from torch.distributed import DistError
+    except ImportError:  # a torch without distributed
+        return False
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [err]
+    while pending:
+        current = pending.pop(0)
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, DistError):
+            return True
+        if isinstance(current, RuntimeError) and any(s in str(current).lower() for s in _COLLECTIVE_FAILURES):
+            return True
+        pending += [current.__cause__, current.__context__]
+    return False
+
+
+def _lost_ranks(store, rank: int, world: int) -> list[int]:
+    """The ranks that did not say they are alive within :data:`PEER_GRACE_S` (every rank whose collective failed
+    says so in the store)."""
+    try:
+        store.set(f"{_ALIVE_KEY}{rank}", b"1")
+    except Exception:
+        return []
+    deadline = time.monotonic() + PEER_GRACE_S
+    while True:
+        try:
+            missing = [r for r in range(world) if not store.check([f"{_ALIVE_KEY}{r}"])]
+        except Exception:
+            return []
+        if not missing or time.monotonic() >= deadline:
+            return missing
+        time.sleep(0.1)
+
+
+def _report_lost_ranks(store, rank: int) -> int:
+    """A collective failed because another rank died, rank 0 alive (its store answers; when it does not, the rank
+    ends silently, as on any failure after rank 0 ended): every surviving rank says in the store that it is alive,
+    rank 0 prints one line naming the ranks that did not, and every surviving rank ends with
+    :data:`PEER_LOST_STATUS`."""
+    world = int(os.environ.get("WORLD_SIZE", "2") or 2)
+    try:
+        import torch.distributed as dist
+
+        world = dist.get_world_size()
+    except Exception:
+        pass
+    lost = _lost_ranks(store, rank, world) if store is not None else []
+    if lost and rank == 0:
+        from trainer.recipe import DraftsmithCLI
+
+        trainer = DraftsmithCLI.running_trainer
+        at = f" at step {trainer.global_step}" if trainer is not None else ""
+        names = f"rank {lost[0]}" if len(lost) == 1 else "ranks " + ", ".join(str(r) for r in lost)
+        sys.stdout.flush()
+        print(
+            f"error: {names} of {world} stopped answering{at} (its process died or was killed); the other ranks "
+            "stop too\nhint: resume with --ckpt_path last: the last complete checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
+    _stop_local_ranks()
+    return PEER_LOST_STATUS
 
 
 def _rank_and_store():

@@ -11,6 +11,7 @@ Every stage reuses its output when it exists, so a rerun only repeats what is mi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -26,6 +27,7 @@ from trainer.data.corpus import prepare_corpus
 from trainer.data.text import TextDataModule
 from trainer.flags import ToolParser
 from trainer.heldout import heldout_loss, unigram_baseline, unigram_counts
+from trainer.output import block, duration
 from trainer.preemption import exit_status_after_fit
 from trainer.recipe import DraftsmithCLI
 
@@ -36,6 +38,13 @@ README_START = "<!-- demo summary: written by `python -m trainer.demo --readme R
 README_END = "<!-- end of demo summary -->"
 README_SUMMARY = "docs/demo_summary.json"
 COMPARE_RECIPE = "recipes/compare/tiny.yaml"
+STAGES = 4
+
+
+def _say(stage: int, text: str) -> None:
+    """One line of the demo's story, ``demo [i/4] text``, flushed at once: with the output redirected to a file it
+    lands between the fit's log lines (standard error) in the order it happened."""
+    print(f"demo [{stage}/{STAGES}] {text}", flush=True)
 
 
 def render_summary(summary: dict) -> str:
@@ -149,25 +158,39 @@ def main(argv: list[str] | None = None) -> int:
     timings: dict[str, float] = {}
 
     start = time.perf_counter()
+    _say(1, "corpus: the standard library's source, split by file, and a byte-level BPE tokenizer of 8192 tokens")
     corpus = prepare_corpus(str(ARTIFACTS / "corpus"), vocab_size=8192, seed=0)
     timings["prepare"] = time.perf_counter() - start
+    _say(1, f"corpus ready in {duration(timings['prepare'])}: {corpus.out_dir}")
 
     target_dir, student_dir = ARTIFACTS / "tiny_target", ARTIFACTS / "kd_student"
     target_summary_file, kd_summary_file = ARTIFACTS / "tiny_target.summary.json", ARTIFACTS / "kd_student.summary.json"
     if not (target_dir / "config.json").is_file():
+        _say(2, f"tiny target: pretraining for {args.target_steps} steps (recipes/quickstart/tiny_target.yaml)")
         _fit(
             "tiny_target.yaml",
             args.target_steps,
             target_summary_file,
             ARTIFACTS / "runs" / "tiny_target" / "checkpoints",
         )
+        target_summary = json.loads(target_summary_file.read_text())
+        _say(2, f"tiny target trained in {duration(target_summary['seconds'])}: {target_dir}")
+    else:
+        target_summary = json.loads(target_summary_file.read_text())
+        trained = duration(target_summary["seconds"])
+        _say(2, f"tiny target reused: {target_dir} (trained in {trained}; --fresh redoes it)")
     if not (student_dir / "config.json").is_file():
+        _say(3, f"KD student: distilling for {args.kd_steps} steps (recipes/quickstart/kd.yaml)")
         _fit("kd.yaml", args.kd_steps, kd_summary_file, ARTIFACTS / "runs" / "kd" / "checkpoints")
-    target_summary = json.loads(target_summary_file.read_text())
-    kd_summary = json.loads(kd_summary_file.read_text())
+        kd_summary = json.loads(kd_summary_file.read_text())
+        _say(3, f"KD student trained in {duration(kd_summary['seconds'])}: {student_dir}")
+    else:
+        kd_summary = json.loads(kd_summary_file.read_text())
+        _say(3, f"KD student reused: {student_dir} (trained in {duration(kd_summary['seconds'])}; --fresh redoes it)")
     timings["target"], timings["kd"] = target_summary["seconds"], kd_summary["seconds"]
 
     start = time.perf_counter()
+    _say(4, f"evaluation: held-out loss, then speculative decoding of {args.prompts} prompts (draftsmith eval)")
     data = TextDataModule(
         tokenizer=corpus.tokenizer_dir,
         train_files=[corpus.train_file],
@@ -183,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     target_loss = heldout_loss(target, data.val_dataloader())
     student_loss = heldout_loss(student, data.val_dataloader())
+    _say(4, f"held-out loss {target_loss:.3f} target, {student_loss:.3f} student, {baseline:.3f} unigram baseline")
 
     from trainer.decoding.eval_cli import main as eval_main
 
@@ -191,11 +215,16 @@ def main(argv: list[str] | None = None) -> int:
     for name, drafter in (("kd_student", str(student_dir)), ("prompt_lookup", "prompt-lookup")):
         out = ARTIFACTS / "eval" / name
         common = ["--target", str(target_dir), "--prompts", str(prompts), "--max_new_tokens", str(args.max_new_tokens)]
-        status = eval_main([*common, "--drafter", drafter, "--k", "4", "--temperature", "1.0", "--out", str(out)])
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "eval.log", "w") as said, contextlib.redirect_stdout(said):  # its lines: in its report
+            status = eval_main([*common, "--drafter", drafter, "--k", "4", "--temperature", "1.0", "--out", str(out)])
         if status != 0:
-            raise SystemExit(f"draftsmith eval failed for {name} (exit {status})")
+            raise SystemExit(f"draftsmith eval failed for {name} (exit {status}); see {out / 'eval.log'}")
         reports[name] = json.loads((out / "report.json").read_text())
+        greedy = reports[name]["greedy"][0]
+        _say(4, f"{name}: tau {greedy['tau']:.2f} greedy at K=4 ({out / 'report.md'})")
     timings["evaluate"] = time.perf_counter() - start
+    _say(4, f"evaluated in {duration(timings['evaluate'])}")
 
     kd, lookup = reports["kd_student"], reports["prompt_lookup"]
     summary = {
@@ -216,29 +245,32 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": timings,
     }
     SUMMARY_FILE.write_text(json.dumps(summary, indent=2) + "\n")
-    print(
-        f"""
-draftsmith demo: done in {sum(timings.values()):.0f} s of work (prepare {timings["prepare"]:.0f} s, target \
-{timings["target"]:.0f} s, KD {timings["kd"]:.0f} s, evaluation {timings["evaluate"]:.0f} s; reused stages count \
-their first run)
-
-{render_summary(summary)}
-
-outputs     corpus and tokenizer  {corpus.out_dir}
-            tiny target (HF)      {target_dir}
-            KD student (HF)       {student_dir}
-            checkpoints           {ARTIFACTS / "runs" / "*" / "checkpoints"}
-            TensorBoard logs      tensorboard --logdir {ARTIFACTS / "runs"}
-            evaluation reports    {ARTIFACTS / "eval" / "*" / "report.md"}
-            summary               {SUMMARY_FILE} (python -m trainer.demo --readme README.md copies it into the README)
-
-next        draftsmith eval --target {target_dir} --drafter {student_dir} --prompts {prompts} --k 1,2,4,8 \
---out {ARTIFACTS / "eval" / "sweep"}
-            draftsmith fit --config recipes/quickstart/kd.yaml --config recipes/_base/ddp.yaml --trainer.devices 2
-            draftsmith export --ckpt {ARTIFACTS / "runs" / "kd" / "checkpoints" / "last.ckpt"} --out {ARTIFACTS / "hf"}
-            draftsmith compare --config {COMPARE_RECIPE}   (every method side by side; or draftsmith demo --compare)
-"""
+    stage_times = ", ".join(
+        f"{name} {duration(timings[key])}"
+        for name, key in (("prepare", "prepare"), ("target", "target"), ("KD", "kd"), ("evaluation", "evaluate"))
     )
+    outputs = [
+        f"corpus and tokenizer  {corpus.out_dir}",
+        f"tiny target (HF)      {target_dir}",
+        f"KD student (HF)       {student_dir}",
+        f"checkpoints           {ARTIFACTS / 'runs' / '*' / 'checkpoints'}",
+        f"TensorBoard logs      tensorboard --logdir {ARTIFACTS / 'runs'}",
+        f"evaluation reports    {ARTIFACTS / 'eval' / '*' / 'report.md'}",
+        f"summary               {SUMMARY_FILE} (python -m trainer.demo --readme README.md copies it into the README)",
+    ]
+    commands = [
+        f"draftsmith eval --target {target_dir} --drafter {student_dir} --prompts {prompts} --k 1,2,4,8 "
+        f"--out {ARTIFACTS / 'eval' / 'sweep'}",
+        "draftsmith fit --config recipes/quickstart/kd.yaml --config recipes/_base/ddp.yaml --trainer.devices 2",
+        f"draftsmith export --ckpt {ARTIFACTS / 'runs' / 'kd' / 'checkpoints' / 'last.ckpt'} --out {ARTIFACTS / 'hf'}",
+        f"draftsmith compare --config {COMPARE_RECIPE}   (every method side by side; or draftsmith demo --compare)",
+    ]
+    rows = [
+        ("time", f"{stage_times} (a reused stage counts its first run)"),
+        ("results", render_summary(summary)),
+        ("outputs", "\n".join(outputs)),
+    ]
+    print(block(f"demo done in {duration(sum(timings.values()))}", rows, commands), flush=True)
     if args.compare:
         from trainer.compare.run import main as compare_main
 
