@@ -73,6 +73,12 @@ def test_a_misspelled_fit_argument_names_the_method(tmp_path):
         (("drafter: prompt-lookup", 'drafter: prompt-lookup\n    eval_args: ["--tree"]'), "eval_args"),  # options now
         (("drafter: prompt-lookup", "drafter: prompt-lookup\n    options: {tree_node: 8}"), "tree_node"),
         (("drafter: prompt-lookup", "drafter: prompt-lookup\n    options: {tree_nodes: 0}"), "tree_nodes >= 1"),
+        (("{prompts: p.jsonl}", "{prompts: p.jsonl, context_lengths: [16]}"), "needs long documents"),
+        (("{prompts: p.jsonl}", "{prompts: p.jsonl, heldout: h.jsonl, context_lengths: [16, 0]}"), "integers >= 1"),
+        (
+            ("{prompts: p.jsonl}", "{prompts: p.jsonl, heldout: h.jsonl, context_lengths: [16], context_prompts: 0}"),
+            "context_prompts must be >= 1",
+        ),  # fmt: skip
     ],
 )
 def test_a_bad_recipe_is_refused_naming_the_key(tmp_path, change, message):
@@ -190,6 +196,7 @@ def test_report_rows_tables_plots_and_failures(tmp_path):
         and "| kd | failed at fit: exited with status 1 |" in markdown
     )
     assert report["machine"]["summary"] in markdown and "100 optimizer steps" in markdown
+    assert "By context length" not in markdown and not (out / "tau_by_context.png").exists()  # not asked for
     # against another run (here: itself) the report counts flipped orderings; a folder without a report is an error
     write_report(config, out, stability=out)
     stability = json.loads((out / "report.json").read_text())["stability"]
@@ -309,3 +316,154 @@ def test_every_method_of_a_thirteen_method_comparison_gets_its_own_color():
     names = [f"method-{i}" for i in range(13)]  # tab10 alone gave the 11th method the first one's color
     assert len(set(method_colors(names).values())) == 13
     assert len(set(method_colors(names[:4]).values())) == 4
+
+
+CONTEXT_WORDS = "the cat sat on the mat and the dog sat on the log a b c d e f g h i j k l m n o p def f(x): return x"
+
+
+@pytest.fixture(scope="module")
+def context_models(tmp_path_factory):
+    """A float32 target (256 positions), a draft model, the target with 40 positions, a BPE tokenizer beside each,
+    short prompts and a file of documents from shorter than every context length to longer than all."""
+    import random
+
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("compare_context")
+    words = CONTEXT_WORDS.split()
+    raw = Tokenizer(models.BPE(unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.train_from_iterator([CONTEXT_WORDS] * 4, trainers.BpeTrainer(vocab_size=110, special_tokens=["<unk>"]))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>")
+    for name, seed, positions in (("target", 0, 256), ("draft", 1, 256), ("short", 0, 40)):
+        model = tiny_llama(seed, len(tokenizer), dtype=torch.float32, eos_token_id=None)
+        model.config.max_position_embeddings = positions
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    rng = random.Random(0)
+    documents = [" ".join(rng.choice(words) for _ in range(n)) for n in (10, 30, 60, 90, 140, 200)]
+    (root / "documents.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
+    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": d[:40]}) + "\n" for d in documents))
+    return root
+
+
+def _in_process(self: Comparison, args: list[str], output) -> int:
+    """A stage as ``draftsmith ARGS`` in this process, its output in the stage's log."""
+    import contextlib
+
+    from trainer.cli import main as draftsmith
+
+    with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+        return draftsmith(args)
+
+
+def test_compare_by_context_length_reports_each_methods_eval_by_context(context_models, tmp_path, monkeypatch):
+    """``evaluation.context_lengths``: every method gets a second eval with ``--context_lengths`` on the documents,
+    the report's table and plot hold exactly its by_context figures at the largest K (kept: longest over shortest),
+    the target's loss once, and a method whose evaluation by length is refused (its changed target has 40 positions)
+    shows "-" with eval's reason while its other figures stand."""
+    import shutil
+
+    from trainer.compare.run import main as compare_main
+
+    monkeypatch.setattr(Comparison, "_run_command", _in_process)
+    root, out = context_models, tmp_path / "out"
+    evaluation = {
+        "prompts": str(root / "prompts.jsonl"), "max_prompts": 2, "k": [1, 3], "max_new_tokens": 8,
+        "temperature": 1.0, "training_evals": 0, "device": "cpu", "context_lengths": [48, 16],
+        "context_documents": str(root / "documents.jsonl"), "context_prompts": 2,
+    }  # fmt: skip
+    trained = {"recipe": KD, "fit_args": ["--model.init_args.export_dir={run}/student"]}
+    recipe = {
+        "target": str(root / "target"), "out": str(out), "budget": {"steps": 1}, "evaluation": evaluation,
+        "methods": [
+            {"name": "lookup", "drafter": "prompt-lookup"},
+            {"name": "draft", **trained},
+            {"name": "short", **trained, "drafter": "prompt-lookup", "eval_target": "{export}"},
+        ],
+    }  # fmt: skip
+    path = tmp_path / "compare.yaml"
+    path.write_text(json.dumps(recipe))
+    for name, export in (("draft", "draft"), ("short", "short")):  # trained already: fit and export are skipped
+        folder = out / "methods" / name
+        folder.mkdir(parents=True)
+        fit = {"budget": "1 optimizer steps", "loss": "kl", "steps": 1, "tokens": 64, "scalars": {}}
+        (folder / "fit.json").write_text(json.dumps(fit))
+        (folder / "export.json").write_text(json.dumps({"format": None}))
+        shutil.copytree(root / export, folder / "export")
+    path.write_text(json.dumps({**recipe, "evaluation": {**evaluation, "context_lengths": None}}))
+    assert compare_main(["--config", str(path)]) == 0  # without the key: no evaluation by length, no section
+    assert "By context length" not in (out / "report.md").read_text()
+    assert not (out / "methods" / "lookup" / "eval_context").exists()
+    first = {name: (out / "methods" / name / "eval" / "report.json").stat().st_mtime_ns for name in ("lookup", "draft")}
+    path.write_text(json.dumps(recipe))
+    assert compare_main(["--config", str(path)]) == 1  # the refused evaluation by length is a failure
+    for name, mtime in first.items():  # the key added later: only the new stage runs
+        assert (out / "methods" / name / "eval" / "report.json").stat().st_mtime_ns == mtime
+    report = json.loads((out / "report.json").read_text())
+    assert report["setup"]["context_lengths"] == [48, 16]
+    rows = {row["method"]: row for row in report["rows"]}
+    markdown = (out / "report.md").read_text()
+    assert "## By context length" in markdown and "| method | K | 16 | 48 | kept |" in markdown
+    for name in ("lookup", "draft"):
+        row = rows[name]
+        evaluated = json.loads((out / "methods" / name / "eval_context" / "report.json").read_text())
+        assert evaluated["prompts"] == 4  # two per length, from the documents
+        buckets = {b["context_length"]: b for b in evaluated["by_context"]}
+        assert [b["context_length"] for b in row["by_context"]] == [16, 48]
+        for mine in row["by_context"]:
+            bucket = buckets[mine["context_length"]]
+            (greedy,) = [e for e in bucket["greedy"] if e["k"] == 3]
+            (sampling,) = [e for e in bucket["sampling"] if e["k"] == 3]
+            assert mine["k"] == 3 and mine["tau_greedy"] == greedy["tau"] and mine["tau_sampling"] == sampling["tau"]
+            assert mine["acceptance_per_position"] == greedy["acceptance_per_position"]
+            assert mine["target_loss"] == bucket["target_loss"] and mine["prompts"] == bucket["prompts"] == 2
+        kept = buckets[48]["greedy"][-1]["tau"] / buckets[16]["greedy"][-1]["tau"]
+        assert row["context_kept"] == kept
+        taus = " | ".join(f"{buckets[n]['greedy'][-1]['tau']:.2f}" for n in (16, 48))
+        assert f"| {name} | 3 | {taus} | {kept:.2f} |" in markdown
+    losses = " | ".join(f"{b['target_loss']:.3f}" for b in rows["lookup"]["by_context"])
+    assert markdown.count("| target loss |") == 1 and f"| target loss | | {losses} | |" in markdown
+    short = rows["short"]
+    assert short["status"] == "done" and short["per_k"] and "by_context" not in short
+    assert short["context_missing"] == (
+        "failed at eval_context: --context_lengths 48: longer than the 32 tokens the target's context "
+        "(max_position_embeddings 40) leaves beside --max_new_tokens 8"
+    )
+    assert f"| short | - | - | - | - ({short['context_missing']}) |" in markdown
+    assert (out / "tau_by_context.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "tau_by_context.png" in markdown
+
+
+def test_context_lengths_are_checked_against_the_target_and_documents_before_anything_runs(
+    context_models, tmp_path, capsys, monkeypatch
+):
+    from trainer.compare.run import main as compare_main
+
+    def no_stage(self, args, output):
+        raise AssertionError(f"a stage ran: {args}")
+
+    monkeypatch.setattr(Comparison, "_run_command", no_stage)
+    root = context_models
+    text = BASE.replace("target: t", f"target: {root / 'target'}\nout: {tmp_path / 'out'}").replace(
+        "evaluation: {prompts: p.jsonl}",
+        f"evaluation: {{prompts: {root / 'prompts.jsonl'}, heldout: {root / 'documents.jsonl'}, "
+        "max_new_tokens: 8, context_lengths: [16, 250]}",
+    )
+    path = write_recipe(tmp_path, text)
+    assert compare_main(["--config", path]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"error: {path}: evaluation.context_lengths 250: longer than the 248 tokens the target's context "
+        "(max_position_embeddings 256) leaves beside evaluation.max_new_tokens 8"
+    ) in err
+    assert "Traceback" not in err and not (tmp_path / "out" / "methods").exists()
+    assert compare_main(["--config", write_recipe(tmp_path, text.replace("250", "400"))]) == 2
+    assert "evaluation.context_lengths 400: longer than" in capsys.readouterr().err
+    short = tmp_path / "short.jsonl"
+    short.write_text(json.dumps({"text": "the cat sat"}) + "\n")
+    text = text.replace(", 250", "").replace("heldout: ", f"context_documents: {short}, heldout: ")
+    assert compare_main(["--config", write_recipe(tmp_path, text)]) == 2  # context_documents over heldout
+    err = capsys.readouterr().err
+    assert f"evaluation.context_lengths 16: no document of {short} has the 24 tokens" in err

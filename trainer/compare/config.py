@@ -107,6 +107,12 @@ class Evaluation:
             of the recipe's target is measured on (eval's ``--heldout``); None: the prompts.
         heldout_tokens: score each held-out document's first this many tokens (eval's ``--heldout_tokens``; 0: up
             to the target's context): for a target trained on shorter rows than its config's context, that length.
+        context_lengths: also measure every method by context length: a second ``draftsmith eval`` of each, with
+            ``--context_lengths`` these lengths on prompts cut from ``context_documents`` (the report's "By context
+            length" table and tau_by_context.png); None: off.
+        context_documents: jsonl of long documents those prompts are cut from (the first L tokens of every document
+            at least L + ``max_new_tokens`` tokens long); None: ``heldout``.
+        context_prompts: prompts per context length (eval's ``--max_prompts`` there).
         device: eval's ``--device`` (and ``draftsmith generate``'s for regenerated data).
         dtype: eval's ``--dtype``: float32, float64, bfloat16 or float16.
     """
@@ -122,8 +128,16 @@ class Evaluation:
     callback_prompts: int = 4
     heldout: str | None = None
     heldout_tokens: int = 0
+    context_lengths: list[int] | None = None
+    context_documents: str | None = None
+    context_prompts: int = 4
     device: str = "auto"
     dtype: str = "float32"
+
+    @property
+    def documents(self) -> str | None:
+        """The documents the context-length prompts are cut from: ``context_documents``, else ``heldout``."""
+        return self.context_documents if self.context_documents is not None else self.heldout
 
 
 @dataclass
@@ -200,6 +214,7 @@ class CompareConfig:
         for name in (self.evaluation.k, *[m.k for m in self.methods if m.k is not None]):
             if not name or any(k < 1 for k in name):
                 raise CompareConfigError(f"{where}: k must be a non-empty list of integers >= 1, got {name}")
+        self._check_context(self.evaluation, f"{where}: evaluation")
         seen: set[str] = set()
         for i, method in enumerate(self.methods):
             key = f"{where}: methods[{i}] ({method.name!r})"
@@ -225,6 +240,21 @@ class CompareConfig:
                         raise CompareConfigError(
                             f"{key}: {field_name} names {unknown}; the placeholders are {', '.join(PLACEHOLDERS)}"
                         )
+
+    @staticmethod
+    def _check_context(evaluation: Evaluation, key: str) -> None:
+        lengths = evaluation.context_lengths
+        if lengths is None:
+            return
+        if not lengths or any(n < 1 for n in lengths):
+            raise CompareConfigError(f"{key}: context_lengths must be a non-empty list of integers >= 1, got {lengths}")
+        if evaluation.documents is None:
+            raise CompareConfigError(
+                f"{key}: context_lengths {lengths} needs long documents to cut the prompts from: give "
+                "context_documents or heldout (a jsonl of held-out text such as artifacts/corpus/heldout.jsonl)"
+            )
+        if evaluation.context_prompts < 1:
+            raise CompareConfigError(f"{key}: context_prompts must be >= 1, got {evaluation.context_prompts}")
 
     @staticmethod
     def _check_budget(budget: Budget, key: str) -> None:

@@ -1,4 +1,5 @@
-"""The four plots of a comparison, from its report (trainer/compare/report.py); each names budget and machine."""
+"""The four plots of a comparison, from its report (trainer/compare/report.py), and tau against context length when it
+measured by context length; each names budget and machine."""
 
 from __future__ import annotations
 
@@ -93,4 +94,26 @@ def write_plots(report: dict, out: Path) -> list[Path]:
     ax.axvline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("speedup over the target alone: bar measured (median, quartiles), | projected")
     save(fig, "speedup", "measured and projected speedup at each method's best K")
+
+    by_context = [row for row in done if row.get("by_context")]
+    if by_context:  # evaluation.context_lengths: tau against the context length, the target's loss on a second axis
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for row in by_context:
+            lengths = [b["context_length"] for b in row["by_context"]]
+            k = max(b["k"] for b in row["by_context"])
+            ax.plot(lengths, [b["tau_greedy"] for b in row["by_context"]], "o-", color=colors[row["method"]],
+                    label=f"{row['method']} (K={k})")  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ticks = sorted({b["context_length"] for row in by_context for b in row["by_context"]})
+        ax.set_xticks(ticks, [str(n) for n in ticks])
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("tau greedy at the largest K")
+        ax.legend(fontsize=7, ncol=2)
+        unchanged = [row for row in by_context if not row["target_changed"]]
+        if unchanged:
+            loss = ax.twinx()
+            buckets = unchanged[0]["by_context"]
+            loss.plot([b["context_length"] for b in buckets], [b["target_loss"] for b in buckets], "k--", lw=1)
+            loss.set_ylabel("target loss (nats/token, dashed)")
+        save(fig, "tau_by_context", "tau against context length, one line per method")
     return paths

@@ -1,8 +1,10 @@
 """The report of ``draftsmith compare``: ``report.json``, ``report.md`` and four plots, from the method folders.
 
 Rows come from what each method's stages left (trainer/compare/run.py): ``fit.json``, ``footprint.json`` and
-``eval/report.json`` (``draftsmith eval``'s own report), or ``failed.json``. Every figure names the budget and the
-machine it was measured under.
+``eval/report.json`` (``draftsmith eval``'s own report), or ``failed.json``; with ``evaluation.context_lengths`` also
+``eval_context/report.json`` (its ``by_context``: the "By context length" table and tau_by_context.png; a method
+whose evaluation by context length failed keeps its other figures and shows "-" with the reason there). Every figure
+names the budget and the machine it was measured under.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ def method_row(config: CompareConfig, method: Method, root: Path) -> dict:
     fit, footprint = _read(root / "fit.json"), _read(root / "footprint.json")
     seconds = _read(root / "stage_seconds.json") or {}
     report, failed = _read(root / "eval" / "report.json"), _read(root / "failed.json")
+    context_failed = failed if failed and failed.get("stage") == "eval_context" else None
+    failed = None if context_failed else failed  # the other figures stand
     row: dict = {
         "method": method.name,
         "status": "failed" if failed else "done" if report else "not run",
@@ -104,7 +108,42 @@ def method_row(config: CompareConfig, method: Method, root: Path) -> dict:
         ]
         row["largest_k"] = max(row["per_k"], key=lambda e: e["k"])
         row["best_k"] = max(row["per_k"], key=lambda e: e["measured_speedup"])
+    if config.evaluation.context_lengths:
+        row.update(context_row(_read(root / "eval_context" / "report.json"), context_failed))
     return row
+
+
+def failure_reason(failure: dict) -> str:
+    """``failed at STAGE: ERROR``, the error being the stage log's last ``error:`` line when there is one."""
+    errors = [line for line in (failure.get("tail") or "").splitlines() if line.startswith("error: ")]
+    return f"failed at {failure.get('stage')}: {errors[-1][len('error: ') :] if errors else failure.get('error')}"
+
+
+def context_row(report: dict | None, failure: dict | None) -> dict:
+    """A method's figures by context length from its ``eval_context/report.json``: per length (ascending) the prompts,
+    tau greedy and sampling and acceptance per position at the largest K, the loop share and the loss of the target
+    it was verified against; ``context_kept``: tau at the longest length over tau at the shortest. Without a report:
+    the reason."""
+    if report is None:
+        return {"context_missing": failure_reason(failure) if failure else "not run"}
+    rows = []
+    for bucket in sorted(report["by_context"], key=lambda b: b["context_length"]):
+        greedy = max(bucket["greedy"], key=lambda e: e["k"])
+        sampling = {e["k"]: e for e in bucket["sampling"]}.get(greedy["k"])
+        rows.append(
+            {
+                "context_length": bucket["context_length"],
+                "prompts": bucket["prompts"],
+                "k": greedy["k"],
+                "tau_greedy": greedy["tau"],
+                "tau_sampling": sampling["tau"] if sampling else None,
+                "acceptance_per_position": greedy["acceptance_per_position"],
+                "loop_share": bucket["loops"]["share"],
+                "target_loss": bucket["target_loss"],
+            }
+        )
+    kept = rows[-1]["tau_greedy"] / rows[0]["tau_greedy"] if rows and rows[0]["tau_greedy"] else None
+    return {"by_context": rows, "context_kept": kept}
 
 
 def metric(row: dict, name: str) -> float | None:
@@ -198,13 +237,56 @@ def render_markdown(report: dict) -> str:
                 f"{_fmt(e['tau_in_loops'])} | {_fmt(e['tau_outside_loops'])} | {acceptance} | {cost} | "
                 f"{e['measured_speedup']:.2f}x ({low:.2f}-{high:.2f}) | {e['projected_speedup']:.2f}x |"
             )
+    if setup.get("context_lengths"):
+        lines += context_table(report)
     if report.get("stability"):
         lines += ["", f"Seed stability against {report['stability']['other']}:", ""]
         for name, flips in report["stability"]["flips"].items():
             pairs = "; ".join(" vs ".join(p) for p in flips["flipped"]) or "none"
             lines.append(f"- {METRICS[name]}: {flips['flips']} of {flips['pairs']} pairwise orderings flip ({pairs})")
-    lines += ["", *[f"![{name}]({name}.png)" for name in PLOTS]]
+    plots = [*PLOTS, *(["tau_by_context"] if any(row.get("by_context") for row in report["rows"]) else [])]
+    lines += ["", *[f"![{name}]({name}.png)" for name in plots]]
     return "\n".join(lines) + "\n"
+
+
+def context_table(report: dict) -> list[str]:
+    """The "By context length" section: one row per method (tau greedy at its largest K at each length, and kept:
+    the longest length's over the shortest's), the loss of the recipe's target once, and a changed target's own."""
+    setup = report["setup"]
+    lengths = sorted(setup["context_lengths"])
+    lines = [
+        "",
+        "## By context length",
+        "",
+        f"tau greedy at each method's largest K on prompts cut from {setup['context_documents']}: the first L tokens "
+        f"of each document at least L + {setup['max_new_tokens']} tokens long, up to {setup['context_prompts']} per "
+        "length (eval's `--context_lengths`). kept: tau at the longest length over tau at the shortest. "
+        "target loss: the target's own next-token loss on those prompts (nats per token).",
+        "",
+        "| method | K | " + " | ".join(str(n) for n in lengths) + " | kept |",
+        "|---|---|" + "---|" * len(lengths) + "---|",
+    ]
+
+    def cells(row: dict, key: str, spec: str) -> str:
+        values = {b["context_length"]: b[key] for b in row["by_context"]}
+        return " | ".join(_fmt(values.get(n), spec) for n in lengths)
+
+    unchanged = [r for r in report["rows"] if r.get("by_context") and not r["target_changed"]]
+    if unchanged:
+        lines.append(f"| target loss | | {cells(unchanged[0], 'target_loss', '.3f')} | |")
+    for row in report["rows"]:
+        if row["status"] != "done" or not row.get("by_context"):
+            failure = row.get("failure") or {}
+            reason = failure_reason(failure) if failure else row.get("context_missing") or row["status"]
+            lines.append(f"| {row['method']} | - | " + " | ".join("-" for _ in lengths) + f" | - ({reason}) |")
+            continue
+        k = max(b["k"] for b in row["by_context"])
+        lines.append(
+            f"| {row['method']} | {k} | {cells(row, 'tau_greedy', '.2f')} | {_fmt(row['context_kept'], '.2f')} |"
+        )
+        if row["target_changed"]:
+            lines.append(f"| target loss ({row['method']}'s changed target) | | {cells(row, 'target_loss', '.3f')} | |")
+    return lines
 
 
 def write_report(config: CompareConfig, out: Path, stability: Path | None = None) -> list[Path]:
@@ -223,6 +305,9 @@ def write_report(config: CompareConfig, out: Path, stability: Path | None = None
             "repeats": evaluation.repeats,
             "heldout": evaluation.heldout,
             "heldout_tokens": evaluation.heldout_tokens,
+            "context_lengths": evaluation.context_lengths,
+            "context_documents": evaluation.documents if evaluation.context_lengths else None,
+            "context_prompts": evaluation.context_prompts,
         },
         "machine": describe_machine(config.machine),
         "seconds": sum(seconds),

@@ -14,7 +14,9 @@ only does what is missing (an interrupted fit resumes from its ``last.ckpt``):
 5. ``draftsmith eval`` on the same held-out prompts for every method: tau greedy and sampling, inside and outside the
    target's loops, acceptance per position, drafting cost, side-by-side measured and projected speedup; for a method
    that changed its target, also that target's held-out loss and loop share beside the recipe's target
-   (``--original_target``).
+   (``--original_target``);
+6. with ``evaluation.context_lengths``, a second ``draftsmith eval`` by context length (``--context_lengths``) on
+   prompts cut from long documents (``eval_context/``), for the report's "By context length" table.
 
 Every stage runs in its own process with its output in a log beside its results. A method whose stage fails is
 reported with the log's last lines and the others go on; the next run retries it. Then ``OUT/report.json``,
@@ -72,6 +74,10 @@ class MethodFolder:
     def eval(self) -> Path:
         return self.root / "eval"
 
+    @property
+    def eval_context(self) -> Path:
+        return self.root / "eval_context"
+
     def file(self, name: str) -> Path:
         return self.root / name
 
@@ -127,6 +133,32 @@ class Comparison:
                 except RecipeError as err:
                     raise CompareConfigError(f"{self.recipe}: methods[{i}] ({method.name!r}): {err}") from err
 
+    def check_context(self) -> None:
+        """``evaluation.context_lengths`` against the recipe's target and the documents, cut as eval will cut them: a
+        length the target's context cannot hold beside ``max_new_tokens``, or that no document is long enough for,
+        stops the comparison before anything runs."""
+        evaluation = self.config.evaluation
+        if not evaluation.context_lengths:
+            return
+        from transformers import AutoConfig, AutoTokenizer
+
+        from trainer.decoding.context import cut_buckets
+        from trainer.decoding.evaluate import load_prompts
+
+        target = self.config.target
+        context = getattr(AutoConfig.from_pretrained(target), "max_position_embeddings", None)
+        try:
+            documents = load_prompts(evaluation.documents, AutoTokenizer.from_pretrained(target), None)
+            cut_buckets(
+                documents, evaluation.context_lengths, evaluation.max_new_tokens,
+                context - evaluation.max_new_tokens if context else None, 1, evaluation.documents,
+                "evaluation.context_lengths", "evaluation.max_new_tokens",
+            )  # fmt: skip
+        except UserError as err:
+            raise CompareConfigError(f"{self.recipe}: {err.message}", hint=err.hint) from err
+        except (OSError, ValueError) as err:
+            raise CompareConfigError(f"{self.recipe}: evaluation.context_lengths: {err}") from err
+
     # ---- stages shared by every method -----------------------------------------------------------------------
     def prepare(self) -> None:
         """Checks the target, the prompts and every method's fit arguments (with fit's own parser: a misspelled key
@@ -134,10 +166,11 @@ class Comparison:
         self.out.mkdir(parents=True, exist_ok=True)
         if not (Path(self.config.target) / "config.json").is_file():
             raise CompareConfigError(f"{self.recipe}: target {self.config.target!r} is not a model folder")
-        for key in ("prompts", "heldout"):
+        for key in ("prompts", "heldout", "context_documents"):
             path = getattr(self.config.evaluation, key)
             if path is not None and not Path(path).is_file():
                 raise CompareConfigError(f"{self.recipe}: evaluation.{key} {path!r} not found")
+        self.check_context()
         self.check_methods()
         data = self.config.data
         if data.regenerate is not None:
@@ -207,6 +240,8 @@ class Comparison:
             ("footprint", folder.file("footprint.json"), self.measure_footprint),
             ("eval", folder.eval / "report.json", self.evaluate),
         ]
+        if self.config.evaluation.context_lengths:
+            stages.append(("eval_context", folder.eval_context / "report.json", self.evaluate_context))
         seconds_file = folder.file("stage_seconds.json")
         for stage, done, run in stages:
             if done.is_file():
@@ -299,18 +334,35 @@ class Comparison:
         self._run_stage("export", args, folder.root / "export.log")
         folder.file("export.json").write_text(json.dumps({"format": method.export_format}) + "\n")
 
+    def eval_arguments(self, method: Method, folder: MethodFolder) -> list[str]:
+        """``draftsmith eval``'s arguments every evaluation of ``method`` shares: target, drafter, K, output budget,
+        sampling, passes, seed, device, dtype and the drafting options."""
+        evaluation = self.config.evaluation
+        return [
+            "eval", "--target", self.expand(method, method.eval_target),
+            "--drafter", self.expand(method, method.drafter),
+            "--k", ",".join(map(str, method.k or evaluation.k)), "--max_new_tokens", str(evaluation.max_new_tokens),
+            "--temperature", str(evaluation.temperature), "--repeats", str(evaluation.repeats),
+            "--seed", str(self.config.seed), "--device", evaluation.device, "--dtype", evaluation.dtype,
+            *option_arguments(method.options, folder.root),
+        ]  # fmt: skip
+
+    def evaluate_context(self, method: Method, folder: MethodFolder) -> None:
+        """``draftsmith eval --context_lengths`` of ``method`` on prompts cut from the evaluation's documents."""
+        evaluation = self.config.evaluation
+        args = self.eval_arguments(method, folder)
+        args += ["--prompts", str(evaluation.documents), "--max_prompts", str(evaluation.context_prompts)]
+        args += ["--context_lengths", ",".join(map(str, evaluation.context_lengths or []))]
+        args += ["--out", str(folder.eval_context)]
+        self.say(f"{method.name}: eval by context length, {', '.join(map(str, evaluation.context_lengths or []))}")
+        self._run_stage("eval_context", args, folder.root / "eval_context.log")
+
     def evaluate(self, method: Method, folder: MethodFolder) -> None:
         evaluation = self.config.evaluation
         ks = method.k or evaluation.k
-        args = [
-            "eval", "--target", self.expand(method, method.eval_target),
-            "--drafter", self.expand(method, method.drafter), "--prompts", evaluation.prompts,
-            "--max_prompts", str(evaluation.max_prompts), "--prompt_tokens", str(evaluation.prompt_tokens),
-            "--k", ",".join(map(str, ks)), "--max_new_tokens", str(evaluation.max_new_tokens),
-            "--temperature", str(evaluation.temperature), "--repeats", str(evaluation.repeats),
-            "--seed", str(self.config.seed), "--device", evaluation.device, "--dtype", evaluation.dtype,
-            "--out", str(folder.eval), *option_arguments(method.options, folder.root),
-        ]  # fmt: skip
+        args = self.eval_arguments(method, folder)
+        args += ["--prompts", evaluation.prompts, "--max_prompts", str(evaluation.max_prompts)]
+        args += ["--prompt_tokens", str(evaluation.prompt_tokens), "--out", str(folder.eval)]
         if method.eval_target != "{target}":  # a changed target: measured beside the recipe's target, its original
             args += ["--original_target", self.config.target]
             args += ["--heldout", evaluation.heldout] if evaluation.heldout else []
