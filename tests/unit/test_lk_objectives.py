@@ -151,7 +151,7 @@ def test_kl_skips_the_target_log_partition_on_steps_whose_metrics_are_not_logged
         objective.install_vocab_map([(rows.numpy(), (rows > 3).numpy())])
         ids, loss_mask = rows[:, :-1], rows[:, 1:] > 3
         fixed = objective.sample(loss_mask)  # the same COD-sampled elements in every call
-        monkeypatch.setattr(objective, "sample", lambda _mask: fixed)
+        monkeypatch.setattr(objective, "sample", lambda _mask, _documents=None: fixed)
     batch = {"input_ids": ids, "loss_mask": loss_mask}
     projected: list[int] = []  # the vocabulary width of every projection of the target's final states
     project = objective.target.project
