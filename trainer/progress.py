@@ -150,7 +150,7 @@ class ProgressLog(Callback):
         measured = spec_eval_values(trainer)
         if measured is not None:
             values = measured[1]
-            parts += [f"{label} {values[key]:.3g}" for label, key in _SPEC_EVAL if key in values]
+            parts += [f"{label} {values[key]:.2f}" for label, key in _SPEC_EVAL if key in values]
             if "spec_eval/acceptance_rate" in values:
                 parts.append(f"acceptance {values['spec_eval/acceptance_rate']:.2f}")
         return " | ".join(parts)
@@ -164,9 +164,10 @@ class StepProgressBar(RichProgressBar):
         max_epochs = self.trainer.max_epochs
         if max_epochs is not None and max_epochs > 0:
             return super()._get_train_description(current_epoch)
+        text = f"Epoch {current_epoch}"
         if self.trainer.max_steps > 0:
-            return f"Epoch {current_epoch} (max_steps {self.trainer.max_steps})"
-        return f"Epoch {current_epoch}"
+            text += f" (max_steps {self.trainer.max_steps})"
+        return f"{text:{len(self.validation_description)}}"  # as Lightning pads it: no flicker beside "Validation"
 
 
 class ModelSummaryWithoutFlops(ModelSummary):
@@ -188,14 +189,18 @@ class ModelSummaryWithoutFlops(ModelSummary):
             total_parameters, trainable_parameters, model_size, total_training_modes, total_flops, *columns
         )
         lines = [line for line in table.split("\n") if not line.rstrip().endswith("Total Flops")]
-        logging.getLogger("lightning.pytorch.callbacks.model_summary").info("\n" + "\n".join(lines))
+        logging.getLogger("lightning.pytorch.callbacks.model_summary").info("model summary\n" + "\n".join(lines))
 
 
 # ------------------------------------------------------------------------------------------------- closing block
 
 
 def _existing(path) -> str | None:
-    return str(path) if path and Path(path).exists() else None
+    """``path`` if it exists on disk, relative to the working folder when it lies inside it; else None."""
+    if not path or not Path(path).exists():
+        return None
+    resolved, here = Path(path).resolve(), Path.cwd().resolve()
+    return str(resolved.relative_to(here)) if resolved.is_relative_to(here) else str(path)
 
 
 def last_checkpoint(trainer: pl.Trainer) -> str | None:
@@ -281,7 +286,7 @@ def fit_summary(
     if measured is not None:
         at, values = measured
         modes = [(values[k], "greedy" if label == "tau" else "sampling") for label, k in _SPEC_EVAL if k in values]
-        tau = ", ".join(f"{value:.3g} {mode}" for value, mode in modes) + f" (measured at step {at})"
+        tau = ", ".join(f"{value:.2f} {mode}" for value, mode in modes) + f" (measured at step {at})"
     checkpoint = last_checkpoint(trainer)
     export = _existing(getattr(module, "export_dir", None))
     logger = trainer.logger

@@ -176,3 +176,22 @@ def test_logging_format_names_the_logger_for_warnings_and_under_debug():
         warnings.showwarning, warnings.filters[:] = showwarning, filters
         if bars is None:
             os.environ.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)
+
+
+@pytest.mark.parametrize(("max_epochs", "max_steps"), [(-1, 600), (None, 600), (3, -1)])
+def test_the_terminal_bar_shows_no_negative_epoch_count(max_epochs, max_steps):
+    """Lightning writes ``Epoch 0/{max_epochs - 1}``, ``Epoch 0/-2`` in a fit that max_steps ends; the bar writes the
+    epoch alone there and keeps Lightning's text when an epoch limit exists."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    from trainer.progress import StepProgressBar
+
+    bar, plain = StepProgressBar(), RichProgressBar()
+    bar._trainer = plain._trainer = SimpleNamespace(max_epochs=max_epochs, max_steps=max_steps)
+    if max_epochs is not None and max_epochs > 0:
+        assert bar._get_train_description(1) == plain._get_train_description(1)
+        assert plain._get_train_description(1).rstrip() == f"Epoch 1/{max_epochs - 1}"
+    else:
+        assert bar._get_train_description(1).rstrip() == f"Epoch 1 (max_steps {max_steps})"
