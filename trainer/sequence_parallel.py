@@ -88,3 +88,46 @@ def ulysses_attention(attention: AttentionFn, group: torch.distributed.ProcessGr
         return out.transpose(1, 2)  # [B, nh, S / P, D]
 
     return wrapped
+
+
+ULYSSES_SDPA = "ulysses_sdpa"
+"""The attention implementation :func:`register_ulysses_sdpa` registers with transformers."""
+
+
+def register_ulysses_sdpa(group: torch.distributed.ProcessGroup | None = None) -> str:
+    """Registers with transformers (``AttentionInterface``, ``AttentionMaskInterface``) an attention implementation
+    that runs torch's causal SDPA over the whole row under DeepSpeed-Ulysses, for a frozen target whose forward each
+    rank runs on its slice of the row (``position_ids`` counted from the slice's first global position).
+
+    The row is causal and whole: no padding and no document mask (the mask function refuses a padding mask that is
+    not all ones; transformers would otherwise build a mask over the local slice only, which is wrong here).
+
+    Args:
+        group: the sequence-parallel process group (None: the default group).
+
+    Returns:
+        the implementation's name, :data:`ULYSSES_SDPA`, for ``model.set_attn_implementation``.
+    """
+    import torch.nn.functional as F
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        groups = q.shape[1] // k.shape[1]  # q: [B, h / P, S, D]; k, v: [B, kv / P, S, D]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)  # [B, h / P, S, D]
+
+    wrapped = ulysses_attention(causal, group)
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+        # query: [B, h, S / P, D]; key, value: [B, kv, S / P, D] -> ([B, S / P, h, D], None) as transformers' sdpa
+        return wrapped(query, key, value, scaling).transpose(1, 2).contiguous(), None
+
+    def no_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> None:
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError(f"{ULYSSES_SDPA}: rows with padding or document masks are not supported (whole rows only)")
+        return None
+
+    AttentionInterface.register(ULYSSES_SDPA, attention)
+    AttentionMaskInterface.register(ULYSSES_SDPA, no_mask)
+    return ULYSSES_SDPA

@@ -1,5 +1,6 @@
 """Sequence parallelism (trainer/sequence_parallel.py): DeepSpeed-Ulysses around EAGLE-3's training-time-test
-attention in two gloo processes on CPU gives the single process's output and gradients; refusals name the key."""
+attention and around a target's forward, in two gloo processes on CPU, gives the single process's outputs and
+gradients; refusals name the key."""
 
 from __future__ import annotations
 
@@ -42,22 +43,44 @@ for window in (None, 6):
     torch.testing.assert_close(mine, out[:, :, part], rtol=1e-12, atol=1e-12)
     for a, b in zip(local, full):
         torch.testing.assert_close(a.grad, b.grad[:, :, part], rtol=1e-12, atol=1e-12)
-print("rank", rank, "equal", flush=True)
+print("rank", rank, "ttt equal", flush=True)
+
+# the frozen target's forward: each rank runs its slice, positions counted from the slice's first global position
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from trainer.sequence_parallel import register_ulysses_sdpa
+
+config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, attn_implementation="sdpa")
+model = LlamaForCausalLM(config).double().eval()
+ids = torch.randint(0, 128, (B, S))  # [B, S]
+with torch.no_grad():
+    full = model.model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+model.set_attn_implementation(register_ulysses_sdpa())
+positions = torch.arange(S)[part][None].expand(B, -1)  # [B, S / P]
+with torch.no_grad():
+    mine = model.model(input_ids=ids[:, part], position_ids=positions, output_hidden_states=True, use_cache=False)
+for a, b in zip(mine.hidden_states, full):
+    torch.testing.assert_close(a, b[:, part], rtol=1e-10, atol=1e-10)
+print("rank", rank, "target equal", flush=True)
 """
 
 
 @pytest.mark.slow
-def test_ulysses_ttt_attention_in_two_processes_equals_one(tmp_path):
-    """Two gloo processes, each holding 8 of 16 positions, through DeepSpeed's DistributedAttention around EAGLE-3's
-    TTT attention (3 steps, grouped-query heads, a packed row's documents, with and without a window): each rank's
-    output and the gradients of its queries, keys and values equal the single process's slice (float64)."""
+def test_ulysses_in_two_processes_equals_one(tmp_path):
+    """Two gloo processes, each holding 8 of 16 positions, through DeepSpeed's DistributedAttention: around EAGLE-3's
+    TTT attention (3 steps, grouped-query heads, a packed row's documents, with and without a window) each rank's
+    output and the gradients of its queries, keys and values equal the single process's slice; a Llama target under
+    the registered ``ulysses_sdpa`` attention gives each rank the slice of every hidden state of the whole row's
+    forward (float64)."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     root = Path(__file__).resolve().parents[2]
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     result = run_group([sys.executable, str(script)], 600, tmp_path / "logs", nprocs=2, env=env, rank_env=True)
     assert result.ok, result.output[-3000:]
-    assert "rank 0 equal" in result.output and "rank 1 equal" in result.output
+    for rank in (0, 1):
+        assert f"rank {rank} ttt equal" in result.output and f"rank {rank} target equal" in result.output
 
 
 @pytest.mark.parametrize(
