@@ -37,6 +37,12 @@ same recipe: the error is rank 0's too). An exception that is not a user error, 
 user error, is a consequence of it (a collective whose peer left): it ends that rank with status 2 without output,
 and so does any exception on a rank other than 0 once rank 0 has ended. After reporting, rank 0 stops the other
 local ranks of Lightning's process launcher, so that none waits in a collective.
+
+A rank that died (kill -9, out of memory, a lost node): the collectives of the others fail (at once where the
+connection closes, else after ``--collective_timeout_s``, trainer/recipe.py). Each surviving rank records in the store
+that it is alive; rank 0 waits :data:`PEER_GRACE_S` seconds, prints ``error: rank N of W stopped answering at step S``
+naming the ranks that did not, and every surviving rank exits with :data:`PEER_LOST_STATUS` (1). When rank 0 itself
+died, its store is gone and the other ranks end silently with status 2, as above.
 """
 
 from __future__ import annotations
@@ -179,8 +185,10 @@ def _end(err: Exception) -> int:
     if error is None:
         if rank is not None and _peer_failed(store, rank):
             return USER_ERROR_STATUS  # a consequence of another rank's error, which that rank reported
-        if rank is not None and _collective_failed(err):
-            return _report_lost_ranks(store, rank)
+        if rank is not None and store is not None and _collective_failed(err):
+            status = _report_lost_ranks(store, rank)
+            if status is not None:
+                return status
         raise err
     if rank is None or rank == 0:
         if store is not None:
@@ -202,14 +210,7 @@ _GONE = object()  # rank 0's store no longer answers
 
 PEER_LOST_STATUS = 1
 _ALIVE_KEY = "draftsmith/alive/"
-_COLLECTIVE_FAILURES = (
-    "connection closed by peer",
-    "connection reset by peer",
-    "broken pipe",
-    "timed out",
-    "timeout",
-    "connection refused",
-)
+_COLLECTIVE_FAILURES = ("gloo", "nccl", "connection closed by peer", "connection reset by peer")
 
 
 def _collective_failed(err: BaseException) -> bool:
@@ -252,11 +253,11 @@ def _lost_ranks(store, rank: int, world: int) -> list[int]:
         time.sleep(0.1)
 
 
-def _report_lost_ranks(store, rank: int) -> int:
+def _report_lost_ranks(store, rank: int) -> int | None:
     """A collective failed because another rank died, rank 0 alive (its store answers; when it does not, the rank
     ends silently, as on any failure after rank 0 ended): every surviving rank says in the store that it is alive,
     rank 0 prints one line naming the ranks that did not, and every surviving rank ends with
-    :data:`PEER_LOST_STATUS`."""
+    :data:`PEER_LOST_STATUS`. None when every rank answered: the failure is not a dead rank's."""
     world = int(os.environ.get("WORLD_SIZE", "2") or 2)
     try:
         import torch.distributed as dist
@@ -264,8 +265,10 @@ def _report_lost_ranks(store, rank: int) -> int:
         world = dist.get_world_size()
     except Exception:
         pass
-    lost = _lost_ranks(store, rank, world) if store is not None else []
-    if lost and rank == 0:
+    lost = _lost_ranks(store, rank, world)
+    if not lost:
+        return None
+    if rank == 0:
         from trainer.recipe import DraftsmithCLI
 
         trainer = DraftsmithCLI.running_trainer

@@ -18,6 +18,7 @@ import re
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from jsonargparse import ArgumentError, Namespace
@@ -27,6 +28,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
 
 from trainer.checkpoints.atomic import default_checkpoint_io
+from trainer.checkpoints.sharded import complete_last_checkpoints
 from trainer.data.sources import check_data_paths
 from trainer.errors import RecipeError
 from trainer.output import adopt_library_loggers
@@ -133,8 +135,17 @@ class DraftsmithCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         """The ``progress`` section: :class:`~trainer.progress.ProgressLog`'s ``every_n_steps`` and
-        ``every_seconds``, a callback of every fit."""
+        ``every_seconds``, a callback of every fit; ``collective_timeout_s``: the process group's timeout."""
         parser.add_lightning_class_args(ProgressLog, "progress")
+        parser.add_argument(
+            "--collective_timeout_s",
+            type=float,
+            default=DEFAULT_COLLECTIVE_TIMEOUT_S,
+            help="seconds a rank waits in a collective (all-reduce, barrier) for the others before it fails, so that "
+            "a dead rank ends the job in bounded time; set on the process group of the DDP, FSDP and DeepSpeed "
+            "strategies in place of their own timeout argument (torch's default is 30 minutes). Default "
+            f"{DEFAULT_COLLECTIVE_TIMEOUT_S:g}.",
+        )
 
     def before_instantiate_classes(self) -> None:
         """Checks every local data path of the recipe (``data.train_files``, ``val_files``, ``shards``) before the
@@ -181,8 +192,10 @@ class DraftsmithCLI(LightningCLI):
             ModelSummaryWithoutFlops(max_depth=c._max_depth, **c._summarize_kwargs) if _default_summary(c) else c
             for c in trainer.callbacks
         ]
+        _set_collective_timeout(trainer, self._get(self.config, "collective_timeout_s", DEFAULT_COLLECTIVE_TIMEOUT_S))
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint):
+                _resume_complete_folders_only(callback)
                 # A resumed run writes its last.ckpt over the one it resumed from. Lightning would write last-v1.ckpt
                 # beside a sharded last.ckpt (DeepSpeed, FSDP2: it does not restore the callback's last_model_path
                 # from those), and `draftsmith export --ckpt .../last.ckpt` would read the stale one. Nothing another
@@ -191,6 +204,39 @@ class DraftsmithCLI(LightningCLI):
         _warn_emulated_bf16(trainer, self._get(self.config_init, "model"))
         DraftsmithCLI.running_trainer = trainer
         return trainer
+
+
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
+"""``--collective_timeout_s``: 5 minutes, where torch waits 30 (NCCL and gloo alike) for a rank that died."""
+
+
+def _set_collective_timeout(trainer: Trainer, seconds: float) -> None:
+    """Gives the trainer's strategy (DDP, FSDP, FSDP2, DeepSpeed: those that create a process group with a timeout)
+    a collective timeout of ``seconds``, before it creates its process group.
+
+    Raises:
+        RecipeError: ``seconds`` is not positive.
+    """
+    from datetime import timedelta
+
+    if not seconds > 0:
+        raise RecipeError(f"collective_timeout_s: must be a positive number of seconds, got {seconds}")
+    strategy = trainer.strategy
+    if hasattr(strategy, "_timeout"):
+        strategy._timeout = timedelta(seconds=seconds)
+
+
+def _resume_complete_folders_only(callback: ModelCheckpoint) -> None:
+    """``--ckpt_path last`` chooses among ``callback``'s last checkpoints only complete ones: a sharded checkpoint
+    folder without its marker is left out, and partial folders are cleaned up (trainer/checkpoints/sharded.py)."""
+    find = callback._find_last_checkpoints
+
+    def complete_only(trainer: Trainer) -> set[str]:
+        resolve = getattr(callback, "_ModelCheckpoint__resolve_ckpt_dir", None)  # Lightning's own choice of folder
+        dirpath = resolve(trainer) if resolve is not None else callback.dirpath
+        return complete_last_checkpoints(find(trainer), Path(dirpath) if dirpath else None)
+
+    callback._find_last_checkpoints = complete_only
 
 
 def _default_summary(callback: Any) -> bool:

@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import logging
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -59,6 +60,8 @@ from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy, Strategy
 from torch import nn
 from torch.distributed.constants import default_pg_timeout
+
+from trainer.checkpoints.sharded import save_folder_atomically
 
 log = logging.getLogger(__name__)
 
@@ -130,9 +133,16 @@ class CPUDeepSpeedStrategy(DeepSpeedStrategy):
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options: Any = None) -> None:
         """Save without frozen parameters (also on CUDA): frozen targets are rebuilt from their paths on resume and
-        checked by fingerprint (trainer/objective.py), so a checkpoint holds what training changes."""
+        checked by fingerprint (trainer/objective.py), so a checkpoint holds what training changes. The folder is
+        written under a temporary name and published whole once every rank finished
+        (:func:`~trainer.checkpoints.sharded.save_folder_atomically`)."""
         self.exclude_frozen_parameters = True
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        step = int(checkpoint.get("global_step", 0))
+
+        def write(folder: Path) -> None:
+            DeepSpeedStrategy.save_checkpoint(self, checkpoint, folder, storage_options)
+
+        save_folder_atomically(self, filepath, step, write)
 
 
 def _check_deepspeed_accelerator_is_cpu() -> None:
@@ -199,6 +209,20 @@ class FSDP2Strategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
+
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options: Any = None) -> None:
+        """A distributed checkpoint folder is written under a temporary name and published whole once every rank
+        finished (:func:`~trainer.checkpoints.sharded.save_folder_atomically`); a single file as Lightning writes
+        it, through the CheckpointIO."""
+        if not self._save_distributed_checkpoint:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        step = int(checkpoint.get("global_step", 0))
+
+        def write(folder: Path) -> None:
+            ModelParallelStrategy.save_checkpoint(self, checkpoint, folder, storage_options)
+
+        save_folder_atomically(self, filepath, step, write)
 
     def setup_environment(self) -> None:
         if self._data_parallel_size == "auto":

@@ -1,3 +1,4 @@
 """Training checkpoints: read safely (:mod:`~trainer.checkpoints.reading`: a ``.ckpt`` file or a DeepSpeed folder,
 refused with the file named when it is truncated, empty or holds objects no draftsmith checkpoint holds) and written
-atomically (:mod:`~trainer.checkpoints.atomic`: a full disk never destroys the previous ``last.ckpt``)."""
+atomically (:mod:`~trainer.checkpoints.atomic`: a full disk never destroys the previous ``last.ckpt``; and
+:mod:`~trainer.checkpoints.sharded`: a folder every rank writes is published only once complete)."""

@@ -21,7 +21,8 @@ Reading a checkpoint that is truncated or not a checkpoint (``--ckpt_path``) is 
 Where it applies: every strategy that writes one file through its CheckpointIO (single device, DDP, FSDP with
 ``state_dict_type="full"``, ModelParallel without distributed checkpoints). DeepSpeed writes its own checkpoint
 folders (``deepspeed_engine.save_checkpoint``, which never calls a CheckpointIO), and sharded FSDP / ModelParallel
-checkpoints go through ``torch.distributed.checkpoint``: this plugin does not change those.
+checkpoints go through ``torch.distributed.checkpoint``: this plugin does not change those; their folders are published
+whole by :mod:`trainer.checkpoints.sharded`.
 """
 
 from __future__ import annotations

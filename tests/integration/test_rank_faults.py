@@ -1,0 +1,221 @@
+"""A rank that dies in a 2-process DeepSpeed ZeRO-2 fit (gloo, each rank started as torchrun starts it): its peer ends
+non-zero within a bounded time (``--collective_timeout_s``), a sharded checkpoint folder that the death left
+incomplete is never published, and ``--ckpt_path last`` resumes the last complete checkpoint to the weights of an
+uninterrupted run.
+
+The fit is ``draftsmith fit`` (trainer/cli.py) on the toy model of tests/integration/_toy_fit.py, one epoch every
+STEPS_PER_EPOCH steps and a checkpoint at every epoch's end, so that every resume starts at an epoch boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from tests._multiproc import free_port
+from trainer.checkpoints.sharded import MARKER, read_marker
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+WORLD = 2
+BATCH = 4
+STEPS_PER_EPOCH = 2
+MAX_STEPS = 6
+COLLECTIVE_TIMEOUT_S = 20.0
+START_TIMEOUT_S = 600.0  # a whole fit on a busy machine
+ENDS_WITHIN_S = 180.0  # after a rank died: the collective timeout, the grace of the report, the exit
+
+
+class DieAt(L.Callback):
+    """Rank ``rank`` ends with ``os._exit(1)`` (as a kill -9 would: nothing runs after it): at the start of step
+    ``step``, or, when ``during_save``, inside the first checkpoint save at step ``step``, once its own files of the
+    sharded folder are written and before the other ranks' barrier."""
+
+    def __init__(self, step: int, rank: int = 1, during_save: bool = False) -> None:
+        """Args:
+        step: the global step.
+        rank: the global rank that dies.
+        during_save: die inside the save rather than at the step's start.
+        """
+        self.step, self.rank, self.during_save = step, rank, during_save
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if not self.during_save and trainer.global_step == self.step and trainer.global_rank == self.rank:
+            os._exit(1)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        # the checkpoint callbacks run after this one: patch the engine just before they save
+        if not self.during_save or trainer.global_step != self.step or trainer.global_rank != self.rank:
+            return
+        engine = trainer.strategy.deepspeed_engine
+        save = engine.save_checkpoint
+
+        def save_then_die(*args, **kwargs):
+            save(*args, **kwargs)
+            os._exit(1)
+
+        engine.save_checkpoint = save_then_die
+
+
+def _config(run: Path, callbacks: list[dict]) -> Path:
+    """The fit's config: the toy model and data under ZeRO-2, a checkpoint at every epoch end (last.ckpt too), the
+    probe that writes the end weights."""
+    config = {
+        "model": {"class_path": "tests.integration._toy_fit.ToyLM"},
+        "data": {
+            "class_path": "tests.integration._toy_fit.ToyData",
+            "init_args": {"num_samples": STEPS_PER_EPOCH * BATCH * WORLD, "batch_size": BATCH},
+        },
+        "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": WORLD,
+            "num_nodes": 1,
+            "max_steps": MAX_STEPS,
+            "logger": False,
+            "enable_model_summary": False,
+            "default_root_dir": str(run),
+            "callbacks": [
+                {
+                    "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                    "init_args": {
+                        "dirpath": str(run / "checkpoints"),
+                        "every_n_train_steps": STEPS_PER_EPOCH,
+                        "save_last": True,
+                    },
+                },
+                {"class_path": "tests.integration._probe.StateProbe", "init_args": {"out_dir": str(run / "probe")}},
+                *callbacks,
+            ],
+        },
+    }
+    path = run.parent / f"{run.name}-{len(list(run.parent.glob('*.yaml')))}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _start(run: Path, callbacks: list[dict], resume: bool = False) -> tuple[list[subprocess.Popen], list[Path]]:
+    """Both ranks, each a process with torchrun's environment variables, in one new process group."""
+    run.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "trainer.cli", "fit", "--config", str(REPO / "recipes/_base/deepspeed_zero2.yaml")]
+    cmd += ["--config", str(_config(run, callbacks))] + (["--ckpt_path", "last"] if resume else [])
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1")
+    env.update(PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    env.update(MASTER_PORT=str(free_port()), WORLD_SIZE=str(WORLD), NODE_RANK="0")
+    procs, logs = [], []
+    for rank in range(WORLD):
+        log = run / f"rank{rank}-{'resume' if resume else 'fit'}.log"
+        with log.open("w") as out:
+            group = 0 if not procs else procs[0].pid
+            procs.append(
+                subprocess.Popen(
+                    cmd, stdout=out, stderr=subprocess.STDOUT, cwd=str(run.parent), process_group=group,
+                    env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+                )
+            )  # fmt: skip
+        logs.append(log)
+    return procs, logs
+
+
+def _wait(procs: list[subprocess.Popen], logs: list[Path], timeout: float) -> list[int | None]:
+    """Waits for every rank up to ``timeout`` seconds, then kills the group; the exit codes (None: was killed)."""
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return [p.poll() for p in procs]
+    finally:
+        try:
+            os.killpg(procs[0].pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for p in procs:
+            p.wait(timeout=30)
+
+
+def _output(logs: list[Path]) -> str:
+    return "\n".join(f"===== {log.name}\n{log.read_text(errors='replace')[-5000:]}" for log in logs)
+
+
+def _fit(run: Path, callbacks: list[dict], resume: bool = False) -> None:
+    procs, logs = _start(run, callbacks, resume)
+    codes = _wait(procs, logs, START_TIMEOUT_S)
+    assert codes == [0] * WORLD, f"exit codes {codes}:\n{_output(logs)}"
+
+
+def _died(run: Path, callbacks: list[dict]) -> str:
+    """A fit in which rank 1 dies: every rank ends non-zero, rank 0 within ENDS_WITHIN_S of rank 1's death."""
+    procs, logs = _start(run, callbacks)
+    codes = _wait([procs[1]], logs, START_TIMEOUT_S)  # rank 1 dies on its own
+    assert codes == [1], f"rank 1 did not die as asked: {codes}:\n{_output(logs)}"
+    died = time.monotonic()
+    codes = _wait(procs, logs, ENDS_WITHIN_S)
+    assert codes[0] is not None, f"rank 0 still ran {ENDS_WITHIN_S:g} s after rank 1 died:\n{_output(logs)}"
+    assert time.monotonic() - died < ENDS_WITHIN_S
+    assert all(code not in (None, 0) for code in codes), f"exit codes {codes}:\n{_output(logs)}"
+    return logs[0].read_text(errors="replace")
+
+
+def _end_weights(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "probe" / "end_rank0.safetensors"))
+
+
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys() and a, sorted(a.keys() ^ b.keys())[:5]
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:5]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, torch_extensions_dir) -> Path:
+    run = tmp_path_factory.mktemp("uninterrupted") / "run"
+    _fit(run, [])
+    assert json.loads((run / "probe" / "rank0.json").read_text())["end_step"] == MAX_STEPS
+    return run
+
+
+def test_a_rank_killed_during_a_sharded_save_leaves_the_previous_checkpoint(uninterrupted, tmp_path):
+    run = tmp_path / "run"
+    die = {"class_path": f"{__name__}.DieAt", "init_args": {"step": 4, "during_save": True}}
+    _died(run, [die])
+    folder = run / "checkpoints"
+    assert read_marker(folder / "last.ckpt") == {"step": 2, "world_size": WORLD}
+    partial = [p for p in folder.iterdir() if p.name.endswith(".partial")]
+    assert [p.name for p in partial] == [".epoch=1-step=4.ckpt.partial"], sorted(p.name for p in folder.iterdir())
+    assert not (partial[0] / MARKER).exists()
+    assert not (folder / "epoch=1-step=4.ckpt").exists()
+
+    procs, logs = _start(run, [], resume=True)
+    codes = _wait(procs, logs, START_TIMEOUT_S)
+    assert codes == [0] * WORLD, f"exit codes {codes}:\n{_output(logs)}"
+    resumed = logs[0].read_text(errors="replace")
+    assert f"ignoring {partial[0]}: a checkpoint folder without {MARKER}" in resumed, resumed[-4000:]
+    assert not partial[0].exists()
+    assert json.loads((run / "probe" / "rank0.json").read_text())["start_step"] == 2
+    assert read_marker(folder / "last.ckpt") == {"step": MAX_STEPS, "world_size": WORLD}
+    _assert_same(_end_weights(run), _end_weights(uninterrupted))
+
+
+def test_a_dead_rank_ends_the_job_and_the_last_checkpoint_resumes(uninterrupted, tmp_path):
+    run = tmp_path / "run"
+    die = {"class_path": f"{__name__}.DieAt", "init_args": {"step": 5}}
+    output = _died(run, [die])
+    lines = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert lines == [f"error: rank 1 of {WORLD} stopped answering at step 5 (its process died or was killed); the "
+                     "other ranks stop too"], output[-4000:]  # fmt: skip
+    assert "Traceback" not in output, output[-4000:]
+    assert read_marker(run / "checkpoints" / "last.ckpt") == {"step": 4, "world_size": WORLD}
+    _fit(run, [], resume=True)
+    assert json.loads((run / "probe" / "rank0.json").read_text())["start_step"] == 4
+    _assert_same(_end_weights(run), _end_weights(uninterrupted))
