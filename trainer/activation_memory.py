@@ -137,6 +137,9 @@ class PlannedStep:
         device: where the step runs, ``cuda`` (a drafter's ``auto`` attention is flex there) or ``cpu`` (dense).
         target_scores: bytes of the frozen target's attention scores and mask alive in one layer's forward
             (:func:`target_scores` of its attention implementation; 0 without a target forward).
+        sequence_parallel: ranks P sharing each row under DeepSpeed-Ulysses (trainer/sequence_parallel.py): each
+            holds ``seq / P`` positions (:attr:`tokens`) and attends over the whole row with ``1 / P`` of the heads;
+            the target's ``ulysses_sdpa`` builds no mask. 1: none.
     """
 
     batch: int
@@ -147,6 +150,7 @@ class PlannedStep:
     shards: bool
     device: str = "cuda"
     target_scores: int = 0
+    sequence_parallel: int = 1
 
     def fused(self, impl: str) -> bool:
         """Whether a drafter attention ``impl`` (``auto``, ``flex`` or ``dense``, trainer/block_attention.py) runs
@@ -156,12 +160,20 @@ class PlannedStep:
 
     @property
     def tokens(self) -> int:
-        """Tokens per step and process: ``batch * seq``."""
-        return self.batch * self.seq
+        """Tokens per step and process: ``batch * seq``, of which each of the ``sequence_parallel`` ranks of a row
+        holds ``1 / sequence_parallel``."""
+        return self.batch * (self.seq // self.sequence_parallel)
 
     @classmethod
     def of(
-        cls, objective: Any, batch: int, seq: int, precision: str, chunk_size: int | None, device: str = "cuda"
+        cls,
+        objective: Any,
+        batch: int,
+        seq: int,
+        precision: str,
+        chunk_size: int | None,
+        device: str = "cuda",
+        sequence_parallel: int = 1,
     ) -> PlannedStep:
         """The step of ``objective`` (a DraftObjective, built on the meta device) on ``batch`` x ``seq`` tokens.
 
@@ -172,6 +184,7 @@ class PlannedStep:
             precision: Lightning's trainer.precision.
             chunk_size: the recipe's ``loss_chunk_size`` (None: the objective's own, else 256).
             device: ``cuda`` or ``cpu``, where the step runs (which attention ``auto`` picks).
+            sequence_parallel: ranks sharing each row under DeepSpeed-Ulysses (1: none).
         """
         a = element_bytes(objective.trainable_module(), precision)
         target_model = getattr(objective.target, "model", None)
@@ -187,7 +200,10 @@ class PlannedStep:
             chunk=chunk_size or getattr(objective, "loss_chunk_size", 256),
             shards=objective.target_signals == "shards",
             device=device,
-            target_scores=0 if target_model is None else target_scores(target_model.config, batch, seq, a_t),
+            target_scores=0
+            if target_model is None or sequence_parallel > 1
+            else target_scores(target_model.config, batch, seq, a_t),
+            sequence_parallel=sequence_parallel,
         )
 
 

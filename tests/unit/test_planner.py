@@ -474,3 +474,27 @@ def test_long_rows_grow_linearly_fused_and_quadratically_dense(recipe):
             scores = 512 * 16 * (S + 16) * heads
             expected = 5 * scores * (2 + 4) + scores * (2 + 4 + 4)
         assert plan.cpu_activations - plan.activations == expected
+
+
+def test_sequence_parallel_plans_each_ranks_slice_of_the_row(capsys):
+    """``--sequence_parallel P`` (DeepSpeed-Ulysses): each GPU holds S / P positions, so under flex the 8B EAGLE-3.1
+    long recipe at S plans what it plans at S / P without sequence parallelism (the TTT phase is the peak); dense, each
+    rank keeps the scores of the whole row for 1 / P of the heads (naive count as in the test above). Objectives whose
+    estimate does not plan it, and degrees Ulysses cannot run, are refused by name."""
+    recipe = [str(ROOT / "recipes" / "eagle3_1_llama31_8b_long.yaml")]
+    whole = plan_from_recipe(recipe, target_config=LLAMA31_8B, seq=16384)
+    split = plan_from_recipe(recipe, target_config=LLAMA31_8B, seq=32768, sequence_parallel=2)
+    assert split.activations == whole.activations
+    S, heads = 32768, 32 // 2
+    scores = S * (S + 6) * heads
+    assert split.cpu_activations - split.activations == 2 * scores * (2 + 4) + scores * (2 + 4 + 4)
+    command = ["--config", recipe[0], "--gpus", "8", "--target_config", LLAMA31_8B, "--sequence_parallel"]
+    assert main([*command, "2"]) == 0
+    assert "sequence parallel 2: 16384 positions per GPU" in capsys.readouterr().out
+    assert main([*command, "3"]) == 2
+    assert "draftsmith plan --sequence_parallel=3 does not divide the attention's 8 key/value heads" in (
+        capsys.readouterr().err
+    )
+    dflash = ["--config", str(ROOT / "recipes" / "dflash_llama31_8b_long.yaml"), *command[2:], "2"]
+    assert main(dflash) == 2
+    assert "--sequence_parallel 2: DFlash does not plan sequence parallelism" in capsys.readouterr().err

@@ -32,6 +32,9 @@ What is counted, per GPU, for N GPUs (the ZeRO paper's accounting, Adam/AdamW):
   of a drafter attention that is not fused (``attention: dense``, or ``auto`` on CPU: the GPU rows plan ``auto`` as
   flex, the ``--cpu`` line as dense), the target's attention mask (or an eager target's scores), what the target
   hands over, and a chunked loss's float32 chunks. An objective without an estimate is refused by name.
+  ``--sequence_parallel P`` plans DeepSpeed-Ulysses (trainer/sequence_parallel.py) for an objective that declares
+  ``plans_sequence_parallel`` (EAGLE-3): each GPU holds S / P positions and attends over the whole row with 1 / P of
+  the heads; ``draftsmith fit`` does not run it yet.
 
 The total is the sum but for ZeRO's step-only buffers (the fp32 partition gradient and AdamW's temporary, built in
 the optimizer step after backward has freed the activations): a ZeRO row counts the larger of those and the
@@ -113,6 +116,7 @@ def plan_from_recipe(
     seq: int | None = None,
     precision: str | None = None,
     overrides: list[str] | tuple[str, ...] = (),
+    sequence_parallel: int = 1,
 ) -> Plan:
     """Read the target, batch, sequence and precision from a recipe and build its objective on the meta device.
 
@@ -124,6 +128,8 @@ def plan_from_recipe(
         seq: overrides data.init_args.seq_len.
         precision: overrides trainer.precision.
         overrides: more ``draftsmith fit`` arguments, applied after the configs as fit applies them.
+        sequence_parallel: ranks sharing each row under DeepSpeed-Ulysses (trainer/sequence_parallel.py); an
+            objective that does not declare ``plans_sequence_parallel`` is refused above 1.
 
     Raises:
         trainer.recipe.RecipeError: a recipe or override ``draftsmith fit`` would refuse (fit's message).
@@ -177,11 +183,15 @@ def plan_from_recipe(
     steps = [(int(batch), int(seq))]
     if not steps_given and data.get("long_seq_len") and data.get("long_fraction"):  # mixed lengths: the longest rows
         steps.append((int(batch) * int(seq) // int(data.long_seq_len), int(data.long_seq_len)))
+    if sequence_parallel != 1:
+        _check_sequence_parallel(objective, sequence_parallel, steps)
     planned = [
-        (objective.activation_bytes(PlannedStep.of(objective, b, s, str(precision), chunk)), b, s) for b, s in steps
-    ]
+        (objective.activation_bytes(PlannedStep.of(objective, b, s, str(precision), chunk, "cuda", sequence_parallel)),
+         b, s)
+        for b, s in steps
+    ]  # fmt: skip
     activations, batch, seq = max(planned, key=lambda p: (p[0], p[2]))  # larger activations; the long on a tie
-    cpu_step = PlannedStep.of(objective, batch, seq, str(precision), chunk, device="cpu")
+    cpu_step = PlannedStep.of(objective, batch, seq, str(precision), chunk, "cpu", sequence_parallel)
     text = None if target_dict is None else target_dict.get("text_config", target_dict)
     return Plan(
         target=Shape.from_config(text, source) if text is not None and model.get("target") else None,
@@ -195,6 +205,22 @@ def plan_from_recipe(
         stage=strategy_stage(recipe.trainer.get("strategy")),
         cpu_activations=objective.activation_bytes(cpu_step),
     )
+
+
+def _check_sequence_parallel(objective: Any, size: int, steps: list[tuple[int, int]]) -> None:
+    """Refuses ``--sequence_parallel size`` for an objective whose estimate does not plan it (its class does not
+    declare ``plans_sequence_parallel``), and a degree Ulysses cannot run on its attention or rows."""
+    from trainer.sequence_parallel import check_sequence_parallel
+
+    name = type(objective).__name__
+    if not type(objective).__dict__.get("plans_sequence_parallel", False):
+        raise UsageError(f"draftsmith plan: --sequence_parallel {size}: {name} does not plan sequence parallelism")
+    heads = [Shape.of(objective.target_config).num_key_value_heads]
+    drafter = getattr(getattr(objective, "drafter", None), "config", None)
+    heads += [drafter.num_key_value_heads] if hasattr(drafter, "num_key_value_heads") else []
+    for kv in heads:
+        for _, seq in steps:
+            check_sequence_parallel(size, kv, seq, "draftsmith plan --sequence_parallel")
 
 
 def strategy_stage(strategy: Any) -> str:
@@ -263,6 +289,12 @@ def build_parser() -> ToolParser:
     p.add_argument("--seq_len", type=int, help="override data.init_args.seq_len")
     p.add_argument("--precision", help="override trainer.precision")
     p.add_argument(
+        "--sequence_parallel",
+        type=int,
+        default=1,
+        help="ranks sharing each row under DeepSpeed-Ulysses (planned only: fit does not run it yet)",
+    )
+    p.add_argument(
         "--cpu",
         action="store_true",
         help="also estimate one CPU process (what a CPU fit runs): the DDP row for 1 process plus the runtime's memory",
@@ -279,7 +311,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         budget = parse_bytes(args.gpu_memory) - parse_bytes(args.reserve)  # bad sizes fail before any file is read
         plan = plan_from_recipe(
-            args.config, args.target, args.target_config, args.batch_size, args.seq_len, args.precision, args.fit_args
+            args.config,
+            args.target,
+            args.target_config,
+            args.batch_size,
+            args.seq_len,
+            args.precision,
+            args.fit_args,
+            args.sequence_parallel,
         )
         estimates = plan.estimates(args.gpus)
     except UserError as err:
@@ -294,7 +333,12 @@ def main(argv: list[str] | None = None) -> int:
     out = [
         f"{c.method}: trained {c.trainable / 1e6:.1f}M parameters, frozen {c.frozen / 1e9:.3f}B elements; "
         f"batch {plan.batch} x seq {plan.seq} per GPU, {plan.precision}, {args.gpus} GPUs of {args.gpu_memory} "
-        f"({args.reserve} reserved)",
+        f"({args.reserve} reserved)"
+        + (
+            f"; sequence parallel {args.sequence_parallel}: {plan.seq // args.sequence_parallel} positions per GPU"
+            if args.sequence_parallel > 1
+            else ""
+        ),
         "",
         markdown_table(estimates, budget),
     ]

@@ -101,6 +101,7 @@ class Eagle3(DraftObjective):
     method_name: str = "EAGLE-3"
     """The method's name in messages."""
     honours_document_ids = True  # target and TTT attention see document_ids; cross-document labels are not trained
+    plans_sequence_parallel = True  # activation_bytes plans DeepSpeed-Ulysses (draftsmith plan --sequence_parallel)
 
     def __init__(
         self,
@@ -519,7 +520,8 @@ class Eagle3(DraftObjective):
         steps = min(self.ttt_steps, step.seq - 1)
         scores = in_flight = 0
         if not step.fused(self.attention):  # [B, nh, S, S + i] per step
-            shape = (step.batch, d.num_attention_heads, step.seq, step.seq + steps - 1)
+            heads = d.num_attention_heads // step.sequence_parallel  # Ulysses: each rank's heads, the whole row
+            shape = (step.batch, heads, step.seq, step.seq + steps - 1)
             scores = dense_scores(*shape, a)
             in_flight = dense_scores(*shape, a, live=True) - scores
         one = layer_saved(d, n, a, extra_hidden=2) + scores + n * d.vocab_size * (a + copies * F32)
