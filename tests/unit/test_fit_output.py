@@ -79,6 +79,8 @@ def test_a_fit_into_a_file_prints_progress_each_message_once_and_a_summary(tiny_
     named = {line.split(": ", 1)[1] for line in lines if re.match(r"^[A-Z]+ [\w.]+: ", line)}
     assert not bare & named, bare & named
     assert sum("Seed set to 0" in line for line in lines) == 1, log
+    logged = [line for line in lines if re.match(r"^(INFO|WARNING|ERROR)[ :]", line)]
+    assert len(logged) == len(set(logged)), [line for line in logged if logged.count(line) > 1]
     assert sum("max_steps=4` reached" in line for line in lines) == 1, log
     # the noise is gone, the model summary stays
     assert "Total params" in log and "FLOPs" not in log and "Total Flops" not in log
@@ -195,3 +197,20 @@ def test_the_terminal_bar_shows_no_negative_epoch_count(max_epochs, max_steps):
         assert plain._get_train_description(1).rstrip() == f"Epoch 1/{max_epochs - 1}"
     else:
         assert bar._get_train_description(1).rstrip() == f"Epoch 1 (max_steps {max_steps})"
+
+
+def test_a_cached_data_module_says_it_loaded_its_rows_once(tiny_corpus, tmp_path, caplog):
+    """Lightning calls prepare_data, then setup: a second fit over the same data logs the cache it read once."""
+    from tests.helpers import text_datamodule
+
+    files = {"train_files": [str(tiny_corpus.train_file)], "val_files": [str(tiny_corpus.heldout_file)]}
+    first = text_datamodule(tiny_corpus, tmp_path, seq_len=32, batch_size=2, **files)
+    first.prepare_data()
+    first.setup("fit")  # builds and caches the rows
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="trainer.data.text"):
+        again = text_datamodule(tiny_corpus, tmp_path, seq_len=32, batch_size=2, **files)
+        again.prepare_data()
+        again.setup("fit")
+    loaded = [r for r in caplog.records if r.getMessage().startswith("loaded tokenized rows from")]
+    assert len(loaded) == 1 and len(again.train_dataset) == len(first.train_dataset)

@@ -568,7 +568,8 @@ class TextDataModule(L.LightningDataModule):
         """Tokenize and cache the rows once (Lightning calls this on one process per node), after the model's check
         of the tokenizer (``check_before_reading``)."""
         check_before_reading(self)
-        self._load_or_build(write=True)
+        if not (Path(self.cache_dir) / self._cache_key() / "done").is_file():  # setup loads (and says so) a cached one
+            self._load_or_build(write=True)
 
     def setup(self, stage: str | None = None) -> None:
         """Load the tokenized rows (from the cache when present)."""
