@@ -54,7 +54,7 @@ import sys
 import time
 
 from trainer.errors import DEBUG_ENV, UserError, debugging, error_report, user_error_in
-from trainer.output import configure_logging
+from trainer.output import adopt_library_loggers, configure_logging
 
 DEBUG_FLAG = "--debug"
 USER_ERROR_STATUS = 2
@@ -137,7 +137,9 @@ def _lightning_sigterm(exit_: SystemExit) -> bool:
 def _run(args: list[str], argv: list[str] | None) -> int:
     if args[0] in TOOLS:
         module_name, function_name = TOOLS[args[0]][0].split(":")
-        return int(getattr(importlib.import_module(module_name), function_name)(args[1:]) or 0)
+        tool = getattr(importlib.import_module(module_name), function_name)
+        adopt_library_loggers()  # the libraries the tool imported: their messages once, in the log's format
+        return int(tool(args[1:]) or 0)
     if args[0] not in ("fit", "validate"):
         print(f"draftsmith: unknown command {args[0]!r}\n\n{_usage()}", file=sys.stderr)
         return 2

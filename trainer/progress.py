@@ -86,7 +86,8 @@ class ProgressLog(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.started = self._last_line = time.monotonic()
         self._first_step = self._last_step = trainer.global_step
-        self._first_tokens = _metric(trainer, "train/tokens") or 0.0
+        # tokens counted before this run: a resumed objective restored its count (kept in checkpoints)
+        self._first_tokens = float(getattr(pl_module, "_tokens_seen", 0) or 0)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.ended = time.monotonic()
