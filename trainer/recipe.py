@@ -101,8 +101,8 @@ class DraftsmithCLI(LightningCLI):
 
     What a fit prints (trainer/progress.py): the ``progress`` section (:class:`~trainer.progress.ProgressLog`,
     ``--progress.every_n_steps``, ``--progress.every_seconds``) logs plain-text progress lines; off a terminal (standard
-    error not a TTY) Lightning's progress bar is off unless the recipe sets ``trainer.enable_progress_bar``, on a
-    terminal it is :class:`~trainer.progress.StepProgressBar`; the model summary has no FLOPs column."""
+    error not a TTY) Lightning's progress bar is off unless the recipe sets ``trainer.enable_progress_bar`` or names a
+    bar, on a terminal it is :class:`~trainer.progress.StepProgressBar`; the model summary has no FLOPs column."""
 
     running_trainer: Trainer | None = None
     """The trainer of the last DraftsmithCLI built in this process: the error handler of ``draftsmith``
@@ -181,10 +181,11 @@ class DraftsmithCLI(LightningCLI):
                 # acted on at this batch end; Lightning moves the checkpoint callbacks after it (_reorder_callbacks)
                 callbacks.append(default_preemption_checkpoint())
             kwargs["callbacks"] = callbacks
-        if trainer_config.get("enable_progress_bar") is None and "enable_progress_bar" not in kwargs:
+        bar_given = any(isinstance(c, ProgressBar) for c in [*kwargs.get("callbacks", []), *extra])
+        if trainer_config.get("enable_progress_bar") is None and "enable_progress_bar" not in kwargs and not bar_given:
             if not sys.stderr.isatty():  # a log file: ProgressLog's lines instead of a bar that prints at the end
                 kwargs["enable_progress_bar"] = False
-            elif not any(isinstance(c, ProgressBar) for c in [*kwargs.get("callbacks", []), *extra]):
+            else:
                 kwargs.setdefault("callbacks", []).append(StepProgressBar())
         adopt_library_loggers()  # the recipe's classes may have imported transformers since __init__
         trainer = super().instantiate_trainer(**kwargs)

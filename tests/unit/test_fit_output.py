@@ -214,3 +214,22 @@ def test_a_cached_data_module_says_it_loaded_its_rows_once(tiny_corpus, tmp_path
         again.setup("fit")
     loaded = [r for r in caplog.records if r.getMessage().startswith("loaded tokenized rows from")]
     assert len(loaded) == 1 and len(again.train_dataset) == len(first.train_dataset)
+
+
+@pytest.mark.parametrize("bar", [None, "lightning.pytorch.callbacks.TQDMProgressBar"])
+def test_off_a_terminal_the_bar_gives_way_to_the_lines_unless_the_recipe_names_one(bar, tiny_corpus, target, tmp_path):
+    """pytest's standard error is no terminal: Lightning's default bar is off (the progress lines print instead), and a
+    bar the recipe names is kept (Lightning refuses a named bar with enable_progress_bar false)."""
+    from tests.recipe_runs import RECIPES as recipes
+    from trainer.recipe import DraftsmithCLI
+
+    assert not sys.stderr.isatty()
+    override = kd_override(tmp_path, tiny_corpus, target, max_steps=STEPS, every_n=STEPS)
+    del override["trainer"]["enable_progress_bar"]
+    if bar is not None:
+        override["trainer"]["callbacks"].append({"class_path": bar})
+    args = ["--config", str(recipes / "quickstart" / "kd.yaml")]  # run=False: no subcommand
+    cli = DraftsmithCLI(args=[*args, "--config", str(write_override(tmp_path / "o.yaml", override))], run=False)
+    shown = cli.trainer.progress_bar_callback
+    assert (shown is None) if bar is None else (type(shown).__name__ == "TQDMProgressBar")
+    assert any(isinstance(c, ProgressLog) for c in cli.trainer.callbacks)
