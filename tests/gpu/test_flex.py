@@ -69,3 +69,31 @@ def test_flex_matches_dense_on_cuda(name, cut_target, text_data):
         bf16_dense, _ = loss_and_grads(objective, batch, "dense", autocast=True)
         bf16_flex, _ = loss_and_grads(objective, batch, "flex", autocast=True)
         assert bf16_flex == pytest.approx(bf16_dense, rel=2e-2)
+
+
+@pytest.mark.parametrize("name", ["eagle3", "dflash", "peagle"])
+def test_flex_matches_dense_with_window_and_documents(name, cut_target, text_data):
+    """The long-context options on CUDA: a 256-token sliding window and a row packed from three documents
+    (``document_ids``, each document's first token no label) give the same loss and drafter gradients through the
+    compiled flex path as through the dense one."""
+    cls, kwargs, _ = objective_kwargs(name, cut_target, settings())
+    if name == "eagle3":
+        kwargs["ttt_steps"] = 3
+    objective = cls(**kwargs, window=256).to(DEVICE).train()
+    batch = batch_of(cut_target, text_data)
+    starts = [0, SEQ // 3, (2 * SEQ) // 3]  # document boundaries along the row
+    document_ids = torch.zeros(1, SEQ, dtype=torch.long, device=DEVICE)  # [1, S]
+    for s in starts[1:]:
+        document_ids[:, s:] += 1
+        batch["loss_mask"][:, s - 1] = False  # the label at s - 1 is the next document's first token
+    batch["document_ids"] = document_ids
+    if hasattr(objective, "install_vocab_map"):
+        row = torch.cat([batch["input_ids"], batch["labels"][:, -1:]], 1).cpu().numpy()  # [1, S + 1]
+        objective.install_vocab_map([(row, np.ones_like(row, dtype=bool))])
+    dense_loss, dense = loss_and_grads(objective, batch, "dense", autocast=False)
+    flex_loss, flex = loss_and_grads(objective, batch, "flex", autocast=False)
+    assert flex_loss == pytest.approx(dense_loss, rel=1e-4)
+    assert dense.keys() == flex.keys() and dense
+    for key, g in dense.items():
+        error = float((flex[key] - g).norm()) / max(float(g.norm()), 1e-12)
+        assert error < 1e-2, f"{name}: gradient of {key} differs by {error:.2e} (relative norm)"
