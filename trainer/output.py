@@ -16,8 +16,9 @@ Dropped unless ``--debug`` (messages that say nothing the user can act on), each
   model;
 - off a terminal, the tqdm bars of transformers and huggingface_hub (``HF_HUB_DISABLE_PROGRESS_BARS``, unless set).
 
-:func:`block` is the closing block every command ends with: a title line, aligned ``label  value`` rows and the next
-commands to run.
+:class:`CountProgress` is the progress of a tool's long stage: tqdm's bar on a terminal, plain lines in the format of
+a fit's (trainer/progress.py) off one. :func:`block` is the closing block every command ends with: a title line,
+aligned ``label  value`` rows and the next commands to run.
 """
 
 from __future__ import annotations
@@ -26,11 +27,14 @@ import logging
 import os
 import re
 import sys
+import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 _HANDLER_NAME = "draftsmith"
+PROGRESS_EVERY_SECONDS = 120.0  # a progress line at least this often, off a terminal (fits and tools)
+log = logging.getLogger(__name__)
 
 # (logger name prefix, message pattern): log records dropped unless --debug
 _NOISE: tuple[tuple[str, re.Pattern[str]], ...] = (
@@ -142,6 +146,106 @@ def duration(seconds: float) -> str:
     if seconds < 3600:
         return f"{seconds // 60}m{seconds % 60:02d}s"
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def elapsed_and_eta(elapsed: float, done: float, left: float) -> list[str]:
+    """``elapsed 2m10s`` and, when some work is done and some is left, ``eta 8m40s`` at the pace so far: the timing
+    fields of every progress line (a fit's steps, trainer/progress.py; a tool's items, :class:`CountProgress`).
+
+    Args:
+        elapsed: seconds spent on the ``done`` units.
+        done: units done in those seconds (steps, sequences, records).
+        left: units still to do.
+    """
+    parts = [f"elapsed {duration(elapsed)}"]
+    if done > 0 and left > 0:
+        parts.append(f"eta {duration(elapsed / done * left)}")
+    return parts
+
+
+def rate(per_second: float) -> str:
+    """``1,734``, ``52.1``, ``3.25``: a rate with three significant digits below 1000, whole units above."""
+    if per_second >= 100:
+        return f"{per_second:,.0f}"
+    return f"{per_second:.1f}" if per_second >= 10 else f"{per_second:.2f}"
+
+
+class CountProgress:
+    """The progress of a tool over a known number of items (``draftsmith precompute``'s sequences, ``generate``'s
+    records): tqdm's bar on a terminal; off a terminal (a log file under SLURM or nohup, where a bar's ``\\r`` updates
+    pile up) a plain line every ``every_n`` items, at least every ``every_seconds`` (at the first update after) and
+    when the last item is done, in the format of a fit's progress lines::
+
+        precompute 96/512 seq | 3.20 seq/s | elapsed 30s | eta 2m10s
+
+    The rate and the time left count the items of this run (a resumed run starts at ``done``) over its time.
+    """
+
+    def __init__(
+        self,
+        what: str,
+        total: int,
+        unit: str,
+        done: int = 0,
+        every_n: int | None = None,
+        every_seconds: float = PROGRESS_EVERY_SECONDS,
+        started: float | None = None,
+        stream=None,
+    ) -> None:
+        """
+        Args:
+            what: the line's first word and the bar's label, e.g. ``"precompute"``.
+            total: the items of the whole job.
+            unit: the items' name, e.g. ``"seq"``.
+            done: items done before this run (a resumed job).
+            every_n: a line every this many items; None: every tenth of the items left.
+            every_seconds: a line at least this often (0: none by time).
+            started: the ``time.perf_counter()`` at which this run's work began (None: now).
+            stream: where the bar goes and whose ``isatty`` chooses bar or lines (None: standard error).
+        """
+        self.what, self.total, self.unit, self.done, self._first = what, total, unit, done, done
+        self.every_n = every_n if every_n is not None else max(1, -(-(total - done) // 10))
+        self.every_seconds = every_seconds
+        self.started = time.perf_counter() if started is None else started
+        self._last_line = time.perf_counter()
+        self._last_count = done
+        stream = sys.stderr if stream is None else stream
+        self.bar = None
+        if stream.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=done, unit=unit, desc=what, file=stream, dynamic_ncols=True)
+
+    def update(self, n: int, extra: str = "") -> None:
+        """``n`` more items done; ``extra`` (e.g. ``"52.1 tokens/s"``) ends the line, or the bar's postfix."""
+        self.done += n
+        if self.bar is not None:
+            self.bar.update(n)
+            if extra:
+                self.bar.set_postfix_str(extra)
+            return
+        now = time.perf_counter()
+        by_count = self.done // self.every_n > self._last_count // self.every_n
+        by_time = self.every_seconds > 0 and now - self._last_line >= self.every_seconds
+        if by_count or by_time or self.done >= self.total:
+            self._last_line, self._last_count = now, self.done
+            log.info(self.line(now - self.started, extra))
+
+    def line(self, elapsed: float, extra: str = "") -> str:
+        """The progress line after ``elapsed`` seconds of this run."""
+        ran = self.done - self._first
+        parts = [f"{self.what} {self.done}/{self.total} {self.unit}"]
+        if elapsed > 0:
+            parts.append(f"{rate(ran / elapsed)} {self.unit}/s")
+        parts += elapsed_and_eta(elapsed, ran, self.total - self.done)
+        if extra:
+            parts.append(extra)
+        return " | ".join(parts)
+
+    def close(self) -> None:
+        """Closes the bar (no line is written: the last item's update wrote it)."""
+        if self.bar is not None:
+            self.bar.close()
 
 
 def block(title: str, rows: Sequence[tuple[str, str]], next_commands: Sequence[str] = ()) -> str:

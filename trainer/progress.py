@@ -30,12 +30,12 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ModelSummary,
 from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table
 
 from trainer.errors import RecipeError
-from trainer.output import block, duration
+from trainer.output import PROGRESS_EVERY_SECONDS, block, duration, elapsed_and_eta
 
 log = logging.getLogger(__name__)
 
 DEFAULT_EVERY_N_STEPS = 50
-DEFAULT_EVERY_SECONDS = 120.0
+DEFAULT_EVERY_SECONDS = PROGRESS_EVERY_SECONDS
 _SPEC_EVAL = (("tau", "spec_eval/tau"), ("tau sampling", "spec_eval/tau_sampling"))
 
 
@@ -140,11 +140,8 @@ class ProgressLog(Callback):
             parts.append(f"lr {lr:.1e}")
         if rate is not None:
             parts.append(f"{rate:,.0f} tok/s")
-        elapsed = self.elapsed()
-        parts.append(f"elapsed {duration(elapsed)}")
-        done, step = trainer.global_step - self._first_step, trainer.global_step
-        if trainer.max_steps > 0 and done > 0 and step < trainer.max_steps:
-            parts.append(f"eta {duration(elapsed / done * (trainer.max_steps - step))}")
+        left = max(0, trainer.max_steps - trainer.global_step) if trainer.max_steps > 0 else 0
+        parts += elapsed_and_eta(self.elapsed(), trainer.global_step - self._first_step, left)
         val = _metric(trainer, "val/loss")
         if val is not None:
             parts.append(f"val loss {val:.4g}")

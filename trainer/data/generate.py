@@ -59,7 +59,7 @@ from trainer.data.generate_io import (
 from trainer.data.server_client import OpenAIClient, RecordReply, ServerRegenerator, ordered_map, served_model
 from trainer.data.target_replies import Regenerator, complete_records, load_target, regenerate_records, seed_of
 from trainer.errors import DataError, PathError, UsageError
-from trainer.output import block, duration
+from trainer.output import CountProgress, block, duration, rate
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,8 @@ def regenerate(
         device: "auto" (cuda when available), "cpu", "cuda" or "cuda:N" (in-process only).
         max_records: regenerate only the first N records.
         trust_remote_code: allow custom modelling code in the target directory (off by default; in-process only).
-        progress: show a progress bar (records/s and tokens/s).
+        progress: show the progress: a bar on a terminal, else a line (records/s, tokens/s, elapsed, ETA) every
+            tenth of the records and at least every two minutes.
         server: the base URL of a running OpenAI-compatible server (vLLM, SGLang, ``transformers serve``), such
             as ``http://localhost:8000``: replies come from its API instead of an in-process target.
         model: with ``server``, the model name to request; None: the one model the server lists.
@@ -277,7 +278,7 @@ def _write_chunks(
 ) -> GenerateStats:
     """Writes every chunk (``first``, already generated, then the rest) and returns the run's counts."""
     stats = GenerateStats(len(records), 0, 0, 0, 0.0)
-    bar = _progress(len(records), done, progress)
+    bar = CountProgress("generate", len(records), "records", done, started=started) if progress else None
     try:
         for start, chunk in chunks if first is None else itertools.chain([first], chunks):
             writer.write(chunk.records, start)
@@ -286,8 +287,7 @@ def _write_chunks(
             stats.tokens += chunk.tokens
             stats.empty += chunk.empty
             if bar is not None:
-                bar.update(len(chunk.records))
-                bar.set_postfix_str(f"{stats.tokens / max(time.perf_counter() - started, 1e-9):.1f} tokens/s")
+                bar.update(len(chunk.records), f"{rate(stats.tokens / (time.perf_counter() - started))} tokens/s")
     finally:
         if bar is not None:
             bar.close()
@@ -394,14 +394,6 @@ def _server_chunks(
             )  # fmt: skip
     finally:
         results.close()
-
-
-def _progress(total: int, done: int, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=done, unit="record", desc="generate", smoothing=0.1)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,7 +45,7 @@ from trainer.data.text import TextDataModule
 from trainer.data.tokenizer import tokenizer_hash
 from trainer.data.vocab import load_tokenizer_if_present, shared_vocab_size
 from trainer.errors import UsageError
-from trainer.output import block, duration
+from trainer.output import CountProgress, block, duration
 from trainer.renamed_keys import renamed_precompute_key_message
 from trainer.target import FrozenTarget
 
@@ -96,7 +96,8 @@ def precompute(
         splits: which of the datamodule's splits to write (default: train, and val when the data has one).
         device: "auto" (cuda:LOCAL_RANK when available, else cpu), or a torch device string.
         trust_remote_code: allow custom modelling code in the target directory.
-        progress: show a progress bar with samples/s and ETA on rank 0.
+        progress: show the progress on rank 0: a bar on a terminal, else a line (sequences/s, elapsed, ETA) every
+            tenth of the sequences and at least every two minutes.
     """
     if k < 1 or samples_per_shard < 1 or batch_size < 1 or temperature <= 0:
         raise UsageError(
@@ -171,7 +172,7 @@ def precompute(
         len(mine) - len(todo),
         n_todo,
     )
-    bar = _progress(n_todo, progress and rank == 0)
+    bar = CountProgress("precompute", n_todo, "seq") if progress and rank == 0 else None
     started, written = time.perf_counter(), 0
     for split, j in todo:
         ds = rows[split]
@@ -245,14 +246,6 @@ def _target_signals(target: FrozenTarget, ds, idx: list[int], meta: ShardMeta, d
             arrays[f"hidden_{layer}"] = h[b]
         samples.append(arrays)
     return samples
-
-
-def _progress(total: int, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="seq", desc="precompute", dynamic_ncols=True, smoothing=0.1)
 
 
 def build_parser() -> ArgumentParser:
