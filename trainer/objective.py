@@ -15,6 +15,12 @@ wherever it lives), :meth:`setup` running :meth:`check_data` on the objective's 
 tokenizer, or the shards' target, tokenizer, vocabulary, temperature and hidden layers), :meth:`drafter_from_checkpoint`
 (``init_from``) and :meth:`speculative_eval_target`.
 
+Throughput: ``train/tokens_per_s`` is the training tokens of every rank over the time of the optimizer steps since the
+last written value, each step from the start of its first micro-batch to the end of its optimizer step (validation,
+speculative evaluation, checkpoint saves and data loading between steps are not counted); ``train/mfu`` divides it by
+the measured matmul peak (trainer/throughput.py). :meth:`training_throughput` is the same count over the whole run
+(the fit's closing block, trainer/progress.py).
+
 Training checks: a non-finite loss stops the run (naming the step); so do a gradient norm of exactly zero for
 :data:`DEAD_GRADIENT_STEPS` optimizer steps in a row and trainable weights whose root mean square exceeds
 :data:`MAX_WEIGHT_RMS` (a learning rate far too high leaves a dead model, which must not be exported). The last saved
@@ -151,7 +157,9 @@ class DraftObjective(L.LightningModule):
         self.optim = optim
         self._peak_flops: float | None = None
         self._step_started: float | None = None
+        self._step_ended: float | None = None
         self._tokens_in_step = 0
+        self._run_tokens, self._run_step_seconds = 0, 0.0  # this process's run alone (training_throughput)
         self._rate_window = [0, 0.0]  # tokens and step seconds since train/tokens_per_s was last written
         self._tokens_seen = 0  # over every rank and step of the run, resumes included (kept in checkpoints)
         self._tokens_in_batch: int | None = None
@@ -617,14 +625,39 @@ class DraftObjective(L.LightningModule):
                 "checkpoint is intact"
             )
 
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
+        """Lightning's optimizer step, then notes the time: the end of the step's time that ``train/tokens_per_s``
+        counts (the callbacks' ``on_train_batch_end`` that run next, a speculative evaluation or a checkpoint save,
+        are not training).
+
+        Args:
+            epoch: the current epoch.
+            batch_idx: the batch's index in the epoch.
+            optimizer: the optimizer (Lightning's wrapper of it).
+            optimizer_closure: the closure that runs the forward and backward passes.
+        """
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        self._step_ended = time.perf_counter()
+
+    def training_throughput(self) -> tuple[int, float]:
+        """(tokens, seconds) of this run's optimizer steps (a resumed run counts from where it resumed): the training
+        tokens over every rank, and this rank's seconds in the steps, each from the start of its first micro-batch to
+        the end of its optimizer step (validation, speculative evaluation, checkpoint saves and data loading between
+        steps excluded): what ``train/tokens_per_s`` measures, over the whole run."""
+        return self._run_tokens, self._run_step_seconds
+
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         if not self.trainer.fit_loop._should_accumulate():
-            self._tokens_seen += self._tokens_in_step * self.trainer.world_size
+            tokens = self._tokens_in_step * self.trainer.world_size
+            self._tokens_seen += tokens
             self.log("train/tokens", float(self._tokens_seen))
             self._log_final_tokens()
-            elapsed = time.perf_counter() - (self._step_started or time.perf_counter())
+            now = time.perf_counter()
+            elapsed = (self._step_ended or now) - (self._step_started or now)
+            self._run_tokens += tokens
+            self._run_step_seconds += elapsed
             window = self._rate_window
-            window[0] += self._tokens_in_step * self.trainer.world_size
+            window[0] += tokens
             window[1] += elapsed
             if window[1] > 0:
                 # over the steps since the last written value, not this step alone: a step whose metrics are written
@@ -636,7 +669,7 @@ class DraftObjective(L.LightningModule):
                     self.log("train/mfu", mfu)
             if self.metrics_due():
                 self._rate_window = [0, 0.0]
-            self._step_started, self._tokens_in_step = None, 0
+            self._step_started, self._step_ended, self._tokens_in_step = None, None, 0
             self._save_last_if_final()
 
     def _is_final_step(self) -> bool:

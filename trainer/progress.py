@@ -76,7 +76,6 @@ class ProgressLog(Callback):
         self.started: float | None = None  # time.monotonic() at the first training batch of this run
         self.ended: float | None = None  # and at the end of training
         self._first_step = 0  # global step this run started from (a resumed run starts past 0)
-        self._first_tokens = 0.0
         self._last_line: float | None = None
         self._last_step = -1
 
@@ -86,8 +85,6 @@ class ProgressLog(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.started = self._last_line = time.monotonic()
         self._first_step = self._last_step = trainer.global_step
-        # tokens counted before this run: a resumed objective restored its count (kept in checkpoints)
-        self._first_tokens = float(getattr(pl_module, "_tokens_seen", 0) or 0)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.ended = time.monotonic()
@@ -97,11 +94,6 @@ class ProgressLog(Callback):
         if self.started is None:
             return 0.0
         return (self.ended or time.monotonic()) - self.started
-
-    def tokens_this_run(self, trainer: pl.Trainer) -> float | None:
-        """Training tokens counted since this run started (all ranks), or None when the objective logs none."""
-        tokens = _metric(trainer, "train/tokens")
-        return None if tokens is None else tokens - self._first_tokens
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
@@ -256,7 +248,9 @@ def next_commands(
 def fit_summary(
     trainer: pl.Trainer, module: pl.LightningModule, configs: Sequence[str], wall_s: float, status: int
 ) -> str:
-    """The block ``draftsmith fit`` ends with: what ran (objective, recipe), steps and tokens, time, the final
+    """The block ``draftsmith fit`` ends with: what ran (objective, recipe), the steps (and the step a resumed run
+    started from), this run's training tokens and tokens/s over its training steps' time (the objective's
+    ``training_throughput``, what ``train/tokens_per_s`` measures), the wall-clock time beside it, the final
     losses, tau when measured, where ``last.ckpt``, the export and the logs are (only paths that exist), and the
     exact ``draftsmith export`` and ``draftsmith eval`` commands that come next.
 
@@ -271,12 +265,14 @@ def fit_summary(
     step, max_steps = trainer.global_step, trainer.max_steps
     title = f"fit done in {duration(wall_s)}" if status == 0 else f"fit stopped (exit status {status})"
     steps = f"{step}/{max_steps}" if max_steps > 0 else f"{step}"
-    tokens = progress.tokens_this_run(trainer) if progress is not None else None
-    train_s = progress.elapsed() if progress is not None else 0.0
-    if tokens:
-        steps += f", {tokens:,.0f} training tokens in {duration(train_s)}"
-        if train_s > 0:
-            steps += f" ({tokens / train_s:,.0f} tokens/s)"
+    if progress is not None and progress.started is not None and progress._first_step > 0:
+        steps += f", resumed from step {progress._first_step}"
+    throughput = getattr(module, "training_throughput", None)
+    tokens, train_s = throughput() if callable(throughput) else (0, 0.0)
+    counted = ""
+    if tokens and train_s > 0:
+        counted = f"{tokens:,} in this run, {tokens / train_s:,.0f} tokens/s over {duration(train_s)} of training steps"
+    time_row = f"{duration(wall_s)} wall clock" + (f", {duration(train_s)} of it in training steps" if counted else "")
     losses = [(label, _metric(trainer, f"{label}/loss")) for label in ("train", "val")]
     loss = ", ".join(f"{label} {value:.4g}" for label, value in losses if value is not None)
     measured = spec_eval_values(trainer)
@@ -295,6 +291,8 @@ def fit_summary(
         ("method", f"{type(module).__name__} ({type(module).__module__})"),
         ("recipe", recipe),
         ("steps", steps),
+        ("tokens", counted),
+        ("time", time_row),
         ("loss", loss),
         ("tau", tau),
         ("checkpoint", checkpoint or ""),

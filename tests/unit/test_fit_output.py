@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from lightning.pytorch.callbacks import Callback
 
 from tests._multiproc import run_group
 from tests.recipe_runs import RECIPES, kd_override, save_random_target, write_override
@@ -92,7 +93,8 @@ def test_a_fit_into_a_file_prints_progress_each_message_once_and_a_summary(tiny_
     checkpoint = Path(rows["checkpoint"])
     assert checkpoint.name == "last.ckpt" and checkpoint.exists()
     assert Path(rows["export"]).is_dir() and rows["export"] == str(tmp_path / "run" / "student")
-    assert rows["steps"].startswith(f"{STEPS}/{STEPS}, ")
+    assert rows["steps"] == f"{STEPS}/{STEPS}" and rows["tokens"].endswith(" of training steps")
+    assert re.fullmatch(r"\S+ wall clock, \S+ of it in training steps", rows["time"]), rows["time"]
     assert rows["next"].startswith(f"draftsmith eval --target {target} --drafter {tmp_path / 'run' / 'student'} ")
 
 
@@ -233,3 +235,76 @@ def test_off_a_terminal_the_bar_gives_way_to_the_lines_unless_the_recipe_names_o
     shown = cli.trainer.progress_bar_callback
     assert (shown is None) if bar is None else (type(shown).__name__ == "TQDMProgressBar")
     assert any(isinstance(c, ProgressLog) for c in cli.trainer.callbacks)
+
+
+class _NotTraining(Callback):
+    """What a fit does beside its steps, on the fake clock: 2 s before every batch (loading it) and 10 s after every
+    optimizer step (a speculative evaluation, a checkpoint save), in callbacks as the real ones are."""
+
+    def __init__(self, clock: list[float]) -> None:
+        """
+        Args:
+            clock: the fake clock's time, a one-element list the test's perf_counter reads.
+        """
+        self.clock = clock
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.clock[0] += 2.0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.clock[0] += 10.0
+
+
+def test_the_closing_block_counts_training_steps_alone_and_a_resumed_runs_own_tokens(
+    tiny_corpus, tmp_path, monkeypatch
+):
+    """tokens/s in the block is this run's tokens over its training steps' time (what train/tokens_per_s measures),
+    not over the time of the evaluations and loading around them; the wall time is its own row; a run resumed from
+    step 3 counts its own 3 steps' tokens and says where it resumed. The reference: the fake clock's step times, added
+    up by the test."""
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    import trainer.objective as objective_module
+    from tests.unit.test_objective_base import Clocked
+    from trainer.progress import fit_summary
+    from trainer.registry import DrafterRecord
+
+    class Saved(Clocked):  # a record for its checkpoints (of no registered kind: the block names no next command)
+        def drafter_record(self) -> DrafterRecord:
+            return DrafterRecord("probe", {})
+
+    clock = [100.0]
+    monkeypatch.setattr(objective_module.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(objective_module, "measure_matmul_peak", lambda *_: None)
+    target = str(save_random_target(tmp_path / "target", tiny_corpus.tokenizer_dir))
+    B, S = 2, 8
+    rows = [{"input_ids": torch.full((S,), i), "loss_mask": torch.ones(S, dtype=torch.bool)} for i in range(12)]
+
+    def run(max_steps: int, ckpt_path: str | None) -> tuple[Clocked, dict[str, str]]:
+        probe = Saved(target, clock)
+        checkpoints = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=3, save_top_k=-1)
+        trainer = pl.Trainer(
+            max_steps=max_steps, log_every_n_steps=3, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, accelerator="cpu", default_root_dir=str(tmp_path),
+            callbacks=[checkpoints, ProgressLog(every_n_steps=0, every_seconds=0), _NotTraining(clock)],
+        )  # fmt: skip
+        trainer.fit(probe, torch.utils.data.DataLoader(rows, batch_size=B), ckpt_path=ckpt_path)
+        text = fit_summary(trainer, probe, ["recipe.yaml"], 100.0, 0)
+        lines = text.splitlines()[1:]
+        return probe, dict(re.match(r"^(\w+)\s+(.*)$", line).groups() for line in lines if re.match(r"^\w+\s", line))
+
+    for max_steps, resumed in ((3, None), (6, 3)):
+        ckpt = None if resumed is None else str(next((tmp_path / "ckpt").glob("*step=3.ckpt")))
+        probe, block_rows = run(max_steps, ckpt)
+        steps = max_steps - (resumed or 0)
+        seconds = sum(5.0 if due else 1.0 for due in probe.due)  # Clocked's steps: 5 s where metrics are due, else 1
+        assert len(probe.due) == steps
+        assert probe.training_throughput() == (steps * B * S, pytest.approx(seconds))
+        assert block_rows["steps"] == f"{max_steps}/{max_steps}" + (f", resumed from step {resumed}" if resumed else "")
+        assert block_rows["tokens"] == (
+            f"{steps * B * S:,} in this run, {steps * B * S / seconds:,.0f} tokens/s over {duration(seconds)} of "
+            "training steps"
+        )
+        assert block_rows["time"] == f"{duration(100)} wall clock, {duration(seconds)} of it in training steps"
