@@ -101,3 +101,24 @@ def test_precompute_into_a_file_writes_lines_and_no_carriage_return(tiny_corpus,
     assert [int(m[2]) for m in lines] == [written] * len(lines)
     assert int(lines[-1][1]) == written and lines[-1][3] is None  # the last line: all done, no time left to show
     assert [int(m[1]) for m in lines] == sorted({int(m[1]) for m in lines})  # rising, each count once
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_eval_logs_a_line_per_tenth_of_its_side_by_side_decodes(temperature, caplog, one_thread):
+    """``draftsmith eval``'s long stage: every prompt of every pass (K, threshold, greedy then sampling, repeat) counted
+    once, the last line at the total computed by hand."""
+    import torch
+
+    from tests.helpers import tiny_llama
+    from trainer.decoding.evaluate import evaluate_drafter
+    from trainer.decoding.proposers import NoProposer
+
+    target = tiny_llama(0, 64, dtype=torch.float32, eos_token_id=None).eval()
+    prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
+    ks, thresholds, repeats = [1, 2], [0.0], 2
+    total = len(prompts) * len(ks) * len(thresholds) * repeats * (2 if temperature > 0 else 1)
+    with caplog.at_level(logging.INFO, logger="trainer.output"):
+        evaluate_drafter(target, NoProposer(), prompts, ks, 3, temperature, None, 0, repeats, thresholds, progress=True)
+    counts = [int(m[1]) for r in caplog.records if (m := re.match(rf"eval (\d+)/{total} prompts \| ", r.getMessage()))]
+    assert counts and counts[-1] == total and counts == sorted(set(counts))
+    assert len(counts) == len(_lines_at(total, 0, -(-total // 10), [1] * total))

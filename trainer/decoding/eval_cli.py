@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             report = evaluate_drafter(
                 target, proposer, prompts, args.k, args.max_new_tokens, args.temperature, eos, args.seed,
-                args.repeats[0], groups[options], indices,
+                args.repeats[0], groups[options], indices, progress=True,
             )  # fmt: skip
         except SpeculativeMismatchError as err:
             print(f"error: {err}", file=sys.stderr)

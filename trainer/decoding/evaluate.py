@@ -48,6 +48,7 @@ from trainer.fingerprint import (
     recorded_fingerprints,
     sample_differences,
 )
+from trainer.output import CountProgress
 from trainer.registry import DrafterRecord, check_target, get_kind, is_training_checkpoint, load_drafter, recognise
 
 log = logging.getLogger(__name__)
@@ -404,12 +405,13 @@ def run_side_by_side(
     seed: int = 0,
     repeats: int = 1,
     accept_threshold: float = 0.0,
+    progress: CountProgress | None = None,
 ) -> tuple[list[GenerationResult], list[GenerationResult], list[float]]:
     """Every prompt decoded by the target alone and with the drafter one right after the other, which of the two goes
     first alternating from prompt to prompt and from pass to pass, over ``repeats`` passes: a load change on a shared
     machine then hits both sides of a ratio alike. Returns the first pass's results of the target alone and with the
     drafter, and the wall-clock ratio (alone / with the drafter) of every prompt in every pass; the drafter decodes
-    with ``accept_threshold``."""
+    with ``accept_threshold``; ``progress`` counts each prompt of each pass once both sides decoded it."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     alone, drafted, ratios = [], [], []
@@ -423,6 +425,8 @@ def run_side_by_side(
                     max_new_tokens, temperature, eos_token_id, seed + i, 0.0 if alone_ else accept_threshold,
                 )[0]  # fmt: skip
             ratios.append(pair["alone"].total_seconds / pair["drafter"].total_seconds)
+            if progress is not None:
+                progress.update(1)
             if repeat == 0:
                 alone.append(pair["alone"])
                 drafted.append(pair["drafter"])
@@ -490,6 +494,7 @@ def evaluate_drafter(
     repeats: int = 1,
     accept_thresholds: Sequence[float] = (0.0,),
     buckets: Mapping[int, Sequence[int]] | None = None,
+    progress: bool = False,
 ) -> dict:
     """Greedy and sampling evaluation for every K and every threshold of dynamic draft length (``accept_thresholds``,
     0: off), each run side by side with the target alone
@@ -500,9 +505,15 @@ def evaluate_drafter(
     ``buckets`` (context length -> the indices of its prompts, trainer/decoding/context.py) adds ``by_context``: per
     bucket, in the order given, its ``context_length``, ``prompts``, ``loops`` and ``greedy`` and ``sampling`` entries
     made as the pooled ones are, from the same decodes (the measured speedup from that bucket's ratios; ``identical``
-    and ``near_ties`` from that bucket's prompts, whose indices stay those of ``prompts``)."""
+    and ``near_ties`` from that bucket's prompts, whose indices stay those of ``prompts``).
+
+    ``progress``: show the progress over every prompt of every pass (each threshold and K, greedy then sampling, each
+    repeat), trainer/output.py's CountProgress: a bar on a terminal, else a line every tenth of them and at least
+    every two minutes."""
     if not accept_thresholds:
         raise ValueError("accept_thresholds: give at least one threshold (0: off)")
+    passes = len(accept_thresholds) * len(ks) * (2 if temperature > 0 else 1) * repeats
+    shown = CountProgress("eval", passes * len(prompts), "prompts") if progress else None
     run_prompts(target, NoProposer(), prompts[:1], 1, min(8, max_new_tokens), 0.0, eos_token_id)  # warm-up
     report: dict = {"greedy": [], "sampling": [], "temperature": temperature, "repeats": repeats}
     report["accept_thresholds"] = list(accept_thresholds)
@@ -522,6 +533,7 @@ def evaluate_drafter(
             eos_token_id,
             repeats=repeats,
             accept_threshold=threshold,
+            progress=shown,
         )
         if greedy_base is None:
             greedy_base = base
@@ -544,11 +556,14 @@ def evaluate_drafter(
         for threshold, k in ((t, k) for t in accept_thresholds for k in ks):
             base, results, ratios = run_side_by_side(
                 target, proposer, prompts, k, max_new_tokens, temperature, eos_token_id, seed, repeats, threshold,
+                shown,
             )  # fmt: skip
             report["sampling"].append(summarize(results, base, k, ratios, threshold))
             for bucket, indices in zip(by_context, (buckets or {}).values()):
                 sub_results, sub_base, _, sub_ratios = _subset(indices, len(prompts), results, base, masks, ratios)
                 bucket["sampling"].append(summarize(sub_results, sub_base, k, sub_ratios, threshold))
+    if shown is not None:
+        shown.close()
     best = max(report["greedy"], key=lambda e: e["measured_speedup"])
     report["best_k"] = best["k"]
     report["best_accept_threshold"] = best["accept_threshold"]
