@@ -29,6 +29,7 @@ import lightning as L
 from tests._multiproc import free_port
 
 SLURM_COMMANDS = ("sbatch", "slurmctld", "slurmd", "scontrol", "squeue", "scancel", "sinfo", "munged")
+RELEASE_AFTER_S = 2.0  # a requeued job is released this long after it shows PENDING (see SlurmCluster.wait_state)
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 
@@ -246,11 +247,12 @@ class SlurmCluster:
             states: the JobState values to wait for.
             timeout: seconds before giving up (RuntimeError with the daemons' logs).
             release_requeued: a requeued job waits about 120 s before it may start again; issue
-                ``scontrol update StartTime=now`` once it shows PENDING after a restart.
+                ``scontrol update StartTime=now`` once it has shown PENDING after a restart for RELEASE_AFTER_S.
             poll: seconds between polls.
         """
         deadline = time.monotonic() + timeout
         released_at_restart = -1
+        pending_since: dict[int, float] = {}
         info: dict[str, str] = {}
         while time.monotonic() < deadline:
             info = self.job_info(job_id)
@@ -261,8 +263,12 @@ class SlurmCluster:
                 raise RuntimeError(f"job {job_id} ended as {state}, waiting for {sorted(states)}: {info}")
             restarts = int(info.get("Restarts", "0") or 0)
             if release_requeued and state == "PENDING" and restarts > 0 and released_at_restart != restarts:
-                self.command(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=False)
-                released_at_restart = restarts
+                # not within the second of the requeue: slurmd refuses a launch whose credential is not newer than
+                # the revocation of the job's last one, in whole seconds ("Job credential revoked": the job FAILED)
+                pending_since.setdefault(restarts, time.monotonic())
+                if time.monotonic() - pending_since[restarts] >= RELEASE_AFTER_S:
+                    self.command(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=False)
+                    released_at_restart = restarts
             time.sleep(poll)
         raise RuntimeError(f"job {job_id} not in {sorted(states)} after {timeout:.0f} s: {info}\n{self.logs()}")
 
@@ -331,3 +337,24 @@ class SignalAtStep(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if trainer.global_step == self.step:
             os.kill(os.getpid(), self.signum)
+
+
+class KillAtStep(L.Callback):
+    """Rank ``rank`` kills its own process with SIGKILL at the start of ``step`` (a task lost with its node: nothing
+    runs after it); with ``once``, only while that file does not exist (it is created first), so a resumed run
+    passes the step."""
+
+    def __init__(self, step: int, rank: int = 1, once: str | None = None) -> None:
+        """Args: step: global step; rank: the global rank that dies; once: a file that limits the kill to one run."""
+        self.step = step
+        self.rank = rank
+        self.once = Path(once) if once is not None else None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if trainer.global_step != self.step or trainer.global_rank != self.rank:
+            return
+        if self.once is not None:
+            if self.once.exists():
+                return
+            self.once.touch()
+        os.kill(os.getpid(), _signal.SIGKILL)

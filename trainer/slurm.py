@@ -9,6 +9,10 @@ main process), USR1 to the tasks ``--signal_lead`` seconds before the time limit
 ``--open-mode=append``, and ``srun python -m trainer.cli fit`` with the recipe's configs, the overrides that make
 ``trainer.num_nodes``, ``trainer.devices`` and ``trainer.accelerator`` match the allocation, the
 :class:`trainer.preemption.PreemptionCheckpoint` callback and ``--ckpt_path last`` (so a requeued job resumes).
+``srun --kill-on-bad-exit=1`` ends the step as soon as one task dies; the script then runs :mod:`trainer.requeue`,
+which logs each attempt (what it resumed from, its exit status) and requeues a failed one, stopping after
+``--max_failed_requeues`` (default 3) requeues in a row of attempts that made no progress (the step of the last
+complete checkpoint in the recipe's ModelCheckpoint folders did not move).
 ``--gpus_per_node 0`` renders a CPU job (``accelerator cpu``, ``--tasks_per_node`` processes per node).
 ``--dry_run`` prints the script; otherwise it is written to the log folder and submitted, and the job id is printed.
 
@@ -53,6 +57,7 @@ class SlurmJob:
     time: str = "24:00:00"  # --time limit
     job_name: str = "draftsmith"  # --job_name (Lightning's SLURM support refuses "bash" and "interactive")
     signal_lead: int = 120  # seconds between USR1 and the time limit
+    max_failed_requeues: int = 3  # requeues in a row after failed attempts without progress; the next one stops
     log_dir: str = "slurm-logs"  # folder of the job's output (relative to workdir unless absolute)
     workdir: str = "."  # folder the job runs in (relative paths of the recipe resolve from it)
     python: str = sys.executable  # interpreter on the compute nodes with draftsmith installed
@@ -79,6 +84,35 @@ def _num_workers(recipe: Any) -> int:
     if not isinstance(workers, int) or workers < 0:
         raise RecipeError(f"draftsmith slurm: data.init_args.num_workers must be a non-negative int, got {workers!r}")
     return workers
+
+
+def checkpoint_folders(job: SlurmJob, recipe: Any) -> list[Path]:
+    """The ``dirpath`` of every ModelCheckpoint of the recipe, resolved from the job's workdir: where the requeue
+    loop reads the step of the last complete checkpoint.
+
+    Raises:
+        RecipeError: the recipe has no ModelCheckpoint with a dirpath (the loop could not tell progress).
+    """
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    folders: list[Path] = []
+    for callback in recipe.get("trainer.callbacks") or []:
+        class_path = getattr(callback, "class_path", None)
+        init_args = getattr(callback, "init_args", None)
+        if not isinstance(class_path, str) or "." not in class_path or init_args is None:
+            continue
+        module, _, name = class_path.rpartition(".")
+        cls = getattr(sys.modules.get(module), name, None)  # fit's parser imported the class it resolved
+        dirpath = init_args.get("dirpath")
+        if isinstance(cls, type) and issubclass(cls, ModelCheckpoint) and dirpath:
+            folder = Path(str(dirpath))
+            folders.append(folder if folder.is_absolute() else Path(job.workdir).resolve() / folder)
+    if not folders:
+        raise RecipeError(
+            "draftsmith slurm: the recipe has no ModelCheckpoint with a dirpath in trainer.callbacks; the job's "
+            "requeue loop reads the step of its last checkpoint there"
+        )
+    return folders
 
 
 def _has_preemption_callback(recipe: Any) -> bool:
@@ -158,6 +192,8 @@ def check_job(job: SlurmJob) -> None:
         raise _refuse("--python", job.python, "is empty")
     if not 0 <= job.signal_lead <= _SIGNAL_LEAD_MAX:
         raise _refuse("--signal_lead", str(job.signal_lead), f"must lie in 0..{_SIGNAL_LEAD_MAX} seconds")
+    if job.max_failed_requeues < 0:
+        raise _refuse("--max_failed_requeues", str(job.max_failed_requeues), "must be >= 0")
 
 
 def log_path(job: SlurmJob) -> Path:
@@ -230,6 +266,9 @@ def render(job: SlurmJob, template: Path = TEMPLATE) -> str:
             lines.append(shlex.quote(arg))
     workdir = Path(job.workdir).resolve()
     log_dir = log_path(job)
+    checkpoint_args = [f"--checkpoints {shlex.quote(str(folder))}" for folder in checkpoint_folders(job, recipe)]
+    # the job's own state file, kept across requeues (the log folder holds no quote: check_job)
+    state_file = shlex.quote(f"{log_dir}/{job.job_name}-") + '"${SLURM_JOB_ID}"' + shlex.quote(".requeue.json")
     try:
         return Template(template.read_text()).substitute(
             job_name=job.job_name,
@@ -245,6 +284,9 @@ def render(job: SlurmJob, template: Path = TEMPLATE) -> str:
             env_lines="\n".join(env_lines),
             python=shlex.quote(job.python),
             fit_args=" \\\n".join("  " + line for line in lines),
+            max_failed_requeues=job.max_failed_requeues,
+            state_file=state_file,
+            checkpoint_args=" \\\n".join("  " + arg for arg in checkpoint_args),
         )
     except (KeyError, ValueError) as err:
         raise UsageError(f"draftsmith slurm: template {template} has an unknown or malformed field: {err}") from err
@@ -281,6 +323,12 @@ def build_parser() -> ToolParser:
     s.add_argument("--time", default="24:00:00", help="time limit (default 24:00:00)")
     s.add_argument("--job_name", default="draftsmith", help="job name (default draftsmith)")
     s.add_argument("--signal_lead", type=int, default=120, help="seconds between USR1 and the time limit")
+    s.add_argument(
+        "--max_failed_requeues",
+        type=int,
+        default=3,
+        help="requeues in a row after failed attempts that made no progress; the next such failure stops the job",
+    )
     s.add_argument("--log_dir", default="slurm-logs", help="folder of the job's output and script")
     s.add_argument("--workdir", default=".", help="folder the job runs in (default: the current one)")
     s.add_argument("--python", default=sys.executable, help="python with draftsmith on the compute nodes")
@@ -305,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         time=args.time,
         job_name=args.job_name,
         signal_lead=args.signal_lead,
+        max_failed_requeues=args.max_failed_requeues,
         log_dir=args.log_dir,
         workdir=args.workdir,
         python=args.python,

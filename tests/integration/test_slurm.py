@@ -2,7 +2,9 @@
 
 A 2-task CPU job trains the quickstart KD recipe to the end; a second job, sent USR1 mid-training (as SLURM does
 before the time limit), checkpoints, requeues itself, resumes with ``--ckpt_path last`` and ends on the same batches
-and bitwise the same weights as the uninterrupted job.
+and bitwise the same weights as the uninterrupted job. A job one of whose tasks is killed (SIGKILL, as with its node)
+is requeued by the script's loop (trainer/requeue.py) and ends the same way; a job killed at the same step every time
+stops after ``--max_failed_requeues`` requeues without progress, its log saying so at each attempt.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import time
 from pathlib import Path
 
@@ -56,13 +59,13 @@ def cluster(tmp_path_factory):
                 os.environ[key] = value
 
 
-def _submit(run: Path, override: dict, name: str) -> str:
+def _submit(run: Path, override: dict, name: str, extra: tuple[str, ...] = ()) -> str:
     """`draftsmith slurm submit` for a 2-task CPU job of the KD recipe; returns the printed job id."""
     run.mkdir(parents=True, exist_ok=True)
     override_file = write_override(run / "override.yaml", override)
     argv = ["submit", "--config", str(RECIPES / "quickstart/kd.yaml"), "--config", str(override_file)]
     argv += ["--nodes", "1", "--gpus_per_node", "0", "--tasks_per_node", str(TASKS), "--time", "00:30:00"]
-    argv += ["--job_name", name, "--workdir", str(run), "--log_dir", "logs"]
+    argv += ["--job_name", name, "--workdir", str(run), "--log_dir", "logs", *extra]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert slurm_main(argv) == 0
@@ -137,3 +140,93 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_same_weights(
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), f"{key} differs from the uninterrupted job"
+
+
+KILL_AT = 7  # a task killed at the start of step 7: the last complete checkpoint is step 5's
+
+
+def _kill(run: Path, once: bool) -> dict:
+    """Rank 1 killed with SIGKILL at the start of step KILL_AT: in the first run only, or in every run."""
+    init_args: dict = {"step": KILL_AT, "rank": 1}
+    if once:
+        init_args["once"] = str(run / "killed")
+    return {"class_path": "tests.slurm_cluster.KillAtStep", "init_args": init_args}
+
+
+def _attempt_lines(log: str) -> list[str]:
+    return [line for line in log.splitlines() if re.search(r"attempt \d+ of job", line)]
+
+
+def test_a_killed_task_is_requeued_and_resumes_to_the_same_weights(
+    cluster, uninterrupted, tiny_corpus, tiny_target, tmp_path
+):
+    reference, _, _ = uninterrupted
+    run = tmp_path / "run"
+    run.mkdir()
+    override = kd_job_override(
+        run, tiny_corpus, tiny_target, MAX_STEPS, EVERY_N, batch_size=2, extra_callbacks=(_kill(run, once=True),)
+    )
+    job_id = _submit(run, override, "kd-killed")
+    try:
+        info = cluster.wait_state(job_id, {"COMPLETED"}, timeout=JOB_TIMEOUT)
+    except RuntimeError as err:
+        pytest.fail(f"{err}\n{_job_log(run, 'kd-killed', job_id)[-6000:]}")
+    log = _job_log(run, "kd-killed", job_id)
+
+    assert (run / "killed").exists() and int(info["Restarts"]) == 1, log[-4000:]
+    lines = _attempt_lines(log)
+    assert f"attempt 1 of job {job_id}: starting from scratch" in lines[0]
+    failed = lines[1]  # srun ended the step when rank 1 died: the survivor was not left waiting in a collective
+    assert f"attempt 1 of job {job_id}: the fit failed with exit status" in failed and "exit status 0" not in failed
+    assert f"last checkpoint: step {EVERY_N} (" in failed and "progress since it started from scratch" in failed
+    assert "requeueing" in failed
+    assert f"attempt 2 of job {job_id}: resuming from step {EVERY_N} (" in lines[2]
+    assert (
+        f"attempt 2 of job {job_id}: the fit ended with exit status 0; last checkpoint: step {MAX_STEPS} (" in lines[3]
+    )
+    assert len(lines) == 4
+    # steps 0-6 ran before the kill, 5-11 after it (5 and 6 again, on the same batches)
+    assert recorded_batches(run) == recorded_batches(reference)
+    a, b = load_file(reference / "student" / "model.safetensors"), load_file(run / "student" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs from the uninterrupted job"
+
+
+def test_a_job_that_fails_at_the_same_step_stops_after_the_limit(cluster, tiny_corpus, tiny_target, tmp_path):
+    limit = 1
+    run = tmp_path / "run"
+    run.mkdir()
+    override = kd_job_override(
+        run, tiny_corpus, tiny_target, MAX_STEPS, EVERY_N, batch_size=2, extra_callbacks=(_kill(run, once=False),)
+    )
+    job_id = _submit(run, override, "kd-failing", extra=("--max_failed_requeues", str(limit)))
+    try:
+        info = cluster.wait_state(job_id, {"FAILED"}, timeout=JOB_TIMEOUT)
+    except RuntimeError as err:
+        pytest.fail(f"{err}\n{_job_log(run, 'kd-failing', job_id)[-6000:]}")
+    log = _job_log(run, "kd-failing", job_id)
+
+    # the first attempt gets from scratch to step 5, then `limit` requeues resume from step 5 and fail there again
+    attempts = 2 + limit
+    assert int(info["Restarts"]) == attempts - 1, log[-4000:]
+    lines = _attempt_lines(log)
+    assert len(lines) == 2 * attempts, "\n".join(lines)
+    for n in range(1, attempts + 1):
+        began, ended = lines[2 * n - 2], lines[2 * n - 1]
+        assert f"attempt {n} of job {job_id}: the fit failed with exit status" in ended
+        if n == 1:
+            assert "starting from scratch" in began and "progress since it started from scratch" in ended
+        else:
+            assert f"attempt {n} of job {job_id}: resuming from step {EVERY_N} (" in began
+            assert (
+                f"last checkpoint: step {EVERY_N} (" in ended
+                and f"no progress since it started from step {EVERY_N}" in ended
+            )
+        if n < attempts:
+            assert "requeueing" in ended
+    assert (
+        f"stopping: {limit + 1} failed attempts in a row made no progress (slurm max_failed_requeues {limit})"
+        in lines[-1]
+    )
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == EVERY_N

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from trainer.errors import RecipeError
 from trainer.slurm import SlurmJob, main, render
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,10 +27,11 @@ def _sbatch(script: str) -> dict[str, str]:
 
 
 def _fit_args(script: str) -> list[str]:
-    """The arguments after `srun PYTHON -m trainer.cli fit`, with the shell's own splitting."""
+    """The arguments after `srun PYTHON -m trainer.cli fit`, up to the `||` that records its status, with the shell's
+    own splitting."""
     text = script[script.index("srun ") :].replace("\\\n", " ")
     words = shlex.split(text)
-    return words[words.index("fit") + 1 :]
+    return words[words.index("fit") + 1 : words.index("||")]
 
 
 def _overrides(args: list[str]) -> dict[str, str]:
@@ -55,7 +57,10 @@ def test_gpu_job_matches_allocation(tmp_path, capsys):
     assert "--trainer.callbacks+=trainer.preemption.PreemptionCheckpoint" in args
     assert args[-2:] == ["--ckpt_path", "last"]
     assert f"cd {tmp_path}" in script and "DS_ACCELERATOR" not in script
-    assert not re.search(r"\$\{?\w+\}?", script.replace("${SLURM", "").replace("$(date", "").replace("$$", ""))
+    shell = ("${SLURM", "$(date", "$$", '"${requeue[@]}"', "status=$?", '"$status"')  # the script's own variables
+    for text in shell:
+        script = script.replace(text, "")
+    assert not re.search(r"\$\{?\w+\}?", script)
 
 
 def test_cpu_job_uses_tasks_per_node_and_workers(tmp_path):
@@ -73,9 +78,33 @@ def test_cpu_job_uses_tasks_per_node_and_workers(tmp_path):
 def test_callback_already_in_recipe_is_not_added_twice(tmp_path):
     recipe = tmp_path / "cb.yaml"
     cb = {"class_path": "trainer.preemption.PreemptionCheckpoint"}
-    recipe.write_text(yaml.safe_dump({"trainer": {"callbacks": [cb]}}))
+    ckpt = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"dirpath": "ckpts"}}
+    recipe.write_text(yaml.safe_dump({"trainer": {"callbacks": [ckpt, cb]}}))
     args = _fit_args(render(SlurmJob(configs=[KD, str(recipe)])))
     assert not any("PreemptionCheckpoint" in a for a in args)
+
+
+def test_the_requeue_loop_reads_the_recipes_checkpoint_folder(tmp_path):
+    """srun ends the step when one task dies; trainer.requeue runs before and after the fit, on the recipe's
+    ModelCheckpoint folder (resolved from the workdir), with the job's state file and its limit."""
+    script = render(SlurmJob(configs=[KD], workdir=str(tmp_path), job_name="kd", max_failed_requeues=5))
+    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    assert srun.split()[:2] == ["srun", "--kill-on-bad-exit=1"]
+    loop = script[script.index("requeue=(") : script.index('"${requeue[@]}" start')].replace("\\\n", " ")
+    words = shlex.split(loop.removeprefix("requeue=(").strip().removesuffix(")"))
+    recipe = yaml.safe_load(Path(KD).read_text())
+    dirpath = next(c["init_args"]["dirpath"] for c in recipe["trainer"]["callbacks"] if "dirpath" in c["init_args"])
+    assert words[words.index("--checkpoints") + 1] == str(tmp_path / dirpath)
+    assert words[words.index("--max_failed_requeues") + 1] == "5"
+    assert words[words.index("--state") + 1] == f"{tmp_path}/slurm-logs/kd-${{SLURM_JOB_ID}}.requeue.json"
+    assert script.rstrip().endswith('exec "${requeue[@]}" end --exit_status "$status"')
+
+
+def test_a_recipe_without_a_checkpoint_folder_is_refused(tmp_path):
+    recipe = tmp_path / "none.yaml"
+    recipe.write_text(yaml.safe_dump({"trainer": {"callbacks": []}}))
+    with pytest.raises(RecipeError, match="no ModelCheckpoint with a dirpath"):
+        render(SlurmJob(configs=[KD, str(recipe)]))
 
 
 @pytest.mark.parametrize(
@@ -189,6 +218,7 @@ def test_a_newline_in_the_partition_adds_no_line_to_the_script(tmp_path, capsys)
         ("extra_sbatch", ["echo hi"], "--sbatch 'echo hi' is not an sbatch option"),
         ("python", "", "--python '' is empty"),
         ("signal_lead", -1, "--signal_lead '-1' must lie in 0..65535"),
+        ("max_failed_requeues", -1, "--max_failed_requeues '-1' must be >= 0"),
     ],
 )
 def test_what_slurm_does_not_accept_is_named(field, value, message):
