@@ -48,6 +48,17 @@ def loss_and_grads(objective, batch, attention: str, autocast: bool) -> tuple[fl
     return float(loss), grads
 
 
+def assert_flex_matches_dense(name: str, objective, batch) -> None:
+    """float32: the same loss (rel 1e-4) and the same drafter gradients (relative norm 1e-2) on both paths."""
+    dense_loss, dense = loss_and_grads(objective, batch, "dense", autocast=False)
+    flex_loss, flex = loss_and_grads(objective, batch, "flex", autocast=False)
+    assert flex_loss == pytest.approx(dense_loss, rel=1e-4)
+    assert dense.keys() == flex.keys() and dense
+    for key, g in dense.items():
+        error = float((flex[key] - g).norm()) / max(float(g.norm()), 1e-12)
+        assert error < 1e-2, f"{name}: gradient of {key} differs by {error:.2e} (relative norm)"
+
+
 @pytest.mark.parametrize("name", ["eagle3", "dflash", "peagle"])
 def test_flex_matches_dense_on_cuda(name, cut_target, text_data):
     cls, kwargs, _ = objective_kwargs(name, cut_target, settings())
@@ -58,13 +69,7 @@ def test_flex_matches_dense_on_cuda(name, cut_target, text_data):
     if hasattr(objective, "install_vocab_map"):
         row = torch.cat([batch["input_ids"], batch["labels"][:, -1:]], 1).cpu().numpy()  # [1, S + 1]
         objective.install_vocab_map([(row, np.ones_like(row, dtype=bool))])
-    dense_loss, dense = loss_and_grads(objective, batch, "dense", autocast=False)
-    flex_loss, flex = loss_and_grads(objective, batch, "flex", autocast=False)
-    assert flex_loss == pytest.approx(dense_loss, rel=1e-4)
-    assert dense.keys() == flex.keys() and dense
-    for key, g in dense.items():
-        error = float((flex[key] - g).norm()) / max(float(g.norm()), 1e-12)
-        assert error < 1e-2, f"{name}: gradient of {key} differs by {error:.2e} (relative norm)"
+    assert_flex_matches_dense(name, objective, batch)
     if name == "dflash":  # the recipe's precision: bf16 autocast
         bf16_dense, _ = loss_and_grads(objective, batch, "dense", autocast=True)
         bf16_flex, _ = loss_and_grads(objective, batch, "flex", autocast=True)
@@ -90,10 +95,4 @@ def test_flex_matches_dense_with_window_and_documents(name, cut_target, text_dat
     if hasattr(objective, "install_vocab_map"):
         row = torch.cat([batch["input_ids"], batch["labels"][:, -1:]], 1).cpu().numpy()  # [1, S + 1]
         objective.install_vocab_map([(row, np.ones_like(row, dtype=bool))])
-    dense_loss, dense = loss_and_grads(objective, batch, "dense", autocast=False)
-    flex_loss, flex = loss_and_grads(objective, batch, "flex", autocast=False)
-    assert flex_loss == pytest.approx(dense_loss, rel=1e-4)
-    assert dense.keys() == flex.keys() and dense
-    for key, g in dense.items():
-        error = float((flex[key] - g).norm()) / max(float(g.norm()), 1e-12)
-        assert error < 1e-2, f"{name}: gradient of {key} differs by {error:.2e} (relative norm)"
+    assert_flex_matches_dense(name, objective, batch)

@@ -54,10 +54,11 @@ def _umask() -> int:
     return mask
 
 
-def _fsync_folder(folder: Path) -> None:
-    """Makes a rename in ``folder`` durable (best effort: some file systems refuse to open a folder)."""
+def fsync_path(path: Path) -> None:
+    """Makes ``path`` durable: a file's bytes, or a rename in a folder (best effort: some file systems refuse to
+    open a folder or to sync it)."""
     try:
-        fd = os.open(folder, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY)
     except OSError:
         return
     try:
@@ -132,7 +133,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 os.fsync(f.fileno())
             os.replace(tmp, target)
             tmp = None
-            _fsync_folder(folder)
+            fsync_path(folder)
         except OSError as err:
             previous = (
                 f"the previous {target.name} there is intact" if existed else f"no {target.name} was there before"

@@ -30,6 +30,8 @@ from typing import Any
 
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
+from trainer.checkpoints.atomic import fsync_path
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -67,20 +69,6 @@ def is_complete(folder: Path) -> bool:
     return folder.is_dir() and read_marker(folder) is not None
 
 
-def _fsync(path: Path) -> None:
-    """Makes ``path`` (a file, or a folder's entries) durable; best effort where a file system refuses it."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 _RENAME_EXCHANGE = 2  # linux/fs.h
 _AT_FDCWD = -100
 
@@ -116,7 +104,7 @@ def publish(partial: Path, target: Path, step: int, world_size: int) -> None:
         json.dump({"step": int(step), "world_size": int(world_size)}, f)
         f.flush()
         os.fsync(f.fileno())
-    _fsync(partial)
+    fsync_path(partial)
     if target.is_dir() and not target.is_symlink() and _exchange(partial, target):
         shutil.rmtree(partial)  # now the previous folder
     else:
@@ -127,7 +115,7 @@ def publish(partial: Path, target: Path, step: int, world_size: int) -> None:
         elif target.exists() or target.is_symlink():
             target.unlink()
         os.rename(partial, target)
-    _fsync(target.parent)
+    fsync_path(target.parent)
 
 
 def save_folder_atomically(strategy: Any, filepath: Any, step: int, write: Callable[[Path], None]) -> None:
