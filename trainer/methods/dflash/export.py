@@ -299,7 +299,8 @@ def _config(
             block_size=int(block),
             mask_token_id=int(mask),
             rms_norm_eps=layer["rms_norm_eps"],
-            rope_parameters=dict(layer["rope_parameters"]),
+            # transformers keeps transformers 4's ``type`` beside the ``rope_type`` it copies it to
+            rope_parameters={k: v for k, v in layer["rope_parameters"].items() if k != "type"},
             max_position_embeddings=layer["max_position_embeddings"],
             hidden_act=layer.get("hidden_act", "silu"),
             **(attention or {}),

@@ -29,6 +29,10 @@ Sliding window (module.py ``Eagle3Config.window``): the speculators format write
 and as speculators 0.9's ``Eagle3DraftModel`` reads them; the native format has no such key and refuses a windowed
 drafter.
 
+Rotary settings: both formats write the drafter's ``rope_parameters`` (the target's) in the layer keys, with
+``rope_theta`` and, for a scaled rotary embedding, ``rope_scaling`` beside them; the loaders read ``rope_parameters``,
+or ``rope_theta`` and ``rope_scaling`` from a file written without it (:func:`legacy_rope`).
+
 The loaders follow each engine's naming rules: they map every tensor of the file to a drafter parameter, and fail
 when a tensor is not consumed, a parameter is missing, a shape differs, or the layer ids disagree between the two
 conventions.
@@ -245,12 +249,22 @@ def layer_window(layer: dict, where: str) -> int | None:
     return window
 
 
+def legacy_rope(layer: dict) -> dict:
+    """The ``rope_parameters`` of a layer config that spells them as transformers 4 did: ``rope_theta`` and, for a
+    scaled rotary embedding, ``rope_scaling`` (its ``type`` the older name of ``rope_type``), as the engines read
+    them; a missing ``rope_theta`` raises KeyError."""
+    scaling = dict(layer.get("rope_scaling") or {})
+    if "type" in scaling:
+        scaling.setdefault("rope_type", scaling.pop("type"))
+    return {"rope_type": "default", "rope_theta": layer["rope_theta"], **scaling}
+
+
 def _config(layer: dict, top: dict, aux_layers: list[int], where: str, flags: dict[str, bool]) -> Eagle3Config:
     if flags.get("norm_before_fc") and flags.get("fc_norm"):
         raise ModelFolderError(f"{where}: config.json sets both norm_before_fc and fc_norm (mutually exclusive)")
     window = layer_window(layer, where)
     try:
-        rope = layer.get("rope_parameters") or {"rope_type": "default", "rope_theta": layer["rope_theta"]}
+        rope = layer.get("rope_parameters") or legacy_rope(layer)
         return Eagle3Config(
             hidden_size=layer["hidden_size"],
             intermediate_size=layer["intermediate_size"],
