@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lengths", default="256,1024,2048")
     parser.add_argument("--prompts", type=int, default=12)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0, help="the fits' seed; runs of seed S > 0 are named -sS")
     parser.add_argument("--out", default=str(ROOT / "artifacts/studies/long_context"))
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -108,11 +109,14 @@ def main(argv: list[str] | None = None) -> None:
     for method in args.methods.split(","):
         recipe, method_args = METHODS[method]
         for variant in args.variants.split(","):
-            name = f"{method}-{variant}"
+            name = f"{method}-{variant}" + (f"-s{args.seed}" if args.seed else "")
             run_dir = out / name
             ckpt = run_dir / "checkpoints" / "last.ckpt"
             if not ckpt.is_file():
                 extra = [*method_args, *VARIANTS[variant]]
+                if args.seed:
+                    extra += [f"--seed_everything={args.seed}", f"--model.init_args.seed={args.seed}"]
+                    extra += [f"--data.init_args.seed={args.seed}"]
                 log = run_dir / "fit.log"
                 wait(
                     run(fit_cmd(recipe, run_dir, corpus / "train.jsonl", 0, args.steps, extra), log, args.threads), log
