@@ -50,12 +50,15 @@ worker; one whose main process died ends by PyTorch's own watchdog).
 
 from __future__ import annotations
 
+import atexit
 import logging
+import multiprocessing
 import os
 import re
 import signal
 import subprocess
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -234,6 +237,26 @@ class PreemptionCheckpoint(L.Callback):
         return str(Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}")
 
 
+_main_exiting = None  # a multiprocessing Event, set when the main process exits (made before its loaders fork workers)
+
+
+def _set_main_exiting() -> None:
+    if _main_exiting is not None:
+        _main_exiting.set()
+
+
+def stop_signal_worker_init() -> Callable[[int], None]:
+    """The ``worker_init_fn`` to give a DataLoader, called in the main process where the loader is built: it makes the
+    event that tells workers the main process is exiting (inherited by the workers it forks later; set by an atexit
+    hook that runs before multiprocessing terminates its daemonic children, so a worker obeys that SIGTERM even when
+    the main process ends on an error without shutting its loader down)."""
+    global _main_exiting
+    if _main_exiting is None:
+        _main_exiting = multiprocessing.get_context("fork").Event()
+        atexit.register(_set_main_exiting)
+    return worker_leaves_stop_signals_to_the_main_process
+
+
 def worker_leaves_stop_signals_to_the_main_process(worker_id: int) -> None:
     """The ``worker_init_fn`` of the data modules' DataLoaders: in a worker process, ignore SIGINT, and SIGTERM while
     the loader runs (the main process saves, stops and shuts its workers down; see the module's docstring).
@@ -249,6 +272,8 @@ def _worker_sigterm(signum: int, frame: FrameType | None) -> None:
     """A worker's SIGTERM: ignored while its loader runs; once the loader set its ``done_event`` (the shutdown that
     ends with ``terminate()`` for a worker too slow to exit), the worker exits, as PyTorch's own handler does for a
     SIGTERM from its main process."""
+    if _main_exiting is not None and _main_exiting.is_set():
+        os._exit(0)  # the main process is exiting: multiprocessing's atexit terminates its daemonic workers
     while frame is not None:
         if frame.f_code.co_name == "_worker_loop":  # torch.utils.data._utils.worker
             done = frame.f_locals.get("done_event")

@@ -164,8 +164,11 @@ def end(state_file: Path, folders: list[Path], job_id: str, exit_status: int, ma
         return exit_status
     left = max_failed_requeues - failures
     log.warning("%s; requeueing (%d more failure(s) without progress allowed)", what, left)
-    for handler in logging.getLogger().handlers:
-        handler.flush()  # scontrol requeue ends this script
+    for handler in logging.getLogger().handlers:  # scontrol requeue ends this script: what was logged goes out first
+        try:
+            handler.flush()
+        except (OSError, ValueError):  # a handler whose stream is already closed has nothing left to write
+            pass
     proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=120)
     if proc.returncode != 0:
         log.error("attempt %d of job %s: scontrol requeue failed: %s", attempt, job_id, proc.stderr.strip())

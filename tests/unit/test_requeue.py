@@ -124,3 +124,22 @@ def test_an_attempt_logs_what_it_resumed_from(tmp_path, requeued, caplog):
     )
     requeue.start(state, [folder], "7", 2)
     assert caplog.messages[-1] == f"attempt 2 of job 7: resuming from step 5 ({path})"
+
+
+def test_a_closed_log_stream_does_not_stop_the_requeue(tmp_path, requeued):
+    """A root handler whose stream is already closed (the flush before scontrol raised ValueError) still requeues."""
+    import io
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    stream.close()
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        folder, state = tmp_path / "ckpt", tmp_path / "logs" / "job-12.requeue.json"
+        requeue.start(state, [folder], "12", 1)
+        _save(folder, 5)
+        assert requeue.end(state, [folder], "12", 1, 3) == 0
+        assert len(requeued) == 1
+    finally:
+        root.removeHandler(handler)

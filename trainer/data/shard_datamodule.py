@@ -48,7 +48,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from trainer.data.shards import ShardError, ShardInfo, ShardMeta, check_compatible, iter_shard, load_manifest
 from trainer.data.sources import check_shards_folder
 from trainer.errors import CheckpointError, DataError, RecipeError
-from trainer.preemption import worker_leaves_stop_signals_to_the_main_process
+from trainer.preemption import stop_signal_worker_init
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +217,7 @@ class ShardLoader(DataLoader):
     def __init__(self, stream: ShardStream, epoch_fn: Callable[[], int], num_workers: int) -> None:
         super().__init__(
             stream, batch_size=None, num_workers=num_workers, persistent_workers=False,
-            worker_init_fn=worker_leaves_stop_signals_to_the_main_process,  # Ctrl-C, SIGTERM: the main process saves
+            worker_init_fn=stop_signal_worker_init(),  # Ctrl-C, SIGTERM: the main process saves
         )  # fmt: skip
         self.epoch_fn = epoch_fn
 

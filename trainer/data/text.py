@@ -79,7 +79,7 @@ from trainer.data.sampler import MixedLengthSampler, ResumableSampler, resume_po
 from trainer.data.sources import DocumentReader, Documents, check_data_paths
 from trainer.data.tokenizer import check_before_reading, load_tokenizer, tokenizer_hash
 from trainer.errors import CheckpointError, DataError, PathError, RecipeError, TokenizerError
-from trainer.preemption import worker_leaves_stop_signals_to_the_main_process
+from trainer.preemption import stop_signal_worker_init
 
 log = logging.getLogger(__name__)
 
@@ -628,7 +628,7 @@ class TextDataModule(L.LightningDataModule):
             drop_last=True,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
-            worker_init_fn=worker_leaves_stop_signals_to_the_main_process,  # Ctrl-C, SIGTERM: the main process saves
+            worker_init_fn=stop_signal_worker_init(),  # Ctrl-C, SIGTERM: the main process saves
         )
 
     def val_dataloader(self) -> DataLoader | list:
@@ -639,7 +639,7 @@ class TextDataModule(L.LightningDataModule):
             return []
         return DataLoader(
             self.val_dataset, batch_size=self.val_batch_size, shuffle=False, num_workers=self.num_workers,
-            worker_init_fn=worker_leaves_stop_signals_to_the_main_process,
+            worker_init_fn=stop_signal_worker_init(),
         )  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
