@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import torch
 from transformers import (
     AutoModelForCausalLM,
@@ -111,3 +112,30 @@ def text_datamodule(corpus, tmp_path, **kw):
 
     kw.setdefault("cache_dir", str(tmp_path / "cache"))
     return TextDataModule(tokenizer=corpus.tokenizer_dir, **kw)
+
+
+class SpeculativeEvalModule(pl.LightningModule):
+    """A minimal module implementing SpeculativeEvalCallback's protocol (the objectives do it through their base
+    class): a frozen random target and a random student of the same vocabulary, trained by plain next-token loss."""
+
+    def __init__(self, vocab: int, dtype: torch.dtype = torch.float64) -> None:
+        super().__init__()
+        self.target_model = tiny_llama(0, vocab, dtype=dtype, eos_token_id=None).requires_grad_(False)
+        self.student = tiny_llama(1, vocab, dtype=dtype, eos_token_id=None)
+
+    def speculative_eval_target(self):
+        return self.target_model
+
+    def trainable_module(self):
+        return self.student
+
+    def drafter_record(self):
+        from trainer.methods.draft_model import kind as hf_causal_lm
+
+        return hf_causal_lm.make_record(self.student, "student", "unused", self.target_model.config)
+
+    def training_step(self, batch, batch_idx):
+        return self.student(input_ids=batch[0], labels=batch[0]).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.student.parameters(), lr=1e-3)

@@ -11,11 +11,10 @@ import pytest
 import torch
 from lightning.pytorch.loggers.logger import Logger
 
-from tests.helpers import tiny_llama
+from tests.helpers import SpeculativeEvalModule
 from trainer.decoding.callback import SpeculativeEvalCallback
 from trainer.decoding.evaluate import evaluate_drafter
 from trainer.errors import DataError, UsageError
-from trainer.methods.draft_model import kind as hf_causal_lm
 from trainer.registry import get_kind
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -32,28 +31,11 @@ def documents() -> list[list[int]]:
     return [[rng.randrange(VOCAB) for _ in range(n)] for n in DOCUMENT_TOKENS]
 
 
-class DraftModule(pl.LightningModule):
+class DraftModule(SpeculativeEvalModule):
     """A float64 target and student implementing the callback's protocol."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.target_model = tiny_llama(0, VOCAB, eos_token_id=None).requires_grad_(False)
-        self.student = tiny_llama(1, VOCAB, eos_token_id=None)
-
-    def speculative_eval_target(self):
-        return self.target_model
-
-    def trainable_module(self):
-        return self.student
-
-    def drafter_record(self):
-        return hf_causal_lm.make_record(self.student, "student", "unused", self.target_model.config)
-
-    def training_step(self, batch, batch_idx):
-        return self.student(input_ids=batch[0], labels=batch[0]).loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.student.parameters(), lr=1e-3)
+        super().__init__(VOCAB)
 
 
 class Collect(Logger):

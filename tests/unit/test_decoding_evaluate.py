@@ -11,7 +11,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from tests.helpers import tiny_llama
+from tests.helpers import SpeculativeEvalModule, tiny_llama
 from trainer.cli import main as draftsmith
 from trainer.decoding.callback import SpeculativeEvalCallback
 from trainer.decoding.eval_cli import build_parser, main
@@ -19,7 +19,6 @@ from trainer.decoding.generate import GenerationResult
 from trainer.decoding.options import ProposerOptions, field_help, options_from_arguments
 from trainer.decoding.proposers import BaseProposer, PromptLookupProposer
 from trainer.errors import UsageError
-from trainer.methods.draft_model import kind as hf_causal_lm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -173,28 +172,11 @@ def test_what_eval_asks_a_proposer_has_its_defaults_in_one_place(saved, tmp_path
     assert not (tmp_path / "t.json").exists()
 
 
-class DraftModule(pl.LightningModule):
-    """A minimal module implementing the callback's protocol (the objectives do it through their base class)."""
+class DraftModule(SpeculativeEvalModule):
+    """The callback's protocol on a float32 target and student of 64 tokens."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.target_model = tiny_llama(0, 64, dtype=torch.float32, eos_token_id=None).requires_grad_(False)
-        self.student = tiny_llama(1, 64, dtype=torch.float32, eos_token_id=None)
-
-    def speculative_eval_target(self):
-        return self.target_model
-
-    def trainable_module(self):
-        return self.student
-
-    def drafter_record(self):
-        return hf_causal_lm.make_record(self.student, "student", "unused", self.target_model.config)
-
-    def training_step(self, batch, batch_idx):
-        return self.student(input_ids=batch[0], labels=batch[0]).loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.student.parameters(), lr=1e-3)
+        super().__init__(64, torch.float32)
 
 
 def test_callback_logs_tau_every_n_steps(tmp_path) -> None:
