@@ -84,3 +84,22 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def torch_extensions_dir() -> str:
+    """One JIT cache for DeepSpeed's C++ ops: $TORCH_EXTENSIONS_DIR, else <repo>/.cache/torch_extensions.
+
+    Builds DeepSpeed's shared-memory collective here, once (one to two minutes on 2 cores when the cache is empty),
+    so that the multi-process runs, under their timeout, only load it.
+    """
+    default = Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions"
+    path = os.environ.get("TORCH_EXTENSIONS_DIR") or str(default)
+    os.environ["TORCH_EXTENSIONS_DIR"] = path
+    Path(path).mkdir(parents=True, exist_ok=True)
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        builder.load(verbose=False)
+    return path

@@ -4,6 +4,7 @@ gradients; refusals name the key."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -67,7 +68,7 @@ print("rank", rank, "target equal", flush=True)
 
 
 @pytest.mark.slow
-def test_ulysses_in_two_processes_equals_one(tmp_path):
+def test_ulysses_in_two_processes_equals_one(tmp_path, torch_extensions_dir):
     """Two gloo processes, each holding 8 of 16 positions, through DeepSpeed's DistributedAttention: around EAGLE-3's
     TTT attention (3 steps, grouped-query heads, a packed row's documents, with and without a window) each rank's
     output and the gradients of its queries, keys and values equal the single process's slice; a Llama target under
@@ -76,7 +77,7 @@ def test_ulysses_in_two_processes_equals_one(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     root = Path(__file__).resolve().parents[2]
-    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}  # PATH: the C++ op's compiler
     result = run_group([sys.executable, str(script)], 600, tmp_path / "logs", nprocs=2, env=env, rank_env=True)
     assert result.ok, result.output[-3000:]
     for rank in (0, 1):
