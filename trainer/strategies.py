@@ -49,19 +49,24 @@ init, about a minute; ``cpu_adam`` for offload, about two): point ``TORCH_EXTENS
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import logging
+import os
+import shutil
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy, Strategy
 from torch import nn
 from torch.distributed.constants import default_pg_timeout
 
-from trainer.checkpoints.sharded import save_folder_atomically
+from trainer.checkpoints.sharded import read_marker, save_folder_atomically
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +148,68 @@ class CPUDeepSpeedStrategy(DeepSpeedStrategy):
             DeepSpeedStrategy.save_checkpoint(self, checkpoint, folder, storage_options)
 
         save_folder_atomically(self, filepath, step, write)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's load; a folder written by another number of ranks (its marker says how many) is first converted
+        to DeepSpeed's universal checkpoint (:func:`universal_checkpoint`, rank 0, once per folder), which the engine
+        loads on any number of ranks, ZeRO-1, 2 and 3 alike, with one line saying so."""
+        folder = Path(checkpoint_path)
+        marker = read_marker(folder) if folder.is_dir() else None
+        written_by = int(marker["world_size"]) if marker and "world_size" in marker else None
+        if written_by is None or written_by == self.world_size:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        rank_zero_info(
+            f"resuming {folder}, written by {written_by} ranks, on {self.world_size}: through DeepSpeed's universal "
+            "checkpoint, which re-partitions the optimizer states"
+        )
+        if self.is_global_zero:
+            universal_checkpoint(folder)
+        self.barrier("draftsmith_universal_checkpoint")
+        engine_config = self.deepspeed_engine._config
+        engine_config.load_universal_checkpoint = True
+        try:
+            return super().load_checkpoint(str(folder / UNIVERSAL), weights_only)
+        finally:
+            engine_config.load_universal_checkpoint = False  # later saves and loads are this run's own
+
+
+UNIVERSAL = "universal"
+"""The subfolder of a DeepSpeed checkpoint folder that holds its universal form, made on the first resume that needs
+it."""
+
+
+def universal_checkpoint(folder: Path) -> Path:
+    """Converts the DeepSpeed checkpoint ``folder`` (Lightning's: its tag ``checkpoint`` and a ``latest`` file) to
+    DeepSpeed's universal checkpoint in ``folder/universal`` (``deepspeed.checkpoint.ds_to_universal``: every
+    parameter's fp32 weights and optimizer states whole, which any world size partitions again), unless done before.
+    Written under a temporary name and renamed when complete; the converter's own output goes to the debug log.
+
+    Returns:
+        The universal folder, which ``engine.load_checkpoint`` reads with ``load_universal_checkpoint`` set.
+    """
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    target = folder / UNIVERSAL
+    if (target / "latest_universal").is_file():
+        return target
+    tag = (folder / "latest").read_text().strip() if (folder / "latest").is_file() else "checkpoint"
+    partial = folder / f".{UNIVERSAL}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    args = argparse.Namespace(
+        input_folder=str(folder / tag),
+        output_folder=str(partial / tag),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,  # Lightning's saves lack the universal-checkpoint info of Megatron's models
+    )
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        ds_to_universal(args)
+    log.debug("ds_to_universal:\n%s", printed.getvalue())
+    os.rename(partial, target)
+    return target
 
 
 def _check_deepspeed_accelerator_is_cpu() -> None:

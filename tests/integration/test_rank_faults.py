@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -69,19 +70,19 @@ class DieAt(L.Callback):
         engine.save_checkpoint = save_then_die
 
 
-def _config(run: Path, callbacks: list[dict]) -> Path:
-    """The fit's config: the toy model and data under ZeRO-2, a checkpoint at every epoch end (last.ckpt too), the
-    probe that writes the end weights."""
+def _config(run: Path, callbacks: list[dict], world: int = WORLD) -> Path:
+    """The fit's config: the toy model and data under ZeRO-2 on ``world`` ranks (the same global batch on any), a
+    checkpoint at every epoch end (last.ckpt too), the probe that writes the end weights."""
     config = {
         "model": {"class_path": "tests.integration._toy_fit.ToyLM"},
         "data": {
             "class_path": "tests.integration._toy_fit.ToyData",
-            "init_args": {"num_samples": STEPS_PER_EPOCH * BATCH * WORLD, "batch_size": BATCH},
+            "init_args": {"num_samples": STEPS_PER_EPOCH * BATCH * WORLD, "batch_size": BATCH * WORLD // world},
         },
         "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
         "trainer": {
             "accelerator": "cpu",
-            "devices": WORLD,
+            "devices": world,
             "num_nodes": 1,
             "max_steps": MAX_STEPS,
             "logger": False,
@@ -93,6 +94,7 @@ def _config(run: Path, callbacks: list[dict]) -> Path:
                     "init_args": {
                         "dirpath": str(run / "checkpoints"),
                         "every_n_train_steps": STEPS_PER_EPOCH,
+                        "save_top_k": -1,  # every epoch's folder kept: a resume may start from any
                         "save_last": True,
                     },
                 },
@@ -106,16 +108,19 @@ def _config(run: Path, callbacks: list[dict]) -> Path:
     return path
 
 
-def _start(run: Path, callbacks: list[dict], resume: bool = False) -> tuple[list[subprocess.Popen], list[Path]]:
-    """Both ranks, each a process with torchrun's environment variables, in one new process group."""
+def _start(
+    run: Path, callbacks: list[dict], resume: bool = False, world: int = WORLD, strategy: str = "deepspeed_zero2"
+) -> tuple[list[subprocess.Popen], list[Path]]:
+    """The ``world`` ranks under ``recipes/_base/<strategy>.yaml``, each a process with torchrun's environment
+    variables, in one new process group."""
     run.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "trainer.cli", "fit", "--config", str(REPO / "recipes/_base/deepspeed_zero2.yaml")]
-    cmd += ["--config", str(_config(run, callbacks))] + (["--ckpt_path", "last"] if resume else [])
+    cmd = [sys.executable, "-m", "trainer.cli", "fit", "--config", str(REPO / f"recipes/_base/{strategy}.yaml")]
+    cmd += ["--config", str(_config(run, callbacks, world))] + (["--ckpt_path", "last"] if resume else [])
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1")
     env.update(PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    env.update(MASTER_PORT=str(free_port()), WORLD_SIZE=str(WORLD), NODE_RANK="0")
+    env.update(MASTER_PORT=str(free_port()), WORLD_SIZE=str(world), NODE_RANK="0")
     procs, logs = [], []
-    for rank in range(WORLD):
+    for rank in range(world):
         log = run / f"rank{rank}-{'resume' if resume else 'fit'}.log"
         with log.open("w") as out:
             group = 0 if not procs else procs[0].pid
@@ -149,8 +154,8 @@ def _output(logs: list[Path]) -> str:
     return "\n".join(f"===== {log.name}\n{log.read_text(errors='replace')[-5000:]}" for log in logs)
 
 
-def _fit(run: Path, callbacks: list[dict], resume: bool = False) -> None:
-    procs, logs = _start(run, callbacks, resume)
+def _fit(run: Path, callbacks: list[dict], resume: bool = False, strategy: str = "deepspeed_zero2") -> None:
+    procs, logs = _start(run, callbacks, resume, strategy=strategy)
     codes = _wait(procs, logs, START_TIMEOUT_S)
     assert codes == [0] * WORLD, f"exit codes {codes}:\n{_output(logs)}"
 
@@ -219,3 +224,36 @@ def test_a_dead_rank_ends_the_job_and_the_last_checkpoint_resumes(uninterrupted,
     _fit(run, [], resume=True)
     assert json.loads((run / "probe" / "rank0.json").read_text())["start_step"] == 4
     _assert_same(_end_weights(run), _end_weights(uninterrupted))
+
+
+def _assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """Equal up to the order of float32 sums: one rank averages the global batch's gradient in one sum, two ranks in
+    two halves, then across ranks."""
+    assert a.keys() == b.keys() and a, sorted(a.keys() ^ b.keys())[:5]
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("strategy", ["deepspeed_zero2", "deepspeed_zero3", "fsdp"])
+def test_a_checkpoint_of_two_ranks_resumes_on_one(strategy, uninterrupted, tmp_path):
+    """The step-4 folder of a 2-rank run, resumed by one rank with the same global batch (8 rows, one step where each
+    rank took 4), ends at the weights of the 2-rank run that went on: a DeepSpeed folder goes through DeepSpeed's
+    universal checkpoint, which merges both ranks' optimizer states; FSDP2's distributed checkpoint is read into the
+    new sharding by torch.distributed.checkpoint itself; the data goes on from the same epoch."""
+    written = tmp_path / "written"
+    if strategy == "deepspeed_zero2":
+        written = uninterrupted
+    else:
+        _fit(written, [], strategy=strategy)
+    run = tmp_path / "run"
+    shutil.copytree(written / "checkpoints" / "epoch=1-step=4.ckpt", run / "checkpoints" / "last.ckpt")
+    assert read_marker(run / "checkpoints" / "last.ckpt") == {"step": 4, "world_size": WORLD}
+    procs, logs = _start(run, [], resume=True, world=1, strategy=strategy)
+    codes = _wait(procs, logs, START_TIMEOUT_S)
+    output = _output(logs)
+    assert codes == [0], f"exit codes {codes}:\n{output}"
+    universal = f"written by {WORLD} ranks, on 1: through DeepSpeed's universal checkpoint"
+    assert (universal in output) == strategy.startswith("deepspeed"), output
+    assert json.loads((run / "probe" / "rank0.json").read_text())["start_step"] == 4
+    _assert_close(_end_weights(run), _end_weights(written))
+    assert read_marker(run / "checkpoints" / "last.ckpt") == {"step": MAX_STEPS, "world_size": 1}
