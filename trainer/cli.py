@@ -42,7 +42,8 @@ A rank that died (kill -9, out of memory, a lost node): the collectives of the o
 connection closes, else after ``--collective_timeout_s``, trainer/recipe.py). Each surviving rank records in the store
 that it is alive; rank 0 waits :data:`PEER_GRACE_S` seconds, prints ``error: rank N of W stopped answering at step S``
 naming the ranks that did not, and every surviving rank exits with :data:`PEER_LOST_STATUS` (1). When rank 0 itself
-died, its store is gone and the other ranks end silently with status 2, as above.
+died, its store no longer answers: rank 1 prints ``error: rank 1: rank 0 of W stopped answering at step S`` and every
+surviving rank exits with status 1 too.
 """
 
 from __future__ import annotations
@@ -185,6 +186,8 @@ def _end(err: Exception) -> int:
     error = user_error_in(err)
     rank, store = _rank_and_store()
     if error is None:
+        if rank and store is not None and _collective_failed(err) and not _answers(store):
+            return _report_rank0_lost(rank)
         if rank is not None and _peer_failed(store, rank):
             return USER_ERROR_STATUS  # a consequence of another rank's error, which that rank reported
         if rank is not None and store is not None and _collective_failed(err):
@@ -280,6 +283,47 @@ def _report_lost_ranks(store, rank: int) -> int | None:
         print(
             f"error: {names} of {world} stopped answering{at} (its process died or was killed); the other ranks "
             "stop too\nhint: resume with --ckpt_path last: the last complete checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
+    _stop_local_ranks()
+    return PEER_LOST_STATUS
+
+
+def _answers(store) -> bool:
+    """Whether the process group's store still answers: a TCP connection to ``MASTER_ADDR:MASTER_PORT`` where the
+    launcher set them (a refused or timed-out one: the host, rank 0, is gone; no store call, whose failure torch
+    logs with a C++ stack), else a call to the store."""
+    import socket
+
+    address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+    if address and port.isdigit():
+        try:
+            socket.create_connection((address, int(port)), timeout=PEER_GRACE_S).close()
+            return True
+        except OSError:
+            return False
+    try:
+        store.check([f"{_ALIVE_KEY}0"])
+        return True
+    except Exception:  # any failure of the store means its host is gone
+        return False
+
+
+def _report_rank0_lost(rank: int) -> int:
+    """A collective failed and rank 0's store no longer answers: rank 0 died (or ended on an error it printed).
+    Rank 1 prints one line saying so; every surviving rank ends with :data:`PEER_LOST_STATUS`."""
+    if rank == 1:
+        from trainer.recipe import DraftsmithCLI
+
+        trainer = DraftsmithCLI.running_trainer
+        at = f" at step {trainer.global_step}" if trainer is not None else ""
+        world = trainer.world_size if trainer is not None else int(os.environ.get("WORLD_SIZE", "2") or 2)
+        sys.stdout.flush()
+        print(
+            f"error: rank 1: rank 0 of {world} stopped answering{at} (its process died or was killed, unless it "
+            "printed an error of its own); the other ranks stop too\nhint: resume with --ckpt_path last: the last "
+            "complete checkpoint",
             file=sys.stderr,
             flush=True,
         )

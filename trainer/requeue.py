@@ -6,10 +6,12 @@ fit ... --ckpt_path last`` and ``python -m trainer.requeue end --exit_status N``
 - ``start`` logs ``attempt N of job J: resuming from step S (PATH)`` (or ``starting from scratch``) and records the
   step in the job's state file (``<log_dir>/<job_name>-<job id>.requeue.json``, which survives a requeue);
 - ``end`` logs the fit's exit status and the step of the last complete checkpoint now. A fit that exited 0 ends the
-  job. A fit that failed (a task killed, a node lost: ``srun --kill-on-bad-exit=1`` ends the whole step when one
-  task dies) requeues the job with ``scontrol requeue``, unless it is the ``max_failed_requeues + 1``-th failure in a
-  row that made no progress (the last complete checkpoint's step is the one it resumed from): then it stops,
-  saying why, and the job ends with the fit's status instead of burning its allocation on the same failure.
+  job, and so does one that exited 2, an error in its input (a recipe key, a path, the data; ``draftsmith`` printed
+  it), which a requeue would meet again. A fit that failed otherwise (a task killed, a node lost: ``srun
+  --kill-on-bad-exit=1`` ends the whole step when one task dies) requeues the job with ``scontrol requeue``, unless
+  it is the ``max_failed_requeues + 1``-th failure in a row that made no progress (the last complete checkpoint's
+  step is the one it resumed from): then it stops, saying why, and the job ends with the fit's status instead of
+  burning its allocation on the same failure.
 
 "The last complete checkpoint" is the one ``--ckpt_path last`` resumes: the newest ``last*.ckpt`` of the recipe's
 ModelCheckpoint folders, leaving out sharded folders without their marker (trainer/checkpoints/sharded.py). Its step
@@ -30,6 +32,9 @@ from pathlib import Path
 from trainer.checkpoints.sharded import read_marker
 
 log = logging.getLogger("trainer.requeue")  # also when run as __main__
+
+USER_ERROR_STATUS = 2
+"""What ``draftsmith`` exits with on an error in its input (trainer/cli.py): never requeued."""
 
 _LAST = re.compile(r"^last(-v?\d+)?\.ckpt$")  # ModelCheckpoint's CHECKPOINT_NAME_LAST, versioned or not
 
@@ -145,6 +150,16 @@ def end(state_file: Path, folders: list[Path], job_id: str, exit_status: int, ma
             _describe(found),
         )
         return 0
+    if exit_status == USER_ERROR_STATUS:
+        log.error(
+            "attempt %d of job %s: the fit ended with exit status %d, an error in its input that it printed above "
+            "(a recipe key, a path, the data); last checkpoint: %s; stopping: a requeue would meet the same error",
+            attempt,
+            job_id,
+            exit_status,
+            _describe(found),
+        )
+        return exit_status
     progress = after is not None and (before is None or after > before)
     failures = 0 if progress else int(state.get("failures_without_progress", 0)) + 1
     state.update(failures_without_progress=failures)

@@ -160,17 +160,21 @@ def _fit(run: Path, callbacks: list[dict], resume: bool = False, strategy: str =
     assert codes == [0] * WORLD, f"exit codes {codes}:\n{_output(logs)}"
 
 
-def _died(run: Path, callbacks: list[dict]) -> str:
-    """A fit in which rank 1 dies: every rank ends non-zero, rank 0 within ENDS_WITHIN_S of rank 1's death."""
+def _died(run: Path, callbacks: list[dict], dead: int = 1) -> str:
+    """A fit in which rank ``dead`` dies: every rank ends non-zero, the other within ENDS_WITHIN_S of the death, with
+    status 1; returns the other rank's output."""
     procs, logs = _start(run, callbacks)
-    codes = _wait([procs[1]], logs, START_TIMEOUT_S)  # rank 1 dies on its own
-    assert codes == [1], f"rank 1 did not die as asked: {codes}:\n{_output(logs)}"
+    other = 1 - dead
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while procs[dead].poll() is None and time.monotonic() < deadline:  # the rank dies on its own
+        time.sleep(0.2)
     died = time.monotonic()
     codes = _wait(procs, logs, ENDS_WITHIN_S)
-    assert codes[0] is not None, f"rank 0 still ran {ENDS_WITHIN_S:g} s after rank 1 died:\n{_output(logs)}"
+    assert codes[dead] == 1, f"rank {dead} did not die as asked: {codes}:\n{_output(logs)}"
+    assert codes[other] is not None, f"rank {other} ran {ENDS_WITHIN_S:g} s after rank {dead} died:\n{_output(logs)}"
     assert time.monotonic() - died < ENDS_WITHIN_S
-    assert all(code not in (None, 0) for code in codes), f"exit codes {codes}:\n{_output(logs)}"
-    return logs[0].read_text(errors="replace")
+    assert codes == [1, 1], f"exit codes {codes}:\n{_output(logs)}"
+    return logs[other].read_text(errors="replace")
 
 
 def _end_weights(run: Path) -> dict[str, torch.Tensor]:
@@ -232,6 +236,18 @@ def _assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> Non
     assert a.keys() == b.keys() and a, sorted(a.keys() ^ b.keys())[:5]
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_a_dead_rank_0_ends_the_other_ranks_with_one_line(tmp_path):
+    """Rank 0 hosts the process group's store: when it dies, rank 1 (whose collective fails, and whose store calls
+    fail too) says so in one line and ends with status 1."""
+    run = tmp_path / "run"
+    die = {"class_path": f"{__name__}.DieAt", "init_args": {"step": 5, "rank": 0}}
+    output = _died(run, [die], dead=0)
+    lines = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert lines == [f"error: rank 1: rank 0 of {WORLD} stopped answering at step 5 (its process died or was killed, "
+                     "unless it printed an error of its own); the other ranks stop too"], output[-4000:]  # fmt: skip
+    assert "Traceback" not in output, output[-4000:]
 
 
 @pytest.mark.parametrize("strategy", ["deepspeed_zero2", "deepspeed_zero3", "fsdp"])
