@@ -306,23 +306,29 @@ def recorded_batches(run: Path) -> dict[tuple[int, int], str]:
 
 
 class WaitAtStep(L.Callback):
-    """At the end of the batch that reaches ``step``, touch ``<marker>.<rank>`` and wait until ``release`` exists:
-    gives a test a fixed point to signal or kill a run at, whatever the machine's speed."""
+    """At the end of the batch that reaches ``step``, touch ``<marker>.<rank>`` and wait until ``release`` exists, or
+    without ``release`` until the run's PreemptionCheckpoint has received a signal (SLURM's USR1 before a real time
+    limit): gives a test a fixed point to signal or kill a run at, whatever the machine's speed."""
 
-    def __init__(self, step: int, marker: str, release: str, timeout: float = 600.0) -> None:
+    def __init__(self, step: int, marker: str, release: str | None = None, timeout: float = 600.0) -> None:
         """Args: step: global step to wait at; marker: path prefix of the "waiting" files; release: the file that
-        ends the wait; timeout: seconds before waiting stops anyway."""
+        ends the wait (None: a signal ends it); timeout: seconds before waiting stops anyway."""
         self.step = step
         self.marker = marker
-        self.release = Path(release)
+        self.release = None if release is None else Path(release)
         self.timeout = timeout
 
+    def _released(self, trainer) -> bool:
+        if self.release is not None:
+            return self.release.exists()
+        return any(getattr(callback, "_received", None) for callback in trainer.callbacks)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        if trainer.global_step != self.step or self.release.exists():
+        if trainer.global_step != self.step or self._released(trainer):
             return
         Path(f"{self.marker}.{trainer.global_rank}").touch()
         deadline = time.monotonic() + self.timeout
-        while not self.release.exists() and time.monotonic() < deadline:
+        while not self._released(trainer) and time.monotonic() < deadline:
             time.sleep(0.05)
 
 

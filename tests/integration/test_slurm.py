@@ -59,12 +59,12 @@ def cluster(tmp_path_factory):
                 os.environ[key] = value
 
 
-def _submit(run: Path, override: dict, name: str, extra: tuple[str, ...] = ()) -> str:
+def _submit(run: Path, override: dict, name: str, extra: tuple[str, ...] = (), time_limit: str = "00:30:00") -> str:
     """`draftsmith slurm submit` for a 2-task CPU job of the KD recipe; returns the printed job id."""
     run.mkdir(parents=True, exist_ok=True)
     override_file = write_override(run / "override.yaml", override)
     argv = ["submit", "--config", str(RECIPES / "quickstart/kd.yaml"), "--config", str(override_file)]
-    argv += ["--nodes", "1", "--gpus_per_node", "0", "--tasks_per_node", str(TASKS), "--time", "00:30:00"]
+    argv += ["--nodes", "1", "--gpus_per_node", "0", "--tasks_per_node", str(TASKS), "--time", time_limit]
     argv += ["--job_name", name, "--workdir", str(run), "--log_dir", "logs", *extra]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -230,3 +230,39 @@ def test_a_job_that_fails_at_the_same_step_stops_after_the_limit(cluster, tiny_c
         in lines[-1]
     )
     assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == EVERY_N
+
+
+TIME_LIMIT_ENV = "DRAFTSMITH_TEST_TIME_LIMIT"
+
+
+@pytest.mark.skipif(
+    os.environ.get(TIME_LIMIT_ENV) != "1", reason=f"a real time limit takes minutes: set {TIME_LIMIT_ENV}=1"
+)
+def test_a_job_at_its_time_limit_checkpoints_requeues_and_resumes(
+    cluster, uninterrupted, tiny_corpus, tiny_target, tmp_path
+):
+    """A 3-minute job whose ranks wait at step 7 until slurmctld itself sends USR1, 60 s before the limit
+    (``--signal_lead 60``; SLURM may send it up to a minute early): the fit saves, requeues, and the next run ends on
+    the batches and weights of the uninterrupted job."""
+    reference, _, _ = uninterrupted
+    run = tmp_path / "run"
+    run.mkdir()
+    wait = {"class_path": "tests.slurm_cluster.WaitAtStep", "init_args": {"step": 7, "marker": str(run / "waiting")}}
+    override = kd_job_override(run, tiny_corpus, tiny_target, MAX_STEPS, EVERY_N, batch_size=2, extra_callbacks=(wait,))
+    job_id = _submit(run, override, "kd-time-limit", ("--signal_lead", "60"), time_limit="00:03:00")
+    try:
+        info = cluster.wait_state(job_id, {"COMPLETED"}, timeout=JOB_TIMEOUT)
+    except RuntimeError as err:
+        pytest.fail(f"{err}\n{_job_log(run, 'kd-time-limit', job_id)[-6000:]}")
+    log = _job_log(run, "kd-time-limit", job_id)
+
+    assert all(Path(f"{run / 'waiting'}.{rank}").exists() for rank in range(TASKS)), log[-4000:]
+    assert int(info["Restarts"]) == 1, log[-4000:]
+    assert "received SIGUSR1" in log and "preemption: saved" in log and "requeued SLURM job" in log
+    lines = _attempt_lines(log)
+    assert f"attempt 2 of job {job_id}: resuming from step 7 (" in "\n".join(lines), "\n".join(lines)
+    assert recorded_batches(run) == recorded_batches(reference)
+    a, b = load_file(reference / "student" / "model.safetensors"), load_file(run / "student" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs from the uninterrupted job"
