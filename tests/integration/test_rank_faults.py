@@ -57,17 +57,22 @@ class DieAt(L.Callback):
             os._exit(1)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        # the checkpoint callbacks run after this one: patch the engine just before they save
+        # the checkpoint callbacks run after this one: patch the writer of this rank's files just before they save
         if not self.during_save or trainer.global_step != self.step or trainer.global_rank != self.rank:
             return
-        engine = trainer.strategy.deepspeed_engine
-        save = engine.save_checkpoint
+        if hasattr(trainer.strategy, "deepspeed_engine"):
+            owner, name = trainer.strategy.deepspeed_engine, "save_checkpoint"
+        else:  # FSDP2: Lightning's ModelParallelStrategy writes through torch.distributed.checkpoint
+            import lightning.pytorch.strategies.model_parallel as owner
+
+            name = "_distributed_checkpoint_save"
+        save = getattr(owner, name)
 
         def save_then_die(*args, **kwargs):
             save(*args, **kwargs)
             os._exit(1)
 
-        engine.save_checkpoint = save_then_die
+        setattr(owner, name, save_then_die)
 
 
 def _config(run: Path, callbacks: list[dict], world: int = WORLD) -> Path:
@@ -160,10 +165,10 @@ def _fit(run: Path, callbacks: list[dict], resume: bool = False, strategy: str =
     assert codes == [0] * WORLD, f"exit codes {codes}:\n{_output(logs)}"
 
 
-def _died(run: Path, callbacks: list[dict], dead: int = 1) -> str:
+def _died(run: Path, callbacks: list[dict], dead: int = 1, strategy: str = "deepspeed_zero2") -> str:
     """A fit in which rank ``dead`` dies: every rank ends non-zero, the other within ENDS_WITHIN_S of the death, with
     status 1; returns the other rank's output."""
-    procs, logs = _start(run, callbacks)
+    procs, logs = _start(run, callbacks, strategy=strategy)
     other = 1 - dead
     deadline = time.monotonic() + START_TIMEOUT_S
     while procs[dead].poll() is None and time.monotonic() < deadline:  # the rank dies on its own
@@ -194,10 +199,19 @@ def uninterrupted(tmp_path_factory, torch_extensions_dir) -> Path:
     return run
 
 
-def test_a_rank_killed_during_a_sharded_save_leaves_the_previous_checkpoint(uninterrupted, tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted_fsdp(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("uninterrupted_fsdp") / "run"
+    _fit(run, [], strategy="fsdp")
+    return run
+
+
+@pytest.mark.parametrize("strategy", ["deepspeed_zero2", "fsdp"])
+def test_a_rank_killed_during_a_sharded_save_leaves_the_previous_checkpoint(strategy, request, tmp_path):
+    uninterrupted = request.getfixturevalue("uninterrupted" if strategy == "deepspeed_zero2" else "uninterrupted_fsdp")
     run = tmp_path / "run"
     die = {"class_path": f"{__name__}.DieAt", "init_args": {"step": 4, "during_save": True}}
-    _died(run, [die])
+    _died(run, [die], strategy=strategy)
     folder = run / "checkpoints"
     assert read_marker(folder / "last.ckpt") == {"step": 2, "world_size": WORLD}
     partial = [p for p in folder.iterdir() if p.name.endswith(".partial")]
@@ -205,7 +219,7 @@ def test_a_rank_killed_during_a_sharded_save_leaves_the_previous_checkpoint(unin
     assert not (partial[0] / MARKER).exists()
     assert not (folder / "epoch=1-step=4.ckpt").exists()
 
-    procs, logs = _start(run, [], resume=True)
+    procs, logs = _start(run, [], resume=True, strategy=strategy)
     codes = _wait(procs, logs, START_TIMEOUT_S)
     assert codes == [0] * WORLD, f"exit codes {codes}:\n{_output(logs)}"
     resumed = logs[0].read_text(errors="replace")
@@ -251,16 +265,16 @@ def test_a_dead_rank_0_ends_the_other_ranks_with_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("strategy", ["deepspeed_zero2", "deepspeed_zero3", "fsdp"])
-def test_a_checkpoint_of_two_ranks_resumes_on_one(strategy, uninterrupted, tmp_path):
+def test_a_checkpoint_of_two_ranks_resumes_on_one(strategy, request, tmp_path):
     """The step-4 folder of a 2-rank run, resumed by one rank with the same global batch (8 rows, one step where each
     rank took 4), ends at the weights of the 2-rank run that went on: a DeepSpeed folder goes through DeepSpeed's
     universal checkpoint, which merges both ranks' optimizer states; FSDP2's distributed checkpoint is read into the
     new sharding by torch.distributed.checkpoint itself; the data goes on from the same epoch."""
-    written = tmp_path / "written"
-    if strategy == "deepspeed_zero2":
-        written = uninterrupted
-    else:
+    if strategy == "deepspeed_zero3":
+        written = tmp_path / "written"
         _fit(written, [], strategy=strategy)
+    else:
+        written = request.getfixturevalue("uninterrupted" if strategy == "deepspeed_zero2" else "uninterrupted_fsdp")
     run = tmp_path / "run"
     shutil.copytree(written / "checkpoints" / "epoch=1-step=4.ckpt", run / "checkpoints" / "last.ckpt")
     assert read_marker(run / "checkpoints" / "last.ckpt") == {"step": 4, "world_size": WORLD}
