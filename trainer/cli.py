@@ -54,11 +54,10 @@ import signal
 import sys
 import time
 
-from trainer.errors import DEBUG_ENV, UserError, debugging, error_report, user_error_in
+from trainer.errors import DEBUG_ENV, USER_ERROR_STATUS, UserError, debugging, error_report, user_error_in
 from trainer.output import adopt_library_loggers, configure_logging
 
 DEBUG_FLAG = "--debug"
-USER_ERROR_STATUS = 2
 PEER_GRACE_S = 5.0  # how long a rank other than 0 waits for rank 0's record of the same error before printing its own
 _STORE_KEY = "draftsmith/user_error/"
 
@@ -279,13 +278,7 @@ def _report_lost_ranks(store, rank: int) -> int | None:
         trainer = DraftsmithCLI.running_trainer
         at = f" at step {trainer.global_step}" if trainer is not None else ""
         names = f"rank {lost[0]}" if len(lost) == 1 else "ranks " + ", ".join(str(r) for r in lost)
-        sys.stdout.flush()
-        print(
-            f"error: {names} of {world} stopped answering{at} (its process died or was killed); the other ranks "
-            "stop too\nhint: resume with --ckpt_path last: the last complete checkpoint",
-            file=sys.stderr,
-            flush=True,
-        )
+        _print_lost(f"error: {names} of {world} stopped answering{at} (its process died or was killed)")
     _stop_local_ranks()
     return PEER_LOST_STATUS
 
@@ -319,16 +312,22 @@ def _report_rank0_lost(rank: int) -> int:
         trainer = DraftsmithCLI.running_trainer
         at = f" at step {trainer.global_step}" if trainer is not None else ""
         world = trainer.world_size if trainer is not None else int(os.environ.get("WORLD_SIZE", "2") or 2)
-        sys.stdout.flush()
-        print(
+        _print_lost(
             f"error: rank 1: rank 0 of {world} stopped answering{at} (its process died or was killed, unless it "
-            "printed an error of its own); the other ranks stop too\nhint: resume with --ckpt_path last: the last "
-            "complete checkpoint",
-            file=sys.stderr,
-            flush=True,
+            "printed an error of its own)"
         )
     _stop_local_ranks()
     return PEER_LOST_STATUS
+
+
+def _print_lost(error: str) -> None:
+    """The lines a surviving rank ends a lost peer with: ``error`` (who stopped answering), then what to do."""
+    sys.stdout.flush()
+    print(
+        f"{error}; the other ranks stop too\nhint: resume with --ckpt_path last: the last complete checkpoint",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _rank_and_store():

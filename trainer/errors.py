@@ -17,6 +17,8 @@ import os
 
 HINT_PREFIX = "hint: "
 DEBUG_ENV = "DRAFTSMITH_DEBUG"
+USER_ERROR_STATUS = 2
+"""The exit status of a command that ended on a :class:`UserError` (the SLURM requeue loop never requeues it)."""
 
 
 class UserError(Exception):

@@ -30,11 +30,9 @@ import sys
 from pathlib import Path
 
 from trainer.checkpoints.sharded import read_marker
+from trainer.errors import USER_ERROR_STATUS
 
 log = logging.getLogger("trainer.requeue")  # also when run as __main__
-
-USER_ERROR_STATUS = 2
-"""What ``draftsmith`` exits with on an error in its input (trainer/cli.py): never requeued."""
 
 _LAST = re.compile(r"^last(-v?\d+)?\.ckpt$")  # ModelCheckpoint's CHECKPOINT_NAME_LAST, versioned or not
 

@@ -66,7 +66,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelPa
 from torch import nn
 from torch.distributed.constants import default_pg_timeout
 
-from trainer.checkpoints.sharded import read_marker, save_folder_atomically
+from trainer.checkpoints.sharded import partial_folder, read_marker, save_folder_atomically
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ def universal_checkpoint(folder: Path) -> Path:
     if (target / "latest_universal").is_file():
         return target
     tag = (folder / "latest").read_text().strip() if (folder / "latest").is_file() else "checkpoint"
-    partial = folder / f".{UNIVERSAL}.partial"
+    partial = partial_folder(target)
     shutil.rmtree(partial, ignore_errors=True)
     args = argparse.Namespace(
         input_folder=str(folder / tag),
