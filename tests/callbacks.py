@@ -10,8 +10,8 @@ import lightning as L
 
 
 class RecordBatches(L.Callback):
-    """Appends one line per training batch to ``path``: the global step, the rank, a hash of the batch's input ids
-    and one hash per row."""
+    """Appends one line per training batch to ``path``: the global step, the rank, a hash of the batch's input ids,
+    one hash per row, and with document masking the number of documents in each row."""
 
     def __init__(self, path: str) -> None:
         self.path = Path(path)
@@ -21,6 +21,8 @@ class RecordBatches(L.Callback):
         digest = hashlib.sha256(ids.tobytes()).hexdigest()[:16]
         rows = [hashlib.sha256(row.tobytes()).hexdigest()[:16] for row in ids]
         record = {"step": trainer.global_step, "rank": trainer.global_rank, "batch": digest, "rows": rows}
+        if "document_ids" in batch:  # packed rows with document masking: the documents in each row
+            record["documents"] = [int(row.max()) + 1 for row in batch["document_ids"]]
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
 
@@ -35,3 +37,25 @@ class StopAtStep(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if trainer.global_step >= self.step:
             trainer.should_stop = True
+
+
+class RecordGradNorm(L.Callback):
+    """Appends one line per optimizer step to ``path``: the global step, the rank and the L2 norm of the trained
+    parameters' gradients as the optimizer receives them (after the ranks' reduction; strategies that keep gradients
+    in their own buffers, as DeepSpeed ZeRO, leave ``.grad`` empty: nothing is written)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        import torch
+
+        grads = [p.grad.detach().double().norm() for p in pl_module.parameters() if p.grad is not None]
+        if grads:
+            record = {
+                "step": trainer.global_step,
+                "rank": trainer.global_rank,
+                "norm": float(torch.stack(grads).norm()),
+            }
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")

@@ -139,7 +139,8 @@ class PlannedStep:
             (:func:`target_scores` of its attention implementation; 0 without a target forward).
         sequence_parallel: ranks P sharing each row under DeepSpeed-Ulysses (trainer/sequence_parallel.py): each
             holds ``seq / P`` positions (:attr:`tokens`) and attends over the whole row with ``1 / P`` of the heads;
-            the target's ``ulysses_sdpa`` builds no mask. 1: none.
+            the target's ``ulysses_sdpa`` builds the whole row's boolean ``[B, 1, S, S]`` mask for a packed row's
+            documents (an upper bound, as for sdpa: a row of one document gets none). 1: none.
     """
 
     batch: int
@@ -201,7 +202,9 @@ class PlannedStep:
             shards=objective.target_signals == "shards",
             device=device,
             target_scores=0
-            if target_model is None or sequence_parallel > 1
+            if target_model is None
+            else batch * seq * seq  # ulysses_sdpa: the whole row's boolean document mask (a packed row)
+            if sequence_parallel > 1
             else target_scores(target_model.config, batch, seq, a_t),
             sequence_parallel=sequence_parallel,
         )

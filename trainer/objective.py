@@ -147,6 +147,9 @@ class DraftObjective(L.LightningModule):
     # Whether every forward of this objective over the batch (target and drafter) passes the batch's document_ids
     # (trainer/documents.py) to its attention; otherwise data.document_masking is refused (check_document_masking).
     honours_document_ids: ClassVar[bool] = False
+    # Ranks sharing each row under sequence parallelism (trainer/sequence_parallel.py): the samplers give them the same
+    # rows. 1 (none) unless an objective that trains so takes it as an argument (EAGLE-3's model.sequence_parallel).
+    sequence_parallel: int = 1
 
     def __init__(self, optim: Optim = Optim()) -> None:
         """

@@ -49,6 +49,7 @@ from trainer.data.shards import ShardError, ShardInfo, ShardMeta, check_compatib
 from trainer.data.sources import check_shards_folder
 from trainer.errors import CheckpointError, DataError, RecipeError
 from trainer.preemption import stop_signal_worker_init
+from trainer.sequence_parallel import data_parallel_rank_world
 
 log = logging.getLogger(__name__)
 
@@ -342,9 +343,9 @@ class ShardDataModule(L.LightningDataModule):
             yield np.stack(ids), np.stack(trained)
 
     def _rank_world(self) -> tuple[int, int]:
-        if self.trainer is None:
-            return 0, 1
-        return int(self.trainer.global_rank), int(self.trainer.world_size)
+        """(rank, world size) among the data-parallel replicas: the ranks sharing rows under sequence parallelism
+        read the same rows."""
+        return data_parallel_rank_world(self.trainer)
 
     def manifest_digest(self) -> str:
         return hashlib.sha256("".join(s.sha256 for s in self.shard_list).encode()).hexdigest()[:16]

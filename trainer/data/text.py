@@ -64,7 +64,7 @@ from typing import Any, Literal
 
 import lightning as L
 import numpy as np
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 from trainer.data.packing import (
     MixedRows,
@@ -80,6 +80,7 @@ from trainer.data.sources import DocumentReader, Documents, check_data_paths
 from trainer.data.tokenizer import check_before_reading, load_tokenizer, tokenizer_hash
 from trainer.errors import CheckpointError, DataError, PathError, RecipeError, TokenizerError
 from trainer.preemption import stop_signal_worker_init
+from trainer.sequence_parallel import data_parallel_rank_world
 
 log = logging.getLogger(__name__)
 
@@ -585,10 +586,9 @@ class TextDataModule(L.LightningDataModule):
         self.val_dataset = TokenRows(*rows["val"]) if "val" in rows else None
 
     def _rank_world(self) -> tuple[int, int]:
-        trainer = self.trainer
-        if trainer is None:
-            return 0, 1
-        return int(trainer.global_rank), int(trainer.world_size)
+        """(rank, world size) among the data-parallel replicas: the ranks sharing rows under sequence parallelism
+        read the same rows."""
+        return data_parallel_rank_world(self.trainer)
 
     def train_dataloader(self) -> DataLoader:
         """The training loader: resumable, rank-aware order over `train_dataset` (drops a ragged last batch)."""
@@ -637,9 +637,13 @@ class TextDataModule(L.LightningDataModule):
             self.setup("validate")
         if self.val_dataset is None:
             return []
+        rank, replicas = self._rank_world()
+        sampler = None  # Lightning's own distributed sampler over every rank
+        if self.trainer is not None and replicas < self.trainer.world_size:  # sequence parallel: a group reads a row
+            sampler = DistributedSampler(self.val_dataset, num_replicas=replicas, rank=rank, shuffle=False)
         return DataLoader(
-            self.val_dataset, batch_size=self.val_batch_size, shuffle=False, num_workers=self.num_workers,
-            worker_init_fn=stop_signal_worker_init(),
+            self.val_dataset, batch_size=self.val_batch_size, shuffle=False, sampler=sampler,
+            num_workers=self.num_workers, worker_init_fn=stop_signal_worker_init(),
         )  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:

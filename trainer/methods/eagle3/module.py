@@ -22,7 +22,7 @@ that training-time test (:func:`ttt_attention`) and cached drafting (:func:`mask
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -502,6 +502,7 @@ class Eagle3Drafter(nn.Module):
         values: Sequence[torch.Tensor],
         impl: Impl = "dense",
         documents: torch.Tensor | None = None,
+        attention: Callable[..., torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """One training-time-test step ``i = len(keys)`` over every element of a row.
 
@@ -514,6 +515,9 @@ class Eagle3Drafter(nn.Module):
             keys, values: the keys and values of steps 0..i-1, each [B, nkv, S, D].
             impl: the TTT attention's implementation (see :func:`ttt_attention`).
             documents: [B, S] the document of every element (trainer/documents.py), or None (one document).
+            attention: ``attention(q, keys, values, window, documents)`` in place of :func:`ttt_attention` with
+                ``impl`` (sequence parallelism: that attention over the whole row, each rank holding a slice of its
+                elements; ``documents`` are then the whole row's), or None.
 
         Returns:
             out [B, S, H] (the next step's features), logits [B, S, Vd], and this step's (k, v).
@@ -521,7 +525,10 @@ class Eagle3Drafter(nn.Module):
         embeds = embedding(tokens).to(hidden.dtype)  # [B, S, H]
         cos, sin = self.rope(hidden, positions)
         q, k, v = self.midlayer.qkv(embeds, hidden, cos, sin)
-        attn = ttt_attention(q, [*keys, k], [*values, v], impl, self.config.window, documents)  # [B, nh, S, D]
+        if attention is None:
+            attn = ttt_attention(q, [*keys, k], [*values, v], impl, self.config.window, documents)  # [B, nh, S, D]
+        else:
+            attn = attention(q, [*keys, k], [*values, v], self.config.window, documents)
         out, logits = self.outputs(self.midlayer.finish(hidden, attn))
         return out, logits, k, v
 

@@ -72,7 +72,7 @@ from trainer.errors import RecipeError
 from trainer.methods.eagle3 import kind as eagle3_kind
 from trainer.methods.eagle3 import vocab_map
 from trainer.methods.eagle3.labels import check_argmax_weight, check_loss, mix_argmax
-from trainer.methods.eagle3.module import Eagle3Config, Eagle3Drafter
+from trainer.methods.eagle3.module import Eagle3Config, Eagle3Drafter, ttt_attention
 from trainer.objective import (
     DataRequirements,
     DraftObjective,
@@ -82,9 +82,21 @@ from trainer.objective import (
     count_params,
 )
 from trainer.registry import DrafterRecord
+from trainer.sequence_parallel import (
+    SequenceParallel,
+    check_sequence_parallel,
+    register_ulysses_sdpa,
+    ulysses_attention,
+    whole_row_target,
+)
 from trainer.target import resolve_dtype
 
 log = logging.getLogger(__name__)
+
+
+def _ttt_attention_of(impl: Impl, q, keys, values, window, documents) -> torch.Tensor:
+    """:func:`ttt_attention` with ``impl`` first, as :func:`ulysses_attention` wraps it."""
+    return ttt_attention(q, keys, values, impl, window, documents)
 
 
 class Eagle3(DraftObjective):
@@ -128,6 +140,7 @@ class Eagle3(DraftObjective):
         fc_norm: bool = False,
         norm_output: bool = False,
         window: int | None = None,
+        sequence_parallel: int = 1,
         optim: Optim = Optim(),
     ) -> None:
         """
@@ -181,6 +194,12 @@ class Eagle3(DraftObjective):
                 every earlier key. Exported as the layer config's ``sliding_window`` and ``layer_types`` in the
                 speculators format; the native format refuses it. With ``init_from`` it replaces the window the
                 drafter was trained with (a mask, not a weight).
+            sequence_parallel: ranks sharing each row under DeepSpeed-Ulysses (trainer/sequence_parallel.py), for rows
+                longer than one GPU holds: each holds S / P consecutive positions of every row, the target and the
+                drafter attending over the whole row with 1 / P of the heads; the ranks of a group read the same rows,
+                so the data-parallel replicas are world / P. 1 (the default): none. Needs an online target, DDP or
+                DeepSpeed, P dividing the world size, both models' key/value heads and the rows' lengths, and rows of
+                at least P * ttt_steps tokens.
             optim: optimizer and learning-rate schedule.
         """
         super().__init__(optim)
@@ -194,6 +213,16 @@ class Eagle3(DraftObjective):
         self.ttt_steps, self.step_decay, self.labels, self.ttt_inputs = ttt_steps, step_decay, labels, ttt_inputs
         self.recompute, self.attention = recompute, attention
         check_window(window, "model.window")
+        if isinstance(sequence_parallel, bool) or sequence_parallel < 1:
+            raise RecipeError(f"model.sequence_parallel={sequence_parallel!r}: a positive number of ranks (1: none)")
+        if sequence_parallel > 1 and target_signals != "online":
+            raise RecipeError(
+                f"model.sequence_parallel={sequence_parallel} needs target_signals: online (the target runs on each "
+                "rank's slice of the row); shards hold whole rows"
+            )
+        self.sequence_parallel = sequence_parallel
+        self._sp: SequenceParallel | None = None  # built in setup
+        self._ttt_ulysses: Callable[..., torch.Tensor] | None = None
         frozen = self.load_target(target, target_signals, target_dtype, trust_remote_code)
         flags = self.norm_flags(
             norm_before_residual=norm_before_residual,
@@ -270,9 +299,12 @@ class Eagle3(DraftObjective):
         )
 
     def setup(self, stage: str) -> None:
-        """The data's checks, then the draft vocabulary counted on the training rows (unless ``init_from`` gave it)."""
+        """The data's checks, the sequence-parallel groups, then the draft vocabulary counted on the training rows
+        (unless ``init_from`` gave it)."""
         super().setup(stage)
         datamodule = self.attached_datamodule()
+        if self.sequence_parallel > 1 and self._sp is None:
+            self._setup_sequence_parallel(datamodule)
         if self.vocab_fixed:
             return
         if self.target_signals == "shards":
@@ -285,6 +317,38 @@ class Eagle3(DraftObjective):
                 "train_dataset with ids and trained arrays (or pass model.init_from)"
             )
         self.build_vocab_map(dataset.ids, dataset.trained)
+
+    def _setup_sequence_parallel(self, datamodule) -> None:
+        """Refuses what Ulysses cannot run here, naming the key, then builds the groups and the whole-row attentions
+        of the target (:func:`register_ulysses_sdpa`) and of the training-time test."""
+        from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+
+        size, key = self.sequence_parallel, "model.sequence_parallel"
+        config, text = self.drafter.config, self.target.config
+        text = text.get_text_config() if hasattr(text, "get_text_config") else text
+        if getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True):
+            raise RecipeError(f"{key}={size}: the target has sliding-window layers, which the whole-row attention "
+                              "does not apply")  # fmt: skip
+        for rows_key in ("seq_len", "long_seq_len"):  # the text datamodule's row lengths (None: no long rows)
+            rows = getattr(datamodule, rows_key, None)
+            if rows is None:
+                continue
+            for kv_heads in (config.num_key_value_heads, text.num_key_value_heads):  # the drafter's, the target's
+                check_sequence_parallel(size, kv_heads, int(rows), key, f"data.{rows_key}")
+            if rows // size < self.ttt_steps:
+                raise RecipeError(f"{key}={size}: rows of {rows} tokens leave {rows // size} positions per rank, "
+                                  f"fewer than ttt_steps={self.ttt_steps}")  # fmt: skip
+        if not isinstance(self.trainer.strategy, (DDPStrategy, DeepSpeedStrategy)):
+            raise RecipeError(
+                f"{key}={size} runs under DDP or DeepSpeed (recipes/_base/ddp.yaml, deepspeed_zero*.yaml), not "
+                f"{type(self.trainer.strategy).__name__}"
+            )
+        self._sp = SequenceParallel.build(size, key)
+        register_ulysses_sdpa(self._sp.group)
+        impl = self.attention
+        self._ttt_ulysses = ulysses_attention(partial(_ttt_attention_of, impl), self._sp.group)
+        if self.trainer.is_global_zero:
+            log.info("%s: sequence parallel over %d ranks per row (DeepSpeed-Ulysses)", self.method_name, size)
 
     def build_vocab_map(self, ids, trained, chunk_rows: int = 4096) -> None:
         """:meth:`install_vocab_map` of [R, S + 1] ``ids`` and ``trained`` arrays, read ``chunk_rows`` at a time."""
@@ -300,8 +364,9 @@ class Eagle3(DraftObjective):
         """
         cfg = self.drafter.config
         share = vocab_map.install_vocab_map(self.drafter, self.target.lm_head_weight, rows)
-        log.info("%s draft vocabulary: %d of %d tokens, %.3f of the trained labels", self.method_name,
-                 cfg.draft_vocab_size, cfg.vocab_size, share)  # fmt: skip
+        if self._trainer is None or self.trainer.is_global_zero:
+            log.info("%s draft vocabulary: %d of %d tokens, %.3f of the trained labels", self.method_name,
+                     cfg.draft_vocab_size, cfg.vocab_size, share)  # fmt: skip
 
     # ---- training ------------------------------------------------------------------------------------------------
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -309,11 +374,44 @@ class Eagle3(DraftObjective):
         # [B, S] packed rows with document masking, else absent (shard batches never carry it: precompute refuses
         # data.document_masking, and target_signals: shards takes a ShardDataModule only)
         documents = batch.get("document_ids")
+        if self._sp is not None:
+            return self._sequence_parallel_loss(ids, batch["loss_mask"], documents)
         if self.target_signals == "shards":
             signals = self._shard_signals(batch)
         else:
             signals = self._online_signals(ids, documents)
         return self._ttt_loss(ids, batch["loss_mask"], *signals, documents=documents)
+
+    def _sequence_parallel_loss(
+        self, ids: torch.Tensor, loss_mask: torch.Tensor, documents: torch.Tensor | None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The training-time-test loss of this rank's slice of the batch's rows (every rank of the group holds the
+        whole rows' ``ids``, ``loss_mask`` and ``documents`` [B, S]): the target runs on the slice's positions, the
+        labels of the slice's last elements (at most ``ttt_steps`` positions ahead) come from the next rank, and the
+        loss's value is the group's while its gradient is this rank's share of it times the group size (gradients are
+        averaged over every rank)."""
+        sp = self._sp
+        B, S = ids.shape
+        part = sp.part(S)
+        steps = min(self.ttt_steps, S - 1)
+        self.count_tokens(B * (part.stop - part.start))  # the group's ranks read the same rows
+        positions = torch.arange(S, device=ids.device).expand(B, S)  # [B, S]
+        if documents is not None:
+            positions = document_positions(documents)
+        with_mass = not self.loss_spec.is_kl or self.metrics_due()
+        with whole_row_target(self.target.model, documents):
+            hidden, argmax, probs, mass = vocab_map.online_target_signals(
+                self.target, ids[:, part], self.drafter, self.labels == "soft", with_mass,
+                position_ids=positions[:, part],
+            )  # fmt: skip
+        fused = self.drafter.fuse(hidden)  # [B, S / P, H]: every position of the slice is an element
+
+        def ahead(x: torch.Tensor) -> torch.Tensor:  # [B, S / P, ...] -> [B, S / P + steps, ...]
+            return torch.cat([x, sp.following(x, steps)], dim=1)
+
+        signals = (ahead(argmax), ahead(probs), None, None if mass is None else ahead(mass))
+        embedding = self.target.model.get_input_embeddings()
+        return self._ttt_loss(ids, loss_mask, fused, embedding, *signals, documents=documents, part=part)
 
     def _draft_index(self) -> torch.Tensor:
         """[V] the draft index of every target id (meaningful where ``t2d``)."""
@@ -371,106 +469,146 @@ class Eagle3(DraftObjective):
         label_ok: torch.Tensor | None,
         target_mass: torch.Tensor | None,
         documents: torch.Tensor | None = None,
+        part: slice | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The training-time-test loss, whatever the source of the target's signals.
 
         Args:
             ids, loss_mask: [B, S] the batch's tokens and trained flags.
-            fused: [B, S - 1, H] fused target features of tokens 0..S-2.
+            fused: [B, N, H] fused target features of the elements: tokens 0..S-2 (N = S - 1), or under sequence
+                parallelism this rank's slice ``part`` of the row's tokens (N = S / P).
             embedding: token ids -> the target's input embeddings.
-            target_argmax: [B, S] the target's most likely next token at every position (argmax labels, accuracies),
-                among the draft vocabulary's tokens with soft labels.
-            target_probs: [B, S, Vd] the target's distribution over the draft vocabulary, renormalised (the soft
+            target_argmax: [B, M] the target's most likely next token at every label position, from the elements'
+                first token on (M = S; under sequence parallelism the slice and the next ``ttt_steps`` positions),
+                among the draft vocabulary's tokens with soft labels (argmax labels, accuracies).
+            target_probs: [B, M, Vd] the target's distribution over the draft vocabulary, renormalised (the soft
                 labels).
-            label_ok: [B, S] bool, False where a soft label is missing (not trained), or None (all present).
-            target_mass: [B, S] the target's probability of the draft vocabulary: ``target_probs * target_mass`` is
+            label_ok: [B, M] bool, False where a soft label is missing (not trained), or None (all present).
+            target_mass: [B, M] the target's probability of the draft vocabulary: ``target_probs * target_mass`` is
                 its own, what the acceptance ``alpha_i`` and the losses other than ``kl`` are measured against; None
                 (``kl`` on a step whose metrics are not logged): ``alpha_i`` is not computed.
             documents: [B, S] the document of every position of a packed row (trainer/documents.py), or None (one
                 document): element t attends within token t's document, at rotary positions counted from its first
                 token, and step i does not train (nor count in its metrics) an element whose label position
                 t + 1 + i lies in another document.
+            part: this rank's positions of the row under sequence parallelism (:class:`SequenceParallel`), or None.
         """
         drafter = self.drafter
         B, S = ids.shape
+        sp = self._sp if part is not None else None
+        first = 0 if part is None else part.start  # the row position of the first element
+        count = fused.shape[1]  # N elements
         spec = self.loss_spec
-        soft_labels = mix_argmax(target_probs, self.argmax_weight) if self.labels == "soft" else None  # [B, S, Vd]
+        soft_labels = mix_argmax(target_probs, self.argmax_weight) if self.labels == "soft" else None  # [B, M, Vd]
         if self.labels == "argmax":
             t2d_index = self._draft_index()  # [V] draft index of every target id
-            hard = torch.where(drafter.t2d[target_argmax], t2d_index[target_argmax], -100)  # [B, S]
-        data_tokens = None
-        if self.ttt_inputs == "data":
-            data_tokens = F.pad(ids, (0, self.ttt_steps), value=0)  # [B, S + K]
-        total = fused.new_zeros((), dtype=torch.float32)
-        metrics: dict[str, torch.Tensor] = {}
-        positions = torch.arange(S - 1, device=ids.device).expand(B, S - 1)  # [B, S - 1] rotary positions of step 0
-        elements = None  # [B, S - 1] the document of element t (token t's), or None
-        if documents is not None:
-            elements = documents[:, :-1]
-            positions = document_positions(documents)[:, :-1]  # [B, S - 1] counted within each document
+            hard = torch.where(drafter.t2d[target_argmax], t2d_index[target_argmax], -100)  # [B, M]
         steps = min(self.ttt_steps, S - 1)  # step i trains elements whose label position t + 1 + i is in the row
+        row_tokens = F.pad(ids, (0, steps + 1), value=0)  # [B, S + K + 1] token t + 1 + i is fed to element t at i
+        row_mask = F.pad(loss_mask, (0, steps + 1), value=0)  # [B, S + K + 1]: nothing trained past the row
+        positions = torch.arange(S, device=ids.device).expand(B, S)  # [B, S] rotary positions of step 0
+        elements = attended = None  # [B, N] the document of element t (token t's); what the attention reads
+        if documents is not None:
+            positions = document_positions(documents)  # [B, S] counted within each document
+            row_documents = F.pad(documents, (0, steps + 1), value=-1)
+            elements = documents[:, first : first + count]
+            attended = elements if part is None else documents  # Ulysses attends over the whole row's elements
+        positions = positions[:, first : first + count]  # [B, N]
+        attention = self._ttt_ulysses if part is not None else None
 
-        def step(i: int, hidden: torch.Tensor, tokens: torch.Tensor, *kv: torch.Tensor):
-            """TTT step i: (out, k, v, loss_i, acc_i, alpha_i, guess [B, S - 1]) from the step's inputs alone, so that
-            it can be recomputed in backward."""
-            out, logits, k, v = drafter.ttt_step(
-                embedding, hidden, tokens, positions + i, kv[:i], kv[i:], self.attention, elements
-            )
-            n = S - 1 - i  # elements whose label position t + 1 + i is inside the row
-            trained = loss_mask[:, 1 + i :].bool()  # [B, n]
+        def labelled(i: int) -> int:  # elements of step i whose label position is among the label arrays'
+            return min(count, target_argmax.shape[1] - 1 - i)
+
+        # what each step trains: [B, n_i] masks, known before the drafter runs
+        trained_at, mask_at = [], []
+        for i in range(steps):
+            n = labelled(i)
+            trained = row_mask[:, first + 1 + i : first + 1 + i + n].bool()  # [B, n]
             if elements is not None:  # the label position in the element's own document
-                trained = trained & (documents[:, 1 + i :] == elements[:, :n])
+                trained = trained & (row_documents[:, first + 1 + i : first + 1 + i + n] == elements[:, :n])
             mask = trained.float()  # [B, n]
             if label_ok is not None:
-                mask = mask * label_ok[:, 1 + i :]
+                mask = mask * label_ok[:, 1 + i : 1 + i + n]
+            if self.labels == "argmax":
+                mask = mask * (hard[:, 1 + i : 1 + i + n] >= 0)
+            trained_at.append(trained)
+            mask_at.append(mask)
+        counts = torch.stack([m.sum() for m in mask_at] + [t.sum().float() for t in trained_at])  # [2K]
+        if sp is not None:
+            counts = sp.total(counts)  # the group's
+        weight, seen = counts[:steps].clamp(min=1.0), counts[steps:].clamp(min=1.0)
+
+        def step(i: int, hidden: torch.Tensor, tokens: torch.Tensor, *kv: torch.Tensor):
+            """TTT step i: (out, k, v, loss_i, hits_i, alpha_i, guess [B, N]) from the step's inputs alone, so that
+            it can be recomputed in backward; loss_i is this rank's share of the step's mean loss, hits_i and alpha_i
+            its sums over trained elements."""
+            out, logits, k, v = drafter.ttt_step(
+                embedding, hidden, tokens, positions + i, kv[:i], kv[i:], self.attention, attended, attention
+            )
+            n = labelled(i)
+            trained, mask = trained_at[i], mask_at[i]
+            labels_at = slice(1 + i, 1 + i + n)
             log_q = torch.log_softmax(logits[:, :n].float(), dim=-1)  # [B, n, Vd]
             own = None  # [B, n, Vd] the target's own probabilities (not renormalised), where known
             if target_mass is not None:
-                own = target_probs[:, 1 + i :] * target_mass[:, 1 + i :, None]
+                own = target_probs[:, labels_at] * target_mass[:, labels_at, None]
             if self.labels == "soft":
                 if spec.is_kl:
-                    per_pos = -(soft_labels[:, 1 + i :] * log_q).sum(-1)  # [B, n]
+                    per_pos = -(soft_labels[:, labels_at] * log_q).sum(-1)  # [B, n]
                 else:
                     per_pos = loss_rows(logits[:, :n], own, spec, want_kl=False)[0]  # [B, n]
             else:
-                labels = hard[:, 1 + i :]  # [B, n]
-                mask = mask * (labels >= 0)
+                labels = hard[:, labels_at]  # [B, n]
                 if spec.is_kl:
                     per_pos = -log_q.gather(-1, labels.clamp(min=0)[..., None])[..., 0]  # [B, n]
                 else:  # toward the label's one-hot
                     one = torch.ones_like(labels, dtype=log_q.dtype)[..., None]  # [B, n, 1]
                     per_pos = sparse_loss_rows(logits[:, :n], labels.clamp(min=0)[..., None], one, spec)[0]
-            loss_i = (per_pos * mask).sum() / mask.sum().clamp(min=1.0)
+            loss_i = (per_pos * mask).sum() / weight[i]
             with torch.no_grad():
-                guess = drafter.to_target_ids(logits.max(-1).indices)  # [B, S - 1], argmax (labels.py: faster)
-                hits = (guess[:, :n] == target_argmax[:, 1 + i :]) & trained
-                accuracy = hits.sum().float() / trained.sum().clamp(min=1).float()
-                alpha = None  # [] the mean expected acceptance, where the target's own probabilities are known
+                guess = drafter.to_target_ids(logits.max(-1).indices)  # [B, N], argmax (labels.py: faster)
+                hits = ((guess[:, :n] == target_argmax[:, labels_at]) & trained).sum().float()
+                alpha = None  # [] the summed expected acceptance, where the target's own probabilities are known
                 if own is not None:
-                    alpha = (acceptance(log_q.exp(), own) * trained).sum() / trained.sum().clamp(min=1).float()
-            return out, k, v, loss_i, accuracy, alpha, guess
+                    alpha = (acceptance(log_q.exp(), own) * trained).sum()
+            return out, k, v, loss_i, hits, alpha, guess
 
-        hidden, tokens = fused, ids[:, 1:]
+        hidden, tokens = fused, row_tokens[:, first + 1 : first + 1 + count]  # [B, N] token t + 1
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
+        total = fused.new_zeros((), dtype=torch.float32)
+        sums = []  # per step: loss share, hits, alpha (or nothing)
         for i in range(steps):
             inputs = (hidden, tokens, *keys, *values)
             if self.recompute and i < steps - 1 and torch.is_grad_enabled():
                 # earlier steps keep only their inputs and outputs; the last step's activations are needed first in
                 # backward, so recomputing it would save nothing at the peak
-                hidden, k, v, loss_i, accuracy, alpha, guess = checkpoint(
-                    partial(step, i), *inputs, use_reentrant=False
-                )
+                hidden, k, v, loss_i, hits, alpha, guess = checkpoint(partial(step, i), *inputs, use_reentrant=False)
             else:
-                hidden, k, v, loss_i, accuracy, alpha, guess = step(i, *inputs)
+                hidden, k, v, loss_i, hits, alpha, guess = step(i, *inputs)
             keys.append(k)
             values.append(v)
             total = total + self.step_decay**i * loss_i
-            metrics[f"acc_{i}"] = accuracy
-            metrics[f"loss_{i}"] = loss_i.detach()
-            if alpha is not None:
-                metrics[f"alpha_{i}"] = alpha
-            tokens = guess if data_tokens is None else data_tokens[:, i + 2 : i + 1 + S]  # [B, S - 1]
+            sums.append((loss_i.detach(), hits, alpha))
+            if self.ttt_inputs == "data":
+                tokens = row_tokens[:, first + i + 2 : first + i + 2 + count]  # [B, N] token t + 2 + i
+            else:
+                tokens = guess
+        with_alpha = [alpha is not None for _, _, alpha in sums]
+        flat = torch.stack([x for loss_i, hits, alpha in sums for x in (loss_i, hits, alpha) if x is not None])
+        if sp is not None:
+            flat = sp.total(flat)  # the group's sums
+            # the group's loss as the value; this rank's share times P as the gradient (averaged over every rank)
+            share = total * sp.size
+            total = sp.total(total) + share - share.detach()
+        metrics: dict[str, torch.Tensor] = {}
+        at = 0
+        for i in range(steps):
+            metrics[f"acc_{i}"] = flat[at + 1] / seen[i]
+            metrics[f"loss_{i}"] = flat[at]
+            if with_alpha[i]:
+                metrics[f"alpha_{i}"] = flat[at + 2] / seen[i]
+            at += 3 if with_alpha[i] else 2
         return total, metrics
 
     # ---- memory (draftsmith plan) --------------------------------------------------------------------------------

@@ -100,7 +100,13 @@ def draft_mass(target, final: torch.Tensor, draft_logits: torch.Tensor) -> torch
 
 
 def online_target_signals(
-    target, ids: torch.Tensor, drafter, soft: bool, with_mass: bool = True, documents: torch.Tensor | None = None
+    target,
+    ids: torch.Tensor,
+    drafter,
+    soft: bool,
+    with_mass: bool = True,
+    documents: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The frozen target's signals for an EAGLE-3 or P-EAGLE drafter over the batch ``ids`` [B, S].
 
@@ -113,6 +119,7 @@ def online_target_signals(
     labels need the argmax over the whole vocabulary (positions whose argmax is outside the draft vocabulary are
     skipped), so they project onto every row, and the mass comes with them. ``documents`` [B, S] (a packed row's
     document_ids, trainer/documents.py): the target runs each document alone (FrozenTarget.forward's document_ids).
+    ``position_ids`` [B, S]: the positions of ``ids`` (a slice of a row under sequence parallelism), or None.
 
     Returns:
         the hidden states of the drafter's aux layers (each [B, S, Ht]), the argmax [B, S] (target ids), the target's
@@ -124,13 +131,15 @@ def online_target_signals(
     aux = list(drafter.config.aux_layers)
     rows = drafter.draft_ids()
     if not soft:
-        out = target(ids, hidden_layers=aux, document_ids=documents)  # logits [B, S, V]
+        out = target(ids, hidden_layers=aux, document_ids=documents, position_ids=position_ids)  # logits [B, S, V]
         flat = out.logits.flatten(0, -2)  # [B * S, V]
         lse = torch.cat([torch.logsumexp(part.float(), dim=-1) for part in flat.split(LSE_CHUNK)])
         draft = out.logits.index_select(-1, rows.to(out.logits.device)).float()  # [B, S, Vd]
         mass = (torch.logsumexp(draft, dim=-1) - lse.view(draft.shape[:-1])).exp().clamp(max=1.0)  # [B, S]
         return out.hidden_states, out.logits.argmax(-1), torch.softmax(draft, dim=-1), mass
-    out = target(ids, hidden_layers=[*aux, target.num_layers], logits=False, document_ids=documents)
+    out = target(
+        ids, hidden_layers=[*aux, target.num_layers], logits=False, document_ids=documents, position_ids=position_ids
+    )
     *hidden, final = out.hidden_states  # final: [B, S, Ht], the normed output lm_head projects
     logits = target.project(final, rows.to(final.device))  # [B, S, Vd]
     mass = draft_mass(target, final, logits) if with_mass else None  # [B, S]
