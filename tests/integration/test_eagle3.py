@@ -201,3 +201,12 @@ def test_data_of_another_tokenizer_is_refused(tiny_corpus, tiny_target, tmp_path
     override = merge(override, data_overrides(other))
     with pytest.raises(ValueError, match="vocabulary mismatch"):
         fit("quickstart/eagle3.yaml", override, tmp_path / "run")
+
+
+def test_the_drafter_and_the_data_take_different_seeds(tiny_corpus, tiny_target, tmp_path):
+    """``model.seed`` and ``data.seed`` set apart (as bench/studies/long_context.py's --seed sets both, or a user sets
+    one): the fit runs and logs its hyperparameters (Lightning refused to merge two different ``seed`` values)."""
+    run = tmp_path / "run"
+    override = eagle3_override(run, tiny_corpus, tiny_target, 1, 1, target_layers=[0, 1, 2], seed=1)
+    cli = fit("quickstart/eagle3.yaml", override, run)
+    assert cli.trainer.global_step == 1 and cli.model.hparams.seed == 1 and cli.datamodule.seed == 0

@@ -277,7 +277,9 @@ class ShardDataModule(L.LightningDataModule):
                 f"{num_workers}, {shuffle_buffer}"
             )
         check_shards_folder(shards)  # at construction, before anything is read
-        self.save_hyperparameters()
+        # kept in checkpoints, not logged: the objective's hyperparameters are, and Lightning refuses to merge a key
+        # both hold with two values (model.seed and data.seed); the run folder's config.yaml holds every value
+        self.save_hyperparameters(logger=False)
         self.shards_dir = Path(shards)
         self.tokenizer_path = tokenizer
         self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size

@@ -202,7 +202,9 @@ class TextDataModule(L.LightningDataModule):
         if document_masking and not pack:
             raise RecipeError("data.document_masking=true needs data.pack=true: unpacked rows hold one document each")
         check_long_rows(seq_len, batch_size, pack, long_seq_len, long_fraction)
-        self.save_hyperparameters()
+        # kept in checkpoints, not logged: the objective's hyperparameters are, and Lightning refuses to merge a key
+        # both hold with two values (model.seed and data.seed); the run folder's config.yaml holds every value
+        self.save_hyperparameters(logger=False)
         self.tokenizer_path = tokenizer
         self.train_files = list(train_files) if train_files else None
         self.val_files = list(val_files) if val_files else None
