@@ -206,9 +206,14 @@ def uninterrupted_fsdp(tmp_path_factory) -> Path:
     return run
 
 
+def uninterrupted_run(strategy: str, request) -> Path:
+    """The module's uninterrupted 2-rank run of ``strategy`` (deepspeed_zero2 or fsdp)."""
+    return request.getfixturevalue({"deepspeed_zero2": "uninterrupted", "fsdp": "uninterrupted_fsdp"}[strategy])
+
+
 @pytest.mark.parametrize("strategy", ["deepspeed_zero2", "fsdp"])
 def test_a_rank_killed_during_a_sharded_save_leaves_the_previous_checkpoint(strategy, request, tmp_path):
-    uninterrupted = request.getfixturevalue("uninterrupted" if strategy == "deepspeed_zero2" else "uninterrupted_fsdp")
+    uninterrupted = uninterrupted_run(strategy, request)
     run = tmp_path / "run"
     die = {"class_path": f"{__name__}.DieAt", "init_args": {"step": 4, "during_save": True}}
     _died(run, [die], strategy=strategy)
@@ -274,7 +279,7 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one(strategy, request, tmp_path):
         written = tmp_path / "written"
         _fit(written, [], strategy=strategy)
     else:
-        written = request.getfixturevalue("uninterrupted" if strategy == "deepspeed_zero2" else "uninterrupted_fsdp")
+        written = uninterrupted_run(strategy, request)
     run = tmp_path / "run"
     shutil.copytree(written / "checkpoints" / "epoch=1-step=4.ckpt", run / "checkpoints" / "last.ckpt")
     assert read_marker(run / "checkpoints" / "last.ckpt") == {"step": 4, "world_size": WORLD}
