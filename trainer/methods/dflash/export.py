@@ -33,8 +33,12 @@ is absent), or the z-lab layout under its own ``architectures`` with its fields 
 and ``load_zlab`` take them). The z-lab and speculators DFlash writers refuse a drafter with a refiner's modules
 (their readers would not load them).
 
-The z-lab format has no field for a block's causal attention: a z-lab folder whose ``layer_types`` make a layer
-sliding is refused by name, and so is a drafter with sliding layers given to its writer.
+The z-lab readers window each query slot: read from their source (the ``dflash`` package 0.1.0, ``dflash/model.py``;
+SGLang 0.5.23, ``speculative/dflash_utils.py``), a ``sliding_attention`` layer with ``sliding_window: W`` lets slot k
+of a block anchored at p see the context p + k - W + 1 .. p - 1, causal within the block unless the top-level
+``is_causal`` is false. This project's window (speculators' meaning) counts from the anchor: every slot sees
+p - w .. p - 1 and the whole block. No W gives that mask, so a z-lab folder whose ``layer_types`` make a layer sliding
+is refused by name, and so is a drafter with sliding layers given to its writer.
 
 Every loader maps each tensor of the file to a drafter parameter and fails on a tensor it does not consume (an
 embedding or lm_head included), a missing parameter, a shape that differs, layer ids outside the target, two block
@@ -121,7 +125,7 @@ def zlab_config(c: DFlashConfig, dtype_name: str) -> dict:
 
 def save_zlab(drafter: DFlashDrafter, out_dir: str, dtype: torch.dtype | None = None) -> Path:
     """Write the z-lab checkpoint (``DFlashDraftModel``: SGLang, vLLM, ``DFlashDraftModel.from_pretrained``); a
-    drafter with sliding-window layers is refused (the format has no field for their causal block)."""
+    drafter with sliding-window layers is refused (its readers window each slot, not the block's anchor)."""
     _refuse_refiner(drafter, "z-lab dflash")
     refuse_sliding_zlab(drafter.config)
     dtype_name = str(dtype or drafter.fc.weight.dtype).removeprefix("torch.")
@@ -129,12 +133,14 @@ def save_zlab(drafter: DFlashDrafter, out_dir: str, dtype: torch.dtype | None = 
 
 
 def refuse_sliding_zlab(c: DFlashConfig) -> None:
-    """Refuse sliding-window layers in the z-lab layout: it has no field for a block's causal or windowed attention."""
+    """Refuse sliding-window layers in the z-lab layout: its readers window each query slot, the drafter's window
+    counts from the block's anchor (module docstring)."""
     if not c.all_full:
         raise ModelFolderError(
             f"layer_types {list(c.layer_types or [])} (sliding_window {c.sliding_window}, sliding_window_non_causal "
-            f"{c.sliding_window_non_causal}): the z-lab format has no field for a block's causal or windowed "
-            "attention, its readers would attend to the whole block",
+            f"{c.sliding_window_non_causal}): the z-lab format's readers (the dflash package, SGLang) window each "
+            "slot of a block from its own position, this drafter's window counts from the block's anchor; no "
+            "z-lab sliding_window gives that mask",
             hint="write it with --format dflash-speculators",
         )
 
@@ -365,8 +371,9 @@ def load_zlab(
     if _attention(layer, False, path, "config.json"):
         raise _refuse(
             path, "layer_types", layer["layer_types"],
-            f"sliding_window {layer['sliding_window']}: the z-lab format does not say whether a sliding layer's block "
-            "is causal (the speculators format does: sliding_window_non_causal)",
+            f"sliding_window {layer['sliding_window']}: the z-lab readers window each slot of a block from its own "
+            "position (causal within the block unless is_causal is false); draftsmith's DFlash window counts from "
+            "the block's anchor (the speculators format's meaning) and cannot run this mask",
         )  # fmt: skip
     own = {key: dflash.get(key, default) for key, default in (fields or {}).items()}
     drafter_config = _config(
