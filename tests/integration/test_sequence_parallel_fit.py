@@ -90,20 +90,39 @@ def short_documents(tiny_corpus, tmp_path_factory) -> Path:
     return path
 
 
+# the other losses, labels, inputs and a window: argmax labels and the target's own probabilities (tv) cross the
+# slices' ends too, the drafter's own guesses feed the next TTT step, the window masks across the ranks' slices
+OTHER_OPTIONS = {"labels": "argmax", "argmax_weight": 0.0, "loss": "tv", "ttt_inputs": "predicted", "window": 16}
+
+
 @pytest.fixture(scope="module")
-def single_process_run(tiny_corpus, tiny_target, short_documents, tmp_path_factory):
-    run = tmp_path_factory.mktemp("sp_single")
-    fit("quickstart/eagle3.yaml", override(run, tiny_corpus, tiny_target, short_documents), run)
-    return run
+def single_process_runs(tiny_corpus, tiny_target, short_documents, tmp_path_factory):
+    """The 1-process run of the given model options (each run once)."""
+    runs: dict[str, Path] = {}
+
+    def run_of(options: dict) -> Path:
+        key = json.dumps(options, sort_keys=True)
+        if key not in runs:
+            run = tmp_path_factory.mktemp("sp_single")
+            fit("quickstart/eagle3.yaml", override(run, tiny_corpus, tiny_target, short_documents, **options), run)
+            runs[key] = run
+        return runs[key]
+
+    return run_of
 
 
-@pytest.mark.parametrize("strategy", ["deepspeed_zero2.yaml", "ddp.yaml"])
+@pytest.mark.parametrize(
+    ("strategy", "options"),
+    [("deepspeed_zero2.yaml", {}), ("ddp.yaml", {}), ("ddp.yaml", OTHER_OPTIONS)],
+    ids=["zero2", "ddp", "ddp-argmax-tv-predicted-window"],
+)
 def test_sequence_parallel_fit_follows_the_single_process(
-    strategy, single_process_run, tiny_corpus, tiny_target, short_documents, tmp_path, torch_extensions_dir
+    strategy, options, single_process_runs, tiny_corpus, tiny_target, short_documents, tmp_path, torch_extensions_dir
 ):
+    single_process_run = single_process_runs(options)
     run = tmp_path / "run"
     run.mkdir()
-    config = override(run, tiny_corpus, tiny_target, short_documents, sequence_parallel=2)
+    config = override(run, tiny_corpus, tiny_target, short_documents, sequence_parallel=2, **options)
     config = write_override(run / "override.yaml", config)
     cmd = [
         str(Path(sys.executable).parent / "draftsmith"), "fit",
