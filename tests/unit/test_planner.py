@@ -485,6 +485,11 @@ def test_sequence_parallel_plans_each_ranks_slice_of_the_row(capsys):
     whole = plan_from_recipe(recipe, target_config=LLAMA31_8B, seq=16384)
     split = plan_from_recipe(recipe, target_config=LLAMA31_8B, seq=32768, sequence_parallel=2)
     assert split.activations == whole.activations
+    # without the flag, the recipe's model.sequence_parallel (what fit runs)
+    overrides = ["--model.init_args.sequence_parallel", "2"]
+    recipe_split = plan_from_recipe(recipe, target_config=LLAMA31_8B, seq=32768, overrides=overrides)
+    assert recipe_split.sequence_parallel == 2 and recipe_split.activations == split.activations
+    assert whole.sequence_parallel == 1
     S, heads = 32768, 32 // 2
     scores = S * (S + 6) * heads
     assert split.cpu_activations - split.activations == 2 * scores * (2 + 4) + scores * (2 + 4 + 4)

@@ -34,7 +34,7 @@ What is counted, per GPU, for N GPUs (the ZeRO paper's accounting, Adam/AdamW):
   hands over, and a chunked loss's float32 chunks. An objective without an estimate is refused by name.
   ``--sequence_parallel P`` plans DeepSpeed-Ulysses (trainer/sequence_parallel.py) for an objective that declares
   ``plans_sequence_parallel`` (EAGLE-3): each GPU holds S / P positions and attends over the whole row with 1 / P of
-  the heads; ``draftsmith fit`` does not run it yet.
+  the heads, as ``model.sequence_parallel`` (the default of the flag) runs it in ``draftsmith fit``.
 
 The total is the sum but for ZeRO's step-only buffers (the fp32 partition gradient and AdamW's temporary, built in
 the optimizer step after backward has freed the activations): a ZeRO row counts the larger of those and the
@@ -101,6 +101,7 @@ class Plan:
     activations: int
     stage: str = "ddp"  # the row of the recipe's trainer.strategy: zero1-3 for DeepSpeed, else ddp
     cpu_activations: int | None = None  # the same step on CPU (dense attention); None: as on the GPUs
+    sequence_parallel: int = 1  # ranks sharing each row (DeepSpeed-Ulysses)
 
     def estimates(self, gpus: int, cpu: bool = False) -> list[Estimate]:
         """Bytes per GPU (per process) for DDP and ZeRO 1-3; ``cpu``: per CPU process (a drafter's attention dense)."""
@@ -116,7 +117,7 @@ def plan_from_recipe(
     seq: int | None = None,
     precision: str | None = None,
     overrides: list[str] | tuple[str, ...] = (),
-    sequence_parallel: int = 1,
+    sequence_parallel: int | None = None,
 ) -> Plan:
     """Read the target, batch, sequence and precision from a recipe and build its objective on the meta device.
 
@@ -128,8 +129,9 @@ def plan_from_recipe(
         seq: overrides data.init_args.seq_len.
         precision: overrides trainer.precision.
         overrides: more ``draftsmith fit`` arguments, applied after the configs as fit applies them.
-        sequence_parallel: ranks sharing each row under DeepSpeed-Ulysses (trainer/sequence_parallel.py); an
-            objective that does not declare ``plans_sequence_parallel`` is refused above 1.
+        sequence_parallel: ranks sharing each row under DeepSpeed-Ulysses (trainer/sequence_parallel.py); None: the
+            recipe's ``model.sequence_parallel`` (1 without one); an objective that does not declare
+            ``plans_sequence_parallel`` is refused above 1.
 
     Raises:
         trainer.recipe.RecipeError: a recipe or override ``draftsmith fit`` would refuse (fit's message).
@@ -183,6 +185,8 @@ def plan_from_recipe(
     steps = [(int(batch), int(seq))]
     if not steps_given and data.get("long_seq_len") and data.get("long_fraction"):  # mixed lengths: the longest rows
         steps.append((int(batch) * int(seq) // int(data.long_seq_len), int(data.long_seq_len)))
+    if sequence_parallel is None:
+        sequence_parallel = int(objective.sequence_parallel)  # the recipe's (DraftObjective's default: 1)
     if sequence_parallel != 1:
         _check_sequence_parallel(objective, sequence_parallel, steps)
     planned = [
@@ -204,6 +208,7 @@ def plan_from_recipe(
         activations=activations,
         stage=strategy_stage(recipe.trainer.get("strategy")),
         cpu_activations=objective.activation_bytes(cpu_step),
+        sequence_parallel=sequence_parallel,
     )
 
 
@@ -291,8 +296,7 @@ def build_parser() -> ToolParser:
     p.add_argument(
         "--sequence_parallel",
         type=int,
-        default=1,
-        help="ranks sharing each row under DeepSpeed-Ulysses (planned only: fit does not run it yet)",
+        help="ranks sharing each row under DeepSpeed-Ulysses (default: the recipe's model.sequence_parallel, else 1)",
     )
     p.add_argument(
         "--cpu",
@@ -335,8 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         f"batch {plan.batch} x seq {plan.seq} per GPU, {plan.precision}, {args.gpus} GPUs of {args.gpu_memory} "
         f"({args.reserve} reserved)"
         + (
-            f"; sequence parallel {args.sequence_parallel}: {plan.seq // args.sequence_parallel} positions per GPU"
-            if args.sequence_parallel > 1
+            f"; sequence parallel {plan.sequence_parallel}: {plan.seq // plan.sequence_parallel} positions per GPU"
+            if plan.sequence_parallel > 1
             else ""
         ),
         "",
