@@ -49,6 +49,13 @@ P-EAGLE recipes' ``argmax_weight`` then 0 but with ``kl``, as the mix is the KL'
 drafters' initialisation; ours also its anchors), and ``--name`` names the run's folder under ``--out`` (default: the
 method; the data is shared by every run under ``--out``).
 
+``--train-text corpus`` skips step 1: both sides train on the corpus' training files themselves
+(``artifacts/corpus/train.jsonl``, long documents, as our data module packs them into the 257-token rows) instead of
+the target's 160-token completions (``--train-text completions``, the default), e.g. for the long-context study:
+
+    python -m bench.bench_vs_speculators --method eagle3 --steps 500 --train-text corpus \
+        --out artifacts/vs_speculators_long --name eagle3_corpus_s0
+
 Writes ``OUT/METHOD/vs_speculators.md`` (and prints it), with the ratios ours / speculators'.
 """
 
@@ -216,7 +223,8 @@ def main_project(args: argparse.Namespace) -> int:
         sys.exit(f"{target} not found: run `make demo` first")
     if not SPECULATORS_PYTHON.is_file():
         sys.exit(f"{SPECULATORS_PYTHON} not found: run `DRAFTSMITH_TEST_CLIENTS=1 pytest tests/clients` once")
-    train_file = completions(art, out / "data")
+    # the training text: the target's completions of short prompts, or the corpus' own (long) documents
+    train_file = completions(art, out / "data") if args.train_text == "completions" else art / "corpus" / "train.jsonl"
     method_dir = out / (args.name or args.method)
     rows = method_dir / "rows"
     if not (rows / "rows.pt").is_file():
@@ -287,6 +295,7 @@ def main_project(args: argparse.Namespace) -> int:
             f"greedy, K = {k}, {args.prompts} held-out prompts of {PROMPT_CHARS} characters, {args.max_new_tokens} "
             "new tokens each."
             + f" Seed {args.seed}, loss {args.loss or 'each side default'}."
+            + (" Trained on the corpus' training documents." if args.train_text == "corpus" else "")
             + (f" Ours with `{args.fit_args}`." if args.fit_args else "")
             + (f" Both at peak learning rate {args.peak_lr}." if args.peak_lr is not None else "")
             + (f" Both drafters {args.draft_layers} layers deep." if args.draft_layers is not None else "")
@@ -456,6 +465,11 @@ def main() -> int:
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="both sides' seed")
     parser.add_argument("--name", help="the run's folder under --out (default: the method)")
+    parser.add_argument(
+        "--train-text", choices=["completions", "corpus"], default="completions",
+        help="both sides' training text: the target's completions of short prompts (default) or the corpus' training "
+        "documents (artifacts/corpus/train.jsonl, long), packed into the same rows",
+    )  # fmt: skip
     parser.add_argument("--side", choices=["project", "speculators"], default="project", help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
     parser.add_argument("--rows", help=argparse.SUPPRESS)
