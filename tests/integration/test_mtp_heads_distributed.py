@@ -133,6 +133,6 @@ def check_run(run: Path, backward: str, strategy: str, dtype: torch.dtype, toler
 
 if __name__ == "__main__":
     _worker(*sys.argv[1:3])
-    # as draftsmith fit does: a gloo group left to the interpreter's exit can abort a finished rank
-    # ("terminate called without an active exception") while its threads are torn down
-    torch.distributed.destroy_process_group()
+    from tests._multiproc import end_worker
+
+    end_worker()  # not the interpreter's teardown, where gloo's threads can abort a finished rank

@@ -64,7 +64,9 @@ with torch.no_grad():
 for a, b in zip(mine.hidden_states, full):
     torch.testing.assert_close(a, b[:, part], rtol=1e-10, atol=1e-10)
 print("rank", rank, "target equal", flush=True)
-dist.destroy_process_group()  # not left to the interpreter's exit, where gloo's threads can abort a finished rank
+from tests._multiproc import end_worker
+
+end_worker()  # not the interpreter's teardown, where gloo's threads can abort a finished rank
 """
 
 
