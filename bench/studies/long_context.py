@@ -39,7 +39,7 @@ VARIANTS: dict[str, list[str]] = {
     "window": ["--model.init_args.window", "256"],
     # packed rows that keep their documents apart
     "documents": ["--data.init_args.document_masking", "true"],
-    # half the steps serve one 1024-token row instead of four of 256 (the same tokens), documents kept apart
+    # half the steps serve rows of 1024 tokens instead of four times as many of 256 (the same tokens), documents apart
     "mixed": [
         "--data.init_args.document_masking",
         "true",
@@ -48,7 +48,8 @@ VARIANTS: dict[str, list[str]] = {
         "--data.init_args.long_fraction",
         "0.5",
     ],
-    # the same with rows of 2048: batches of 8 x 256 tokens (twice the recipe's), so run it for half the steps
+    # the same with rows of 2048: batches of 8 x 256 tokens (twice the EAGLE-3, P-EAGLE and DFlash recipes', so run
+    # those for half the steps; the KD recipe's own batch)
     "mixed2048": [
         "--data.init_args.document_masking",
         "true",
