@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,9 @@ def pytest_configure(config) -> None:
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
 
+
+LOAD_ENV = "DRAFTSMITH_TEST_LOAD"  # set: the tests marked multiprocess run beside tests/cpu_load.py (make test-loaded)
+LOAD_SECONDS = 3600.0  # the load ends by itself after this, or when the test session is gone
 
 DURATIONS = Path(__file__).with_name("durations.json")  # seconds per test file, from `make test-durations`
 
@@ -50,6 +55,32 @@ def pytest_sessionfinish(session) -> None:
     if session.config.getoption("--record-durations") and worker_id() is None and _file_seconds:
         ordered = dict(sorted(((k, round(v, 1)) for k, v in _file_seconds.items()), key=lambda kv: -kv[1]))
         DURATIONS.write_text(json.dumps(ordered, indent=1) + "\n")
+
+
+# ------------------------------------------------------------------------------------------------------------ load
+
+
+@pytest.fixture(scope="session")
+def cpu_load():
+    """One CPU-bound torch process on one thread (tests/cpu_load.py) for the rest of the session; at the end, checks
+    that it was still busy (a load that died early would make a loaded pass a quiet one) and stops it."""
+    root = Path(__file__).resolve().parents[1]
+    load = subprocess.Popen(
+        [sys.executable, "-m", "tests.cpu_load", str(LOAD_SECONDS), str(os.getpid())],
+        stdout=subprocess.PIPE, text=True, cwd=str(root), env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )  # fmt: skip
+    assert load.stdout.readline().strip() == "busy", "the CPU load did not start"
+    yield load
+    assert load.poll() is None, f"the CPU load ended early (exit {load.returncode}): the pass was not loaded"
+    load.kill()
+    load.wait(timeout=30)
+
+
+@pytest.fixture(autouse=True)
+def _loaded_multiprocess_tests(request) -> None:
+    """Under DRAFTSMITH_TEST_LOAD=1, every test marked ``multiprocess`` runs beside :func:`cpu_load`."""
+    if os.environ.get(LOAD_ENV, "") not in ("", "0") and request.node.get_closest_marker("multiprocess"):
+        request.getfixturevalue("cpu_load")
 
 
 # ---------------------------------------------------------------------------------------------------------- corpus

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import lightning.pytorch as pl
 import torch
 from transformers import (
@@ -139,3 +141,17 @@ class SpeculativeEvalModule(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.student.parameters(), lr=1e-3)
+
+
+def cache_as_hub_repository(folder: Path, cache: Path, repo_id: str, commit: str = "0" * 40) -> Path:
+    """Lays ``folder``'s files out as the Hugging Face cache holds a downloaded repository ``repo_id`` (``cache`` as
+    ``HF_HUB_CACHE``: ``models--org--name/refs/main`` naming the commit, ``snapshots/<commit>/`` holding the files);
+    returns the snapshot folder. Commands then find the model by its hub id with ``HF_HUB_OFFLINE=1``."""
+    import shutil
+
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(folder, snapshot, dirs_exist_ok=True)
+    return snapshot

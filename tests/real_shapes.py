@@ -10,7 +10,8 @@ that holds a complete build of the same arguments is reused.
 
 The tokenizer: a byte-level BPE trained in seconds on the Python standard library's source, its vocabulary padded with
 unreachable placeholder tokens to the real tokenizer's size, every special token of ``tokenizer_spec.json`` at its real
-id, the chat template of the fixture (the real format, with ``{% generation %}`` around assistant turns).
+id, and the model's published chat template (``tests/fixtures/chat_templates/``, verbatim; DeepSeek-V3 has none there:
+no verbatim copy of its template was found, so its tokenizer has no chat template).
 """
 
 from __future__ import annotations
@@ -26,6 +27,15 @@ REAL_MODELS: dict[str, Path] = {
     name: FIXTURES / name for name in ("llama31_8b", "qwen3_8b", "qwen3_5_9b", "deepseek_v3")
 }
 """Name -> the fixture folder holding its published ``config.json`` and ``tokenizer_spec.json``."""
+
+CHAT_TEMPLATES = Path(__file__).resolve().parent / "fixtures" / "chat_templates"
+PUBLISHED_CHAT_TEMPLATE: dict[str, Path | None] = {
+    "llama31_8b": CHAT_TEMPLATES / "llama31_8b_instruct.jinja",
+    "qwen3_8b": CHAT_TEMPLATES / "qwen3_8b.jinja",
+    "qwen3_5_9b": CHAT_TEMPLATES / "qwen3_5_9b.jinja",
+    "deepseek_v3": None,
+}
+"""Name -> the model's published chat template, verbatim (tests/fixtures/chat_templates/README.md names the sources)."""
 
 BPE_MERGED_TOKENS = 4096
 """Learned BPE tokens of the built tokenizer (the 256 bytes included); the rest of the vocabulary is placeholders."""
@@ -44,7 +54,8 @@ def published_config(name: str) -> dict:
 
 
 def tokenizer_spec(name: str) -> dict:
-    """The fixture's ``tokenizer_spec.json``: tokenizer size, special tokens with their ids, chat template."""
+    """The fixture's ``tokenizer_spec.json``: tokenizer size, special tokens with their ids, bos/eos/pad, generation
+    config."""
     return json.loads((REAL_MODELS[name] / "tokenizer_spec.json").read_text())
 
 
@@ -138,7 +149,9 @@ def build_tokenizer(name: str, out: Path):
         model_max_length=1 << 20,
         clean_up_tokenization_spaces=False,
     )
-    tok.chat_template = spec["chat_template"]
+    template = PUBLISHED_CHAT_TEMPLATE[name]
+    if template is not None:
+        tok.chat_template = template.read_text()
     wrong = {t: tok.convert_tokens_to_ids(t) for t, i in specials.items() if tok.convert_tokens_to_ids(t) != i}
     if wrong or len(tok) != size:
         raise AssertionError(f"{name}: special ids {wrong}, size {len(tok)} (want {size})")

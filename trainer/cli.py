@@ -49,6 +49,7 @@ surviving rank exits with status 1 too.
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import signal
 import sys
@@ -58,6 +59,7 @@ from trainer.errors import DEBUG_ENV, USER_ERROR_STATUS, UserError, debugging, e
 from trainer.output import adopt_library_loggers, configure_logging
 
 DEBUG_FLAG = "--debug"
+TORCH_CPP_LOG_LEVEL_ENV = "TORCH_CPP_LOG_LEVEL"
 PEER_GRACE_S = 5.0  # how long a rank other than 0 waits for rank 0's record of the same error before printing its own
 _STORE_KEY = "draftsmith/user_error/"
 
@@ -113,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             sys.argv[1:] = args  # LightningCLI and its process launchers read sys.argv
         else:
             argv = args
+    if not debugging():  # torch's C++ warnings (a failed store call's stack dump) only under --debug
+        os.environ.setdefault(TORCH_CPP_LOG_LEVEL_ENV, "ERROR")  # read once, when torch is imported: it is not yet
     configure_logging(debug=debugging())
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
@@ -126,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:
         if debugging():
             raise
-        return _end(err)
+        status = _end(err)
+        if argv is None and _in_multi_process_group():  # a rank's own process: its status, not gloo's teardown
+            _exit_now(status)
+        return status
 
 
 def _lightning_sigterm(exit_: SystemExit) -> bool:
@@ -156,18 +163,47 @@ def _run(args: list[str], argv: list[str] | None) -> int:
         configs = [args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--config", "-c")]
         configs += [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
         print(fit_summary(cli.trainer, cli.model, configs, time.monotonic() - started, status), flush=True)
-    _close_process_group()
+    _close_process_group(status, own_process=argv is None)
     return status
 
 
-def _close_process_group() -> None:
-    """Ends this rank's torch.distributed group once its run is over: a gloo group left to the interpreter's exit can
-    abort the process (``terminate called without an active exception``, seen once on a rank of a 2-process ZeRO-3
-    fit that had finished) while its threads are torn down."""
+def _close_process_group(status: int, own_process: bool) -> None:
+    """Ends this rank's torch.distributed group once its run is over.
+
+    A rank of a multi-process run that owns its process (started as ``draftsmith`` or ``python -m trainer.cli``, as
+    every launcher starts a rank) waits for the other ranks at a barrier, so that none leaves while a peer still talks
+    to it, flushes its output and exits with ``status`` at once: a gloo group torn down by the interpreter's exit
+    aborts a finished rank now and then (``terminate called without an active exception``, status -6: a 2-process
+    ZeRO-3 fit on CI, and an FSDP2 resume beside a busy core, each after its closing block), with
+    ``destroy_process_group`` first too (DeepSpeed and FSDP2 keep references to the group). Elsewhere (one process,
+    or a fit run inside another program) the group is destroyed and the function returns.
+    """
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if own_process and dist.get_world_size() > 1:
+        try:
+            dist.barrier()
+        except Exception:  # a peer already gone: nothing left to wait for
+            pass
+        _exit_now(status)
+    dist.destroy_process_group()
+
+
+def _exit_now(status: int) -> None:
+    """Flushes this rank's output and ends its process with ``status``, without the interpreter's teardown of the
+    process group (:func:`_close_process_group`)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(status)
+
+
+def _in_multi_process_group() -> bool:
+    """Whether this process is a rank of a torch.distributed group of several (torch not imported: no)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 # ------------------------------------------------------------------------------------------------------ errors
@@ -185,11 +221,15 @@ def _end(err: Exception) -> int:
     error = user_error_in(err)
     rank, store = _rank_and_store()
     if error is None:
-        if rank and store is not None and _collective_failed(err) and not _answers(store):
+        collective = rank is not None and store is not None and _collective_failed(err)
+        if collective and rank and not _answers(store):
             return _report_rank0_lost(rank)
-        if rank is not None and _peer_failed(store, rank):
+        peer = _peer_failed(store, rank) if rank is not None else None
+        if collective and rank and peer is _GONE:  # rank 0 was still going down when _answers connected
+            return _report_rank0_lost(rank)
+        if peer is not None:
             return USER_ERROR_STATUS  # a consequence of another rank's error, which that rank reported
-        if rank is not None and store is not None and _collective_failed(err):
+        if collective:
             status = _report_lost_ranks(store, rank)
             if status is not None:
                 return status
@@ -239,19 +279,19 @@ def _collective_failed(err: BaseException) -> bool:
     return False
 
 
-def _lost_ranks(store, rank: int, world: int) -> list[int]:
+def _lost_ranks(store, rank: int, world: int):
     """The ranks that did not say they are alive within :data:`PEER_GRACE_S` (every rank whose collective failed
-    says so in the store)."""
+    says so in the store), or ``_GONE`` when the store stopped answering (its host, rank 0, ended)."""
     try:
         store.set(f"{_ALIVE_KEY}{rank}", b"1")
     except Exception:
-        return []
+        return _GONE
     deadline = time.monotonic() + PEER_GRACE_S
     while True:
         try:
             missing = [r for r in range(world) if not store.check([f"{_ALIVE_KEY}{r}"])]
         except Exception:
-            return []
+            return _GONE
         if not missing or time.monotonic() >= deadline:
             return missing
         time.sleep(0.1)
@@ -270,6 +310,8 @@ def _report_lost_ranks(store, rank: int) -> int | None:
     except Exception:
         pass
     lost = _lost_ranks(store, rank, world)
+    if lost is _GONE:  # rank 0 went down while the others said they were alive
+        return _report_rank0_lost(rank) if rank else None
     if not lost:
         return None
     if rank == 0:
@@ -374,11 +416,11 @@ def _wait_for_record(store, rank: int, timeout_s: float):
         time.sleep(0.1)
 
 
-def _peer_failed(store, rank: int) -> bool:
-    """Whether another rank recorded a user error (this rank's exception is then its consequence), or, on a rank
-    other than 0, whether rank 0 has ended."""
+def _peer_failed(store, rank: int):
+    """``True`` when another rank recorded a user error (this rank's exception is then its consequence), ``_GONE``
+    on a rank other than 0 whose store no longer answers (rank 0 has ended), else None."""
     if store is None:
-        return False
+        return None
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     try:
         import torch.distributed as dist
@@ -387,9 +429,9 @@ def _peer_failed(store, rank: int) -> bool:
     except Exception:
         pass
     try:
-        return any(store.check([f"{_STORE_KEY}{r}"]) for r in range(world) if r != rank)
+        return True if any(store.check([f"{_STORE_KEY}{r}"]) for r in range(world) if r != rank) else None
     except Exception:  # rank 0, the store's host, has ended
-        return rank != 0
+        return _GONE if rank != 0 else None
 
 
 def _stop_local_ranks() -> None:

@@ -14,6 +14,10 @@ Dropped unless ``--debug`` (messages that say nothing the user can act on), each
 - transformers' "Token indices sequence length is longer than the specified maximum sequence length": the data
   modules tokenize whole documents and cut them into rows of ``seq_len`` themselves, so no such sequence reaches a
   model;
+- DeepSpeed's "Setting accelerator to CPU" on a machine without a GPU, where a CPU run is what the recipe asked for;
+- torch's deprecation of ``all_gather_into_tensor``, which DeepSpeed calls, not draftsmith;
+- torch's C++ warnings (``TORCH_CPP_LOG_LEVEL=ERROR``, set by trainer/cli.py before torch is imported unless the
+  user set it): the stack dump of a store call that fails once a peer died, which the rank reports in one line;
 - off a terminal, the tqdm bars of transformers and huggingface_hub (``HF_HUB_DISABLE_PROGRESS_BARS``, unless set).
 
 :class:`CountProgress` is the progress of a tool's long stage: tqdm's bar on a terminal, plain lines in the format of
@@ -40,10 +44,12 @@ log = logging.getLogger(__name__)
 _NOISE: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("lightning", re.compile(r"Tip: .*litlogger")),
     ("transformers.tokenization_utils_base", re.compile(r"Token indices sequence length is longer than the specified")),
+    ("DeepSpeed", re.compile(r"Setting accelerator to CPU")),
 )
 # (message pattern, module pattern) of Python warnings dropped unless --debug
 _NOISY_WARNINGS: tuple[tuple[str, str], ...] = (
     (r"`isinstance\(treespec, LeafSpec\)` is deprecated", r"lightning\..*"),
+    (r"`torch.distributed.all_gather_into_tensor` is deprecated", r"torch\.distributed\..*"),
 )
 
 
@@ -100,12 +106,14 @@ def configure_logging(debug: bool, stream=None) -> None:
     handler = logging.StreamHandler(sys.stderr if stream is None else stream)
     handler.set_name(_HANDLER_NAME)
     handler.setFormatter(_Format(debug))
+    # transformers' loggers do not propagate until adopted, DeepSpeed's never: they are filtered where they log
+    for name, _ in _NOISE:
+        if name.startswith(("transformers", "DeepSpeed")):
+            logging.getLogger(name).removeFilter(_DROP)
+            if not debug:
+                logging.getLogger(name).addFilter(_DROP)
     if not debug:
         handler.addFilter(_DROP)
-        # transformers' loggers do not propagate until adopted: filter its noisy one where it logs
-        for name, _ in _NOISE:
-            if name.startswith("transformers"):
-                logging.getLogger(name).addFilter(_DROP)
         for message, module in _NOISY_WARNINGS:
             warnings.filterwarnings("ignore", message=message, module=module)
         if not (sys.stderr.isatty() if stream is None else stream.isatty()):

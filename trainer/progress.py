@@ -221,7 +221,7 @@ def next_commands(
         kind = get_kind(record.kind, "the fit's module")
     except Exception:  # no drafter (e.g. a module another project wrote): no next step to name
         return [], None
-    formats = [f.name for f in kind.formats]
+    formats = [f.name for f in kind.formats_for(record)] or [f.name for f in kind.formats]
     commands = []
     drafter = export
     root = Path(trainer.default_root_dir)

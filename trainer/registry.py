@@ -90,6 +90,8 @@ class ExportFormat:
         recognise: folder -> True when the folder holds this format.
         generic: the format of any plain checkpoint (an HF model folder): a folder another format also recognises
             (an HF model with a kind's files beside it) is that other format's.
+        refuses: record -> why this format cannot hold the record's drafter (an option its loaders have no key for),
+            None when it can; None: it holds every drafter of its kind. ``write`` refuses the same drafters.
     """
 
     name: str
@@ -98,6 +100,7 @@ class ExportFormat:
     load: Callable[[Path], tuple[nn.Module, DrafterRecord]]
     recognise: Callable[[Path], bool]
     generic: bool = False
+    refuses: Callable[[DrafterRecord], str | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -129,10 +132,17 @@ class DrafterKind:
         (self.load_weights or load_components)(module, record, state, where)
         return module
 
-    def format(self, name: str | None) -> ExportFormat:
-        """The named format (None: the default), or an error listing what this kind writes."""
+    def formats_for(self, record: DrafterRecord) -> tuple[ExportFormat, ...]:
+        """The formats that can hold ``record``'s drafter, in the kind's order (an EAGLE-3.1 drafter's norm flags, a
+        windowed drafter: formats whose loaders have no key for them are left out)."""
+        return tuple(f for f in self.formats if f.refuses is None or f.refuses(record) is None)
+
+    def format(self, name: str | None, record: DrafterRecord | None = None) -> ExportFormat:
+        """The named format, or the default (None): the first that can hold ``record``'s drafter (the kind's first
+        without a record); an error listing what this kind writes for an unknown name."""
         if name is None:
-            return self.formats[0]
+            usable = self.formats_for(record) if record is not None else self.formats
+            return (usable or self.formats)[0]
         for fmt in self.formats:
             if fmt.name == name:
                 return fmt

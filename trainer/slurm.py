@@ -13,7 +13,11 @@ main process), USR1 to the tasks ``--signal_lead`` seconds before the time limit
 which logs each attempt (what it resumed from, its exit status) and requeues a failed one, stopping after
 ``--max_failed_requeues`` (default 3) requeues in a row of attempts that made no progress (the step of the last
 complete checkpoint in the recipe's ModelCheckpoint folders did not move).
-``--gpus_per_node 0`` renders a CPU job (``accelerator cpu``, ``--tasks_per_node`` processes per node).
+The allocation comes from the recipe unless the flags say otherwise (:func:`allocation`): ``--nodes`` from
+``trainer.num_nodes``; a recipe whose ``trainer.accelerator`` is ``gpu`` (or ``cuda``) renders a GPU job of
+``trainer.devices`` GPUs per node; ``cpu`` (or ``auto`` without ``--gpus_per_node``) a CPU job of ``trainer.devices``
+processes per node (``accelerator cpu``). ``--gpus_per_node 0`` on a GPU recipe, or ``--gpus_per_node N`` on a CPU
+recipe, is a contradiction, refused in one line naming both and the override that settles it.
 ``--dry_run`` prints the script; otherwise it is written to the log folder and submitted, and the job id is printed.
 
 The recipe is read by the parser of ``draftsmith fit`` (:func:`trainer.recipe.parse_recipe`, nothing instantiated), with
@@ -48,9 +52,9 @@ class SlurmJob:
     """Everything the sbatch template needs; :func:`render` turns it into a script."""
 
     configs: list[str]  # recipe YAMLs, in --config order
-    nodes: int = 1  # nodes of the allocation
-    gpus_per_node: int = 0  # GPUs per node; 0 renders a CPU job
-    tasks_per_node: int | None = None  # processes per node (default: gpus_per_node, or 1 on CPU)
+    nodes: int | None = None  # nodes of the allocation (None: the recipe's trainer.num_nodes)
+    gpus_per_node: int | None = None  # GPUs per node; 0 renders a CPU job (None: from the recipe, see allocation)
+    tasks_per_node: int | None = None  # processes per node (default: gpus_per_node, or trainer.devices on CPU)
     cpus_per_task: int | None = None  # CPUs per process (default: the recipe's data workers + 1)
     partition: str | None = None  # --partition
     account: str | None = None  # --account
@@ -196,24 +200,89 @@ def check_job(job: SlurmJob) -> None:
         raise _refuse("--max_failed_requeues", str(job.max_failed_requeues), "must be >= 0")
 
 
+_GPU_ACCELERATORS = ("gpu", "cuda")
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """What the job asks SLURM for: its nodes, GPUs per node (0: a CPU job) and tasks (processes) per node."""
+
+    nodes: int
+    gpus_per_node: int
+    tasks_per_node: int
+
+
+def _positive_devices(recipe: Any) -> int | None:
+    devices = recipe.get("trainer.devices")
+    if isinstance(devices, str) and devices.strip().isdigit():
+        devices = int(devices)
+    return devices if isinstance(devices, int) and not isinstance(devices, bool) and devices > 0 else None
+
+
+def allocation(job: SlurmJob, recipe: Any) -> Allocation:
+    """The job's allocation: the flags where given, else the recipe's ``trainer.num_nodes``, ``trainer.devices`` and
+    ``trainer.accelerator`` (with the fit arguments after ``--`` applied).
+
+    Raises:
+        UsageError: the flags contradict the recipe's accelerator, or ``--tasks_per_node`` differs from the GPUs.
+        RecipeError: a GPU recipe whose ``trainer.devices`` is no count (``auto``, a list) and no ``--gpus_per_node``.
+    """
+    accelerator = str(recipe.get("trainer.accelerator") or "auto").lower()
+    devices = _positive_devices(recipe)
+    nodes = job.nodes if job.nodes is not None else int(recipe.get("trainer.num_nodes") or 1)
+    if nodes < 1:
+        raise UsageError(f"draftsmith slurm: --nodes must be >= 1, got {nodes}")
+    gpus = job.gpus_per_node
+    if gpus is not None and gpus < 0:
+        raise UsageError(f"draftsmith slurm: --gpus_per_node must be >= 0, got {gpus}")
+    if accelerator in _GPU_ACCELERATORS and gpus == 0:
+        raise UsageError(
+            f"draftsmith slurm: --gpus_per_node 0 asks for a CPU job, but the recipe's trainer.accelerator is "
+            f"{accelerator}: drop --gpus_per_node, or add `-- --trainer.accelerator cpu` to train on CPUs"
+        )
+    if accelerator == "cpu" and gpus:
+        raise UsageError(
+            f"draftsmith slurm: --gpus_per_node {gpus} asks for GPUs, but the recipe's trainer.accelerator is cpu: "
+            "drop --gpus_per_node, or add `-- --trainer.accelerator gpu` to train on GPUs"
+        )
+    if gpus is None and accelerator in _GPU_ACCELERATORS:
+        if devices is None:
+            raise RecipeError(
+                f"draftsmith slurm: the recipe trains on GPUs (trainer.accelerator {accelerator}) but its "
+                f"trainer.devices {recipe.get('trainer.devices')!r} is not a count of GPUs: pass --gpus_per_node"
+            )
+        gpus = devices
+    gpus = gpus or 0
+    if job.tasks_per_node is not None and job.tasks_per_node < 1:
+        raise UsageError(f"draftsmith slurm: --tasks_per_node must be >= 1, got {job.tasks_per_node}")
+    if gpus > 0:
+        if job.tasks_per_node not in (None, gpus):
+            raise UsageError(
+                f"draftsmith slurm: --tasks_per_node {job.tasks_per_node} must equal the GPUs per node, {gpus} "
+                "(one process per GPU)"
+            )
+        return Allocation(nodes, gpus, gpus)
+    return Allocation(nodes, 0, job.tasks_per_node or devices or 1)
+
+
 def log_path(job: SlurmJob) -> Path:
     """The folder of the job's output and script: ``log_dir``, relative to ``workdir`` unless absolute."""
     return Path(job.log_dir) if Path(job.log_dir).is_absolute() else Path(job.workdir).resolve() / job.log_dir
 
 
-def fit_command_args(job: SlurmJob, recipe: Any) -> list[str]:
-    """The arguments after ``python -m trainer.cli fit`` for the job: configs, matching overrides, resume."""
-    tasks = resolved_tasks_per_node(job)
+def fit_command_args(job: SlurmJob, recipe: Any, alloc: Allocation) -> list[str]:
+    """The arguments after ``python -m trainer.cli fit`` for the job: configs, the overrides that match the
+    allocation ``alloc``, resume."""
     args: list[str] = []
     for config in job.configs:
         args += ["--config", str(Path(config).resolve())]
     args += [
         "--trainer.accelerator",
-        "gpu" if job.gpus_per_node > 0 else "cpu",
+        "gpu" if alloc.gpus_per_node > 0 else "cpu",
         "--trainer.num_nodes",
-        str(job.nodes),
+        str(alloc.nodes),
         "--trainer.devices",
-        str(tasks),
+        str(alloc.tasks_per_node),
     ]
     if not _has_preemption_callback(recipe):
         args.append(f"--trainer.callbacks+={PREEMPTION_CALLBACK}")
@@ -222,30 +291,15 @@ def fit_command_args(job: SlurmJob, recipe: Any) -> list[str]:
     return args
 
 
-def resolved_tasks_per_node(job: SlurmJob) -> int:
-    if job.gpus_per_node > 0:
-        if job.tasks_per_node not in (None, job.gpus_per_node):
-            raise UsageError(
-                f"draftsmith slurm: --tasks_per_node {job.tasks_per_node} must equal --gpus_per_node "
-                f"{job.gpus_per_node} (one process per GPU)"
-            )
-        return job.gpus_per_node
-    return job.tasks_per_node or 1
-
-
 def render(job: SlurmJob, template: Path = TEMPLATE) -> str:
     """The sbatch script for ``job``, from ``template`` (a string.Template: ``${name}`` fields, ``$$`` for $)."""
-    if job.nodes < 1:
+    if job.nodes is not None and job.nodes < 1:
         raise UsageError(f"draftsmith slurm: --nodes must be >= 1, got {job.nodes}")
-    if job.gpus_per_node < 0:
-        raise UsageError(f"draftsmith slurm: --gpus_per_node must be >= 0, got {job.gpus_per_node}")
-    if job.tasks_per_node is not None and job.tasks_per_node < 1:
-        raise UsageError(f"draftsmith slurm: --tasks_per_node must be >= 1, got {job.tasks_per_node}")
     check_job(job)
     if not template.is_file():
         raise PathError(f"draftsmith slurm: template {template} does not exist (see --template)")
     recipe = read_recipe(job)
-    tasks = resolved_tasks_per_node(job)
+    alloc = allocation(job, recipe)
     cpus = job.cpus_per_task if job.cpus_per_task is not None else _num_workers(recipe) + 1
     if cpus < 1:
         raise UsageError(f"draftsmith slurm: --cpus_per_task must be >= 1, got {cpus}")
@@ -255,8 +309,8 @@ def render(job: SlurmJob, template: Path = TEMPLATE) -> str:
     if job.account:
         sbatch_lines.append(f"--account={job.account}")
     sbatch_lines += job.extra_sbatch
-    env_lines = ["export DS_ACCELERATOR=cpu"] if job.gpus_per_node == 0 else []
-    fit_args = fit_command_args(job, recipe)
+    env_lines = ["export DS_ACCELERATOR=cpu"] if alloc.gpus_per_node == 0 else []
+    fit_args = fit_command_args(job, recipe, alloc)
     # one argument per line, options with their values
     lines: list[str] = []
     for arg in fit_args:
@@ -272,10 +326,10 @@ def render(job: SlurmJob, template: Path = TEMPLATE) -> str:
     try:
         return Template(template.read_text()).substitute(
             job_name=job.job_name,
-            nodes=job.nodes,
-            tasks_per_node=tasks,
+            nodes=alloc.nodes,
+            tasks_per_node=alloc.tasks_per_node,
             cpus_per_task=cpus,
-            gpu_lines=f"#SBATCH --gpus-per-node={job.gpus_per_node}\n" if job.gpus_per_node > 0 else "",
+            gpu_lines=f"#SBATCH --gpus-per-node={alloc.gpus_per_node}\n" if alloc.gpus_per_node > 0 else "",
             time=job.time,
             signal_lead=job.signal_lead,
             log_dir=str(log_dir),
@@ -314,9 +368,15 @@ def build_parser() -> ToolParser:
     sub = p.add_subparsers(dest="action", required=True)
     s = sub.add_parser("submit", help="render an sbatch script for a recipe and submit it (or print it)")
     s.add_argument("--config", action="append", required=True, help="recipe YAML (repeat to compose, as for fit)")
-    s.add_argument("--nodes", type=int, default=1, help="nodes of the allocation")
-    s.add_argument("--gpus_per_node", type=int, default=0, help="GPUs per node; 0 renders a CPU job")
-    s.add_argument("--tasks_per_node", type=int, help="processes per node (CPU jobs; with GPUs it is gpus_per_node)")
+    s.add_argument("--nodes", type=int, help="nodes of the allocation (default: the recipe's trainer.num_nodes)")
+    s.add_argument(
+        "--gpus_per_node",
+        type=int,
+        help="GPUs per node; 0 renders a CPU job (default: trainer.devices when trainer.accelerator is gpu, else 0)",
+    )
+    s.add_argument(
+        "--tasks_per_node", type=int, help="processes per node (CPU jobs, default trainer.devices; with GPUs, one each)"
+    )
     s.add_argument("--cpus_per_task", type=int, help="CPUs per process (default: data.init_args.num_workers + 1)")
     s.add_argument("--partition", help="SLURM partition")
     s.add_argument("--account", help="SLURM account")

@@ -56,6 +56,48 @@ def check_model_path(name_or_path: str) -> Path:
     return path
 
 
+# What a model's folder needs to be loaded (weights, configs, tokenizer, chat template); not the other copies of the
+# weights some repositories also hold (Llama's original/consolidated.pth, pytorch_model.bin beside safetensors)
+HUB_FILES = ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken", "*.py")
+
+
+def resolve_model(name_or_path: str, what: str) -> Path:
+    """The local folder of a model named as every command names one: a folder, or a hub id (``org/name``) read from
+    the local Hugging Face cache (``HF_HOME``, ``HF_HUB_CACHE``), fetched into it first unless ``HF_HUB_OFFLINE=1``.
+
+    Args:
+        name_or_path: the folder or hub id.
+        what: the option or key that named it, for errors (``--target``).
+
+    Raises:
+        PathError: a path that looks local and does not exist, or a hub id neither cached nor downloadable.
+        ModelFolderError: a folder without config.json.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelFolderError(f"{what} {name_or_path!r} is not a local model folder (no config.json)")
+        return path
+    looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1 or path.exists()
+    if looks_local:
+        raise PathError(f"{what} {name_or_path!r}: no such folder", "check the path, or give a hub id (org/name)")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.constants import HF_HUB_OFFLINE
+
+    try:
+        folder = Path(snapshot_download(name_or_path, allow_patterns=list(HUB_FILES)))
+    except Exception as err:  # not cached while offline, an unknown repository, no access, no network
+        why = "" if HF_HUB_OFFLINE else f": {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        where = "in the local Hugging Face cache (HF_HUB_OFFLINE is set)" if HF_HUB_OFFLINE else "on the hub"
+        raise PathError(
+            f"{what} {name_or_path!r} is not a local folder, and the hub id was not found {where}{why}",
+            f"download it first (`hf download {name_or_path}`) where the hub can be reached, or give its folder",
+        ) from err
+    if not (folder / "config.json").is_file():
+        raise ModelFolderError(f"{what} {name_or_path!r}: the hub repository has no config.json ({folder})")
+    return folder
+
+
 # Keys a target's config.json must state: Hugging Face fills a missing one with its class default (a Llama config
 # without hidden_size loads as a 4096-wide model, one without rope_theta with theta 10000), which builds another model
 # than the published one, or a drafter of the wrong shape, without any error.

@@ -20,7 +20,7 @@ from tests._multiproc import run_group
 from tests.recipe_runs import RECIPES, fit, kd_override, record_batches, write_override
 from trainer.export.cli import main as export_main
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
 

@@ -44,6 +44,7 @@ def layerskip_override(run: Path, corpus, steps: int) -> dict:
 # A layer one rank skipped and another ran would hang a sharded strategy's gather or DDP's gradient reduction: ZeRO-3
 # stands for FSDP2 here (both gather a layer's shards before it runs); one run of each kind of hazard.
 @pytest.mark.parametrize("strategy", ["ddp.yaml", "deepspeed_zero3.yaml"])
+@pytest.mark.multiprocess
 def test_layer_dropout_in_two_processes_neither_hangs_nor_misses_gradients(
     strategy, tiny_corpus, tmp_path, torch_extensions_dir
 ) -> None:

@@ -99,6 +99,7 @@ def _fits(model_dir: str, out_dir: Path, strategy_name: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_sequential_gradients_equal_naive_ones_in_two_processes(tmp_path, torch_extensions_dir) -> None:
     from tests._multiproc import run_group
     from tests.helpers import tiny_llama

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from tests._multiproc import free_port
 from trainer.checkpoints.sharded import MARKER, read_marker
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 REPO = Path(__file__).resolve().parents[2]
 WORLD = 2
@@ -121,7 +121,11 @@ def _start(
     run.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "trainer.cli", "fit", "--config", str(REPO / f"recipes/_base/{strategy}.yaml")]
     cmd += ["--config", str(_config(run, callbacks, world))] + (["--ckpt_path", "last"] if resume else [])
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
+    if not torch.cuda.is_available():  # DeepSpeed finds the CPU itself, as in a user's run on a CPU machine
+        env.pop("DS_ACCELERATOR", None)
+    else:
+        env["DS_ACCELERATOR"] = "cpu"
     env.update(PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     env.update(MASTER_PORT=str(free_port()), WORLD_SIZE=str(world), NODE_RANK="0")
     procs, logs = [], []
@@ -159,10 +163,22 @@ def _output(logs: list[Path]) -> str:
     return "\n".join(f"===== {log.name}\n{log.read_text(errors='replace')[-5000:]}" for log in logs)
 
 
+# What a rank's log holds only under --debug: torch's C++ stack dumps, DeepSpeed's accelerator guess on a CPU machine,
+# torch's deprecation of the collective DeepSpeed calls
+DEBUG_ONLY = ("frame #", "Exception raised from", "Setting accelerator to CPU", "all_gather_into_tensor")
+
+
+def _assert_clean(logs: list[Path]) -> None:
+    for log in logs:
+        text = log.read_text(errors="replace")
+        assert not [s for s in DEBUG_ONLY if s in text], f"{log.name}:\n{text[-4000:]}"
+
+
 def _fit(run: Path, callbacks: list[dict], resume: bool = False, strategy: str = "deepspeed_zero2") -> None:
     procs, logs = _start(run, callbacks, resume, strategy=strategy)
     codes = _wait(procs, logs, START_TIMEOUT_S)
     assert codes == [0] * WORLD, f"exit codes {codes}:\n{_output(logs)}"
+    _assert_clean(logs)
 
 
 def _died(run: Path, callbacks: list[dict], dead: int = 1, strategy: str = "deepspeed_zero2") -> str:
@@ -179,6 +195,7 @@ def _died(run: Path, callbacks: list[dict], dead: int = 1, strategy: str = "deep
     assert codes[other] is not None, f"rank {other} ran {ENDS_WITHIN_S:g} s after rank {dead} died:\n{_output(logs)}"
     assert time.monotonic() - died < ENDS_WITHIN_S
     assert codes == [1, 1], f"exit codes {codes}:\n{_output(logs)}"
+    _assert_clean(logs)
     return logs[other].read_text(errors="replace")
 
 
@@ -259,7 +276,16 @@ def _assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> Non
 
 def test_a_dead_rank_0_ends_the_other_ranks_with_one_line(tmp_path):
     """Rank 0 hosts the process group's store: when it dies, rank 1 (whose collective fails, and whose store calls
-    fail too) says so in one line and ends with status 1."""
+    fail too) says so in one line and ends with status 1.
+
+    The race this guards (seen on CI, and 2 times in 6 with one core busy with a torch loop): a dying process's
+    sockets do not all close at once. Rank 1's gloo read fails on the reset of its connection to rank 0 while rank 0's
+    exit has not yet closed the store's listening socket, so the probe of trainer/cli.py (a TCP connect to
+    MASTER_PORT) still succeeded a millisecond later; the next store call (``check``, looking for a peer's recorded
+    error) then failed, torch logged that failure with its C++ stack at warning level, and the failed call was read
+    as "rank 0 ended on an error it printed": status 2 and no line. Now a store that fails on a rank other than 0
+    after a failed collective is rank 0 lost, whichever call meets it first, and torch's C++ warnings are off unless
+    ``--debug`` (``_died`` checks every rank's log for a C++ stack)."""
     run = tmp_path / "run"
     die = {"class_path": f"{__name__}.DieAt", "init_args": {"step": 5, "rank": 0}}
     output = _died(run, [die], dead=0)

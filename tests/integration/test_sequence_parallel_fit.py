@@ -116,6 +116,7 @@ def single_process_runs(tiny_corpus, tiny_target, short_documents, tmp_path_fact
     [("deepspeed_zero2.yaml", {}), ("ddp.yaml", {}), ("ddp.yaml", OTHER_OPTIONS)],
     ids=["zero2", "ddp", "ddp-argmax-tv-predicted-window"],
 )
+@pytest.mark.multiprocess
 def test_sequence_parallel_fit_follows_the_single_process(
     strategy, options, single_process_runs, tiny_corpus, tiny_target, short_documents, tmp_path, torch_extensions_dir
 ):

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from tests._multiproc import run_group
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 REPO = Path(__file__).resolve().parents[2]
 WORLD = 2

@@ -22,7 +22,7 @@ import yaml
 from tests.recipe_runs import RECIPES, ROOT, kd_override
 from trainer.errors import DataError
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 TIMEOUT_S = 400
 MESSAGE = "shard /data/train-000001.tar: truncated (1234 bytes, the manifest says 5678)"
 

@@ -270,3 +270,37 @@ def test_measured_speedup_is_the_median_of_side_by_side_ratios(monkeypatch) -> N
     assert entry["measured_speedup_quartiles"][0] <= 3.0 <= entry["measured_speedup_quartiles"][1]
     with pytest.raises(ValueError, match="repeats must be >= 1"):
         evaluate.run_side_by_side(None, object(), [[0]], 4, 2, repeats=0)
+
+
+def test_eval_takes_a_hub_id_from_the_local_cache_offline(saved, tmp_path) -> None:
+    """``--target org/name`` (as a recipe and a fit's next-step line name an 8B target) is read from the local
+    Hugging Face cache with HF_HUB_OFFLINE=1: the same report as the folder; an id not in the cache is one line."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.helpers import cache_as_hub_repository
+
+    cache = tmp_path / "hub"
+    cache_as_hub_repository(saved / "target", cache, "draftsmith-test/tiny-target")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    reports = {}
+    for name, target in (("folder", str(saved / "target")), ("hub", "draftsmith-test/tiny-target")):
+        argv = ["--target", target, "--drafter", str(saved / "draft"), "--prompts", str(saved / "prompts.jsonl")]
+        argv += ["--k", "3", "--max_new_tokens", "8", "--out", str(tmp_path / name), "--dtype", "float64"]
+        run = subprocess.run([sys.executable, "-m", "trainer.cli", "eval", *argv], env=env, capture_output=True,
+                             text=True, timeout=300)  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+        reports[name] = json.loads((tmp_path / name / "report.json").read_text())
+    assert [e["tau"] for e in reports["hub"]["greedy"]] == [e["tau"] for e in reports["folder"]["greedy"]]
+    assert reports["hub"]["greedy"][0]["identical"]
+    argv = ["eval", "--target", "draftsmith-test/not-cached", "--drafter", "none"]
+    argv += ["--prompts", str(saved / "prompts.jsonl"), "--out", str(tmp_path / "none")]
+    run = subprocess.run([sys.executable, "-m", "trainer.cli", *argv], env=env, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "--target 'draftsmith-test/not-cached'" in errors[0], run.stderr
+    assert "local Hugging Face cache (HF_HUB_OFFLINE is set)" in errors[0], run.stderr

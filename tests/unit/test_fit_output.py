@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -99,6 +100,7 @@ def test_a_fit_into_a_file_prints_progress_each_message_once_and_a_summary(tiny_
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_two_process_fit_prints_progress_from_rank_zero_only(tiny_corpus, target, tmp_path):
     log = _fit(tmp_path / "run", tiny_corpus, target, devices=2)  # rank 1 writes into the same file
     assert "distributed_backend=gloo" in log or "All distributed processes registered" in log, log
@@ -308,3 +310,39 @@ def test_the_closing_block_counts_training_steps_alone_and_a_resumed_runs_own_to
             "training steps"
         )
         assert block_rows["time"] == f"{duration(100)} wall clock, {duration(seconds)} of it in training steps"
+
+
+_DEPENDENCY_NOISE = """
+import os, sys, tempfile
+import torch
+import torch.distributed as dist
+from trainer.output import configure_logging
+
+configure_logging(debug=sys.argv[1] == "1")
+from deepspeed.accelerator import get_accelerator
+
+get_accelerator()  # no DS_ACCELERATOR, no GPU: DeepSpeed says it picked the CPU
+dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
+out = torch.zeros(2)
+dist.all_gather_into_tensor(out, torch.ones(2))  # what DeepSpeed's ZeRO calls: torch deprecates it
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="DeepSpeed picks the GPU: no accelerator line")
+def test_deepspeed_and_torch_dependency_lines_show_under_debug_only(tmp_path):
+    """DeepSpeed's "Setting accelerator to CPU" (on a machine without a GPU) and torch's deprecation of
+    all_gather_into_tensor say nothing a user can act on: gone from a run's log unless --debug."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DS_ACCELERATOR", "DRAFTSMITH_DEBUG")}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    logs = {}
+    for debug in ("0", "1"):
+        res = subprocess.run(
+            [sys.executable, "-c", _DEPENDENCY_NOISE, debug], capture_output=True, text=True, env=env, timeout=300
+        )
+        assert res.returncode == 0, res.stderr[-3000:]
+        logs[debug] = res.stdout + res.stderr
+    for line in ("Setting accelerator to CPU", "`torch.distributed.all_gather_into_tensor` is deprecated"):
+        assert line not in logs["0"], logs["0"]
+        assert line in logs["1"], logs["1"]

@@ -71,6 +71,7 @@ end_worker()  # not the interpreter's teardown, where gloo's threads can abort a
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_ulysses_in_two_processes_equals_one(tmp_path, torch_extensions_dir):
     """Two gloo processes, each holding 8 of 16 positions, through DeepSpeed's DistributedAttention: around EAGLE-3's
     TTT attention (3 steps, grouped-query heads, a packed row's documents, with and without a window) each rank's

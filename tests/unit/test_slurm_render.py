@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainer.errors import RecipeError
+from trainer.errors import RecipeError, UsageError
 from trainer.slurm import SlurmJob, main, render
 
 ROOT = Path(__file__).resolve().parents[2]
 KD = str(ROOT / "recipes" / "quickstart" / "kd.yaml")
 ZERO2 = str(ROOT / "recipes" / "_base" / "deepspeed_zero2.yaml")
+GPU_RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml"))  # the real-model recipes: 8 GPUs on one node
 
 
 def _sbatch(script: str) -> dict[str, str]:
@@ -110,7 +111,7 @@ def test_a_recipe_without_a_checkpoint_folder_is_refused(tmp_path):
 @pytest.mark.parametrize(
     "job, message",
     [
-        (SlurmJob(configs=[KD], gpus_per_node=4, tasks_per_node=2), "must equal --gpus_per_node"),
+        (SlurmJob(configs=[KD], gpus_per_node=4, tasks_per_node=2), "must equal the GPUs per node, 4"),
         (SlurmJob(configs=[KD], nodes=0), "--nodes"),
         (SlurmJob(configs=[KD], job_name="bash"), "bash"),
         (SlurmJob(configs=["no/such/recipe.yaml"]), "no/such/recipe.yaml"),
@@ -252,3 +253,63 @@ def test_valid_names_and_options_render_as_given():
     sb = _sbatch(script)
     assert sb["partition"] == "gpu-a100,gpu.h100" and sb["account"] == "my_proj-1" and sb["job-name"] == "kd.v2-run_1"
     assert sb["qos"] == "high" and "exclusive" in sb and "#SBATCH --constraint a100" in script
+
+
+@pytest.mark.parametrize("recipe", GPU_RECIPES, ids=[p.stem for p in GPU_RECIPES])
+def test_a_gpu_recipe_renders_its_gpu_job_without_flags(recipe, tmp_path, monkeypatch, capsys):
+    """No --nodes, --gpus_per_node: the allocation is the recipe's trainer.num_nodes x trainer.devices GPUs (it was
+    a one-process CPU job, the recipe's accelerator overridden by --trainer.accelerator cpu)."""
+    trainer = yaml.safe_load(recipe.read_text())["trainer"]
+    assert trainer["accelerator"] == "gpu" and trainer["devices"] == 8, recipe  # what the test relies on
+    monkeypatch.chdir(tmp_path)
+    assert main(["submit", "--config", str(recipe), "--dry_run"]) == 0
+    script = capsys.readouterr().out
+    sb = _sbatch(script)
+    assert (sb["nodes"], sb["ntasks-per-node"], sb["gpus-per-node"]) == (str(trainer["num_nodes"]), "8", "8")
+    over = _overrides(_fit_args(script))
+    assert (over["--trainer.accelerator"], over["--trainer.devices"]) == ("gpu", "8")
+    assert over["--trainer.num_nodes"] == str(trainer["num_nodes"]) and "DS_ACCELERATOR" not in script
+
+
+def test_flags_and_fit_arguments_set_the_allocation_over_the_recipe(capsys):
+    recipe = str(GPU_RECIPES[0])
+    script = render(SlurmJob(configs=[recipe], nodes=2, gpus_per_node=4))
+    sb = _sbatch(script)
+    assert (sb["nodes"], sb["ntasks-per-node"], sb["gpus-per-node"]) == ("2", "4", "4")
+    over = _overrides(_fit_args(script))
+    assert (over["--trainer.num_nodes"], over["--trainer.devices"]) == ("2", "4")
+    # the fit arguments after -- are the recipe's: 3 nodes, or a CPU job of 2 processes
+    assert _sbatch(render(SlurmJob(configs=[recipe], fit_args=["--trainer.num_nodes", "3"])))["nodes"] == "3"
+    cpu = render(SlurmJob(configs=[KD], fit_args=["--trainer.devices", "2"]))
+    assert _sbatch(cpu)["ntasks-per-node"] == "2" and "gpus-per-node" not in _sbatch(cpu)
+    assert _overrides(_fit_args(cpu))["--trainer.accelerator"] == "cpu" and "export DS_ACCELERATOR=cpu" in cpu
+
+
+@pytest.mark.parametrize(
+    "configs, gpus, fit_args, message",
+    [
+        (
+            [str(GPU_RECIPES[0])],
+            0,
+            [],
+            "--gpus_per_node 0 asks for a CPU job, but the recipe's trainer.accelerator is gpu",
+        ),
+        (
+            [KD],
+            2,
+            ["--trainer.accelerator", "cpu"],
+            "--gpus_per_node 2 asks for GPUs, but the recipe's trainer.accelerator is cpu",
+        ),
+        ([str(GPU_RECIPES[0])], None, ["--trainer.devices", "auto"], "trainer.devices 'auto' is not a count of GPUs"),
+    ],
+    ids=["gpu-recipe-cpu-flag", "cpu-recipe-gpu-flag", "gpu-recipe-auto-devices"],
+)
+def test_a_contradiction_is_refused_in_one_line(configs, gpus, fit_args, message, capsys):
+    with pytest.raises((UsageError, RecipeError), match=re.escape(message)):
+        render(SlurmJob(configs=configs, gpus_per_node=gpus, fit_args=fit_args))
+    argv = ["submit", *sum((["--config", c] for c in configs), [])]
+    argv += (["--gpus_per_node", str(gpus)] if gpus is not None else []) + ["--dry_run", "--", *fit_args]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: draftsmith slurm: ") and message in err and "Traceback" not in err, err
+    assert len([line for line in err.splitlines() if line.startswith("error: ")]) == 1, err

@@ -29,8 +29,12 @@ epoch (trainer/data/sampler.py `MixedLengthSampler`), so a resumed run serves th
 Validation rows stay at `seq_len`.
 
 Chat (`format="chat"`): each conversation (a list of {"role", "content"} messages) goes through the tokenizer's chat
-template with `return_assistant_tokens_mask=True`; only assistant tokens are trained. An EOS is appended (not
-trained) when the rendered conversation does not end with one; rows are then packed or padded as for text.
+template as its model publishes it; only assistant tokens are trained: each assistant turn's content and the
+end-of-turn token the template closes it with, found by rendering the conversation before and through each turn
+(trainer/data/chat.py; a template with `{% generation %}` blocks keeps transformers' mask). A template that renders
+earlier turns differently once a later one follows (Qwen3) gives one row per assistant turn, said once per file. An
+EOS is appended (not trained) when the rendered conversation does not end with one; rows are then packed or padded as
+for text.
 A conversation without an assistant turn is left out with a warning naming the file, the count and the first
 records; a file where no conversation has one is an error.
 
@@ -66,6 +70,7 @@ import lightning as L
 import numpy as np
 from torch.utils.data import DataLoader, DistributedSampler
 
+from trainer.data.chat import assistant_rows, has_generation_blocks
 from trainer.data.packing import (
     MixedRows,
     TokenRows,
@@ -315,6 +320,7 @@ class TextDataModule(L.LightningDataModule):
         tags: list[int] = []
         missing: dict[int, list[int]] = {}  # source -> documents without an assistant turn
         roles: dict[int, set[str]] = {}
+        per_turn: dict[int, int] = {}  # source -> conversations split into one row per assistant turn
         for i, messages in enumerate(docs.items):
             if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
                 raise DataError(f"{docs.where(i)}: field {self.messages_field!r} is not a list of messages")
@@ -325,24 +331,21 @@ class TextDataModule(L.LightningDataModule):
                 for m in messages:
                     seen.add(repr(m["role"]) if "role" in m else f"no 'role' key (keys: {', '.join(map(str, m))})")
                 continue
-            try:
-                out = tok.apply_chat_template(
-                    messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-                )
-            except Exception as err:  # jinja raises its own types (unknown roles, missing keys)
-                raise DataError(f"{docs.where(i)}: the chat template failed on this conversation: {err}") from err
-            ids = list(out["input_ids"])
-            mask = list(out["assistant_masks"])
-            if not any(mask):
-                raise DataError(
-                    f"{docs.where(i)}: the chat template of {self.tokenizer_path} marks no assistant tokens in this"
-                    " conversation; it needs {% generation %} blocks around assistant turns"
-                )
-            if not ids or ids[-1] != eos:
-                ids.append(eos)
-                mask.append(0)
-            streams.append((np.asarray(ids, np.int32), np.asarray(mask, bool)))
-            tags.append(int(docs.source[i]))
+            for ids, mask in self._chat_rows(messages, docs.where(i), per_turn, int(docs.source[i])):
+                if not ids or ids[-1] != eos:
+                    ids.append(eos)
+                    mask.append(False)
+                streams.append((np.asarray(ids, np.int32), np.asarray(mask, bool)))
+                tags.append(int(docs.source[i]))
+        for s, count in sorted(per_turn.items()):
+            log.info(
+                "%s: the chat template of %s renders earlier assistant turns differently once a later turn follows: "
+                "%d conversations give one row per assistant turn (the conversation through that turn, that turn "
+                "trained)",
+                docs.names[s],
+                self.tokenizer_path,
+                count,
+            )
         counts = np.bincount(docs.source, minlength=len(docs.names))
         for s, idx in missing.items():
             shown = ", ".join(docs.where(i) for i in idx[:_SHOW_RECORDS]) + (
@@ -359,6 +362,32 @@ class TextDataModule(L.LightningDataModule):
             )
         info = {s: (len(idx), sorted(roles[s])) for s, idx in missing.items()}
         return streams, np.asarray(tags, np.int64), info
+
+    def _chat_rows(
+        self, messages: list[dict], where: str, per_turn: dict[int, int], source: int
+    ) -> list[tuple[list[int], list[bool]]]:
+        """(ids, assistant mask) of the rows of one conversation: transformers' mask for a template with
+        ``{% generation %}`` blocks, else trainer/data/chat.py's (counting in ``per_turn`` a conversation it splits)."""
+        tok = self.tokenizer
+        if has_generation_blocks(tok.chat_template):
+            try:
+                out = tok.apply_chat_template(
+                    messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+                )
+            except Exception as err:  # jinja raises its own types (unknown roles, missing keys)
+                raise DataError(f"{where}: the chat template failed on this conversation: {err}") from err
+            rows = [(list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]])]
+        else:
+            chat_rows = assistant_rows(tok, messages, where)
+            if chat_rows and chat_rows[0].per_turn:
+                per_turn[source] = per_turn.get(source, 0) + 1
+            rows = [(row.ids, row.trained) for row in chat_rows]
+        if not any(any(mask) for _, mask in rows):
+            raise DataError(
+                f"{where}: the chat template of {self.tokenizer_path} marks no assistant tokens in this conversation "
+                "(its assistant turns are empty, or its {% generation %} blocks hold nothing)"
+            )
+        return rows
 
     def _rows(self, docs: Documents, role: str, source: str, per_file: bool, seq_len: int) -> tuple[np.ndarray, ...]:
         """The rows of `docs` without those that have nothing to train, after the trained-share checks: ids and

@@ -38,11 +38,11 @@ from trainer.decoding.evaluate import evaluate_drafter, load_prompts, refuse_dra
 from trainer.decoding.identity import SpeculativeMismatchError
 from trainer.decoding.options import ProposerOptions, add_option_arguments, options_from_arguments, positive_ints
 from trainer.decoding.report import write_report
-from trainer.errors import ModelFolderError, TokenizerError, UsageError, UserError
+from trainer.errors import TokenizerError, UsageError, UserError
 from trainer.flags import ToolParser
 from trainer.output import block, duration
 from trainer.registry import is_training_checkpoint
-from trainer.target import check_safetensors_headers
+from trainer.target import check_safetensors_headers, resolve_model
 
 
 def build_parser() -> ToolParser:
@@ -51,7 +51,8 @@ def build_parser() -> ToolParser:
     parser.add_argument(
         "--target",
         required=True,
-        help="HF target model directory (with its tokenizer); a drafter export here is refused, naming its target",
+        help="the target: an HF model folder (with its tokenizer) or a hub id (org/name) in the local Hugging Face "
+        "cache, HF_HUB_OFFLINE=1 too; a drafter export here is refused, naming its target",
     )
     parser.add_argument(
         "--allow_other_target",
@@ -112,10 +113,11 @@ def build_parser() -> ToolParser:
     parser.add_argument(
         "--original_target",
         default=None,
-        metavar="DIR",
-        help="for a target a method changed (LayerSkip and parallel-heads fine-tunes, Medusa-2): the model it was "
-        "fine-tuned from (their exports record it as fine_tuned_from); the report gives both models' held-out loss on "
-        "the --heldout text and loop share of their greedy output side by side",
+        metavar="MODEL",
+        help="(a folder or a hub id, as --target) for a target a method changed (LayerSkip and parallel-heads "
+        "fine-tunes, Medusa-2): the model it was fine-tuned from (their exports record it as fine_tuned_from); the "
+        "report gives both models' held-out loss on the --heldout text and loop share of their greedy output side "
+        "by side",
     )
     parser.add_argument(
         "--heldout",
@@ -140,17 +142,16 @@ def build_parser() -> ToolParser:
     return parser
 
 
-def load_target(path: str, dtype: str, device: torch.device) -> tuple[PreTrainedModel, object]:
-    """The HF target and its tokenizer from a local folder, with an error that says what the folder lacks."""
-    folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise ModelFolderError(f"--target {path!r} is not a local model folder (no config.json)")
+def load_target(name: str, dtype: str, device: torch.device, what: str = "--target") -> tuple[PreTrainedModel, object]:
+    """The HF target and its tokenizer from a local folder or a hub id (trainer/target.py ``resolve_model``: the local
+    Hugging Face cache, offline too), with an error that says what the folder lacks."""
+    path = str(resolve_model(name, what))
     refuse_drafter_as_target(path)
-    check_safetensors_headers(path, f"--target {path!r}")  # an empty or truncated weights file, named
+    check_safetensors_headers(path, f"{what} {name!r}")  # an empty or truncated weights file, named
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, ImportError) as err:
-        raise TokenizerError(f"--target {path!r}: no usable tokenizer in that folder ({err})") from err
+        raise TokenizerError(f"{what} {name!r}: no usable tokenizer in that folder ({err})") from err
     target = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
     return target, tokenizer
 
@@ -180,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device(args.device)
     try:
         sweep = options_from_arguments(args)  # several exit layers: one evaluation each, in out/exit_<E>
-        target, tokenizer = load_target(args.target, args.dtype, device)
+        target_path = str(resolve_model(args.target, "--target"))  # a hub id: its folder in the local cache
+        target, tokenizer = load_target(target_path, args.dtype, device)
         context = getattr(target.config, "max_position_embeddings", None)
         max_length = context - args.max_new_tokens if context else None
         buckets, indices = None, None
@@ -202,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         for options in sweep:
             groups.setdefault(replace(options, accept_threshold=0.0), []).append(options.accept_threshold)
         proposers = [
-            (options, resolve_drafter(args.drafter, target, options, tokenizer, args.target, args.allow_other_target))
+            (options, resolve_drafter(args.drafter, target, options, tokenizer, target_path, args.allow_other_target))
             for options in groups
         ]
         for options, proposer in proposers:
@@ -244,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     original, heldout = None, None
     if args.original_target:
         try:
-            original, _ = load_target(args.original_target, args.dtype, device)
+            original, _ = load_target(args.original_target, args.dtype, device, what="--original_target")
             cut = min((n for n in (context, args.heldout_tokens) if n), default=None)  # the tighter limit given
             heldout = load_prompts(args.heldout, tokenizer, None, cut=cut) if args.heldout else None
         except UserError:

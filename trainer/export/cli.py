@@ -1,7 +1,8 @@
 """``draftsmith export --ckpt CKPT --out DIR [--format FORMAT]``: a trained drafter in a serving engine's format.
 
 The checkpoint's drafter record says what the drafter is; its kind says which formats it can be written in
-(trainer/registry.py). Without ``--format`` the kind's first format is written. Beside it goes the fingerprint of the
+(trainer/registry.py). Without ``--format`` the kind's first format that can hold the drafter is written (an
+EAGLE-3.1 drafter's norm flags: ``eagle3-speculators``, not ``eagle3``). Beside it goes the fingerprint of the
 frozen target the checkpoint recorded (``target_fingerprint.json``, trainer/fingerprint.py), which ``draftsmith eval``
 compares with its ``--target``; a drafter that carries the target it trained (Medusa-2, an MTP pre-training) is
 compared by that target's own weights instead, and gets none.
@@ -50,7 +51,7 @@ def _export(ckpt: str, out: str, fmt: str | None) -> tuple[Path, str, DrafterRec
     state, raw = load_training_checkpoint(ckpt)
     record = DrafterRecord.from_dict(raw, ckpt)
     kind = get_kind(record.kind, ckpt)
-    writer = kind.format(fmt)
+    writer = kind.format(fmt, record)
     module = kind.load(record, state, ckpt)
     folder = writer.write(module, record, Path(out))
     recorded = recorded_fingerprints(ckpt)
@@ -65,7 +66,11 @@ def build_parser() -> ToolParser:
     parser = ToolParser(prog="draftsmith export", description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--ckpt", required=True, help="a Lightning .ckpt file or a DeepSpeed checkpoint directory")
     parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--format", default=None, help=f"target format (default: the kind's first). {_formats_help()}")
+    parser.add_argument(
+        "--format",
+        default=None,
+        help=f"target format (default: the kind's first that can hold the drafter). {_formats_help()}",
+    )
     return parser
 
 

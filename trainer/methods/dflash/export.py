@@ -132,17 +132,24 @@ def save_zlab(drafter: DFlashDrafter, out_dir: str, dtype: torch.dtype | None = 
     return write_folder(out_dir, zlab_config(drafter.config, dtype_name), cpu_tensors(drafter, dtype))
 
 
+def zlab_refusal(c: DFlashConfig) -> str | None:
+    """Why the z-lab layout cannot hold a drafter of config ``c``: sliding-window layers (its readers window each
+    query slot, the drafter's window counts from the block's anchor, module docstring); None when it can."""
+    if c.all_full:
+        return None
+    return (
+        f"layer_types {list(c.layer_types or [])} (sliding_window {c.sliding_window}, sliding_window_non_causal "
+        f"{c.sliding_window_non_causal}): the z-lab format's readers (the dflash package, SGLang) window each "
+        "slot of a block from its own position, this drafter's window counts from the block's anchor; no "
+        "z-lab sliding_window gives that mask"
+    )
+
+
 def refuse_sliding_zlab(c: DFlashConfig) -> None:
-    """Refuse sliding-window layers in the z-lab layout: its readers window each query slot, the drafter's window
-    counts from the block's anchor (module docstring)."""
-    if not c.all_full:
-        raise ModelFolderError(
-            f"layer_types {list(c.layer_types or [])} (sliding_window {c.sliding_window}, sliding_window_non_causal "
-            f"{c.sliding_window_non_causal}): the z-lab format's readers (the dflash package, SGLang) window each "
-            "slot of a block from its own position, this drafter's window counts from the block's anchor; no "
-            "z-lab sliding_window gives that mask",
-            hint="write it with --format dflash-speculators",
-        )
+    """Refuse what :func:`zlab_refusal` names."""
+    reason = zlab_refusal(c)
+    if reason is not None:
+        raise ModelFolderError(reason, hint="write it with --format dflash-speculators")
 
 
 def save_speculators(

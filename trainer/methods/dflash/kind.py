@@ -115,6 +115,7 @@ ZLAB = ExportFormat(
     write=lambda drafter, record, out: formats.save_zlab(drafter, str(out)),
     load=load_zlab,
     recognise=lambda folder: is_zlab(folder_config(folder)),
+    refuses=lambda record: formats.zlab_refusal(DFlashConfig(**record.config)),
 )
 SPECULATORS = ExportFormat(
     name="dflash-speculators",

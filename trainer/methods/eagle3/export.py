@@ -77,23 +77,30 @@ def _layer_keys(config: Eagle3Config, layers: int = 1) -> dict:
     return out
 
 
-def save_native(drafter: Eagle3Drafter, out_dir: str, dtype: torch.dtype | None = None) -> Path:
-    """Write the native EAGLE-3 checkpoint (SGLang and vLLM ``LlamaForCausalLMEagle3``); a drafter trained with a
-    norm flag the native loaders cannot read (``fc_norm``, ``norm_output``) is refused naming it."""
-    c = drafter.config
+def native_refusal(c: Eagle3Config) -> str | None:
+    """Why the native format cannot hold a drafter of config ``c`` (a sliding window, a norm flag its loaders cannot
+    read: ``fc_norm``, ``norm_output``), None when it can."""
     if c.window is not None:
-        raise UsageError(
+        return (
             f"the native eagle3 format cannot express a sliding window (window: {c.window}): its loaders read no "
-            "window key and would draft with full attention",
-            hint="export it with --format eagle3-speculators",
+            "window key and would draft with full attention"
         )
     for flag in NORM_FLAGS:
         if flag not in NATIVE_FLAGS and getattr(c, flag):
-            raise UsageError(
+            return (
                 f"the native eagle3 format cannot express {flag}: true (its loaders have no such key and would draft "
-                "with another network)",
-                hint="export it with --format eagle3-speculators",
+                "with another network)"
             )
+    return None
+
+
+def save_native(drafter: Eagle3Drafter, out_dir: str, dtype: torch.dtype | None = None) -> Path:
+    """Write the native EAGLE-3 checkpoint (SGLang and vLLM ``LlamaForCausalLMEagle3``); a drafter the format cannot
+    hold (:func:`native_refusal`) is refused naming what it lacks."""
+    c = drafter.config
+    reason = native_refusal(c)
+    if reason is not None:
+        raise UsageError(reason, hint="export it with --format eagle3-speculators")
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
         **_layer_keys(c),

@@ -82,6 +82,7 @@ NATIVE = ExportFormat(
     write=lambda drafter, record, out: formats.save_native(drafter, str(out)),
     load=load_native,
     recognise=lambda folder: folder_config(folder).get("architectures") == ["LlamaForCausalLMEagle3"],
+    refuses=lambda record: formats.native_refusal(Eagle3Config(**record.config)),
 )
 SPECULATORS = ExportFormat(
     name="eagle3-speculators",

@@ -1,0 +1,75 @@
+"""The export format a drafter gets by default, and the one a fit's closing block names: the first of its kind's that
+can hold it. An EAGLE-3.1 drafter (norm flags) and a windowed EAGLE-3 or DFlash drafter cannot be written in their
+kind's first format, whose loaders have no key for those options; each format's ``refuses`` agrees with its writer."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from tests.unit.test_dflash_drafter import small_drafter as small_dflash
+from tests.unit.test_eagle3_drafter import small_drafter as small_eagle3
+from trainer.errors import UserError
+from trainer.methods.dflash import export as dflash_export
+from trainer.methods.dflash import kind as dflash_kind
+from trainer.methods.eagle3 import export as eagle3_export
+from trainer.methods.eagle3 import kind as eagle3_kind
+from trainer.progress import next_commands
+from trainer.registry import get_kind
+
+SLIDING = {"layer_types": ("sliding_attention", "full_attention"), "sliding_window": 5}
+
+
+def _eagle3(**options):
+    drafter, _ = small_eagle3(0, **{k: v for k, v in options.items() if k != "window"})
+    if "window" in options:
+        drafter.config.window = options["window"]
+    record = eagle3_kind.make_record(drafter.config, "org/target", ["LlamaForCausalLM"], ttt_steps=3)
+    return drafter, record, lambda out: eagle3_export.save_native(drafter, str(out))
+
+
+def _dflash(**options):
+    drafter = small_dflash(0, **options)
+    record = dflash_kind.make_record(drafter.config, "org/target", ["LlamaForCausalLM"])
+    return drafter, record, lambda out: dflash_export.save_zlab(drafter, str(out))
+
+
+CASES = {
+    "eagle3": (_eagle3, {}, "eagle3"),
+    "eagle3.1": (_eagle3, {"fc_norm": True, "norm_output": True, "norm_before_residual": True}, "eagle3-speculators"),
+    "eagle3-window": (_eagle3, {"window": 16}, "eagle3-speculators"),
+    "dflash": (_dflash, {}, "dflash"),
+    "dflash-sliding": (_dflash, {**SLIDING, "sliding_window_non_causal": False}, "dflash-speculators"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_default_format_is_the_first_that_holds_the_drafter(case, tmp_path):
+    make, options, expected = CASES[case]
+    drafter, record, write_first = make(**options)
+    kind = get_kind(record.kind, "test")
+    assert kind.format(None, record).name == expected
+    assert kind.formats_for(record)[0].name == expected
+    # the first format's refusal and its writer agree: it writes exactly the drafters it does not refuse
+    first = kind.formats[0]
+    reason = first.refuses(record)
+    if reason is None:
+        write_first(tmp_path / "out")
+    else:
+        with pytest.raises(UserError) as refused:
+            write_first(tmp_path / "out")
+        assert str(refused.value.message) == reason
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_fit_closing_block_names_a_format_the_drafter_takes(case, tmp_path):
+    make, options, expected = CASES[case]
+    _, record, _ = make(**options)
+    module = SimpleNamespace(drafter_record=lambda: record)
+    trainer = SimpleNamespace(default_root_dir=str(tmp_path), callbacks=[], datamodule=None)
+    commands, formats = next_commands(trainer, module, str(tmp_path / "last.ckpt"), None)
+    assert commands[0].startswith("draftsmith export --ckpt ") and commands[0].endswith(f" --format {expected}")
+    assert formats.split(", ")[0] == expected
+    refused = [f.name for f in get_kind(record.kind, "test").formats if f.name not in formats.split(", ")]
+    assert refused == ([] if expected == get_kind(record.kind, "test").formats[0].name else [record.kind])
