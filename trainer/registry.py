@@ -92,6 +92,8 @@ class ExportFormat:
             (an HF model with a kind's files beside it) is that other format's.
         refuses: record -> why this format cannot hold the record's drafter (an option its loaders have no key for),
             None when it can; None: it holds every drafter of its kind. ``write`` refuses the same drafters.
+        serve: (written folder, record) -> the lines that serve it, one per engine (trainer/export/serving.py), which
+            ``draftsmith export`` prints; None: a plain model folder, served as any model is.
     """
 
     name: str
@@ -101,6 +103,7 @@ class ExportFormat:
     recognise: Callable[[Path], bool]
     generic: bool = False
     refuses: Callable[[DrafterRecord], str | None] | None = None
+    serve: Callable[[Path, DrafterRecord], list[str]] | None = None
 
 
 @dataclass(frozen=True)

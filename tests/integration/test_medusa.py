@@ -5,6 +5,7 @@ it builds for a node budget, and Medusa-2 exporting its trained target beside th
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -63,11 +64,21 @@ def test_offline_heads_follow_the_online_loss(medusa1, tiny_corpus, tiny_target,
         fit("quickstart/medusa1.yaml", bad, tmp_path / "bad")
 
 
-def test_exports_and_eval_with_the_papers_tree_and_a_built_one(medusa1, tiny_target, tiny_corpus, tmp_path) -> None:
+def test_exports_and_eval_with_the_papers_tree_and_a_built_one(
+    medusa1, tiny_target, tiny_corpus, tmp_path, capsys
+) -> None:
     ckpt = str(medusa1 / "checkpoints" / "last.ckpt")
     trained, record_ = load_drafter(ckpt)
+    serve = {
+        "medusa": f"vLLM 0.32 (0.33 removed Medusa): vllm serve {tiny_target} --speculative-config "
+        f'\'{{"method": "medusa", "model": "{tmp_path / "medusa"}", "num_speculative_tokens": 3}}\'',
+        "medusa-tgi": f"TGI 3.3: text-generation-launcher --model-id {tmp_path / 'medusa-tgi'}",
+    }
     for fmt in ("medusa", "medusa-tgi"):
+        capsys.readouterr()
         assert export_main(["--ckpt", ckpt, "--out", str(tmp_path / fmt), "--format", fmt]) == 0
+        block = capsys.readouterr().out
+        assert re.search(rf"^serve\s+{re.escape(serve[fmt])}$", block, flags=re.MULTILINE), block
         reloaded, _ = load_drafter(str(tmp_path / fmt))
         hidden = torch.randn(4, 64)
         torch.testing.assert_close(reloaded.heads(hidden), trained.heads(hidden), rtol=0, atol=0)

@@ -73,3 +73,52 @@ def test_the_fit_closing_block_names_a_format_the_drafter_takes(case, tmp_path):
     assert formats.split(", ")[0] == expected
     refused = [f.name for f in get_kind(record.kind, "test").formats if f.name not in formats.split(", ")]
     assert refused == ([] if expected == get_kind(record.kind, "test").formats[0].name else [record.kind])
+
+
+# What the engines' released source accepts (trainer/export/serving.py names the files read)
+VLLM_METHODS = {"eagle3", "dflash", "mtp", "draft_model", "medusa"}  # vLLM 0.34 config/speculative.py (medusa: 0.32)
+SGLANG_ALGORITHMS = {"EAGLE3", "DFLASH", "NEXTN", "STANDALONE"}  # SGLang 0.5.23 arg_groups/fields/spec.py
+# the default format's serve lines per case: (engine, vLLM method or SGLang algorithm, drafts per round)
+SERVED = {
+    "eagle3": [("vLLM", "eagle3", 3), ("SGLang", "EAGLE3", None)],
+    "eagle3.1": [("vLLM", "eagle3", 3)],  # SGLang reads no speculators folder
+    "eagle3-window": [("vLLM", "eagle3", 3)],
+    "dflash": [("vLLM", "dflash", 3), ("SGLang", "DFLASH", None)],  # a block of 4: 3 drafts
+    "dflash-sliding": [("vLLM", "dflash", 3)],
+}
+
+
+def _parse_serve(line: str) -> tuple[str, str, int | None, str, str]:
+    """(engine, method or algorithm, drafts per round, target, draft folder) of a serve line."""
+    import json
+    import shlex
+
+    engine, command = line.split(": ", 1)
+    words = shlex.split(command)
+    if words[:2] == ["vllm", "serve"]:
+        config = json.loads(words[words.index("--speculative-config") + 1])
+        assert set(config) <= {"method", "model", "num_speculative_tokens"}, config
+        return "vLLM", config["method"], config.get("num_speculative_tokens"), words[2], config.get("model")
+    assert words[:3] == ["python", "-m", "sglang.launch_server"], line
+    option = dict(zip(words[3::2], words[4::2]))
+    assert set(option) == {"--model-path", "--speculative-algorithm", "--speculative-draft-model-path"}, option
+    return (
+        "SGLang",
+        option["--speculative-algorithm"],
+        None,
+        option["--model-path"],
+        option["--speculative-draft-model-path"],
+    )
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_an_export_ends_with_the_serve_lines_of_its_format(case, tmp_path):
+    make, options, _ = CASES[case]
+    _, record, _ = make(**options)
+    folder = tmp_path / "export"
+    lines = get_kind(record.kind, "test").format(None, record).serve(folder, record)
+    parsed = [_parse_serve(line) for line in lines]
+    assert [(engine, method, drafts) for engine, method, drafts, _, _ in parsed] == SERVED[case]
+    for engine, method, _, target, draft in parsed:
+        assert method in (VLLM_METHODS if engine == "vLLM" else SGLANG_ALGORITHMS)
+        assert target == "org/target" and draft == str(folder)

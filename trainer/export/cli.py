@@ -88,11 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, KeyError) as err:  # a format's writer refusing this drafter
         print(f"error: {err}", file=sys.stderr)
         return 2
-    others = [f.name for f in get_kind(record.kind, args.ckpt).formats if f.name != name]
+    kind = get_kind(record.kind, args.ckpt)
+    others = [f.name for f in kind.formats if f.name != name]
+    written = kind.format(name)
     rows = [
         ("checkpoint", str(args.ckpt)),
         ("drafter", f"{record.kind}, written as {name}" + (f" (other formats: {', '.join(others)})" if others else "")),
         ("folder", str(path)),
+        ("serve", "\n".join(written.serve(path, record)) if written.serve is not None else ""),
     ]
     commands = []
     if record.target:

@@ -17,6 +17,7 @@ from pathlib import Path
 from transformers import PreTrainedModel
 
 from trainer.decoding.options import ProposerOptions
+from trainer.export import serving
 from trainer.export.files import folder_config
 from trainer.export.speculators import folder_block, read_block
 from trainer.methods.dflash import export as formats
@@ -116,6 +117,10 @@ ZLAB = ExportFormat(
     load=load_zlab,
     recognise=lambda folder: is_zlab(folder_config(folder)),
     refuses=lambda record: formats.zlab_refusal(DFlashConfig(**record.config)),
+    serve=lambda folder, record: [
+        serving.vllm(record.target, "dflash", folder, record.config["block_size"] - 1),
+        serving.sglang(record.target, "DFLASH", folder),
+    ],
 )
 SPECULATORS = ExportFormat(
     name="dflash-speculators",
@@ -123,6 +128,7 @@ SPECULATORS = ExportFormat(
     write=write_speculators,
     load=load_speculators,
     recognise=lambda folder: is_speculators(folder_config(folder)),
+    serve=lambda folder, record: [serving.vllm(record.target, "dflash", folder, record.config["block_size"] - 1)],
 )
 
 register_kind(DrafterKind(name=KIND, build=build, formats=(ZLAB, SPECULATORS), proposer=proposer))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from trainer.export import serving
 from trainer.export.files import folder_config
 from trainer.export.speculators import read_block
 from trainer.methods.dflash import kind as dflash_kind
@@ -51,6 +52,7 @@ DFLASH2 = ExportFormat(
     write=write_dflash2,
     load=load_dflash2,
     recognise=lambda folder: is_dflash2(folder_config(folder)),
+    serve=lambda folder, record: [serving.NO_ENGINE],
 )
 
 proposer = dflash_kind.proposer_factory(DFlash2Proposer, DFlash2TreeProposer)

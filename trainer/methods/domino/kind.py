@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from trainer.export import serving
 from trainer.export.files import folder_config
 from trainer.methods.dflash import kind as dflash_kind
 from trainer.methods.domino import export as formats
@@ -49,6 +50,7 @@ DOMINO = ExportFormat(
     write=write_domino,
     load=load_domino,
     recognise=lambda folder: is_domino(folder_config(folder)),
+    serve=lambda folder, record: [serving.NO_ENGINE],
 )
 
 proposer = dflash_kind.proposer_factory(DominoProposer, DominoTreeProposer)

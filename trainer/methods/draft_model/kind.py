@@ -14,11 +14,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from trainer.data.vocab import TOKENIZER_FILES
 from trainer.decoding.options import ProposerOptions
+from trainer.export import serving
 from trainer.export.hf import save_hf
 from trainer.methods.draft_model.proposer import DraftModelProposer
 from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
 
 KIND = "hf_causal_lm"
+DEFAULT_DRAFTS = 4  # drafts per round in the serve lines: draftsmith eval --k 1,2,4,8 finds the best for a drafter
 
 
 def make_record(model: PreTrainedModel, component: str, target: str, target_config) -> DrafterRecord:
@@ -86,6 +88,11 @@ HF = ExportFormat(
     load=load,
     recognise=recognise,
     generic=True,
+    serve=lambda folder, record: [
+        serving.vllm(record.target, "draft_model", folder, DEFAULT_DRAFTS),
+        serving.sglang(record.target, "STANDALONE", folder),
+        serving.transformers_assisted(record.target, folder),
+    ],
 )
 
 register_kind(DrafterKind(name=KIND, build=build, formats=(HF,), proposer=proposer))

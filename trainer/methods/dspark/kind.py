@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from trainer.export import serving
 from trainer.export.files import folder_config
 from trainer.export.speculators import read_block
 from trainer.methods.dflash import kind as dflash_kind
@@ -52,6 +53,7 @@ DSPARK = ExportFormat(
     write=write_dspark,
     load=load_dspark,
     recognise=lambda folder: is_dspark(folder_config(folder)),
+    serve=lambda folder, record: [serving.NO_ENGINE],
 )
 
 proposer = dflash_kind.proposer_factory(DSparkProposer, DSparkTreeProposer)

@@ -15,7 +15,7 @@ from pathlib import Path
 from transformers import PreTrainedModel
 
 from trainer.decoding.options import ProposerOptions
-from trainer.export import speculators
+from trainer.export import serving, speculators
 from trainer.export.files import folder_config
 from trainer.methods.eagle3 import export as formats
 from trainer.methods.eagle3 import records
@@ -25,6 +25,7 @@ from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, register_
 from trainer.target import EMBEDDING_NAMES, load_target_tensors
 
 KIND = "eagle3"
+DEFAULT_DRAFTS = 3  # drafts per round to serve with when the record has no TTT steps (an export read back)
 
 
 def make_record(config: Eagle3Config, target: str, target_architectures: list[str], ttt_steps: int) -> DrafterRecord:
@@ -83,6 +84,10 @@ NATIVE = ExportFormat(
     load=load_native,
     recognise=lambda folder: folder_config(folder).get("architectures") == ["LlamaForCausalLMEagle3"],
     refuses=lambda record: formats.native_refusal(Eagle3Config(**record.config)),
+    serve=lambda folder, record: [
+        serving.vllm(record.target, "eagle3", folder, record.draft_tokens or DEFAULT_DRAFTS),
+        serving.sglang(record.target, "EAGLE3", folder),
+    ],
 )
 SPECULATORS = ExportFormat(
     name="eagle3-speculators",
@@ -90,6 +95,7 @@ SPECULATORS = ExportFormat(
     write=write_speculators,
     load=load_speculators,
     recognise=lambda folder: speculators.is_model_type(folder, formats.MODEL_TYPE),
+    serve=lambda folder, record: [serving.vllm(record.target, "eagle3", folder, record.draft_tokens or DEFAULT_DRAFTS)],
 )
 
 register_kind(

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from trainer.checkpoints.reading import sub_state_dict
 from trainer.decoding.head_tree import tree_or_default
 from trainer.decoding.options import ProposerOptions
+from trainer.export import serving
 from trainer.export.files import folder_config
 from trainer.methods.medusa import export as formats
 from trainer.methods.medusa.module import MedusaConfig, MedusaDrafter
@@ -106,10 +107,15 @@ def _write_tgi(module: nn.Module, record: DrafterRecord, out: Path) -> Path:
 
 VLLM = ExportFormat(
     name="medusa",
-    description="vLLM MedusaModel (pass --num-speculative-tokens equal to the heads)",
+    description="vLLM MedusaModel (vLLM 0.32 and older; num_speculative_tokens equal to the heads)",
     write=_write_vllm,
     load=_load_vllm,
     recognise=lambda folder: folder_config(folder).get("architectures") == ["MedusaModel"],
+    serve=lambda folder, record: [
+        serving.vllm(
+            record.target, "medusa", folder, record.config["num_heads"], version="vLLM 0.32 (0.33 removed Medusa)"
+        )
+    ],
 )
 TGI = ExportFormat(
     name="medusa-tgi",
@@ -117,6 +123,7 @@ TGI = ExportFormat(
     write=_write_tgi,
     load=_load_tgi,
     recognise=lambda folder: "medusa_num_heads" in folder_config(folder) and (folder / formats.TGI_WEIGHTS).is_file(),
+    serve=lambda folder, record: [serving.tgi(folder)],
 )
 
 register_kind(

@@ -14,6 +14,7 @@ from pathlib import Path
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from trainer.decoding.options import ProposerOptions
+from trainer.export import serving
 from trainer.methods.mtp import export as formats
 from trainer.methods.mtp.module import MTPConfig, MTPDrafter, text_config
 from trainer.methods.mtp.proposer import MTPProposer
@@ -85,6 +86,7 @@ MODEL = ExportFormat(
     write=write_layout,
     load=load_layout,
     recognise=lambda folder: False,  # the two layouts below recognise their folders
+    serve=lambda folder, record: (NEXTN if formats.recognise_nextn(folder) else QWEN3_NEXT).serve(folder, record),
 )
 NEXTN = ExportFormat(
     name="nextn",
@@ -92,6 +94,10 @@ NEXTN = ExportFormat(
     write=formats.write_nextn,
     load=formats.load_nextn,
     recognise=formats.recognise_nextn,
+    serve=lambda folder, record: [
+        serving.vllm(str(folder), "mtp", None, None),
+        serving.sglang(str(folder), "NEXTN", folder),
+    ],
 )
 QWEN3_NEXT = ExportFormat(
     name="qwen3-next",
@@ -99,6 +105,7 @@ QWEN3_NEXT = ExportFormat(
     write=formats.write_qwen3_next,
     load=formats.load_qwen3_next,
     recognise=formats.recognise_qwen3_next,
+    serve=lambda folder, record: [serving.vllm(str(folder), "mtp", None, None)],
 )
 HF = ExportFormat(
     name="hf",

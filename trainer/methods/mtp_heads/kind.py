@@ -25,6 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from trainer.decoding.head_tree import tree_for_budget
 from trainer.decoding.options import ProposerOptions
+from trainer.export import serving
 from trainer.methods.mtp_heads import export as formats
 from trainer.methods.mtp_heads.module import ACCURACY_TOP_K, MTPHeads, default_accuracy
 from trainer.methods.mtp_heads.proposer import MTPHeadsProposer
@@ -155,6 +156,7 @@ MTP_HEADS = ExportFormat(
     write=write,
     load=load,
     recognise=formats.is_export,
+    serve=lambda folder, record: [serving.NO_ENGINE],
 )
 
 register_kind(DrafterKind(name=KIND, build=build, formats=(MTP_HEADS,), proposer=proposer, load_weights=load_weights))

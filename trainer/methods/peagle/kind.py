@@ -13,7 +13,7 @@ from transformers import PreTrainedModel
 
 from trainer.decoding.head_tree import tree_or_default
 from trainer.decoding.options import ProposerOptions
-from trainer.export import speculators
+from trainer.export import serving, speculators
 from trainer.methods.eagle3 import records
 from trainer.methods.peagle.export import MODEL_TYPE, load_peagle, save_peagle
 from trainer.methods.peagle.module import PEagleConfig, PEagleDrafter
@@ -62,6 +62,7 @@ SPECULATORS = ExportFormat(
     write=write,
     load=load,
     recognise=lambda folder: speculators.is_model_type(folder, MODEL_TYPE),
+    serve=lambda folder, record: [serving.vllm_speculators(folder, "vLLM 0.27 to 0.33 (0.34 refuses P-EAGLE)")],
 )
 
 register_kind(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from trainer.export import serving
 from trainer.export.files import folder_config
 from trainer.export.speculators import read_block
 from trainer.methods.dflash import kind as dflash_kind
@@ -51,6 +52,7 @@ XPRESS = ExportFormat(
     write=write_xpress,
     load=load_xpress,
     recognise=lambda folder: is_xpress(folder_config(folder)),
+    serve=lambda folder, record: [serving.NO_ENGINE],
 )
 
 proposer = dflash_kind.proposer_factory(XPressProposer, XPressTreeProposer)
