@@ -396,3 +396,38 @@ def test_tools_stop_after_parsing() -> None:
     assert parse_tool("demo", ["--compare"]).compare is True  # the demo would train for minutes
     assert parse_tool("generate", ["--target", "t", "--input", "i.jsonl", "--output", "o.jsonl"]).target == "t"
     assert parse_tool("slurm", ["submit", "--config", "r.yaml", "--dry_run", "--", "--x", "1"]).fit_args == ["--x", "1"]
+
+
+def test_the_export_table_and_the_objectives_table_list_every_method():
+    """docs/guides/checkpoints-and-resume.md's table lists every registered kind with its formats in order, and
+    docs/guides/recipes.md's objectives table every objective class a method folder defines (both missed the
+    DFlash refiners and P-EAGLE once)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import lightning.pytorch as pl
+
+    import trainer.methods
+    from trainer.registry import kinds
+
+    root = Path(__file__).resolve().parents[2]
+    table = (root / "docs/guides/checkpoints-and-resume.md").read_text()
+    listed = {
+        m[1]: re.findall(r"`([\w-]+)`", m[2])
+        for m in re.finditer(r"^\| `(\w+)`[^|]*\| ([^|]+) \|", table, flags=re.MULTILINE)
+    }
+    assert listed == {k.name: [f.name for f in k.formats] for k in kinds().values()}
+    recipes = (root / "docs/guides/recipes.md").read_text()
+    documented = set(re.findall(r"^\|[^|]+\| `(trainer\.methods\.[\w.]+)` \|", recipes, flags=re.MULTILINE))
+    defined = set()
+    for info in pkgutil.iter_modules(trainer.methods.__path__):
+        for name in ("objective", "kd", "on_policy", "pretrain"):  # the modules that hold a method's objectives
+            try:
+                module = importlib.import_module(f"trainer.methods.{info.name}.{name}")
+            except ModuleNotFoundError:
+                continue
+            for cls_name, cls in inspect.getmembers(module, inspect.isclass):
+                if issubclass(cls, pl.LightningModule) and cls.__module__ == module.__name__:
+                    defined.add(f"{cls.__module__}.{cls_name}")
+    assert defined <= documented, sorted(defined - documented)
