@@ -36,9 +36,10 @@ test: venv
 # The multi-process tests (marker multiprocess: rank faults, sharded saves, resume on another world size, sequence
 # parallelism, the 2-process fits) once more, one at a time, beside one CPU-bound torch process (tests/cpu_load.py):
 # CI shares its machine and cluster nodes are busy, and rank 0's death once reached its peer in an order only a busy
-# core produced. Part of `make test`.
+# core produced. CI runs it after `make test`.
 test-loaded: venv
-	DRAFTSMITH_TEST_LOAD=1 $(BIN)/python -m pytest tests -m "multiprocess and not gpu and not rehearsal" -q -p no:cacheprovider
+	DRAFTSMITH_TEST_LOAD=1 $(BIN)/python -m pytest tests -m "multiprocess and not gpu and not rehearsal" -q -p no:cacheprovider \
+		--durations 8
 
 # Rewrites tests/durations.json (seconds per test file), which orders the files for the workers; rerun after adding
 # or changing a long test.
