@@ -44,6 +44,9 @@ def orphaned_store():
 
 
 def _end_on_rank1(store, monkeypatch, master_port: int, capsys) -> tuple[int, str]:
+    from trainer.recipe import DraftsmithCLI
+
+    monkeypatch.setattr(DraftsmithCLI, "running_trainer", None)  # no fit in this process (another test's may linger)
     monkeypatch.setattr(cli, "_rank_and_store", lambda: (1, store))
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
