@@ -180,15 +180,14 @@ def _close_process_group(status: int, own_process: bool) -> None:
     """
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    if own_process and dist.get_world_size() > 1:
+    if own_process and _in_multi_process_group():
         try:
             dist.barrier()
         except Exception:  # a peer already gone: nothing left to wait for
             pass
         _exit_now(status)
-    dist.destroy_process_group()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _exit_now(status: int) -> None:
@@ -224,7 +223,7 @@ def _end(err: Exception) -> int:
         collective = rank is not None and store is not None and _collective_failed(err)
         if collective and rank and not _answers(store):
             return _report_rank0_lost(rank)
-        peer = _peer_failed(store, rank) if rank is not None else None
+        peer = _peer_failed(store, rank)
         if collective and rank and peer is _GONE:  # rank 0 was still going down when _answers connected
             return _report_rank0_lost(rank)
         if peer is not None:
@@ -416,7 +415,7 @@ def _wait_for_record(store, rank: int, timeout_s: float):
         time.sleep(0.1)
 
 
-def _peer_failed(store, rank: int):
+def _peer_failed(store, rank: int | None):
     """``True`` when another rank recorded a user error (this rank's exception is then its consequence), ``_GONE``
     on a rank other than 0 whose store no longer answers (rank 0 has ended), else None."""
     if store is None:

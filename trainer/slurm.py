@@ -293,8 +293,6 @@ def fit_command_args(job: SlurmJob, recipe: Any, alloc: Allocation) -> list[str]
 
 def render(job: SlurmJob, template: Path = TEMPLATE) -> str:
     """The sbatch script for ``job``, from ``template`` (a string.Template: ``${name}`` fields, ``$$`` for $)."""
-    if job.nodes is not None and job.nodes < 1:
-        raise UsageError(f"draftsmith slurm: --nodes must be >= 1, got {job.nodes}")
     check_job(job)
     if not template.is_file():
         raise PathError(f"draftsmith slurm: template {template} does not exist (see --template)")

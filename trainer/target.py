@@ -37,21 +37,21 @@ except ImportError:  # older huggingface_hub: the configs raise ValueError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def check_model_path(name_or_path: str) -> Path:
+def check_model_path(name_or_path: str, what: str = "target") -> Path:
     """The local path of a target (``model.target``), refused when it is a folder without config.json, or a path that
     looks local (starting with ``/``, ``.`` or ``~``, or of more than two parts) and does not exist: a PathError
-    naming it, before Hugging Face would try it as a hub id.
+    naming it (and ``what`` named it), before Hugging Face would try it as a hub id.
 
     Returns:
         The expanded path (which need not exist: a hub id such as ``org/name``).
     """
     path = Path(name_or_path).expanduser()
     if path.exists() and not (path / "config.json").is_file():
-        raise PathError(f"target {name_or_path!r}: no config.json in that directory")
+        raise PathError(f"{what} {name_or_path!r} is not a local model folder (no config.json in that directory)")
     looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
     if looks_local and not path.exists():
         raise PathError(
-            f"target {name_or_path!r}: no such folder", "check the path, or train or download the target first"
+            f"{what} {name_or_path!r}: no such folder", "check the path, or train or download the target first"
         )
     return path
 
@@ -70,17 +70,13 @@ def resolve_model(name_or_path: str, what: str) -> Path:
         what: the option or key that named it, for errors (``--target``).
 
     Raises:
-        PathError: a path that looks local and does not exist, or a hub id neither cached nor downloadable.
-        ModelFolderError: a folder without config.json.
+        PathError: a folder without config.json, a path that looks local and does not exist (:func:`check_model_path`),
+            or a hub id neither cached nor downloadable.
+        ModelFolderError: a hub repository without config.json.
     """
-    path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelFolderError(f"{what} {name_or_path!r} is not a local model folder (no config.json)")
+    path = check_model_path(name_or_path, what)
+    if path.exists():
         return path
-    looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1 or path.exists()
-    if looks_local:
-        raise PathError(f"{what} {name_or_path!r}: no such folder", "check the path, or give a hub id (org/name)")
     from huggingface_hub import snapshot_download
     from huggingface_hub.constants import HF_HUB_OFFLINE
 

@@ -76,7 +76,7 @@ def assistant_rows(tok: Any, messages: Sequence[dict], where: str) -> list[ChatR
             f"{where}: format='chat' finds the assistant tokens by their character offsets, which only a fast "
             f"tokenizer gives ({type(tok).__name__} is not one)"
         )
-    turns: list[tuple[int, str, int, int]] = []  # (message index, rendering through the turn, span start, span end)
+    turns: list[tuple[str, int, int]] = []  # (rendering through the turn, trained span start, span end)
     for number, j in enumerate(j for j, m in enumerate(messages) if m.get("role") == "assistant"):
         prompt = _render(tok, messages[:j], True, where) if j else ""
         through = _render(tok, messages[: j + 1], False, where)
@@ -91,15 +91,15 @@ def assistant_rows(tok: Any, messages: Sequence[dict], where: str) -> list[ChatR
             )
         end = len(through.rstrip())
         if end > len(prompt):
-            turns.append((j, through, len(prompt), end))
+            turns.append((through, len(prompt), end))
     if not turns:
         return []
     full = _render(tok, messages, False, where)
-    if all(full.startswith(through) for _, through, _, _ in turns):
-        ids, trained = _tokenize(tok, full, [(a, b) for _, _, a, b in turns])
+    if all(full.startswith(through) for through, _, _ in turns):
+        ids, trained = _tokenize(tok, full, [(a, b) for _, a, b in turns])
         return [ChatRow(ids, trained, per_turn=False)]
     rows = []
-    for _, through, a, b in turns:
+    for through, a, b in turns:
         ids, trained = _tokenize(tok, through, [(a, b)])
         rows.append(ChatRow(ids, trained, per_turn=True))
     return rows

@@ -142,9 +142,11 @@ def build_parser() -> ToolParser:
     return parser
 
 
-def load_target(name: str, dtype: str, device: torch.device, what: str = "--target") -> tuple[PreTrainedModel, object]:
-    """The HF target and its tokenizer from a local folder or a hub id (trainer/target.py ``resolve_model``: the local
-    Hugging Face cache, offline too), with an error that says what the folder lacks."""
+def load_target(
+    name: str, dtype: str, device: torch.device, what: str = "--target"
+) -> tuple[PreTrainedModel, object, str]:
+    """The HF target, its tokenizer and its folder, from a local folder or a hub id (trainer/target.py
+    ``resolve_model``: the local Hugging Face cache, offline too), with an error that says what the folder lacks."""
     path = str(resolve_model(name, what))
     refuse_drafter_as_target(path)
     check_safetensors_headers(path, f"{what} {name!r}")  # an empty or truncated weights file, named
@@ -153,7 +155,7 @@ def load_target(name: str, dtype: str, device: torch.device, what: str = "--targ
     except (OSError, ValueError, ImportError) as err:
         raise TokenizerError(f"{what} {name!r}: no usable tokenizer in that folder ({err})") from err
     target = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
-    return target, tokenizer
+    return target, tokenizer, path
 
 
 def _threshold(entry: dict) -> str:
@@ -181,8 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device(args.device)
     try:
         sweep = options_from_arguments(args)  # several exit layers: one evaluation each, in out/exit_<E>
-        target_path = str(resolve_model(args.target, "--target"))  # a hub id: its folder in the local cache
-        target, tokenizer = load_target(target_path, args.dtype, device)
+        target, tokenizer, target_path = load_target(args.target, args.dtype, device)  # a hub id: its cached folder
         context = getattr(target.config, "max_position_embeddings", None)
         max_length = context - args.max_new_tokens if context else None
         buckets, indices = None, None
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     original, heldout = None, None
     if args.original_target:
         try:
-            original, _ = load_target(args.original_target, args.dtype, device, what="--original_target")
+            original, _, _ = load_target(args.original_target, args.dtype, device, what="--original_target")
             cut = min((n for n in (context, args.heldout_tokens) if n), default=None)  # the tighter limit given
             heldout = load_prompts(args.heldout, tokenizer, None, cut=cut) if args.heldout else None
         except UserError:

@@ -19,7 +19,7 @@ from trainer.errors import CheckpointError, PathError, UserError, debugging, err
 from trainer.fingerprint import recorded_fingerprints, write_export_record
 from trainer.flags import ToolParser
 from trainer.output import block, duration, recorded_eval_prompts
-from trainer.registry import DrafterRecord, get_kind, is_training_checkpoint, kinds
+from trainer.registry import DrafterRecord, ExportFormat, get_kind, is_training_checkpoint, kinds
 
 
 def _formats_help() -> str:
@@ -32,12 +32,12 @@ def export(ckpt: str, out: str, fmt: str | None = None) -> tuple[Path, str]:
     Nothing is written when the checkpoint holds no drafter record, a kind draftsmith does not know, or a kind that
     cannot be written as ``fmt``.
     """
-    folder, name, _ = _export(ckpt, out, fmt)
-    return folder, name
+    folder, writer, _ = _export(ckpt, out, fmt)
+    return folder, writer.name
 
 
-def _export(ckpt: str, out: str, fmt: str | None) -> tuple[Path, str, DrafterRecord]:
-    """:func:`export`, also returning the checkpoint's drafter record."""
+def _export(ckpt: str, out: str, fmt: str | None) -> tuple[Path, ExportFormat, DrafterRecord]:
+    """:func:`export`, returning the format written and the checkpoint's drafter record."""
     from trainer.checkpoints.reading import load_training_checkpoint
 
     path = Path(ckpt)
@@ -58,7 +58,7 @@ def _export(ckpt: str, out: str, fmt: str | None) -> tuple[Path, str, DrafterRec
     target = recorded.get("target") or recorded.get("teacher")  # KD checkpoints record their target as the teacher
     if isinstance(target, dict) and (kind.carried_target is None or kind.carried_target(module) is None):
         write_export_record(folder, target)
-    return folder, writer.name, record
+    return folder, writer, record
 
 
 def build_parser() -> ToolParser:
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     started = time.monotonic()
     try:
-        path, name, record = _export(args.ckpt, args.out, args.format)
+        path, written, record = _export(args.ckpt, args.out, args.format)
     except UserError as err:
         if debugging():
             raise
@@ -88,12 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, KeyError) as err:  # a format's writer refusing this drafter
         print(f"error: {err}", file=sys.stderr)
         return 2
-    kind = get_kind(record.kind, args.ckpt)
-    others = [f.name for f in kind.formats if f.name != name]
-    written = kind.format(name)
+    others = [f.name for f in get_kind(record.kind, args.ckpt).formats if f.name != written.name]
     rows = [
         ("checkpoint", str(args.ckpt)),
-        ("drafter", f"{record.kind}, written as {name}" + (f" (other formats: {', '.join(others)})" if others else "")),
+        (
+            "drafter",
+            f"{record.kind}, written as {written.name}" + (f" (other formats: {', '.join(others)})" if others else ""),
+        ),
         ("folder", str(path)),
         ("serve", "\n".join(written.serve(path, record)) if written.serve is not None else ""),
     ]
