@@ -7,9 +7,10 @@ cost of a training step.
 Needs the demo's artifacts (``make demo``: the corpus and the tiny target). Steps, each skipped when its output
 already exists under ``--out`` (default artifacts/dflash; delete a file to redo its step):
 
-1. training prompts cut from the corpus' training files (as ``draftsmith compare`` cuts them) and
-   ``draftsmith generate --prompt_field prompt``: the target's own greedy completions, which the method expects
-   (``--prepare-only`` stops here: recipes/quickstart/dflash.yaml trains on them);
+1. training prompts cut from the corpus' training files (as ``draftsmith prepare`` and ``draftsmith compare`` cut
+   them) and ``draftsmith generate --prompt_field prompt``: the target's own greedy completions, which the method
+   expects (``--prepare-only`` stops here; recipes/quickstart/dflash.yaml trains on them, and its header makes them
+   with ``draftsmith prepare`` and ``draftsmith generate``);
 2. DFlash drafters of each ``--layers`` count (recipes/quickstart/dflash.yaml) and the quickstart EAGLE-3 drafter
    (recipes/quickstart/eagle3.yaml) train on the completions for ``--train-seconds`` each at a constant learning rate
    after warm-up, ``--parallel`` runs at a time with one thread each (so that runs sharing the machine see the same

@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 """The repository root, where every script runs from (``python -m bench.<name>``) and where its children start."""
 
 PROMPT_CHARS = 160
-"""Characters of a prompt cut from a corpus file, as ``draftsmith compare`` and the demo cut them."""
+"""Characters of a prompt cut from a corpus file, as ``draftsmith prepare``, ``compare`` and the demo cut them
+(trainer.data.corpus.PROMPT_CHARS, repeated here: this module imports only the standard library at the top)."""
 
 
 # ---- draftsmith runs -------------------------------------------------------------------------------------------------
@@ -98,23 +99,26 @@ def fit_cmd(
 
 
 def training_prompts(train_file: Path, out: Path, per_file: int, seed: int) -> None:
-    """Training prompts of :data:`PROMPT_CHARS` characters cut from ``train_file`` into ``out``: ``draftsmith
-    compare``'s own cut (trainer/compare/run.py), ``per_file`` from each file."""
-    from trainer.compare.run import training_prompts as cut_prompts
+    """Training prompts of :data:`PROMPT_CHARS` characters cut from ``train_file`` into ``out``, ``per_file`` from each
+    file: the cut of ``draftsmith prepare`` and ``draftsmith compare`` (trainer/data/corpus.py)."""
+    from trainer.data.corpus import training_prompts as cut_prompts
 
     cut_prompts(train_file, out, PROMPT_CHARS, per_file, seed)
 
 
 def heldout_texts(corpus: Path, count: int) -> list[str]:
     """The demo's held-out prompts: the first :data:`PROMPT_CHARS` characters of the first ``count`` held-out files."""
-    lines = (corpus / "heldout.jsonl").read_text().splitlines()[:count]
-    return [json.loads(line)["text"][:PROMPT_CHARS] for line in lines]
+    from trainer.data.corpus import heldout_prompts
+
+    return heldout_prompts(corpus / "heldout.jsonl", count, PROMPT_CHARS)
 
 
 def write_heldout_prompts(corpus: Path, out: Path, count: int) -> Path:
-    """:func:`heldout_texts` as a ``{"prompt": ...}`` jsonl at ``out`` (what ``draftsmith eval --prompts`` reads)."""
-    out.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in heldout_texts(corpus, count)))
-    return out
+    """:func:`heldout_texts` as a ``{"prompt": ...}`` jsonl at ``out`` (what ``draftsmith eval --prompts`` reads), as
+    ``draftsmith demo`` and ``draftsmith prepare`` write it."""
+    from trainer.data.corpus import write_heldout_prompts as write
+
+    return write(corpus / "heldout.jsonl", out, count, PROMPT_CHARS)
 
 
 def heldout_data(corpus: Path):

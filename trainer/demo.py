@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from trainer.data.corpus import prepare_corpus
+from trainer.data.corpus import HELDOUT_PROMPTS, PROMPT_CHARS, prepare_corpus, write_heldout_prompts
 from trainer.data.text import TextDataModule
 from trainer.flags import ToolParser
 from trainer.heldout import heldout_loss, unigram_baseline, unigram_counts
@@ -114,20 +114,14 @@ def _fit(recipe: str, max_steps: int, summary_file: Path, checkpoints: Path) -> 
     return summary
 
 
-def _heldout_prompts(heldout_file: str, out: Path, n: int, chars: int) -> Path:
-    """The first characters of held-out files, one prompt per line, for ``draftsmith eval``."""
-    lines = Path(heldout_file).read_text().splitlines()
-    prompts = [json.loads(line)["text"][:chars] for line in lines[:n]]
-    out.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    return out
-
-
 def build_parser() -> ToolParser:
     """The parser of ``draftsmith demo``."""
     parser = ToolParser(prog="draftsmith demo", description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--target_steps", type=int, default=400, help="optimizer steps of the tiny target")
     parser.add_argument("--kd_steps", type=int, default=150, help="optimizer steps of the KD student")
-    parser.add_argument("--prompts", type=int, default=10, help="held-out prompts for the speculative evaluation")
+    parser.add_argument(
+        "--prompts", type=int, default=HELDOUT_PROMPTS, help="held-out prompts for the speculative evaluation"
+    )
     parser.add_argument("--max_new_tokens", type=int, default=48, help="output tokens per prompt in the evaluation")
     parser.add_argument("--fresh", action="store_true", help="delete the demo's outputs and start over")
     parser.add_argument(
@@ -210,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from trainer.decoding.eval_cli import main as eval_main
 
-    prompts = _heldout_prompts(corpus.heldout_file, ARTIFACTS / "heldout_prompts.jsonl", args.prompts, 160)
+    prompts = write_heldout_prompts(
+        corpus.heldout_file, ARTIFACTS / "heldout_prompts.jsonl", args.prompts, PROMPT_CHARS
+    )
     reports = {}
     for name, drafter in (("kd_student", str(student_dir)), ("prompt_lookup", "prompt-lookup")):
         out = ARTIFACTS / "eval" / name

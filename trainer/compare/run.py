@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 import time
@@ -36,8 +35,9 @@ from pathlib import Path
 from typing import IO
 
 from trainer.compare.config import CompareConfig, CompareConfigError, Method, fill_placeholders, read_config
+from trainer.data.corpus import training_prompts
 from trainer.decoding.options import option_arguments
-from trainer.errors import DataError, UserError, debugging, error_report
+from trainer.errors import UserError, debugging, error_report
 from trainer.flags import ToolParser
 from trainer.output import block, duration
 
@@ -80,30 +80,6 @@ class MethodFolder:
 
     def file(self, name: str) -> Path:
         return self.root / name
-
-
-def training_prompts(documents: Path, out: Path, chars: int, per_document: int, seed: int) -> int:
-    """Prompts of ``chars`` characters cut from every ``text`` document of a jsonl file: its start and
-    ``per_document - 1`` random line starts; writes them to ``out`` (one ``prompt`` per line), returns how many."""
-    rng = random.Random(seed)
-    prompts = []
-    for number, line in enumerate(documents.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            text = json.loads(line)["text"]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise DataError(f"{documents}:{number}: expected a JSON object with a 'text' string ({err})") from err
-        starts = [i + 1 for i, c in enumerate(text[:-chars]) if c == "\n"]
-        for start in [0] + rng.sample(starts, min(per_document - 1, len(starts))):
-            prompt = text[start : start + chars]
-            if prompt.strip():
-                prompts.append({"prompt": prompt})
-    if not prompts:
-        raise DataError(f"{documents}: no document to cut a prompt from")
-    rng.shuffle(prompts)
-    out.write_text("".join(json.dumps(p) + "\n" for p in prompts), encoding="utf-8")
-    return len(prompts)
 
 
 class Comparison:

@@ -10,6 +10,15 @@ seeded shuffle, trains the tokenizer on the train split only, and writes::
     out_dir/corpus.json      the arguments, counts and the tokenizer hash
 
 A second call with the same arguments finds corpus.json and reuses the output unless `overwrite=True`.
+
+`write_prompt_files` (which `draftsmith prepare` runs after it) cuts the prompts the recipes and `draftsmith eval` read
+from the two splits, each a jsonl of ``{"prompt": ...}`` records::
+
+    out_dir/train_prompts.jsonl    prompts cut from the training files (`training_prompts`, as `draftsmith compare` and
+                                   the benchmarks cut them): the input of `draftsmith generate`
+    out_dir/heldout_prompts.jsonl  the start of the first held-out files (`write_heldout_prompts`, as `draftsmith demo`
+                                   writes artifacts/heldout_prompts.jsonl)
+    out_dir/prompts.json           the arguments they were cut with; a rerun with the same ones keeps them
 """
 
 from __future__ import annotations
@@ -32,6 +41,12 @@ from trainer.flags import ToolParser
 log = logging.getLogger(__name__)
 
 CORPUS_VERSION = 1
+PROMPT_CHARS = 160
+"""Characters of a prompt cut from a corpus file (the training prompts and the held-out prompts alike)."""
+PROMPTS_PER_FILE = 3
+"""Training prompts cut from each training file: its start and random line starts."""
+HELDOUT_PROMPTS = 10
+"""Held-out prompts: the start of this many held-out files (``draftsmith demo``'s evaluation prompts)."""
 # Folders left out when include_tests is False: the test suites are large, repetitive and full of odd literals.
 _TEST_DIRS = frozenset({"test", "tests", "idle_test"})
 
@@ -54,6 +69,17 @@ class PreparedCorpus:
     train_tokens: int
     heldout_tokens: int
     tokenizer_hash: str
+    reused: bool = False
+
+
+@dataclass(frozen=True)
+class PromptFiles:
+    """The prompt files cut from a prepared corpus and how many prompts each holds."""
+
+    train_prompts_file: str
+    heldout_prompts_file: str
+    num_train_prompts: int
+    num_heldout_prompts: int
     reused: bool = False
 
 
@@ -217,17 +243,174 @@ def _from_meta(out: Path, meta: dict) -> PreparedCorpus:
     )
 
 
+def _write_prompts(path: Path, prompts: list[str]) -> None:
+    """``prompts`` as one ``{"prompt": ...}`` record a line at ``path``, written to a temporary file first."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts), encoding="utf-8")
+    tmp.replace(path)
+
+
+def training_prompts(documents: Path, out: Path, chars: int, per_document: int, seed: int) -> int:
+    """Prompts of ``chars`` characters cut from every ``text`` document of a jsonl file: its start and
+    ``per_document - 1`` random line starts, shuffled; writes them to ``out`` (one ``prompt`` per line), returns how
+    many. The one cut of `draftsmith prepare`, `draftsmith compare` and the benchmarks.
+
+    Args:
+        documents: jsonl file of ``{"text": ...}`` records (such as a corpus' train.jsonl).
+        out: the jsonl file to write.
+        chars: characters per prompt.
+        per_document: prompts cut from each document (fewer where it has fewer line starts).
+        seed: seeds the choice of line starts and the shuffle.
+    """
+    rng = random.Random(seed)
+    prompts = []
+    for number, line in enumerate(documents.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            text = json.loads(line)["text"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise DataError(f"{documents}:{number}: expected a JSON object with a 'text' string ({err})") from err
+        starts = [i + 1 for i, c in enumerate(text[:-chars]) if c == "\n"]
+        for start in [0] + rng.sample(starts, min(per_document - 1, len(starts))):
+            prompt = text[start : start + chars]
+            if prompt.strip():
+                prompts.append(prompt)
+    if not prompts:
+        raise DataError(f"{documents}: no document to cut a prompt from")
+    rng.shuffle(prompts)
+    _write_prompts(out, prompts)
+    return len(prompts)
+
+
+def heldout_prompts(heldout_file: str | Path, count: int = HELDOUT_PROMPTS, chars: int = PROMPT_CHARS) -> list[str]:
+    """The first ``chars`` characters of the first ``count`` documents of a held-out jsonl file.
+
+    Args:
+        heldout_file: jsonl file of ``{"text": ...}`` records (such as a corpus' heldout.jsonl).
+        count: how many documents to take (all of them when the file has fewer).
+        chars: characters per prompt.
+    """
+    prompts = []
+    for number, line in enumerate(Path(heldout_file).read_text(encoding="utf-8").splitlines()[:count], 1):
+        try:
+            prompts.append(json.loads(line)["text"][:chars])
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise DataError(f"{heldout_file}:{number}: expected a JSON object with a 'text' string ({err})") from err
+    return prompts
+
+
+def write_heldout_prompts(
+    heldout_file: str | Path, out: str | Path, count: int = HELDOUT_PROMPTS, chars: int = PROMPT_CHARS
+) -> Path:
+    """:func:`heldout_prompts` as a ``{"prompt": ...}`` jsonl at ``out`` (what ``draftsmith eval --prompts`` reads);
+    returns ``out``.
+
+    Args:
+        heldout_file: jsonl file of ``{"text": ...}`` records (such as a corpus' heldout.jsonl).
+        out: the jsonl file to write.
+        count: how many documents to take a prompt from.
+        chars: characters per prompt.
+    """
+    out = Path(out)
+    _write_prompts(out, heldout_prompts(heldout_file, count, chars))
+    return out
+
+
+def _check_prompt_counts(prompt_chars: int, prompts_per_file: int, num_heldout_prompts: int) -> None:
+    """UsageError naming the option when a count of :func:`write_prompt_files` is below 1.
+
+    Args:
+        prompt_chars: characters per prompt.
+        prompts_per_file: training prompts cut from each training file.
+        num_heldout_prompts: held-out prompts.
+    """
+    for name, value in (
+        ("prompt_chars", prompt_chars),
+        ("prompts_per_file", prompts_per_file),
+        ("heldout_prompts", num_heldout_prompts),
+    ):
+        if value < 1:
+            raise UsageError(f"{name} must be at least 1, got {value}")
+
+
+def write_prompt_files(
+    corpus: PreparedCorpus,
+    prompt_chars: int = PROMPT_CHARS,
+    prompts_per_file: int = PROMPTS_PER_FILE,
+    num_heldout_prompts: int = HELDOUT_PROMPTS,
+    overwrite: bool = False,
+) -> PromptFiles:
+    """Cut (or keep) ``train_prompts.jsonl`` and ``heldout_prompts.jsonl`` in the corpus' folder.
+
+    The training prompts are seeded with the corpus' seed. Files cut from the same corpus with the same arguments
+    (``prompts.json`` says which) are kept unless ``overwrite``.
+
+    Args:
+        corpus: the prepared corpus (:func:`prepare_corpus`) whose train and held-out files are cut.
+        prompt_chars: characters per prompt, training and held-out alike.
+        prompts_per_file: training prompts cut from each training file.
+        num_heldout_prompts: held-out prompts, one from the start of each of the first held-out files.
+        overwrite: cut them again even when the folder holds prompts cut with the same arguments.
+    """
+    _check_prompt_counts(prompt_chars, prompts_per_file, num_heldout_prompts)
+    out = Path(corpus.out_dir)
+    train_out, heldout_out, meta_path = out / "train_prompts.jsonl", out / "heldout_prompts.jsonl", out / "prompts.json"
+    args = {
+        "corpus": json.loads(Path(corpus.meta_file).read_text())["args"],
+        "prompt_chars": prompt_chars,
+        "prompts_per_file": prompts_per_file,
+        "heldout_prompts": num_heldout_prompts,
+        "seed": corpus.seed,
+    }
+    if meta_path.is_file() and train_out.is_file() and heldout_out.is_file() and not overwrite:
+        meta = json.loads(meta_path.read_text())
+        if meta.get("args") == args:
+            log.info("reusing the prompts in %s", out)
+            return PromptFiles(
+                str(train_out), str(heldout_out), int(meta["num_train_prompts"]), int(meta["num_heldout_prompts"]), True
+            )
+    meta_path.unlink(missing_ok=True)  # gone while the files change: an interrupted run cuts them again
+    num_train = training_prompts(Path(corpus.train_file), train_out, prompt_chars, prompts_per_file, corpus.seed)
+    held = heldout_prompts(corpus.heldout_file, num_heldout_prompts, prompt_chars)
+    _write_prompts(heldout_out, held)
+    meta = {"args": args, "num_train_prompts": num_train, "num_heldout_prompts": len(held)}
+    tmp = meta_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(meta, indent=2) + "\n")
+    tmp.replace(meta_path)
+    return PromptFiles(str(train_out), str(heldout_out), num_train, len(held))
+
+
 def build_parser() -> ToolParser:
     """The parser of ``draftsmith prepare``."""
     parser = ToolParser(
-        prog="draftsmith prepare", description="Build the standard-library corpus and its byte-level BPE tokenizer."
+        prog="draftsmith prepare",
+        description="Build the standard-library corpus and its byte-level BPE tokenizer, then cut its training and "
+        "held-out prompts (train_prompts.jsonl, heldout_prompts.jsonl).",
     )
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--vocab_size", type=int, default=8192, help="tokenizer vocabulary size (default 8192)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the train / held-out split (default 0)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the train / held-out split and of the training prompts (default 0)"
+    )
     parser.add_argument("--heldout_fraction", type=float, default=0.05, help="share of files held out (0.05)")
     parser.add_argument("--max_files", type=int, default=None, help="keep only this many files (default: all)")
     parser.add_argument("--include_tests", action="store_true", help="keep the standard library's test suites")
+    parser.add_argument(
+        "--prompt_chars", type=int, default=PROMPT_CHARS, help=f"characters per prompt (default {PROMPT_CHARS})"
+    )
+    parser.add_argument(
+        "--prompts_per_file",
+        type=int,
+        default=PROMPTS_PER_FILE,
+        help=f"training prompts cut from each training file into train_prompts.jsonl (default {PROMPTS_PER_FILE})",
+    )
+    parser.add_argument(
+        "--heldout_prompts",
+        type=int,
+        default=HELDOUT_PROMPTS,
+        help=f"prompts in heldout_prompts.jsonl, from the first held-out files (default {HELDOUT_PROMPTS})",
+    )
     parser.add_argument("--overwrite", action="store_true", help="rebuild even if the output exists")
     return parser
 
@@ -235,6 +418,7 @@ def build_parser() -> ToolParser:
 def main(argv: list[str] | None = None) -> int:
     """`draftsmith prepare`: build the standard-library corpus and tokenizer, then print a summary."""
     ns = build_parser().parse_args(argv)
+    _check_prompt_counts(ns.prompt_chars, ns.prompts_per_file, ns.heldout_prompts)  # before the corpus is built
     start = time.perf_counter()
     corpus = prepare_corpus(
         ns.out,
@@ -245,13 +429,22 @@ def main(argv: list[str] | None = None) -> int:
         include_tests=ns.include_tests,
         overwrite=ns.overwrite,
     )
+    prompts = write_prompt_files(
+        corpus,
+        prompt_chars=ns.prompt_chars,
+        prompts_per_file=ns.prompts_per_file,
+        num_heldout_prompts=ns.heldout_prompts,
+        overwrite=ns.overwrite,
+    )
     elapsed = time.perf_counter() - start
     print(
         f"{'reused' if corpus.reused else 'prepared'} corpus in {corpus.out_dir} ({elapsed:.1f} s)\n"
         f"  files:  {corpus.num_train_files} train, {corpus.num_heldout_files} held out\n"
         f"  bytes:  {corpus.train_bytes:,} train, {corpus.heldout_bytes:,} held out\n"
         f"  tokens: {corpus.train_tokens:,} train, {corpus.heldout_tokens:,} held out (vocab {corpus.vocab_size})\n"
-        f"  tokenizer: {corpus.tokenizer_dir} (hash {corpus.tokenizer_hash[:16]})"
+        f"  tokenizer: {corpus.tokenizer_dir} (hash {corpus.tokenizer_hash[:16]})\n"
+        f"  prompts: {prompts.num_train_prompts:,} in {prompts.train_prompts_file}, "
+        f"{prompts.num_heldout_prompts} in {prompts.heldout_prompts_file}{' (reused)' if prompts.reused else ''}"
     )
     return 0
 
