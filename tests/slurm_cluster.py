@@ -14,6 +14,7 @@ possible, so that tests can skip saying why.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -290,6 +291,40 @@ def kd_job_override(
 
     callbacks = [record_batches(run), *extra_callbacks, {"class_path": "trainer.preemption.PreemptionCheckpoint"}]
     return kd_override(run, corpus, target, max_steps, every_n, batch_size, callbacks)
+
+
+@contextlib.contextmanager
+def running_cluster(root: Path, min_cpus: int = 1, pythonpath: Path | None = None):
+    """A started :class:`SlurmCluster` under ``root``, with ``SLURM_CONF`` (and ``pythonpath`` on ``PYTHONPATH``, for
+    the tests' callbacks inside jobs) set in this process's environment until it stops; the test is skipped where
+    SLURM cannot be installed or the node has fewer than ``min_cpus`` CPUs, and fails when the cluster does not
+    start."""
+    import pytest
+
+    reason = ensure_installed()
+    if reason is not None:
+        pytest.skip(f"SLURM cannot be installed here: {reason}")
+    c = SlurmCluster(root)
+    try:
+        c.start()
+    except RuntimeError as err:
+        pytest.fail(f"the test SLURM cluster did not start: {err}")
+    if c.cpus < min_cpus:
+        c.stop()
+        pytest.skip(f"the SLURM node has {c.cpus} CPUs, fewer than the {min_cpus} tasks of the test job")
+    saved = {k: os.environ.get(k) for k in ("SLURM_CONF", "PYTHONPATH")}
+    os.environ["SLURM_CONF"] = str(c.conf)  # sbatch, scontrol and the job itself talk to this cluster
+    if pythonpath is not None:
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(pythonpath), saved["PYTHONPATH"]) if p)
+    try:
+        yield c
+    finally:
+        c.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def recorded_batches(run: Path) -> dict[tuple[int, int], str]:

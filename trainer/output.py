@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shlex
 import sys
 import time
 import warnings
@@ -125,9 +126,10 @@ def configure_logging(debug: bool, stream=None) -> None:
 
 
 def adopt_library_loggers() -> None:
-    """Removes the handlers Lightning and transformers put on their own loggers, so that their messages reach the
-    root handler alone, once and in its format. Does nothing while :func:`configure_logging` has not run (the root
-    logger has no handler of ours: a library used from Python keeps its own output) or for a library not imported."""
+    """Removes the handlers Lightning, transformers and huggingface_hub put on their own loggers, so that their
+    messages reach the root handler alone, once and in its format. Does nothing while :func:`configure_logging` has
+    not run (the root logger has no handler of ours: a library used from Python keeps its own output) or for a
+    library not imported."""
     if not any(h.get_name() == _HANDLER_NAME for h in logging.getLogger().handlers):
         return
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
@@ -136,6 +138,11 @@ def adopt_library_loggers() -> None:
             for handler in list(library.handlers):
                 library.removeHandler(handler)
             library.propagate = True
+    if "huggingface_hub" in sys.modules:  # its retries when the hub cannot be reached, once each rather than twice
+        hub = logging.getLogger("huggingface_hub")
+        for handler in list(hub.handlers):
+            hub.removeHandler(handler)
+        hub.propagate = True
     if "transformers" in sys.modules:
         from transformers.utils import logging as hf_logging
 
@@ -275,6 +282,30 @@ def block(title: str, rows: Sequence[tuple[str, str]], next_commands: Sequence[s
         lines.append(f"{label:<{width}}{first}")
         lines.extend(" " * width + line for line in more)
     return "\n".join(lines)
+
+
+NO_PROMPTS = (
+    "no held-out prompts in the recipe (data.val_files or a SpeculativeEvalCallback's prompts): "
+    "draftsmith eval --prompts FILE measures it"
+)
+
+
+def eval_command(target: str, drafter: str | Path, prompts: str, prompt_tokens: int, out: str | Path) -> str:
+    """The ``draftsmith eval`` line that measures ``drafter`` against ``target`` on ``prompts`` (a fit's or an
+    export's next command).
+
+    Args:
+        target: the target, as the drafter's record names it (a folder or a hub id).
+        drafter: the export folder or checkpoint.
+        prompts: the held-out prompts file.
+        prompt_tokens: the prompt cut the fit's evaluation used (0: whole prompts).
+        out: the report folder.
+    """
+    command = f"draftsmith eval --target {shlex.quote(target)} --drafter {shlex.quote(str(drafter))} "
+    command += f"--prompts {shlex.quote(str(prompts))}"
+    if prompt_tokens:
+        command += f" --prompt_tokens {prompt_tokens}"
+    return command + f" --out {shlex.quote(str(out))}"
 
 
 def recorded_eval_prompts(checkpoint: str | Path) -> tuple[str, int] | None:

@@ -30,7 +30,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ModelSummary,
 from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table
 
 from trainer.errors import RecipeError
-from trainer.output import PROGRESS_EVERY_SECONDS, block, duration, elapsed_and_eta
+from trainer.output import NO_PROMPTS, PROGRESS_EVERY_SECONDS, block, duration, elapsed_and_eta, eval_command
 
 log = logging.getLogger(__name__)
 
@@ -211,16 +211,17 @@ def _quote(text: str) -> str:
 
 def next_commands(
     trainer: pl.Trainer, module: pl.LightningModule, checkpoint: str | None, export: str | None
-) -> tuple[list[str], str | None]:
-    """The ``draftsmith export`` and ``draftsmith eval`` lines for this run, and its export formats (a row of the
-    block), or ([], None) for a module without a drafter record."""
+) -> tuple[list[str], str | None, str]:
+    """The ``draftsmith export`` and ``draftsmith eval`` lines for this run, its export formats (a row of the block)
+    and what to do to measure it when the recipe names no held-out prompts (else ""); ([], None, "") for a module
+    without a drafter record."""
     from trainer.registry import get_kind
 
     try:
         record = module.drafter_record()
         kind = get_kind(record.kind, "the fit's module")
     except Exception:  # no drafter (e.g. a module another project wrote): no next step to name
-        return [], None
+        return [], None, ""
     formats = [f.name for f in kind.formats_for(record)] or [f.name for f in kind.formats]
     commands = []
     drafter = export
@@ -234,15 +235,11 @@ def next_commands(
             prompts, prompt_tokens = getattr(callback, "source", None), getattr(callback, "prompt_tokens", 0)
     if prompts is None:
         val_files = getattr(trainer.datamodule, "val_files", None) if trainer.datamodule is not None else None
-        prompts = val_files[0] if val_files else "PROMPTS.jsonl"
-    if drafter is not None and record.target:
-        command = (
-            f"draftsmith eval --target {_quote(record.target)} --drafter {_quote(drafter)} --prompts {_quote(prompts)}"
-        )
-        if prompt_tokens:
-            command += f" --prompt_tokens {prompt_tokens}"
-        commands.append(command + f" --out {_quote(root / 'eval')}")
-    return commands, ", ".join(formats)
+        prompts = val_files[0] if val_files else None
+    if drafter is not None and record.target and prompts is not None:
+        commands.append(eval_command(record.target, drafter, prompts, prompt_tokens, root / "eval"))
+    measure = NO_PROMPTS if drafter is not None and record.target and prompts is None else ""
+    return commands, ", ".join(formats), measure
 
 
 def fit_summary(
@@ -285,7 +282,7 @@ def fit_summary(
     export = _existing(getattr(module, "export_dir", None))
     logger = trainer.logger
     logs = _existing(getattr(logger, "log_dir", None)) if logger is not None else None
-    commands, formats = next_commands(trainer, module, checkpoint, export)
+    commands, formats, measure = next_commands(trainer, module, checkpoint, export)
     recipe = " ".join(str(c) for c in configs)
     rows = [
         ("method", f"{type(module).__name__} ({type(module).__module__})"),
@@ -299,5 +296,6 @@ def fit_summary(
         ("export", export or ""),
         ("formats", formats or ""),
         ("logs", logs or ""),
+        ("measure", measure),
     ]
     return block(title, rows, commands)

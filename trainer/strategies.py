@@ -136,6 +136,14 @@ class CPUDeepSpeedStrategy(DeepSpeedStrategy):
         )
         return engine, ds_optimizer
 
+    def _auto_select_batch_size(self) -> int:
+        """The micro-batch DeepSpeed's throughput logs count: the datamodule's ``batch_size``. Lightning's own choice
+        reads the training loader's batch sampler, which a loader of ready-made batches (ShardDataModule's) does not
+        have: it failed every fit from shards under DeepSpeed."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        size = getattr(trainer.datamodule, "batch_size", None) if trainer is not None else None
+        return size if isinstance(size, int) and size > 0 else 1
+
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options: Any = None) -> None:
         """Save without frozen parameters (also on CUDA): frozen targets are rebuilt from their paths on resume and
         checked by fingerprint (trainer/objective.py), so a checkpoint holds what training changes. The folder is

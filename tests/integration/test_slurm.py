@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.recipe_runs import RECIPES, ROOT, write_override
-from tests.slurm_cluster import FINAL_STATES, SlurmCluster, ensure_installed, kd_job_override, recorded_batches
+from tests.slurm_cluster import FINAL_STATES, kd_job_override, recorded_batches, running_cluster
 from trainer.slurm import main as slurm_main
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -36,29 +36,8 @@ JOB_TIMEOUT = 900  # seconds; generous for a loaded 2-core machine
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    reason = ensure_installed()
-    if reason is not None:
-        pytest.skip(f"SLURM cannot be installed here: {reason}")
-    c = SlurmCluster(tmp_path_factory.mktemp("slurm"))
-    try:
-        c.start()
-    except RuntimeError as err:
-        pytest.fail(f"the test SLURM cluster did not start: {err}")
-    if c.cpus < TASKS:
-        c.stop()
-        pytest.skip(f"the SLURM node has {c.cpus} CPUs, fewer than the {TASKS} tasks of the test job")
-    saved = {k: os.environ.get(k) for k in ("SLURM_CONF", "PYTHONPATH")}
-    os.environ["SLURM_CONF"] = str(c.conf)  # sbatch, scontrol and the job itself talk to this cluster
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), saved["PYTHONPATH"]) if p)  # tests.callbacks
-    try:
+    with running_cluster(tmp_path_factory.mktemp("slurm"), min_cpus=TASKS, pythonpath=ROOT) as c:
         yield c
-    finally:
-        c.stop()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _submit(run: Path, override: dict, name: str, extra: tuple[str, ...] = (), time_limit: str = "00:30:00") -> str:

@@ -15,7 +15,8 @@ from trainer.slurm import SlurmJob, main, render
 ROOT = Path(__file__).resolve().parents[2]
 KD = str(ROOT / "recipes" / "quickstart" / "kd.yaml")
 ZERO2 = str(ROOT / "recipes" / "_base" / "deepspeed_zero2.yaml")
-GPU_RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml"))  # the real-model recipes: 8 GPUs on one node
+# the real-model fit recipes: 8 GPUs on one node (a precompute recipe runs under torchrun or srun, not fit)
+GPU_RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if p.read_text().startswith("# draftsmith fit"))
 
 
 def _sbatch(script: str) -> dict[str, str]:

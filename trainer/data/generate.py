@@ -37,7 +37,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import shlex
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -421,9 +420,12 @@ def main(argv: list[str] | None = None) -> int:
         ("empty", f"{len(stats.empty)} records with an empty reply"),
         ("output", str(kwargs["output"])),
     ]
-    command = (
-        f"draftsmith fit --config recipes/quickstart/kd.yaml --data.init_args.train_files "
-        f"{shlex.quote('[' + str(kwargs['output']) + ']')} --data.init_args.format {data_format}"
+    rows.append(
+        (
+            "train on it",
+            f"data.init_args.train_files: [{kwargs['output']}] and format: {data_format} in a recipe whose target is "
+            f"{kwargs['target']} (docs/guides/your-model.md)",
+        )
     )
-    print(block(f"generate done in {duration(stats.seconds)}", rows, [command]), flush=True)
+    print(block(f"generate done in {duration(stats.seconds)}", rows), flush=True)
     return 0

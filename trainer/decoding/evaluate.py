@@ -58,8 +58,9 @@ LOOP_MAX_PERIOD = 8
 
 
 def load_prompts(path: str | Path, tokenizer, max_length: int | None = None, cut: int | None = None) -> list[list[int]]:
-    """Token ids of every line of a jsonl file: a ``prompt`` string, chat ``messages`` (through the chat template),
-    a ``text`` document (such as the corpus' held-out files) or ``input_ids``.
+    """Token ids of every line of a jsonl file: a ``prompt`` string, chat ``messages`` (through the chat template,
+    with the generation prompt; a conversation's closing assistant turns are left out, so a held-out chat file is its
+    own prompts), a ``text`` document (such as the corpus' held-out files) or ``input_ids``.
 
     Args:
         path: the jsonl file.
@@ -85,7 +86,12 @@ def load_prompts(path: str | Path, tokenizer, max_length: int | None = None, cut
             elif isinstance(record.get("messages"), list):
                 if not getattr(tokenizer, "chat_template", None):
                     raise ValueError(f"{path}:{number}: chat 'messages' given but the tokenizer has no chat template")
-                text = tokenizer.apply_chat_template(record["messages"], add_generation_prompt=True, tokenize=False)
+                messages = list(record["messages"])
+                while messages and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
+                    messages.pop()  # a held-out conversation: its prompt is what comes before its last reply
+                if not messages:
+                    raise ValueError(f"{path}:{number}: the 'messages' hold no turn before the assistant's")
+                text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
                 ids = tokenizer(text, add_special_tokens=False).input_ids
             elif isinstance(record.get("input_ids"), list) and all(isinstance(t, int) for t in record["input_ids"]):
                 ids = record["input_ids"]

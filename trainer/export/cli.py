@@ -10,7 +10,6 @@ compared by that target's own weights instead, and gets none.
 
 from __future__ import annotations
 
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 from trainer.errors import CheckpointError, PathError, UserError, debugging, error_report
 from trainer.fingerprint import recorded_fingerprints, write_export_record
 from trainer.flags import ToolParser
-from trainer.output import block, duration, recorded_eval_prompts
+from trainer.output import NO_PROMPTS, block, duration, eval_command, recorded_eval_prompts
 from trainer.registry import DrafterRecord, ExportFormat, get_kind, is_training_checkpoint, kinds
 
 
@@ -100,12 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     ]
     commands = []
     if record.target:
-        prompts, prompt_tokens = recorded_eval_prompts(args.ckpt) or ("PROMPTS.jsonl", 0)
-        commands.append(
-            f"draftsmith eval --target {shlex.quote(record.target)} --drafter {shlex.quote(str(path))} "
-            f"--prompts {shlex.quote(prompts)}"
-            + (f" --prompt_tokens {prompt_tokens}" if prompt_tokens else "")
-            + f" --out {shlex.quote(str(path.parent / (path.name + '_eval')))}"
-        )
+        recorded = recorded_eval_prompts(args.ckpt)
+        if recorded is None:
+            rows.append(("measure", NO_PROMPTS))
+        else:
+            out = path.parent / (path.name + "_eval")
+            commands.append(eval_command(record.target, path, recorded[0], recorded[1], out))
     print(block(f"export done in {duration(time.monotonic() - started)}", rows, commands), flush=True)
     return 0
