@@ -340,12 +340,24 @@ def test_one_process_estimate_follows_lightning_precision():
     assert true.target_weights == (1000 - 400) + 200
 
 
-def test_real_recipes_plan_from_their_published_configs(capsys):
-    """Every real-model recipe plans against its target's published config (tests/fixtures/real_configs)."""
+def test_real_recipes_plan_from_their_published_configs(capsys, tmp_path):
+    """Every real-model fit recipe plans against its target's published config (tests/fixtures/real_configs); a
+    pretrained drafter named by hub id (the KD student) by the planner's preset of its shape, a recipe from shards at
+    the rows its precompute recipe writes."""
+    from trainer.planner.shapes import PRESETS
+
     configs = ROOT / "tests" / "fixtures" / "real_configs"
-    for recipe in sorted((ROOT / "recipes").glob("*_*.yaml")):
+    student = tmp_path / "llama-3.2-1b"
+    student.mkdir()
+    (student / "config.json").write_text(json.dumps({"model_type": "llama", **PRESETS["llama-3.2-1b"]}))
+    (tmp_path / "student.yaml").write_text(f"model:\n  init_args:\n    drafter: {student}\n")
+    recipes = [p for p in sorted((ROOT / "recipes").glob("*_*.yaml")) if p.read_text().startswith("# draftsmith fit")]
+    for recipe in recipes:
         key = next(k for k in ("llama31_8b", "qwen3_8b", "qwen3_5_9b") if k in recipe.name)
-        assert main(["--config", str(recipe), "--gpus", "8", "--target_config", str(configs / key), "--cpu"]) == 0
+        argv = ["--config", str(recipe), "--gpus", "8", "--target_config", str(configs / key), "--cpu"]
+        if "drafter: meta-llama/" in recipe.read_text():
+            argv += ["--config", str(tmp_path / "student.yaml"), "--seq_len", "2048"]
+        assert main(argv) == 0, recipe
         out = capsys.readouterr().out
         assert "| zero2 |" in out and "one CPU process (bf16-mixed, " in out
 
