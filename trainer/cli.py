@@ -55,6 +55,7 @@ import signal
 import sys
 import time
 
+from trainer import __version__
 from trainer.errors import DEBUG_ENV, USER_ERROR_STATUS, UserError, debugging, error_report, user_error_in
 from trainer.output import adopt_library_loggers, configure_logging
 
@@ -80,10 +81,12 @@ TOOLS: dict[str, tuple[str, str]] = {
 def _usage() -> str:
     tools = "\n".join(f"  {name:<10} {help_}" for name, (_, help_) in TOOLS.items())
     return (
-        "usage: draftsmith [--debug] <command> [options]\n\ntraining (LightningCLI; see `draftsmith fit --help`):\n"
+        "usage: draftsmith [--debug] <command> [options]\n       draftsmith --version\n\n"
+        "training (LightningCLI; see `draftsmith fit --help`):\n"
         "  fit        train with a recipe: draftsmith fit --config recipes/quickstart/kd.yaml\n"
         f"  validate   evaluate the validation loss of a recipe's model\n\ntools:\n{tools}\n\n"
         f"--debug (or {DEBUG_ENV}=1): show the traceback of an error the command would end in one line\n"
+        "--version (or -V): print draftsmith's version (draftsmith X.Y.Z) and exit\n"
     )
 
 
@@ -108,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     """Runs ``draftsmith <command> ...`` (``argv``; None: ``sys.argv[1:]``) and returns the exit status: 0, 2 for a
     user error (or a command line a tool refuses), 128 + signal for a fit a signal stopped; a bug raises."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if args in (["--version"], ["-V"]):  # before logging is configured or any command's module is imported
+        print(f"draftsmith {__version__}")
+        return 0
     debug, args = _without_debug_flag(args)
     if debug:
         os.environ[DEBUG_ENV] = "1"  # the other ranks of a multi-process fit inherit it

@@ -11,8 +11,10 @@ fingerprint as one that was.
 ``draftsmith eval`` reads a training checkpoint's recorded fingerprints (:func:`recorded_fingerprints`) and compares
 the target's with the ``--target`` folder's (:func:`differences`: the path aside). ``draftsmith export`` writes the
 target's fingerprint beside every exported folder (:data:`EXPORT_RECORD`, :func:`write_export_record`), which eval
-compares the same way. A drafter that trained its target and carries it (Medusa-2's model, an MTP pre-training's
-trunk) is compared with ``--target`` by the sampled values of the weights both hold (:func:`sample_differences`).
+compares the same way; the record also names the version of draftsmith that wrote it (:func:`export_version`;
+records written before 0.21.0 hold none and are read as before). A drafter that trained its target and carries it
+(Medusa-2's model, an MTP pre-training's trunk) is compared with ``--target`` by the sampled values of the weights
+both hold (:func:`sample_differences`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+
+from trainer import __version__
 
 SAMPLE = 16  # values read from the start of every tensor
 VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash")
@@ -144,13 +148,33 @@ def recorded_fingerprints(checkpoint: str | Path) -> dict[str, dict[str, str]]:
 
 
 EXPORT_RECORD = "target_fingerprint.json"  # beside an exported drafter: the fingerprint of the target it was made for
+EXPORT_VERSION_KEY = "draftsmith_version"  # in EXPORT_RECORD: the draftsmith that wrote the export (from 0.21.0)
 
 
 def write_export_record(folder: str | Path, target: Mapping[str, str]) -> Path:
-    """Writes ``target``'s fingerprint beside an exported drafter (:data:`EXPORT_RECORD`); engines ignore the file."""
+    """Writes ``target``'s fingerprint beside an exported drafter (:data:`EXPORT_RECORD`), with the version of
+    draftsmith that wrote it (:data:`EXPORT_VERSION_KEY`); engines ignore the file."""
     path = Path(folder) / EXPORT_RECORD
-    path.write_text(json.dumps({"target": dict(target)}, indent=2, sort_keys=True) + "\n")
+    record = {"target": dict(target), EXPORT_VERSION_KEY: __version__}
+    path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     return path
+
+
+def _read_export_record(folder: str | Path) -> tuple[Path, object]:
+    """The path of ``folder``'s :data:`EXPORT_RECORD` and its parsed JSON (None when there is no such file).
+
+    Raises:
+        ModelFolderError: a record that is not JSON, naming the file.
+    """
+    from trainer.errors import ModelFolderError
+
+    path = Path(folder) / EXPORT_RECORD
+    if not path.is_file():
+        return path, None
+    try:
+        return path, json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ModelFolderError(f"{path}: not JSON ({err})") from err
 
 
 def export_record(folder: str | Path) -> dict[str, str] | None:
@@ -161,17 +185,25 @@ def export_record(folder: str | Path) -> dict[str, str] | None:
     """
     from trainer.errors import ModelFolderError
 
-    path = Path(folder) / EXPORT_RECORD
-    if not path.is_file():
+    path, data = _read_export_record(folder)
+    if data is None:
         return None
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ModelFolderError(f"{path}: not JSON ({err})") from err
     target = data.get("target") if isinstance(data, dict) else None
     if not isinstance(target, dict) or not all(isinstance(v, str) for v in target.values()):
         raise ModelFolderError(f"{path}: holds no 'target' fingerprint (a mapping of strings)")
     return target
+
+
+def export_version(folder: str | Path) -> str | None:
+    """The version of draftsmith that wrote an exported folder (:data:`EXPORT_VERSION_KEY` in its
+    :data:`EXPORT_RECORD`); None when the folder has no record, or one written before 0.21.0, which held none.
+
+    Raises:
+        ModelFolderError: a record that is not JSON, naming the file.
+    """
+    _, data = _read_export_record(folder)
+    version = data.get(EXPORT_VERSION_KEY) if isinstance(data, dict) else None
+    return version if isinstance(version, str) else None
 
 
 def sample_differences(
