@@ -62,8 +62,8 @@ def prepare(art: Path, out: Path, per_file: int, new_tokens: int) -> Path:
     if not completions.is_file():
         started = time.perf_counter()
         generate = [
-            "draftsmith", "generate", "--target", str(art / "tiny_target"), "--input", str(prompts),
-            "--output", str(completions), "--prompt_field", "prompt", "--max_new_tokens", str(new_tokens),
+            "draftsmith", "generate", "--target", str(art / "tiny_target"), "--input_file", str(prompts),
+            "--output_file", str(completions), "--prompt_field", "prompt", "--max_new_tokens", str(new_tokens),
             "--batch_size", "32", "--device", "cpu",
         ]  # fmt: skip
         # one thread: on a shared machine, OpenMP threads of contending processes slow each other down many times
@@ -91,7 +91,16 @@ def train(out: Path, completions: Path, layers: list[int], seconds: int, paralle
             wait(proc, out / f"fit_{name}.log")
             fmt = "eagle3" if name == "eagle3" else "dflash"
             ckpt = out / "runs" / name / "checkpoints" / "last.ckpt"
-            export = ["draftsmith", "export", "--ckpt", str(ckpt), "--out", str(exports[name]), "--format", fmt]
+            export = [
+                "draftsmith",
+                "export",
+                "--ckpt_path",
+                str(ckpt),
+                "--output_dir",
+                str(exports[name]),
+                "--format",
+                fmt,
+            ]
             wait(run(export, out / f"export_{name}.log"), out / f"export_{name}.log")
     return exports
 
@@ -213,7 +222,16 @@ def compare_labels(args, art: Path, out: Path) -> int:
     for label, proc in procs.items():
         wait(proc, out / f"fit_{label}.log")
         ckpt = out / "runs" / label / "checkpoints" / "last.ckpt"
-        export = ["draftsmith", "export", "--ckpt", str(ckpt), "--out", str(exports[label]), "--format", "dflash"]
+        export = [
+            "draftsmith",
+            "export",
+            "--ckpt_path",
+            str(ckpt),
+            "--output_dir",
+            str(exports[label]),
+            "--format",
+            "dflash",
+        ]
         wait(run(export, out / f"export_{label}.log"), out / f"export_{label}.log")
 
     from transformers import AutoModelForCausalLM, AutoTokenizer

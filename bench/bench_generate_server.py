@@ -107,7 +107,9 @@ def main() -> None:
         args.target = str(random_target(work / "random_target", args.random))
     src = work / "chat.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(Path(args.heldout), args.rows)))
-    common = dict(target=args.target, input=str(src), max_new_tokens=args.max_new_tokens, chunk_size=16, progress=False)
+    common = dict(
+        target=args.target, input_file=str(src), max_new_tokens=args.max_new_tokens, chunk_size=16, progress=False
+    )
 
     # the in-process runs reuse one loaded target, so that both paths are timed without loading the model
     loaded = gen.load_target(args.target, "float32", False, needs_chat_template=True)
@@ -121,11 +123,11 @@ def main() -> None:
     ]
     best: dict[str, tuple] = {}
     try:
-        gen.regenerate(output=str(work / "warmup.jsonl"), server=url, max_records=2, **common)
+        gen.regenerate(output_file=str(work / "warmup.jsonl"), server=url, max_records=2, **common)
         for round_ in range(args.rounds):  # the paths take turns, and each keeps its fastest round
             for n, (name, options) in enumerate(paths):
                 out = work / f"run_{round_}_{n}.jsonl"
-                stats = gen.regenerate(output=str(out), **options, **common)
+                stats = gen.regenerate(output_file=str(out), **options, **common)
                 if name not in best or stats.seconds < best[name][0].seconds:
                     best[name] = (stats, out)
     finally:

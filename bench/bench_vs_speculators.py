@@ -121,8 +121,8 @@ def completions(art: Path, data: Path) -> Path:
     if not prompts.is_file():
         training_prompts(art / "corpus" / "train.jsonl", prompts, 1, 0)
     generate = [
-        "draftsmith", "generate", "--target", str(art / "tiny_target"), "--input", str(prompts),
-        "--output", str(partial), "--prompt_field", "prompt", "--max_new_tokens", "160", "--batch_size", "32",
+        "draftsmith", "generate", "--target", str(art / "tiny_target"), "--input_file", str(prompts),
+        "--output_file", str(partial), "--prompt_field", "prompt", "--max_new_tokens", "160", "--batch_size", "32",
         "--device", "cpu", "--progress", "false",
     ]  # fmt: skip
     wait(run(generate, data / "generate.log"), data / "generate.log")
@@ -183,7 +183,7 @@ def speculators_cmd(
 ) -> list[str]:
     return [
         "-m", "bench.bench_vs_speculators", "--side", "speculators", "--method", method, "--target",
-        str(art / "tiny_target"), "--rows", str(data), "--out", str(out), "--steps", str(steps), "--lr", str(lr),
+        str(art / "tiny_target"), "--rows", str(data), "--output_dir", str(out), "--steps", str(steps), "--lr", str(lr),
         "--warmup", str(warmup), "--speculators-optimizer", optimizer, "--speculators-loss", loss,
         *([] if layers is None else ["--draft-layers", str(layers)]),
     ]  # fmt: skip
@@ -210,7 +210,7 @@ def evaluate(target: Path, drafter: Path, prompts: Path, k: int, new_tokens: int
     if not (out / "report.json").is_file():
         cmd = [
             "draftsmith", "eval", "--target", str(target), "--drafter", str(drafter), "--prompts", str(prompts),
-            "--k", str(k), "--max_new_tokens", str(new_tokens), "--temperature", "0", "--out", str(out),
+            "--k", str(k), "--max_new_tokens", str(new_tokens), "--temperature", "0", "--output_dir", str(out),
         ]  # fmt: skip
         wait(run(cmd, out.with_suffix(".log")), out.with_suffix(".log"))
     return json.loads((out / "report.json").read_text())["greedy"][0]
@@ -270,7 +270,14 @@ def main_project(args: argparse.Namespace) -> int:
     fmt = args.export_format or fmt
     export = method_dir / "ours_export"
     if not (export / "config.json").is_file():
-        cmd = ["draftsmith", "export", "--ckpt", str(ours_run / "checkpoints" / "last.ckpt"), "--out", str(export)]
+        cmd = [
+            "draftsmith",
+            "export",
+            "--ckpt_path",
+            str(ours_run / "checkpoints" / "last.ckpt"),
+            "--output_dir",
+            str(export),
+        ]
         wait(run([*cmd, "--format", fmt], method_dir / "export.log"), method_dir / "export.log")
     heldout = write_heldout_prompts(art / "corpus", out / "heldout_prompts.jsonl", args.prompts)
     ours = evaluate(target, export, heldout, k, args.max_new_tokens, method_dir / "eval_ours")

@@ -63,7 +63,7 @@ def main() -> None:
     parser.add_argument("--objectives", default=",".join(DEFAULT))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--work", default=str(ROOT / ".cache" / "real_width"))
-    parser.add_argument("--out", default=str(ROOT / ".cache" / "real_width" / "throughput.md"))
+    parser.add_argument("--output_dir", default=str(ROOT / ".cache" / "real_width" / "throughput.md"))
     parser.add_argument("--wait", type=float, default=20.0, help="minutes to wait for memory before each objective")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one objective, its Result as JSON on stdout
     args = parser.parse_args()

@@ -120,7 +120,7 @@ def build_parser() -> ToolParser:
     parser.add_argument("--target_steps", type=int, default=400, help="optimizer steps of the tiny target")
     parser.add_argument("--kd_steps", type=int, default=150, help="optimizer steps of the KD student")
     parser.add_argument(
-        "--prompts", type=int, default=HELDOUT_PROMPTS, help="held-out prompts for the speculative evaluation"
+        "--max_prompts", type=int, default=HELDOUT_PROMPTS, help="held-out prompts for the speculative evaluation"
     )
     parser.add_argument("--max_new_tokens", type=int, default=48, help="output tokens per prompt in the evaluation")
     parser.add_argument("--fresh", action="store_true", help="delete the demo's outputs and start over")
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     timings["target"], timings["kd"] = target_summary["seconds"], kd_summary["seconds"]
 
     start = time.perf_counter()
-    _say(4, f"evaluation: held-out loss, then speculative decoding of {args.prompts} prompts (draftsmith eval)")
+    _say(4, f"evaluation: held-out loss, then speculative decoding of {args.max_prompts} prompts (draftsmith eval)")
     data = TextDataModule(
         tokenizer=corpus.tokenizer_dir,
         train_files=[corpus.train_file],
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.decoding.eval_cli import main as eval_main
 
     prompts = write_heldout_prompts(
-        corpus.heldout_file, ARTIFACTS / "heldout_prompts.jsonl", args.prompts, PROMPT_CHARS
+        corpus.heldout_file, ARTIFACTS / "heldout_prompts.jsonl", args.max_prompts, PROMPT_CHARS
     )
     reports = {}
     for name, drafter in (("kd_student", str(student_dir)), ("prompt_lookup", "prompt-lookup")):
@@ -213,7 +213,9 @@ def main(argv: list[str] | None = None) -> int:
         common = ["--target", str(target_dir), "--prompts", str(prompts), "--max_new_tokens", str(args.max_new_tokens)]
         out.mkdir(parents=True, exist_ok=True)
         with open(out / "eval.log", "w") as said, contextlib.redirect_stdout(said):  # its lines: in its report
-            status = eval_main([*common, "--drafter", drafter, "--k", "4", "--temperature", "1.0", "--out", str(out)])
+            status = eval_main(
+                [*common, "--drafter", drafter, "--k", "4", "--temperature", "1.0", "--output_dir", str(out)]
+            )
         if status != 0:
             raise SystemExit(f"draftsmith eval failed for {name} (exit {status}); see {out / 'eval.log'}")
         reports[name] = json.loads((out / "report.json").read_text())
@@ -235,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_lookup": {"tau_greedy": lookup["greedy"][0]["tau"]},
         "loop_share": kd["loops"]["share"],
         "looped_prompts": kd["loops"]["looped_prompts"],
-        "prompts": args.prompts,
+        "prompts": args.max_prompts,
         "target_steps": target_summary["steps"],
         "kd_steps": kd_summary["steps"],
         "seconds": timings,
@@ -256,9 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     ]
     commands = [
         f"draftsmith eval --target {target_dir} --drafter {student_dir} --prompts {prompts} --k 1,2,4,8 "
-        f"--out {ARTIFACTS / 'eval' / 'sweep'}",
+        f"--output_dir {ARTIFACTS / 'eval' / 'sweep'}",
         "draftsmith fit --config recipes/quickstart/kd.yaml --config recipes/_base/ddp.yaml --trainer.devices 2",
-        f"draftsmith export --ckpt {ARTIFACTS / 'runs' / 'kd' / 'checkpoints' / 'last.ckpt'} --out {ARTIFACTS / 'hf'}",
+        f"draftsmith export --ckpt_path {ARTIFACTS / 'runs' / 'kd' / 'checkpoints' / 'last.ckpt'} "
+        f"--output_dir {ARTIFACTS / 'hf'}",
         f"draftsmith compare --config {COMPARE_RECIPE}   (every method side by side; or draftsmith demo --compare)",
     ]
     rows = [

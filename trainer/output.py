@@ -305,7 +305,7 @@ def eval_command(target: str, drafter: str | Path, prompts: str, prompt_tokens: 
     command += f"--prompts {shlex.quote(str(prompts))}"
     if prompt_tokens:
         command += f" --prompt_tokens {prompt_tokens}"
-    return command + f" --out {shlex.quote(str(out))}"
+    return command + f" --output_dir {shlex.quote(str(out))}"
 
 
 def recorded_eval_prompts(checkpoint: str | Path) -> tuple[str, int] | None:

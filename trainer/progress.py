@@ -228,7 +228,9 @@ def next_commands(
     root = Path(trainer.default_root_dir)
     if export is None and checkpoint is not None:
         drafter = str(root / "export")
-        commands.append(f"draftsmith export --ckpt {_quote(checkpoint)} --out {_quote(drafter)} --format {formats[0]}")
+        commands.append(
+            f"draftsmith export --ckpt_path {_quote(checkpoint)} --output_dir {_quote(drafter)} --format {formats[0]}"
+        )
     prompts, prompt_tokens = None, 0
     for callback in trainer.callbacks:
         if type(callback).__name__ == "SpeculativeEvalCallback":

@@ -199,8 +199,8 @@ class DraftsmithCLI(LightningCLI):
                 _resume_complete_folders_only(callback)
                 # A resumed run writes its last.ckpt over the one it resumed from. Lightning would write last-v1.ckpt
                 # beside a sharded last.ckpt (DeepSpeed, FSDP2: it does not restore the callback's last_model_path
-                # from those), and `draftsmith export --ckpt .../last.ckpt` would read the stale one. Nothing another
-                # run wrote is overwritten: a fresh run into a folder of checkpoints is refused (run_folder.py).
+                # from those), and `draftsmith export --ckpt_path .../last.ckpt` would read the stale one. Nothing
+                # another run wrote is overwritten: a fresh run into a folder of checkpoints is refused (run_folder.py).
                 callback._enable_version_counter = False
         _warn_emulated_bf16(trainer, self._get(self.config_init, "model"))
         DraftsmithCLI.running_trainer = trainer

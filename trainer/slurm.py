@@ -153,7 +153,7 @@ def check_job(job: SlurmJob) -> None:
         ("--account", job.account or ""),
         ("--time", job.time),
         ("--job_name", job.job_name),
-        ("--log_dir", job.log_dir),
+        ("--output_dir", job.log_dir),
         ("--workdir", job.workdir),
         ("--python", job.python),
         *(("--sbatch", option) for option in job.extra_sbatch),
@@ -184,7 +184,7 @@ def check_job(job: SlurmJob) -> None:
     if any(c.isspace() or c in "%'\"\\" for c in output):
         where = f"(in --workdir {str(Path(job.workdir).resolve())!r}) " if not Path(job.log_dir).is_absolute() else ""
         raise _refuse(
-            "--log_dir",
+            "--output_dir",
             job.log_dir,
             f"{where}gives the output folder {output!r}, which #SBATCH --output cannot hold: no whitespace, quotes, "
             "backslashes, or %, which SLURM expands",
@@ -387,7 +387,7 @@ def build_parser() -> ToolParser:
         default=3,
         help="requeues in a row after failed attempts that made no progress; the next such failure stops the job",
     )
-    s.add_argument("--log_dir", default="slurm-logs", help="folder of the job's output and script")
+    s.add_argument("--output_dir", default="slurm-logs", help="folder of the job's output and script")
     s.add_argument("--workdir", default=".", help="folder the job runs in (default: the current one)")
     s.add_argument("--python", default=sys.executable, help="python with draftsmith on the compute nodes")
     s.add_argument("--sbatch", action="append", default=[], help="extra sbatch option, e.g. --sbatch=--qos=high")
@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         job_name=args.job_name,
         signal_lead=args.signal_lead,
         max_failed_requeues=args.max_failed_requeues,
-        log_dir=args.log_dir,
+        log_dir=args.output_dir,
         workdir=args.workdir,
         python=args.python,
         extra_sbatch=args.sbatch,

@@ -134,7 +134,8 @@ def main() -> int:
             training_prompts(corpus / "train.jsonl", prompts, args.prompts_per_file, seed=0)
         started = time.perf_counter()
         generate = [
-            "draftsmith", "generate", "--target", str(target), "--input", str(prompts), "--output", str(regen),
+            "draftsmith", "generate", "--target", str(target), "--input_file", str(prompts),
+            "--output_file", str(regen),
             "--prompt_field", "prompt", "--max_new_tokens", str(args.new_tokens), "--batch_size", "32",
             "--device", "cpu",
         ]  # fmt: skip
@@ -163,7 +164,16 @@ def main() -> int:
     seconds_file.write_text(json.dumps(seconds))
     if not (eagle_dir / "model.safetensors").is_file():
         ckpt = out / "runs" / "eagle3" / "checkpoints" / "last.ckpt"
-        export = ["draftsmith", "export", "--ckpt", str(ckpt), "--out", str(eagle_dir), "--format", "eagle3"]
+        export = [
+            "draftsmith",
+            "export",
+            "--ckpt_path",
+            str(ckpt),
+            "--output_dir",
+            str(eagle_dir),
+            "--format",
+            "eagle3",
+        ]
         wait(run(export, out / "export_eagle3.log"), out / "export_eagle3.log")
 
     heldout = write_heldout_prompts(corpus, out / "heldout_prompts.jsonl", args.prompts)
@@ -179,7 +189,7 @@ def main() -> int:
         if not (report_dir / "report.json").is_file():
             cmd = ["draftsmith", "eval", "--target", str(target), "--drafter", *spec.split(), "--prompts", str(heldout),
                    "--k", str(args.k), "--max_new_tokens", str(args.max_new_tokens), "--temperature", "0",
-                   "--out", str(report_dir)]  # fmt: skip
+                   "--output_dir", str(report_dir)]  # fmt: skip
             wait(run(cmd, report_dir.with_suffix(".log")), report_dir.with_suffix(".log"))
         report = json.loads((report_dir / "report.json").read_text())
         greedy = report["greedy"][0]

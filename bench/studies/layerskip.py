@@ -50,7 +50,8 @@ def sweep(name: str, target: Path, drafter: str, prompts: Path, out: Path, k: in
     folder = out / "eval" / name
     if not (folder / f"exit_{layers.split(',')[-1]}" / "report.json").is_file():
         cmd = ["draftsmith", "eval", "--target", str(target), "--drafter", drafter, "--exit_layer", layers,
-               "--prompts", str(prompts), "--k", str(k), "--temperature", "1.0", "--out", str(folder)]  # fmt: skip
+               "--prompts", str(prompts), "--k", str(k), "--temperature", "1.0",
+               "--output_dir", str(folder)]  # fmt: skip
         wait(run(cmd, out / f"eval_{name}.log"), out / f"eval_{name}.log")
     return {int(e): json.loads((folder / f"exit_{e}" / "report.json").read_text()) for e in layers.split(",")}
 

@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
                     "draftsmith", "eval", "--target", str(ROOT / "artifacts/tiny_target"), "--drafter", str(ckpt),
                     "--prompts", str(documents), "--context_lengths", args.lengths,
                     "--max_new_tokens", "64", "--max_prompts", str(args.prompts), "--k", "4", "--temperature", "0",
-                    "--out", str(run_dir / "eval"),
+                    "--output_dir", str(run_dir / "eval"),
                 ]  # fmt: skip
                 wait(run(cmd, log, args.threads), log)
             by_context = json.loads(report.read_text())["by_context"]

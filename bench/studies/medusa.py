@@ -34,7 +34,14 @@ def fit(name: str, recipe: str, steps: int, out: Path, extra: list[str]) -> floa
     start = time.perf_counter()
     wait(run(cmd, out / f"fit_{name}.log"), out / f"fit_{name}.log")
     seconds = time.perf_counter() - start
-    export_cmd = ["draftsmith", "export", "--ckpt", str(runs / "checkpoints" / "last.ckpt"), "--out", str(export)]
+    export_cmd = [
+        "draftsmith",
+        "export",
+        "--ckpt_path",
+        str(runs / "checkpoints" / "last.ckpt"),
+        "--output_dir",
+        str(export),
+    ]
     wait(run(export_cmd, out / f"export_{name}.log"), out / f"export_{name}.log")
     return seconds
 
@@ -45,7 +52,7 @@ def evaluate(
     report_dir = out / "eval" / (name + ("_tree" if tree else ""))
     if not (report_dir / "report.json").is_file():
         cmd = ["draftsmith", "eval", "--target", str(target), "--drafter", str(drafter), "--prompts", str(prompts),
-               "--k", "4", "--max_new_tokens", str(new_tokens), "--temperature", "1.0", "--out", str(report_dir),
+               "--k", "4", "--max_new_tokens", str(new_tokens), "--temperature", "1.0", "--output_dir", str(report_dir),
                *(["--tree"] if tree else [])]  # fmt: skip
         wait(run(cmd, report_dir.with_suffix(".log")), report_dir.with_suffix(".log"))
     return json.loads((report_dir / "report.json").read_text())

@@ -2,8 +2,8 @@
 
     python -m bench.studies.mtp [--steps 400] [--stage all | prompts,pretrain,heldout,regen,refresh,extend,eval,cost]
 
-Needs the demo's corpus (``make demo`` or ``draftsmith prepare --out artifacts/corpus``). Every stage is skipped when
-its output exists under ``--out`` (default artifacts/bench_mtp; delete a folder to redo a stage):
+Needs the demo's corpus (``make demo`` or ``draftsmith prepare --output_dir artifacts/corpus``). Every stage is
+skipped when its output exists under ``--out`` (default artifacts/bench_mtp; delete a folder to redo a stage):
 
 1. ``prompts``: 160-character training prompts (``draftsmith compare``'s cut), ``artifacts/mtp_seq_prompts.jsonl``;
 2. ``pretrain``: recipes/quickstart/tiny_target.yaml (D = 0) and recipes/quickstart/mtp_pretrain.yaml (D = 1) for the
@@ -103,7 +103,7 @@ def stage_eval(out: Path, name: str, drafter: Path, new_tokens: int, ks: str, pr
         args = ["eval", "--target", str(out / "d1" / "model"), "--drafter", str(drafter),
                 "--prompts", str(ARTIFACTS / "heldout_prompts.jsonl"), "--k", ks, "--temperature", "1.0",
                 "--max_new_tokens", str(new_tokens), "--max_prompts", str(prompts),
-                "--out", str(report.parent)]  # fmt: skip
+                "--output_dir", str(report.parent)]  # fmt: skip
         log = out / "eval" / f"{name}.log"
         wait_all((draftsmith(args, log), log))
     return json.loads(report.read_text())
@@ -243,8 +243,9 @@ def main() -> int:
         subset = out / "regen_prompts.jsonl"
         subset.write_text("".join(prompts.read_text().splitlines(True)[: args.regen_prompts]))
         log = out / "regen.log"
-        wait_all((draftsmith(["generate", "--target", str(out / "d1" / "model"), "--input", str(subset), "--output",
-                          str(regen), "--prompt_field", "prompt", "--max_new_tokens", "192", "--batch_size", "32"],
+        wait_all((draftsmith(["generate", "--target", str(out / "d1" / "model"), "--input_file", str(subset),
+                          "--output_file", str(regen), "--prompt_field", "prompt", "--max_new_tokens", "192",
+                          "--batch_size", "32"],
                          log), log))  # fmt: skip
         regen_done.touch()
     pretrain_ckpt = out / "d1" / "checkpoints" / "last.ckpt"

@@ -75,9 +75,9 @@ def test_the_guides_method_trains_exports_and_drafts_losslessly(tiny_corpus, ran
     prompts.write_text("".join(json.dumps({"prompt": json.loads(x)["text"][:80]}) + "\n" for x in lines))
     commands = [
         ["fit", "--config", str(tmp_path / "one_head.yaml"), "--config", str(tmp_path / "override.yaml")],
-        ["export", "--ckpt", str(run / "checkpoints" / "last.ckpt"), "--out", str(tmp_path / "exported")],
+        ["export", "--ckpt_path", str(run / "checkpoints" / "last.ckpt"), "--output_dir", str(tmp_path / "exported")],
         ["eval", "--target", str(random_target), "--drafter", str(tmp_path / "exported"), "--prompts", str(prompts),
-         "--k", "1", "--max_new_tokens", "12", "--out", str(tmp_path / "eval")],
+         "--k", "1", "--max_new_tokens", "12", "--output_dir", str(tmp_path / "eval")],
         ["plan", "--config", str(tmp_path / "one_head.yaml"), "--config", str(tmp_path / "override.yaml"),
          "--gpus", "1"],
     ]  # fmt: skip

@@ -77,8 +77,8 @@ def world(tiny_corpus, tmp_path_factory) -> World:
     tok.save_pretrained(other)
     shards = root / "shards"
     data = {"class_path": "trainer.data.text.TextDataModule", "init_args": _text_data(tiny_corpus)}
-    argv = ["--target", str(target), "--out", str(shards), "--data", json.dumps(data), "--progress", "false"]
-    assert precompute_main([*argv, "--samples_per_shard", "64", "--batch_size", "8", "--k", "8"]) == 0
+    argv = ["--target", str(target), "--output_dir", str(shards), "--data", json.dumps(data), "--progress", "false"]
+    assert precompute_main([*argv, "--samples_per_shard", "64", "--batch_size", "8", "--top_logprobs", "8"]) == 0
     drafter, _ = export(str(FIXTURES / "medusa1.ckpt"), str(root / "medusa1_export"))
     chat = root / "chat.jsonl"
     chat.write_text(
@@ -271,7 +271,7 @@ def _crafted_checkpoint(ctx: Ctx) -> Path:
 def _eval(ctx: Ctx, target: Path, drafter: Path | str) -> list[str]:
     """``draftsmith eval`` of ``drafter`` against ``target`` on the held-out file's first 16 tokens, into ``out``."""
     prompts = ["--prompts", str(ctx.world.corpus.heldout_file), "--prompt_tokens", "16", "--max_new_tokens", "8"]
-    return ["eval", "--target", str(target), "--drafter", str(drafter), *prompts, "--out", str(ctx.tmp / "out")]
+    return ["eval", "--target", str(target), "--drafter", str(drafter), *prompts, "--output_dir", str(ctx.tmp / "out")]
 
 
 @dataclass
@@ -406,12 +406,12 @@ ROWS = [
     ),
     Row(
         "export-truncated-checkpoint",
-        lambda c: ["export", "--ckpt", str(_truncated_checkpoint(c)), "--out", str(c.tmp / "out")],
+        lambda c: ["export", "--ckpt_path", str(_truncated_checkpoint(c)), "--output_dir", str(c.tmp / "out")],
         lambda c: str(c.tmp / "cut.ckpt"),
     ),
     Row(
         "export-crafted-pickle",
-        lambda c: ["export", "--ckpt", str(_crafted_checkpoint(c)), "--out", str(c.tmp / "out")],
+        lambda c: ["export", "--ckpt_path", str(_crafted_checkpoint(c)), "--output_dir", str(c.tmp / "out")],
         lambda c: str(c.tmp / "crafted.ckpt"),
     ),
     Row(
@@ -424,7 +424,7 @@ ROWS = [
             str(c.world.drafter_export),
             "--prompts",
             str(c.world.corpus.heldout_file),
-            "--out",
+            "--output_dir",
             str(c.tmp / "out"),
         ],  # fmt: skip
         lambda c: f"--target {c.world.drafter_export}: a drafter export",
@@ -450,9 +450,9 @@ ROWS = [
             "generate",
             "--target",
             "./tiny_targt",
-            "--input",
+            "--input_file",
             str(c.world.chat_input),
-            "--output",
+            "--output_file",
             str(c.tmp / "out.jsonl"),
         ],  # fmt: skip
         "'./tiny_targt'",
@@ -467,7 +467,7 @@ ROWS = [
             "none",
             "--prompts",
             str(c.world.chat_input),
-            "--out",
+            "--output_dir",
             str(c.tmp / "out"),
             "--max-new-tokens",
             "8",

@@ -65,7 +65,7 @@ def test_exports_reload_and_decode_losslessly(dflash_run, tiny_target, tiny_corp
 
     for fmt, loader in (("dflash", load_zlab), ("dflash-speculators", load_speculators)):
         out = tmp_path / fmt
-        assert export_main(["--ckpt", ckpt, "--out", str(out), "--format", fmt]) == 0
+        assert export_main(["--ckpt_path", ckpt, "--output_dir", str(out), "--format", fmt]) == 0
         torch.testing.assert_close(logits(loader(str(out)).eval()), logits(drafter), rtol=0, atol=0)
     config = json.loads((tmp_path / "dflash" / "config.json").read_text())
     assert config["dflash_config"] == {"mask_token_id": 2, "target_layer_ids": [0], "block_size": 8}
@@ -100,7 +100,7 @@ def offline_override(run: Path, corpus, target: Path, shards: Path, steps: int, 
 
 def test_offline_recipe_trains_from_shards_and_refuses_shards_that_do_not_fit(tiny_corpus, tiny_target, tmp_path):
     shards = tmp_path / "shards"
-    args = ("--k", "8", "--hidden_layers", "[0, 1]", "--samples_per_shard", "48", "--batch_size", "8")
+    args = ("--top_logprobs", "8", "--hidden_layers", "[0, 1]", "--samples_per_shard", "48", "--batch_size", "8")
     assert run_precompute(tiny_corpus, tiny_target, shards, *args) == 0
     run = tmp_path / "offline"
     for labels in ("data", "soft"):
@@ -119,13 +119,13 @@ def test_offline_recipe_trains_from_shards_and_refuses_shards_that_do_not_fit(ti
             hidden_layers=[0, 1]), run / "order")  # fmt: skip
     # shards that lack the drafter's layer
     partial = tmp_path / "shards_0"
-    assert run_precompute(tiny_corpus, tiny_target, partial, "--k", "8", "--hidden_layers", "[0]") == 0
+    assert run_precompute(tiny_corpus, tiny_target, partial, "--top_logprobs", "8", "--hidden_layers", "[0]") == 0
     with pytest.raises(ValueError, match=r"hidden_layers \[1\] not stored \(the shards hold \[0\]\)"):
         fit("quickstart/dflash_offline.yaml", offline_override(run / "partial", tiny_corpus, tiny_target, partial, 1),
             run / "partial")  # fmt: skip
     # shards without hidden states (and data.hidden_layers left out: the datamodule itself asks for none)
     bare = tmp_path / "shards_bare"
-    assert run_precompute(tiny_corpus, tiny_target, bare, "--k", "8") == 0
+    assert run_precompute(tiny_corpus, tiny_target, bare, "--top_logprobs", "8") == 0
     with pytest.raises(ValueError, match=r"shards_bare: the shards hold no hidden states; DFlash reads target layers"):
         fit("quickstart/dflash_offline.yaml", offline_override(run / "bare", tiny_corpus, tiny_target, bare, 1,
             hidden_layers=[]), run / "bare")  # fmt: skip

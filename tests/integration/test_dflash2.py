@@ -50,7 +50,7 @@ def test_fit_export_and_lossless_decoding(tiny_corpus, tiny_target, tmp_path):
     assert record["kind"] == "dflash2" and record["config"]["selector_rank"] == 8
 
     out = tmp_path / "export"
-    assert export_main(["--ckpt", ckpt, "--out", str(out), "--format", "dflash2"]) == 0
+    assert export_main(["--ckpt_path", ckpt, "--output_dir", str(out), "--format", "dflash2"]) == 0
     assert json.loads((out / "config.json").read_text())["speculators_model_type"] == "dflash2"
     drafter, again = cli.model.drafter.eval(), load_dflash2(str(out)).eval()
     g = torch.Generator().manual_seed(0)

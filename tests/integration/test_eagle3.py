@@ -75,7 +75,7 @@ def test_exports_reload_with_the_same_logits(eagle3_run, tmp_path):
     ckpt = str(run / "checkpoints" / "last.ckpt")
     for fmt, loader in (("eagle3", load_native), ("eagle3-speculators", load_speculators)):
         out = tmp_path / fmt
-        assert export_main(["--ckpt", ckpt, "--out", str(out), "--format", fmt]) == 0
+        assert export_main(["--ckpt_path", ckpt, "--output_dir", str(out), "--format", fmt]) == 0
         reloaded = loader(str(out)).eval()
         g = torch.Generator().manual_seed(0)
         hidden = [torch.randn(1, 10, 64, generator=g) for _ in range(3)]

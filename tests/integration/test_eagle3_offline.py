@@ -39,7 +39,16 @@ def data(corpus) -> dict:
 
 def run_precompute(corpus, target: Path, out: Path, *args: str) -> int:
     """``draftsmith precompute`` of the training split of :func:`data`."""
-    argv = ["--target", str(target), "--out", str(out), "--data", json.dumps(data(corpus)), "--progress", "false"]
+    argv = [
+        "--target",
+        str(target),
+        "--output_dir",
+        str(out),
+        "--data",
+        json.dumps(data(corpus)),
+        "--progress",
+        "false",
+    ]
     return precompute_main([*argv, "--splits", '["train"]', *args])
 
 
@@ -47,7 +56,16 @@ def run_precompute(corpus, target: Path, out: Path, *args: str) -> int:
 def eagle3_shards(tiny_corpus, tiny_target, tmp_path_factory):
     """Shards of the test data at k = V with float32 log-probabilities and float32 hidden states of the aux layers."""
     out = tmp_path_factory.mktemp("shards_eagle3")
-    args = ("--k", "512", "--logprob_dtype", "float32", "--hidden_layers", str(AUX), "--hidden_dtype", "float32")
+    args = (
+        "--top_logprobs",
+        "512",
+        "--logprob_dtype",
+        "float32",
+        "--hidden_layers",
+        str(AUX),
+        "--hidden_dtype",
+        "float32",
+    )
     assert run_precompute(tiny_corpus, tiny_target, out, *args, "--samples_per_shard", "48", "--batch_size", "4") == 0
     return out
 
@@ -130,7 +148,7 @@ def test_wrong_data_is_refused(tiny_corpus, tiny_target, eagle3_shards, tmp_path
 
     # shards that do not hold every aux layer
     partial = tmp_path / "shards_01"
-    args = ("--k", "8", "--hidden_layers", "[0, 1]", "--samples_per_shard", "256", "--batch_size", "8")
+    args = ("--top_logprobs", "8", "--hidden_layers", "[0, 1]", "--samples_per_shard", "256", "--batch_size", "8")
     assert run_precompute(tiny_corpus, tiny_target, partial, *args) == 0
     run = tmp_path / "missing"
     with pytest.raises(ValueError, match=r"hidden_layers \[2\] not stored \(the shards hold \[0, 1\]\)"):

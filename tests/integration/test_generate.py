@@ -65,7 +65,7 @@ def reference(target_dir: Path, records: list[dict]) -> list[dict]:
 
 def args(target, src: Path, out: Path, *extra: str) -> list[str]:
     return [
-        "--target", str(target), "--input", str(src), "--output", str(out), "--batch_size", "3",
+        "--target", str(target), "--input_file", str(src), "--output_file", str(out), "--batch_size", "3",
         "--chunk_size", "2", "--max_new_tokens", str(MAX_NEW), "--progress", "false", *extra,
     ]  # fmt: skip
 

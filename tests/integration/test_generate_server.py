@@ -31,7 +31,14 @@ def served(tiny_target, tmp_path_factory):
 
 def options(target, src: Path, out: Path, **extra) -> dict:
     return (
-        dict(target=str(target), input=str(src), output=str(out), chunk_size=2, max_new_tokens=MAX_NEW, progress=False)
+        dict(
+            target=str(target),
+            input_file=str(src),
+            output_file=str(out),
+            chunk_size=2,
+            max_new_tokens=MAX_NEW,
+            progress=False,
+        )
         | extra
     )
 

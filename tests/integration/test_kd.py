@@ -33,7 +33,7 @@ def test_student_is_an_hf_checkpoint_and_an_assistant_model(kd_student, tiny_tar
 
     # the checkpoint exports to the same weights as the student saved at the end of fit
     exported = run / "exported"
-    assert export_main(["--ckpt", str(run / "checkpoints" / "last.ckpt"), "--out", str(exported)]) == 0
+    assert export_main(["--ckpt_path", str(run / "checkpoints" / "last.ckpt"), "--output_dir", str(exported)]) == 0
     a, b = load_file(student_dir / "model.safetensors"), load_file(exported / "model.safetensors")
     assert a.keys() == b.keys()
     for key in a:

@@ -110,7 +110,7 @@ def check_export_is_the_student(run: Path) -> None:
     """``draftsmith export`` of the sharded last.ckpt gives, bit for bit, the student the fit's end exported."""
     ckpt = run / "checkpoints" / "last.ckpt"
     assert ckpt.is_dir(), "a DeepSpeed or FSDP2 distributed checkpoint is a directory of shards"
-    assert export_main(["--ckpt", str(ckpt), "--out", str(run / "exported")]) == 0
+    assert export_main(["--ckpt_path", str(ckpt), "--output_dir", str(run / "exported")]) == 0
     a = load_file(run / "student" / "model.safetensors")
     b = load_file(run / "exported" / "model.safetensors")
     assert a.keys() == b.keys()

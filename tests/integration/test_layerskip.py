@@ -71,7 +71,7 @@ def test_eval_sweeps_the_exit_layer_of_an_exported_model(tiny_corpus, tmp_path) 
     prompts.write_text("".join(json.dumps({"prompt": json.loads(x)["text"][:100]}) + "\n" for x in lines))
     model = str(run / "model")
     argv = ["--target", model, "--drafter", model, "--prompts", str(prompts), "--max_new_tokens", "12"]
-    argv += ["--k", "3", "--dtype", "float64", "--temperature", "0", "--out", str(tmp_path / "eval")]
+    argv += ["--k", "3", "--target_dtype", "float64", "--temperature", "0", "--output_dir", str(tmp_path / "eval")]
     assert eval_main([*argv, "--exit_layer", "1,3"]) == 0
     for exit_layer in (1, 3):
         report = json.loads((tmp_path / "eval" / f"exit_{exit_layer}" / "report.json").read_text())

@@ -45,7 +45,16 @@ def test_offline_heads_follow_the_online_loss(medusa1, tiny_corpus, tiny_target,
     """Shards of the final normed hidden states (float32) and the target's top-k: the same heads, the same losses;
     data reading another layer of the shards is refused."""
     shards = tmp_path / "shards"
-    args = ("--k", "4", "--hidden_layers", "[1, 2]", "--hidden_dtype", "float32", "--samples_per_shard", "48")
+    args = (
+        "--top_logprobs",
+        "4",
+        "--hidden_layers",
+        "[1, 2]",
+        "--hidden_dtype",
+        "float32",
+        "--samples_per_shard",
+        "48",
+    )
     assert run_precompute(tiny_corpus, tiny_target, shards, *args) == 0
     offline = tmp_path / "offline"
     data = {"shards": str(shards), "tokenizer": str(tiny_corpus.tokenizer_dir), "batch_size": 4, "num_workers": 0}
@@ -76,7 +85,7 @@ def test_exports_and_eval_with_the_papers_tree_and_a_built_one(
     }
     for fmt in ("medusa", "medusa-tgi"):
         capsys.readouterr()
-        assert export_main(["--ckpt", ckpt, "--out", str(tmp_path / fmt), "--format", fmt]) == 0
+        assert export_main(["--ckpt_path", ckpt, "--output_dir", str(tmp_path / fmt), "--format", fmt]) == 0
         block = capsys.readouterr().out
         assert re.search(rf"^serve\s+{re.escape(serve[fmt])}$", block, flags=re.MULTILINE), block
         reloaded, _ = load_drafter(str(tmp_path / fmt))
@@ -86,18 +95,29 @@ def test_exports_and_eval_with_the_papers_tree_and_a_built_one(
     prompts = tmp_path / "prompts.jsonl"
     lines = Path(tiny_corpus.heldout_file).read_text().splitlines()[:2]
     prompts.write_text("".join(json.dumps({"prompt": json.loads(x)["text"][:120]}) + "\n" for x in lines))
-    common = ["--target", str(tiny_target), "--prompts", str(prompts), "--max_new_tokens", "16", "--dtype", "float64"]
+    common = [
+        "--target",
+        str(tiny_target),
+        "--prompts",
+        str(prompts),
+        "--max_new_tokens",
+        "16",
+        "--target_dtype",
+        "float64",
+    ]
     tree = tmp_path / "tree.json"
     argv = [*common, "--drafter", str(tmp_path / "medusa"), "--k", "3", "--temperature", "0"]
-    assert eval_main([*argv, "--write_tree", str(tree), "--tree_nodes", "10", "--out", str(tmp_path / "e1")]) == 0
+    assert (
+        eval_main([*argv, "--write_tree", str(tree), "--tree_nodes", "10", "--output_dir", str(tmp_path / "e1")]) == 0
+    )
     written = json.loads(tree.read_text())
     assert written["nodes"] == 10 and len(written["accuracy"]) == 3
-    assert eval_main([*argv, "--tree", "--tree_choices", str(tree), "--out", str(tmp_path / "e2")]) == 0
+    assert eval_main([*argv, "--tree", "--tree_choices", str(tree), "--output_dir", str(tmp_path / "e2")]) == 0
     report = json.loads((tmp_path / "e2" / "report.json").read_text())
     assert report["greedy"][0]["identical"] and 1.0 <= report["greedy"][0]["tau"] <= 4.0
     # three heads: the paper's 4-head tree does not apply, and more drafts than heads are refused
-    assert draftsmith(["eval", *argv, "--tree", "--out", str(tmp_path / "e3")]) == 2
-    assert draftsmith(["eval", *common, "--drafter", ckpt, "--k", "4", "--out", str(tmp_path / "e4")]) == 2
+    assert draftsmith(["eval", *argv, "--tree", "--output_dir", str(tmp_path / "e3")]) == 2
+    assert draftsmith(["eval", *common, "--drafter", ckpt, "--k", "4", "--output_dir", str(tmp_path / "e4")]) == 2
 
 
 def test_medusa2_exports_its_trained_target_beside_the_heads(tiny_corpus, tiny_target, tmp_path) -> None:
@@ -108,7 +128,7 @@ def test_medusa2_exports_its_trained_target_beside_the_heads(tiny_corpus, tiny_t
     assert not any(k.startswith("original.") for k in saved["state_dict"])  # the frozen original is not saved
     assert cli.model.labels == "original"  # the recipe's heads learn the frozen original's distribution
     out = tmp_path / "medusa2"
-    assert export_main(["--ckpt", str(run / "checkpoints" / "last.ckpt"), "--out", str(out)]) == 0
+    assert export_main(["--ckpt_path", str(run / "checkpoints" / "last.ckpt"), "--output_dir", str(out)]) == 0
     exported = AutoModelForCausalLM.from_pretrained(out / "target")
     trained = cli.model.drafter.model
     ids = torch.randint(0, 512, (1, 12))

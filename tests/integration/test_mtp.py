@@ -74,12 +74,12 @@ def test_pretraining_exports_and_evaluates_through_the_kind(pretrained, tiny_cor
     assert record["kind"] == "mtp" and record["config"]["depth"] == 2 and record["target"] is None
     assert {k.split(".")[1] for k in state if k.startswith("drafter.")} == {"trunk", "mtp"}
     # the default export: the model with its modules in the mtp.* layout (a Llama trunk has no NextN layout)
-    assert export_main(["--ckpt", str(ckpt), "--out", str(tmp_path / "model")]) == 0
+    assert export_main(["--ckpt_path", str(ckpt), "--output_dir", str(tmp_path / "model")]) == 0
     kind, fmt = recognise(tmp_path / "model")
     assert (kind.name, fmt.name) == ("mtp", "qwen3-next")
-    assert export_main(["--ckpt", str(ckpt), "--out", str(tmp_path / "nextn"), "--format", "nextn"]) == 2
+    assert export_main(["--ckpt_path", str(ckpt), "--output_dir", str(tmp_path / "nextn"), "--format", "nextn"]) == 2
     assert "model_type 'llama'" in capsys.readouterr().err
-    assert export_main(["--ckpt", str(ckpt), "--out", str(tmp_path / "plain"), "--format", "hf"]) == 0
+    assert export_main(["--ckpt_path", str(ckpt), "--output_dir", str(tmp_path / "plain"), "--format", "hf"]) == 0
     saved = AutoModelForCausalLM.from_pretrained(run / "model").eval()  # the export_dir of the run
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "plain").eval()
     ids = torch.tensor([[1, 5, 9, 30, 7]])
@@ -96,7 +96,7 @@ def test_pretraining_exports_and_evaluates_through_the_kind(pretrained, tiny_cor
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "def f(x):"}\n')
     argv = ["--target", str(run / "model"), "--drafter", str(ckpt), "--prompts", str(prompts), "--k", "1,3"]
-    assert draftsmith(["eval", *argv, "--out", str(tmp_path / "eval")]) == 2
+    assert draftsmith(["eval", *argv, "--output_dir", str(tmp_path / "eval")]) == 2
     assert "2 does not divide 3" in capsys.readouterr().err and not (tmp_path / "eval").exists()
 
 
@@ -112,7 +112,7 @@ def test_refresh_and_extend_on_a_frozen_model(tiny_corpus, tiny_target, tmp_path
     assert record["target"] == str(tiny_target) and set(record["components"]) == {"mtp"}
     assert all(k.startswith("drafter.mtp.") or k == "mtp_tokens_seen" for k in state)  # the frozen model is not saved
     # the model with its refreshed module, then a refresh that reads the module from that model checkpoint itself
-    assert export_main(["--ckpt", str(ckpt), "--out", str(tmp_path / "with_module")]) == 0
+    assert export_main(["--ckpt_path", str(ckpt), "--output_dir", str(tmp_path / "with_module")]) == 0
     again = SequentialMTP(mode="refresh", target=str(tmp_path / "with_module"))
     for name, value in again.drafter.mtp.state_dict().items():
         assert torch.equal(value, state[f"drafter.mtp.{name}"]), name

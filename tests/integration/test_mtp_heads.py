@@ -60,7 +60,7 @@ def test_finetuning_logs_tau_and_exports_a_plain_model_with_heads(finetuned, tin
     assert not torch.equal(load_file(model_dir / "model.safetensors")["lm_head.weight"], original["lm_head.weight"])
     # draftsmith export of the last checkpoint through the registry: the same files
     out = tmp_path / "exported"
-    assert export_main(["--ckpt", str(run / "checkpoints" / "last.ckpt"), "--out", str(out)]) == 0
+    assert export_main(["--ckpt_path", str(run / "checkpoints" / "last.ckpt"), "--output_dir", str(out)]) == 0
     for name in ("model.safetensors", "mtp_heads.safetensors"):
         a, b = load_file(model_dir / name), load_file(out / name)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
@@ -76,7 +76,7 @@ def test_finetuning_logs_tau_and_exports_a_plain_model_with_heads(finetuned, tin
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"input_ids": list(range(5 + i, 25 + i))}) + "\n" for i in range(2)))
     args = ["--target", str(model_dir), "--drafter", str(run / "checkpoints" / "last.ckpt"), "--prompts", str(prompts),
-            "--max_new_tokens", "16", "--out", str(tmp_path / "eval")]  # fmt: skip
+            "--max_new_tokens", "16", "--output_dir", str(tmp_path / "eval")]  # fmt: skip
     assert eval_main([*args, "--k", "2", "--original_target", str(tiny_target)]) == 0, capsys.readouterr().err
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     assert report["greedy"][0]["identical"] and report["sampling"][0]["tau"] >= 1.0

@@ -35,8 +35,8 @@ def test_the_dflash_headers_prepare_and_generate_lines_make_its_training_file(ti
     generate = moved(_header_line(recipe, "draftsmith generate "))
     assert draftsmith(generate) == 0
 
-    source = Path(generate[generate.index("--input") + 1])
-    output = Path(generate[generate.index("--output") + 1])
+    source = Path(generate[generate.index("--input_file") + 1])
+    output = Path(generate[generate.index("--output_file") + 1])
     assert source == artifacts / "corpus" / "train_prompts.jsonl"
     assert output == artifacts / "dflash" / "train_completions.jsonl"  # the recipe's train_files, moved
     prompts = [json.loads(line)["prompt"] for line in source.read_text().splitlines()]

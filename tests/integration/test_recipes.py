@@ -32,7 +32,7 @@ def parse_tool_recipe(tool: str, recipe: Path, tmp_path: Path) -> None:
     if tool == "precompute":
         from trainer.data.precompute import build_parser
 
-        cfg = build_parser().parse_args(["--config", str(recipe), "--out", str(tmp_path)])
+        cfg = build_parser().parse_args(["--config", str(recipe), "--output_dir", str(tmp_path)])
         assert cfg.k > 0 and cfg.data is not None
     elif tool == "compare":
         from trainer.compare.config import read_config

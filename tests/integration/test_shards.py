@@ -54,14 +54,14 @@ def text_data(corpus, **extra) -> dict:
 
 def run_precompute(corpus, target: Path, out: Path, *args: str) -> int:
     data = json.dumps(text_data(corpus))
-    argv = ["--target", str(target), "--out", str(out), "--data", data, "--progress", "false", *args]
+    argv = ["--target", str(target), "--output_dir", str(out), "--data", data, "--progress", "false", *args]
     return precompute_main(argv)
 
 
 @pytest.fixture(scope="module")
 def full_vocab_shards(tiny_corpus, tiny_target, tmp_path_factory):
     out = tmp_path_factory.mktemp("shards_k512")
-    args = ("--k", "512", "--logprob_dtype", "float32", "--samples_per_shard", "48", "--batch_size", "4")
+    args = ("--top_logprobs", "512", "--logprob_dtype", "float32", "--samples_per_shard", "48", "--batch_size", "4")
     assert run_precompute(tiny_corpus, tiny_target, out, *args) == 0
     return out
 
@@ -171,7 +171,16 @@ def test_offline_kd_resumes_the_stream_exactly(tiny_corpus, tiny_target, full_vo
 
 def test_precompute_is_sharded_across_ranks_and_resumable(tiny_corpus, tiny_target, tmp_path, monkeypatch):
     out = tmp_path / "shards"
-    args = ("--k", "8", "--samples_per_shard", "64", "--hidden_layers", "[0, 2]", "--hidden_dtype", "float16")
+    args = (
+        "--top_logprobs",
+        "8",
+        "--samples_per_shard",
+        "64",
+        "--hidden_layers",
+        "[0, 2]",
+        "--hidden_dtype",
+        "float16",
+    )
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     assert run_precompute(tiny_corpus, tiny_target, out, *args) == 0

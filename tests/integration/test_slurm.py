@@ -46,7 +46,7 @@ def _submit(run: Path, override: dict, name: str, extra: tuple[str, ...] = (), t
     override_file = write_override(run / "override.yaml", override)
     argv = ["submit", "--config", str(RECIPES / "quickstart/kd.yaml"), "--config", str(override_file)]
     argv += ["--nodes", "1", "--gpus_per_node", "0", "--tasks_per_node", str(TASKS), "--time", time_limit]
-    argv += ["--job_name", name, "--workdir", str(run), "--log_dir", "logs", *extra]
+    argv += ["--job_name", name, "--workdir", str(run), "--output_dir", "logs", *extra]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert slurm_main(argv) == 0

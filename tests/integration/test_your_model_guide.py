@@ -202,6 +202,6 @@ def test_every_command_of_the_guide_runs_on_the_stand_in(project, tmp_path, tmp_
                 served = re.findall(r"^(?:serve)?\s+(\S+ [\d.]+: .*)$", output, flags=re.M)
                 assert served, output
             if command == "eval":
-                report = Path(argv[argv.index("--out") + 1])
+                report = Path(argv[argv.index("--output_dir") + 1])
                 assert json.loads((project / report / "report.json").read_text())["greedy"], output
     assert any("draft_model" in s for s in served) and any("assistant_model" in s for s in served), served

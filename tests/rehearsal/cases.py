@@ -304,7 +304,7 @@ def plan(case: Case, target: Path, override: Path) -> dict:
     base = [str(BIN / "draftsmith"), "plan", "--config", case.recipe]
     if case.strategy:
         base += ["--config", f"recipes/_base/{case.strategy}"]
-    base += ["--config", str(override), "--target_config", str(target), "--gpus", "1"]
+    base += ["--config", str(override), "--target", str(target), "--gpus", "1"]
     answer: dict = {}
     for extra in (["--cpu"], []):
         proc = subprocess.run(base + extra, capture_output=True, text=True, cwd=REPO, env=_env(), timeout=600)
@@ -369,8 +369,8 @@ def rehearse(case: Case) -> dict:
     for fmt in formats_of(ckpt, env):
         out = run / "export" / fmt
         log = run / f"export_{fmt}.log"
-        step = _run([str(BIN / "draftsmith"), "export", "--ckpt", str(ckpt), "--out", str(out), "--format", fmt],
-                    log, env)  # fmt: skip
+        export = ["export", "--ckpt_path", str(ckpt), "--output_dir", str(out), "--format", fmt]
+        step = _run([str(BIN / "draftsmith"), *export], log, env)
         last = (log.read_text(errors="replace").strip().splitlines() or [""])[-1]
         if step["rc"] == 2 and last.startswith("error: "):  # a format that does not apply to this target, named
             refused[fmt] = last.removeprefix("error: ")
@@ -393,7 +393,7 @@ def rehearse(case: Case) -> dict:
     evaluate = [
         str(BIN / "draftsmith"), "eval", "--target", eval_target, "--drafter", drafter,
         "--prompts", str(prompts(run / "prompts.jsonl")), "--k", "2", "--max_new_tokens", "8", "--temperature", "0",
-        "--repeats", "1", "--dtype", dtype, "--out", str(run / "eval"), *case.eval_args,
+        "--repeats", "1", "--target_dtype", dtype, "--output_dir", str(run / "eval"), *case.eval_args,
     ]  # fmt: skip
     result["eval"] = _run(evaluate, run / "eval.log", env)
     _save(result)

@@ -27,7 +27,7 @@ the method writes, each read
 back by its loader and compared with the checkpoint's weights; `draftsmith eval` on two prompts (greedy output
 identical to the target's, which eval checks, but where the target's own top two logits tie to its dtype's rounding,
 which eval reports: docs/guides/evaluation.md); `draftsmith plan` on the same recipe and overrides, with the cut
-target's config (`--target_config`) and one GPU. Peak RSS: the fit process's maximum resident set (wait4).
+target's config (`--target`) and one GPU. Peak RSS: the fit process's maximum resident set (wait4).
 Cases and overrides: tests/rehearsal/cases.py.""".split()
 )
 

@@ -343,5 +343,5 @@ def test_an_export_onto_a_full_disk_is_named_and_leaves_no_partial_file(tmp_path
     monkeypatch.setattr(files, "save_file", full_disk)
     with pytest.raises(PathError, match=r"model\.safetensors: could not be written .*No space left") as err:
         files.write_folder(tmp_path / "out", {"a": 1}, {"w": torch.zeros(2)})
-    assert err.value.hint and "--out" in err.value.hint
+    assert err.value.hint and "--output_dir" in err.value.hint
     assert list((tmp_path / "out").iterdir()) == []

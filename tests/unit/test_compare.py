@@ -48,8 +48,8 @@ def test_the_compare_recipes_read_with_every_fit_argument_known(name, methods):
     config = read_config(path)
     assert len(config.methods) == methods and config.methods[0].drafter == "prompt-lookup"
     Comparison(config, path).check_methods()  # fit's own parser: every key of every method exists
-    overridden = read_config(path, {"out": "elsewhere", "seed": 3, "threads": 1})  # --out, --seed, --threads
-    assert (overridden.out, overridden.seed, overridden.threads) == ("elsewhere", 3, 1)
+    overridden = read_config(path, {"output_dir": "elsewhere", "seed": 3, "threads": 1})  # the flags
+    assert (overridden.output_dir, overridden.seed, overridden.threads) == ("elsewhere", 3, 1)
     # the seed reaches every fit: Lightning's, the objective's initialisation and the data order
     fit = parse_recipe([overridden.methods[1].recipe], Comparison(overridden, path).fit_args(overridden.methods[1]))
     assert fit.seed_everything == fit.model.init_args.seed == fit.data.init_args.seed == 3
@@ -172,7 +172,7 @@ def _eval_report(taus: dict[int, float], speedups: dict[int, float]) -> dict:
 
 
 def test_report_rows_tables_plots_and_failures(tmp_path):
-    config = read_config(write_recipe(tmp_path, BASE + f"out: {tmp_path / 'out'}\n"))
+    config = read_config(write_recipe(tmp_path, BASE + f"output_dir: {tmp_path / 'out'}\n"))
     out = tmp_path / "out"
     lookup, kd = out / "methods" / "lookup", out / "methods" / "kd"
     (lookup / "eval").mkdir(parents=True)
@@ -277,7 +277,7 @@ def test_a_methods_drafting_options_reach_eval_and_the_training_callback_as_data
 def test_a_changed_target_is_evaluated_and_reported_beside_the_recipes_target(tmp_path, monkeypatch):
     """A method whose eval target is not the recipe's: eval gets ``--original_target`` the recipe's target (read back
     by eval's own parser), and the row gives the loop share and held-out loss as ``original -> changed``."""
-    text = BASE.replace("target: t", f"target: t\nout: {tmp_path / 'out'}") + '    eval_target: "{export}"\n'
+    text = BASE.replace("target: t", f"target: t\noutput_dir: {tmp_path / 'out'}") + '    eval_target: "{export}"\n'
     text = text.replace(
         "evaluation: {prompts: p.jsonl}", "evaluation: {prompts: p.jsonl, heldout: h.jsonl, heldout_tokens: 128}"
     )
@@ -377,7 +377,7 @@ def test_compare_by_context_length_reports_each_methods_eval_by_context(context_
     }  # fmt: skip
     trained = {"recipe": KD, "fit_args": ["--model.init_args.export_dir={run}/student"]}
     recipe = {
-        "target": str(root / "target"), "out": str(out), "budget": {"steps": 1}, "evaluation": evaluation,
+        "target": str(root / "target"), "output_dir": str(out), "budget": {"steps": 1}, "evaluation": evaluation,
         "methods": [
             {"name": "lookup", "drafter": "prompt-lookup"},
             {"name": "draft", **trained},
@@ -446,7 +446,7 @@ def test_context_lengths_are_checked_against_the_target_and_documents_before_any
 
     monkeypatch.setattr(Comparison, "_run_command", no_stage)
     root = context_models
-    text = BASE.replace("target: t", f"target: {root / 'target'}\nout: {tmp_path / 'out'}").replace(
+    text = BASE.replace("target: t", f"target: {root / 'target'}\noutput_dir: {tmp_path / 'out'}").replace(
         "evaluation: {prompts: p.jsonl}",
         f"evaluation: {{prompts: {root / 'prompts.jsonl'}, heldout: {root / 'documents.jsonl'}, "
         "max_new_tokens: 8, context_lengths: [16, 250]}",
@@ -467,3 +467,20 @@ def test_context_lengths_are_checked_against_the_target_and_documents_before_any
     assert compare_main(["--config", write_recipe(tmp_path, text)]) == 2  # context_documents over heldout
     err = capsys.readouterr().err
     assert f"evaluation.context_lengths 16: no document of {short} has the 24 tokens" in err
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (BASE + "out: somewhere\n", "out is now output_dir"),
+        (
+            BASE.replace("{prompts: p.jsonl}", "{prompts: p.jsonl, dtype: bfloat16}"),
+            "evaluation.dtype is now evaluation.target_dtype",
+        ),
+    ],
+)  # fmt: skip
+def test_a_renamed_compare_key_is_refused_naming_the_new_one(tmp_path, text, message):
+    path = write_recipe(tmp_path, text)
+    with pytest.raises(CompareConfigError) as refused:
+        read_config(path)
+    assert str(refused.value) == f"{path}: {message}"

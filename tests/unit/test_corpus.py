@@ -115,7 +115,7 @@ def test_chat_template_masks_exactly_the_assistant_tokens(tiny_corpus):
 
 
 def test_cli_prints_a_summary(tmp_path, capsys):
-    assert main(["--out", str(tmp_path), "--vocab_size", "300", "--max_files", "12", "--seed", "1"]) == 0
+    assert main(["--output_dir", str(tmp_path), "--vocab_size", "300", "--max_files", "12", "--seed", "1"]) == 0
     printed = capsys.readouterr().out
     meta = json.loads((tmp_path / "corpus.json").read_text())
     assert f"{meta['num_train_files']} train" in printed and f"{meta['train_tokens']:,} train" in printed

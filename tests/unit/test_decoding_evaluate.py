@@ -46,7 +46,18 @@ def test_eval_writes_report(saved, drafter: str, capsys) -> None:
     out = saved / f"out-{drafter}"
     spec = str(saved / "draft") if drafter == "draft" else drafter
     argv = ["--target", str(saved / "target"), "--drafter", spec, "--prompts", str(saved / "prompts.jsonl")]
-    argv += ["--k", "1,3", "--max_new_tokens", "12", "--out", str(out), "--dtype", "float64", "--temperature", "0.8"]
+    argv += [
+        "--k",
+        "1,3",
+        "--max_new_tokens",
+        "12",
+        "--output_dir",
+        str(out),
+        "--target_dtype",
+        "float64",
+        "--temperature",
+        "0.8",
+    ]
     assert main(argv) == 0
     report = json.loads((out / "report.json").read_text())
     assert [e["k"] for e in report["greedy"]] == [1, 3] and [e["k"] for e in report["sampling"]] == [1, 3]
@@ -68,9 +79,11 @@ def test_eval_sweeps_thresholds_side_by_side_and_refuses_them_without_estimate(s
     """``--accept_threshold 0,0.3``: one report, each K at each threshold with its drafts per round (the greedy
     output checked identical at each); a drafter without an acceptance estimate is refused, naming the flag."""
     out = tmp_path / "thresholds"
-    argv = ["--target", str(saved / "target"), "--prompts", str(saved / "prompts.jsonl"), "--dtype", "float64"]
+    argv = ["--target", str(saved / "target"), "--prompts", str(saved / "prompts.jsonl"), "--target_dtype", "float64"]
     argv += ["--k", "2,4", "--max_new_tokens", "10", "--temperature", "0"]
-    assert main([*argv, "--drafter", str(saved / "draft"), "--accept_threshold", "0,0.3", "--out", str(out)]) == 0
+    assert (
+        main([*argv, "--drafter", str(saved / "draft"), "--accept_threshold", "0,0.3", "--output_dir", str(out)]) == 0
+    )
     report = json.loads((out / "report.json").read_text())
     assert report["accept_thresholds"] == [0.0, 0.3]
     assert [(e["accept_threshold"], e["k"]) for e in report["greedy"]] == [(0.0, 2), (0.0, 4), (0.3, 2), (0.3, 4)]
@@ -81,7 +94,7 @@ def test_eval_sweeps_thresholds_side_by_side_and_refuses_them_without_estimate(s
     markdown = (out / "report.md").read_text()
     assert "## Draft length by predicted acceptance" in markdown and "| 4 | 0.3 |" in markdown
     assert "threshold 0.3" in capsys.readouterr().out
-    refused = ["--drafter", "prompt-lookup", "--accept_threshold", "0.2", "--out", str(tmp_path / "no")]
+    refused = ["--drafter", "prompt-lookup", "--accept_threshold", "0.2", "--output_dir", str(tmp_path / "no")]
     assert draftsmith(["eval", *argv, *refused]) == 2
     err = capsys.readouterr().err
     assert "--accept_threshold 0.2: the drafter prompt-lookup (PromptLookupProposer) gives no estimate" in err
@@ -91,7 +104,7 @@ def test_eval_sweeps_thresholds_side_by_side_and_refuses_them_without_estimate(s
 def test_eval_rejects_bad_inputs(saved, tmp_path, capsys) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"other": "no prompt key"}\n')
-    base = ["--target", str(saved / "target"), "--out", str(tmp_path / "o")]
+    base = ["--target", str(saved / "target"), "--output_dir", str(tmp_path / "o")]
     assert draftsmith(["eval", *base, *["--drafter", "prompt-lookup", "--prompts", str(bad)]]) == 2
     assert "bad.jsonl:2" in capsys.readouterr().err
     assert (
@@ -115,7 +128,17 @@ def test_eval_rejects_bad_inputs(saved, tmp_path, capsys) -> None:
     empty.mkdir()
     assert (
         draftsmith(
-            ["eval", "--target", str(empty), "--drafter", "none", "--prompts", prompts, "--out", str(tmp_path / "x")]
+            [
+                "eval",
+                "--target",
+                str(empty),
+                "--drafter",
+                "none",
+                "--prompts",
+                prompts,
+                "--output_dir",
+                str(tmp_path / "x"),
+            ]
         )
         == 2
     )
@@ -137,7 +160,7 @@ def test_the_drafting_flags_are_the_fields_of_proposer_options(tmp_path) -> None
         action = actions[field.name]
         assert action.option_strings == [f"--{field.name}"] and action.help.startswith(described[field.name])
         assert action.default == field.default
-    base = ["--target", "t", "--drafter", "d", "--prompts", "p", "--out", "o"]
+    base = ["--target", "t", "--drafter", "d", "--prompts", "p", "--output_dir", "o"]
     assert options_from_arguments(parser.parse_args(base)) == [ProposerOptions()]
     tree = tmp_path / "tree.json"
     tree.write_text(json.dumps({"paths": [[0], [1], [0, 0]], "nodes": 3}))
@@ -167,7 +190,7 @@ def test_what_eval_asks_a_proposer_has_its_defaults_in_one_place(saved, tmp_path
     with pytest.raises(ValueError, match="--write_tree: a PromptLookupProposer does not draft with parallel heads"):
         lookup.write_tree(tmp_path / "tree.json", None, [[1, 2]], 4, 8)
     argv = ["--target", str(saved / "target"), "--drafter", "prompt-lookup", "--prompts", str(saved / "prompts.jsonl")]
-    assert main([*argv, "--write_tree", str(tmp_path / "t.json"), "--out", str(tmp_path / "o")]) == 2
+    assert main([*argv, "--write_tree", str(tmp_path / "t.json"), "--output_dir", str(tmp_path / "o")]) == 2
     assert "prompt-lookup: --write_tree: a PromptLookupProposer does not draft" in capsys.readouterr().err
     assert not (tmp_path / "t.json").exists()
 
@@ -289,7 +312,7 @@ def test_eval_takes_a_hub_id_from_the_local_cache_offline(saved, tmp_path) -> No
     reports = {}
     for name, target in (("folder", str(saved / "target")), ("hub", "draftsmith-test/tiny-target")):
         argv = ["--target", target, "--drafter", str(saved / "draft"), "--prompts", str(saved / "prompts.jsonl")]
-        argv += ["--k", "3", "--max_new_tokens", "8", "--out", str(tmp_path / name), "--dtype", "float64"]
+        argv += ["--k", "3", "--max_new_tokens", "8", "--output_dir", str(tmp_path / name), "--target_dtype", "float64"]
         run = subprocess.run([sys.executable, "-m", "trainer.cli", "eval", *argv], env=env, capture_output=True,
                              text=True, timeout=300)  # fmt: skip
         assert run.returncode == 0, run.stderr[-3000:]
@@ -297,7 +320,7 @@ def test_eval_takes_a_hub_id_from_the_local_cache_offline(saved, tmp_path) -> No
     assert [e["tau"] for e in reports["hub"]["greedy"]] == [e["tau"] for e in reports["folder"]["greedy"]]
     assert reports["hub"]["greedy"][0]["identical"]
     argv = ["eval", "--target", "draftsmith-test/not-cached", "--drafter", "none"]
-    argv += ["--prompts", str(saved / "prompts.jsonl"), "--out", str(tmp_path / "none")]
+    argv += ["--prompts", str(saved / "prompts.jsonl"), "--output_dir", str(tmp_path / "none")]
     run = subprocess.run([sys.executable, "-m", "trainer.cli", *argv], env=env, capture_output=True, text=True,
                          timeout=300)  # fmt: skip
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-3000:]

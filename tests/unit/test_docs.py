@@ -378,15 +378,15 @@ def test_slugs_follow_githubs_rule() -> None:
 
 
 def test_placeholders_are_filled_and_a_placeholder_recipe_is_skipped() -> None:
-    assert [fill(t) for t in ["--out", "DIR", "<dir>", "$OUT/x", "${RUN}", "80GB", "recipes/x.yaml"]] == [
-        "--out", "1", "1", "1/x", "1", "80GB", "recipes/x.yaml",
+    assert [fill(t) for t in ["--output_dir", "DIR", "<dir>", "$OUT/x", "${RUN}", "80GB", "recipes/x.yaml"]] == [
+        "--output_dir", "1", "1", "1/x", "1", "80GB", "recipes/x.yaml",
     ]  # fmt: skip
     assert parse_training("fit", ["--config", "RECIPE", "--trainer.max_steps", "N"]) is not None
 
 
 def test_a_bad_command_line_is_caught() -> None:
     with pytest.raises(AssertionError, match="refuses"):
-        parse_tool("export", ["--ckpt", "x.ckpt"])  # --out is required
+        parse_tool("export", ["--ckpt_path", "x.ckpt"])  # --output_dir is required
     with pytest.raises(AssertionError, match="no subcommand"):
         check_command(Command("x.md", 1, "draftsmith frobnicate --x 1"))
 
@@ -394,7 +394,9 @@ def test_a_bad_command_line_is_caught() -> None:
 def test_tools_stop_after_parsing() -> None:
     """The interception works for argparse and jsonargparse tools alike: nothing runs after the parse."""
     assert parse_tool("demo", ["--compare"]).compare is True  # the demo would train for minutes
-    assert parse_tool("generate", ["--target", "t", "--input", "i.jsonl", "--output", "o.jsonl"]).target == "t"
+    assert (
+        parse_tool("generate", ["--target", "t", "--input_file", "i.jsonl", "--output_file", "o.jsonl"]).target == "t"
+    )
     assert parse_tool("slurm", ["submit", "--config", "r.yaml", "--dry_run", "--", "--x", "1"]).fit_args == ["--x", "1"]
 
 

@@ -87,18 +87,18 @@ def test_an_eagle3_checkpoint_exports_both_formats_and_drafts_chains_and_trees(t
 def test_what_no_kind_knows_is_refused_naming_the_file_and_writing_nothing(student_ckpt, tmp_path, capsys) -> None:
     ckpt, student, target = student_ckpt
     out = tmp_path / "out"
-    assert export_main(["--ckpt", str(ckpt), "--out", str(out), "--format", "eagle3"]) == 2
+    assert export_main(["--ckpt_path", str(ckpt), "--output_dir", str(out), "--format", "eagle3"]) == 2
     err = capsys.readouterr().err
     assert "kind 'hf_causal_lm' cannot be written as 'eagle3'; it writes: hf (" in err and not out.exists()
     data = torch.load(ckpt, weights_only=True)
     data["drafter"]["kind"] = "medusa-x"
     torch.save(data, tmp_path / "unknown.ckpt")
-    assert export_main(["--ckpt", str(tmp_path / "unknown.ckpt"), "--out", str(out)]) == 2
+    assert export_main(["--ckpt_path", str(tmp_path / "unknown.ckpt"), "--output_dir", str(out)]) == 2
     err = capsys.readouterr().err
     assert "unknown.ckpt: drafter kind 'medusa-x' is not one draftsmith knows" in err and not out.exists()
     del data["drafter"]
     torch.save(data, tmp_path / "no_record.ckpt")
-    assert export_main(["--ckpt", str(tmp_path / "no_record.ckpt"), "--out", str(out)]) == 2
+    assert export_main(["--ckpt_path", str(tmp_path / "no_record.ckpt"), "--output_dir", str(out)]) == 2
     assert "holds no drafter record" in capsys.readouterr().err and not out.exists()
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no drafter format recognised in this folder.*eagle3: eagle3, eagle3-specu"):

@@ -58,8 +58,16 @@ def naive_buckets(saved, max_prompts: int = 0) -> dict[int, list[list[int]]]:
 
 
 def run(saved, out, *extra: str) -> int:
-    argv = ["--target", str(saved / "target"), "--drafter", str(saved / "draft"), "--dtype", "float64"]
-    argv += ["--prompts", str(saved / "documents.jsonl"), "--max_new_tokens", str(NEW), "--out", str(out), *extra]
+    argv = ["--target", str(saved / "target"), "--drafter", str(saved / "draft"), "--target_dtype", "float64"]
+    argv += [
+        "--prompts",
+        str(saved / "documents.jsonl"),
+        "--max_new_tokens",
+        str(NEW),
+        "--output_dir",
+        str(out),
+        *extra,
+    ]
     return draftsmith(["eval", *argv])
 
 
@@ -170,7 +178,20 @@ def test_refusals_name_the_value(saved, tmp_path, capsys) -> None:
     capsys.readouterr()
     for bad in ("16,abc", "16,0", ","):
         with pytest.raises(SystemExit) as exit_:
-            main(["--target", "t", "--drafter", "d", "--prompts", "p", "--out", str(out), "--context_lengths", bad])
+            main(
+                [
+                    "--target",
+                    "t",
+                    "--drafter",
+                    "d",
+                    "--prompts",
+                    "p",
+                    "--output_dir",
+                    str(out),
+                    "--context_lengths",
+                    bad,
+                ]
+            )
         assert exit_.value.code == 2 and "--context_lengths" in (err := capsys.readouterr().err) and repr(bad) in err
     assert run(saved, tmp_path / "both", "--context_lengths", "16", "--prompt_tokens", "8") == 2
     assert "--prompt_tokens 8 with --context_lengths" in capsys.readouterr().err

@@ -49,12 +49,12 @@ def test_the_fit_prints_eval_only_with_held_out_prompts_and_else_how_to_measure(
     data = SimpleNamespace(val_files=val_files)
     trainer = SimpleNamespace(default_root_dir=str(tmp_path), callbacks=[], datamodule=data)
     commands, _, measure = next_commands(trainer, module, str(tmp_path / "last.ckpt"), None)
-    assert commands[0].startswith("draftsmith export --ckpt ")
+    assert commands[0].startswith("draftsmith export --ckpt_path ")
     if val_files is None:
         assert len(commands) == 1 and measure == NO_PROMPTS
     else:
         assert commands[1] == (
             f"draftsmith eval --target org/target --drafter {tmp_path / 'export'} --prompts data/heldout.jsonl "
-            f"--out {tmp_path / 'eval'}"
+            f"--output_dir {tmp_path / 'eval'}"
         )
         assert measure == ""

@@ -63,7 +63,7 @@ def root(tmp_path_factory):
 
 def run_eval(root, target: str, drafter: str, *extra: str) -> int:
     argv = ["--target", target, "--drafter", drafter, "--prompts", str(root / "prompts.jsonl"), "--k", "2"]
-    argv += ["--max_new_tokens", "6", "--temperature", "0", "--out", str(root / "out"), *extra]
+    argv += ["--max_new_tokens", "6", "--temperature", "0", "--output_dir", str(root / "out"), *extra]
     return draftsmith(["eval", *argv])
 
 

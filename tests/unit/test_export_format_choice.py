@@ -69,7 +69,7 @@ def test_the_fit_closing_block_names_a_format_the_drafter_takes(case, tmp_path):
     module = SimpleNamespace(drafter_record=lambda: record)
     trainer = SimpleNamespace(default_root_dir=str(tmp_path), callbacks=[], datamodule=None)
     commands, formats, _ = next_commands(trainer, module, str(tmp_path / "last.ckpt"), None)
-    assert commands[0].startswith("draftsmith export --ckpt ") and commands[0].endswith(f" --format {expected}")
+    assert commands[0].startswith("draftsmith export --ckpt_path ") and commands[0].endswith(f" --format {expected}")
     assert formats.split(", ")[0] == expected
     refused = [f.name for f in get_kind(record.kind, "test").formats if f.name not in formats.split(", ")]
     assert refused == ([] if expected == get_kind(record.kind, "test").formats[0].name else [record.kind])

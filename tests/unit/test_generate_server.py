@@ -45,7 +45,9 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def run(server: str, src: Path, out: Path, **options) -> gen.GenerateStats:
-    kwargs = dict(target=MODEL, input=str(src), output=str(out), server=server, chunk_size=2, max_new_tokens=8)
+    kwargs = dict(
+        target=MODEL, input_file=str(src), output_file=str(out), server=server, chunk_size=2, max_new_tokens=8
+    )
     kwargs.update(progress=False, retry_wait=0.01, timeout=5.0)
     return gen.regenerate(**{**kwargs, **options})
 
@@ -107,11 +109,21 @@ def test_bad_values_are_named_and_leave_nothing(tmp_path, capsys):
     port = free_port()
     with pytest.raises(UsageError, match=rf"127.0.0.1:{port}/v1/models: .*connection refused"):
         run(f"http://127.0.0.1:{port}", src, out)
-    with pytest.raises(UsageError, match="--model 'x' needs --server"):
-        gen.regenerate(target=MODEL, input=str(src), output=str(out), model="x")
+    with pytest.raises(UsageError, match="--served_model_name 'x' needs --server"):
+        gen.regenerate(target=MODEL, input_file=str(src), output_file=str(out), served_model_name="x")
     assert not out.exists() and not (tmp_path / "out.jsonl.meta.json").exists()
     # through the command: one error line, exit status 2
-    argv = ["generate", "--target", MODEL, "--input", str(src), "--output", str(out), "--server", "http://h:1"]
+    argv = [
+        "generate",
+        "--target",
+        MODEL,
+        "--input_file",
+        str(src),
+        "--output_file",
+        str(out),
+        "--server",
+        "http://h:1",
+    ]
     assert cli.main([*argv, "--concurrency", "0"]) == 2
     assert "error: generate: --concurrency 0 must be at least 1" in capsys.readouterr().err
 
@@ -137,11 +149,11 @@ def test_another_model_a_refused_key_and_a_missing_endpoint(tmp_path, monkeypatc
         with pytest.raises(UsageError, match="serves 'org/other-model', not the target 'org/tiny-target'"):
             run(fake.url, src, out)
         assert not out.exists()
-        with pytest.raises(UsageError, match="serves org/other-model, not --model 'org/tiny-target'"):
-            run(fake.url, src, out, model=MODEL)
+        with pytest.raises(UsageError, match="serves org/other-model, not --served_model_name 'org/tiny-target'"):
+            run(fake.url, src, out, served_model_name=MODEL)
         assert run(fake.url, src, out, allow_model_mismatch=True).written == 3
     with FakeServer([MODEL, "b"]) as fake:
-        with pytest.raises(UsageError, match="serves 2 models .* name the target's with --model"):
+        with pytest.raises(UsageError, match="serves 2 models .* name the target's with --served_model_name"):
             run(fake.url, src, tmp_path / "o2.jsonl")
     with FakeServer([MODEL], key="sekret") as fake:
         with pytest.raises(UsageError, match=r"refused the request with no API key .*HTTP 401: Invalid API key"):

@@ -36,7 +36,9 @@ def test_fit_export_and_lossless_decoding(tiny_corpus, tmp_path):
     assert record["kind"] == "peagle" and record["draft_tokens"] == 4 and record["config"]["mask_token_id"] == 2
     assert {"drafter.mask_hidden", "drafter.embed_tokens.weight"} <= set(state)
     assert record["config"]["num_layers"] == 2 and "drafter.deep_layers.0.mlp.up_proj.weight" in state  # the recipe's
-    assert export_main(["--ckpt", str(ckpt), "--out", str(tmp_path / "export"), "--format", "peagle-speculators"]) in (
+    assert export_main(
+        ["--ckpt_path", str(ckpt), "--output_dir", str(tmp_path / "export"), "--format", "peagle-speculators"]
+    ) in (
         0,
         None,
     )

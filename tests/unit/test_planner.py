@@ -354,7 +354,7 @@ def test_real_recipes_plan_from_their_published_configs(capsys, tmp_path):
     recipes = [p for p in sorted((ROOT / "recipes").glob("*_*.yaml")) if p.read_text().startswith("# draftsmith fit")]
     for recipe in recipes:
         key = next(k for k in ("llama31_8b", "qwen3_8b", "qwen3_5_9b") if k in recipe.name)
-        argv = ["--config", str(recipe), "--gpus", "8", "--target_config", str(configs / key), "--cpu"]
+        argv = ["--config", str(recipe), "--gpus", "8", "--target", str(configs / key), "--cpu"]
         if "drafter: meta-llama/" in recipe.read_text():
             argv += ["--config", str(tmp_path / "student.yaml"), "--seq_len", "2048"]
         assert main(argv) == 0, recipe
@@ -505,7 +505,7 @@ def test_sequence_parallel_plans_each_ranks_slice_of_the_row(capsys):
     S, heads = 32768, 32 // 2
     scores = S * (S + 6) * heads
     assert split.cpu_activations - split.activations == 2 * scores * (2 + 4) + scores * (2 + 4 + 4)
-    command = ["--config", recipe[0], "--gpus", "8", "--target_config", LLAMA31_8B, "--sequence_parallel"]
+    command = ["--config", recipe[0], "--gpus", "8", "--target", LLAMA31_8B, "--sequence_parallel"]
     assert main([*command, "2"]) == 0
     assert "sequence parallel 2: 16384 positions per GPU" in capsys.readouterr().out
     assert main([*command, "3"]) == 2

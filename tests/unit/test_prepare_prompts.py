@@ -41,7 +41,7 @@ def _texts(path: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("prepared") / "corpus"
-    assert main(["--out", str(out), *SMALL]) == 0
+    assert main(["--output_dir", str(out), *SMALL]) == 0
     return out
 
 
@@ -52,7 +52,7 @@ def test_the_defaults_are_compares_the_benchmarks_and_the_demos():
         assert re.search(rf"from trainer\.data\.corpus import {name}\b", bench), name
     assert PROMPT_CHARS == Regenerate.prompt_chars
     assert PROMPTS_PER_FILE == Regenerate.prompts_per_document
-    assert demo_parser().parse_args([]).prompts == HELDOUT_PROMPTS
+    assert demo_parser().parse_args([]).max_prompts == HELDOUT_PROMPTS
 
 
 def test_prepare_writes_the_training_prompts_as_compare_and_the_benchmarks_cut_them(prepared, tmp_path):
@@ -79,31 +79,31 @@ def test_prepare_writes_the_demos_heldout_prompts(prepared, tmp_path):
 
 def test_a_rerun_keeps_the_prompts_and_other_arguments_cut_them_again(tmp_path, capsys):
     out = tmp_path / "corpus"
-    assert main(["--out", str(out), *SMALL]) == 0
+    assert main(["--output_dir", str(out), *SMALL]) == 0
     files = [out / "train_prompts.jsonl", out / "heldout_prompts.jsonl"]
     stamps = [f.stat().st_mtime_ns for f in files]
     capsys.readouterr()
-    assert main(["--out", str(out), *SMALL]) == 0
+    assert main(["--output_dir", str(out), *SMALL]) == 0
     said = capsys.readouterr().out
     assert said.startswith("reused corpus") and "(reused)" in said
     assert [f.stat().st_mtime_ns for f in files] == stamps
 
     before = _prompts(files[0])
-    assert main(["--out", str(out), *SMALL, "--prompts_per_file", "1", "--heldout_prompts", "1"]) == 0
+    assert main(["--output_dir", str(out), *SMALL, "--prompts_per_file", "1", "--heldout_prompts", "1"]) == 0
     said = capsys.readouterr().out
     assert said.startswith("reused corpus") and "(reused)" not in said
     documents = _texts(out / "train.jsonl")
     assert len(_prompts(files[0])) == len(documents) < len(before)
     assert len(_prompts(files[1])) == 1
 
-    assert main(["--out", str(out), *SMALL, "--overwrite"]) == 0  # back to the defaults, every file rebuilt
+    assert main(["--output_dir", str(out), *SMALL, "--overwrite"]) == 0  # back to the defaults, every file rebuilt
     assert _prompts(files[0]) == before and "(reused)" not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("flag", ["--prompt_chars", "--prompts_per_file", "--heldout_prompts"])
 def test_a_bad_count_is_refused_in_one_line(flag, tmp_path):
     with pytest.raises(UsageError, match=rf"^{flag[2:]} must be at least 1, got 0$"):
-        main(["--out", str(tmp_path / "corpus"), *SMALL, flag, "0"])
+        main(["--output_dir", str(tmp_path / "corpus"), *SMALL, flag, "0"])
     assert not (tmp_path / "corpus").exists()  # refused before the corpus is built
 
 
@@ -134,8 +134,8 @@ def _generate_paths(found: list[Command]) -> tuple[str, str]:
     prepare = [shlex.split(c.text) for c in found if c.text.startswith("draftsmith prepare ")]
     assert len(generate) == 1 and len(prepare) == 1, [c.text for c in found]
     (argv,), (prep,) = generate, prepare
-    corpus = prep[prep.index("--out") + 1]
-    source, output = argv[argv.index("--input") + 1], argv[argv.index("--output") + 1]
+    corpus = prep[prep.index("--output_dir") + 1]
+    source, output = argv[argv.index("--input_file") + 1], argv[argv.index("--output_file") + 1]
     assert source == f"{corpus}/train_prompts.jsonl", (source, corpus)
     assert argv[argv.index("--prompt_field") + 1] == "prompt" and argv[argv.index("--max_new_tokens") + 1] == "192"
     return source, output

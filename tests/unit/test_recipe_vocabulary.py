@@ -349,7 +349,7 @@ def test_precompute_refuses_an_old_key_with_status_2(old, tmp_path, capsys):
         ["--config", str(RECIPES / "quickstart" / "precompute.yaml"), f"--{old}", "x"],
     ):
         with pytest.raises(SystemExit) as exited:
-            precompute.main([*argv, "--out", str(tmp_path / "out")])
+            precompute.main([*argv, "--output_dir", str(tmp_path / "out")])
         assert exited.value.code == 2
         assert f"error: {old} was renamed to {new} ({WHY})" in capsys.readouterr().err
 
@@ -362,5 +362,5 @@ def elsewhere(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("recipe", PRECOMPUTE_RECIPES, ids=lambda p: p.name)
 def test_every_precompute_recipe_parses(recipe, elsewhere):
-    config = precompute.build_parser().parse_args(["--config", str(recipe), "--out", "x"])
+    config = precompute.build_parser().parse_args(["--config", str(recipe), "--output_dir", "x"])
     assert config.target == "artifacts/tiny_target" and config.target_dtype == "float32"

@@ -11,10 +11,10 @@ from trainer.data.precompute import build_parser, rank_and_world
 def test_precompute_recipe_parses_and_opens_with_its_command():
     recipe = RECIPES / "quickstart" / "precompute.yaml"
     assert recipe.read_text().splitlines()[0] == (
-        "# draftsmith precompute --config recipes/quickstart/precompute.yaml --out artifacts/shards"
+        "# draftsmith precompute --config recipes/quickstart/precompute.yaml --output_dir artifacts/shards"
     )
-    cfg = build_parser().parse_args(["--config", str(recipe), "--out", "x", "--k", "32"])
-    assert cfg.k == 32 and cfg.out == "x" and cfg.target == "artifacts/tiny_target"
+    cfg = build_parser().parse_args(["--config", str(recipe), "--output_dir", "x", "--top_logprobs", "32"])
+    assert cfg.k == 32 and cfg.output_dir == "x" and cfg.target == "artifacts/tiny_target"
     assert cfg.data.class_path == "trainer.data.text.TextDataModule" and cfg.data.init_args.seq_len == 256
 
 
@@ -22,7 +22,7 @@ def test_misspelled_precompute_key_is_named(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text((RECIPES / "quickstart" / "precompute.yaml").read_text().replace("samples_per_shard", "sample_per"))
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["--config", str(bad), "--out", "x"])
+        build_parser().parse_args(["--config", str(bad), "--output_dir", "x"])
     assert "sample_per" in capsys.readouterr().err
 
 

@@ -156,7 +156,7 @@ OPTIONS = {
     "account": "--account",
     "time": "--time",
     "job_name": "--job_name",
-    "log_dir": "--log_dir",
+    "log_dir": "--output_dir",
     "workdir": "--workdir",
     "python": "--python",
     "extra_sbatch": "--sbatch",
@@ -213,9 +213,9 @@ def test_a_newline_in_the_partition_adds_no_line_to_the_script(tmp_path, capsys)
         ("job_name", "..", "--job_name '..' is not a job name"),
         ("job_name", "two words", "--job_name 'two words' is not a job name"),
         ("job_name", "interactive", "--job_name 'interactive' makes Lightning ignore"),
-        ("log_dir", "/tmp/my logs", "--log_dir '/tmp/my logs' gives the output folder"),
-        ("log_dir", "/tmp/logs-%j", "--log_dir '/tmp/logs-%j' gives the output folder"),
-        ("log_dir", "/tmp/it's", '--log_dir "/tmp/it\'s" gives the output folder'),
+        ("log_dir", "/tmp/my logs", "--output_dir '/tmp/my logs' gives the output folder"),
+        ("log_dir", "/tmp/logs-%j", "--output_dir '/tmp/logs-%j' gives the output folder"),
+        ("log_dir", "/tmp/it's", '--output_dir "/tmp/it\'s" gives the output folder'),
         ("extra_sbatch", ["qos=high"], "--sbatch 'qos=high' is not an sbatch option"),
         ("extra_sbatch", ["echo hi"], "--sbatch 'echo hi' is not an sbatch option"),
         ("python", "", "--python '' is empty"),
@@ -230,7 +230,7 @@ def test_what_slurm_does_not_accept_is_named(field, value, message):
 
 def test_a_workdir_the_output_path_cannot_hold_is_named(tmp_path):
     workdir = tmp_path / "my runs"
-    with pytest.raises(ValueError, match=re.escape(f"--log_dir 'slurm-logs' (in --workdir {str(workdir)!r})")):
+    with pytest.raises(ValueError, match=re.escape(f"--output_dir 'slurm-logs' (in --workdir {str(workdir)!r})")):
         render(SlurmJob(configs=[KD], workdir=str(workdir)))
     # an absolute log folder elsewhere is fine: the workdir itself is quoted in the script
     script = render(SlurmJob(configs=[KD], workdir=str(workdir), log_dir=str(tmp_path / "logs")))

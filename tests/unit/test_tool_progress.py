@@ -87,7 +87,16 @@ def test_precompute_into_a_file_writes_lines_and_no_carriage_return(tiny_corpus,
         },
     }
     cmd = [str(Path(sys.executable).parent / "draftsmith"), "precompute", "--target", str(target)]
-    cmd += ["--out", str(tmp_path / "shards"), "--data", json.dumps(data), "--k", "8", "--batch_size", "4"]
+    cmd += [
+        "--output_dir",
+        str(tmp_path / "shards"),
+        "--data",
+        json.dumps(data),
+        "--top_logprobs",
+        "8",
+        "--batch_size",
+        "4",
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     log_file = tmp_path / "precompute.log"
     with log_file.open("w") as out:

@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
 from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser
 
 from trainer.decoding.options import ProposerOptions
@@ -114,7 +115,7 @@ class Evaluation:
             at least L + ``max_new_tokens`` tokens long); None: ``heldout``.
         context_prompts: prompts per context length (eval's ``--max_prompts`` there).
         device: eval's ``--device`` (and ``draftsmith generate``'s for regenerated data).
-        dtype: eval's ``--dtype``: float32, float64, bfloat16 or float16.
+        target_dtype: eval's ``--target_dtype``: float32, float64, bfloat16 or float16.
     """
 
     prompts: str
@@ -132,7 +133,7 @@ class Evaluation:
     context_documents: str | None = None
     context_prompts: int = 4
     device: str = "auto"
-    dtype: str = "float32"
+    target_dtype: str = "float32"
 
     @property
     def documents(self) -> str | None:
@@ -183,7 +184,7 @@ class CompareConfig:
         evaluation: Evaluation,
         budget: Budget,
         data: Data | None = None,
-        out: str = "compare",
+        output_dir: str = "compare",
         seed: int = 0,
         threads: int = 0,
         machine: str = "",
@@ -195,13 +196,18 @@ class CompareConfig:
             evaluation: the measurement every method gets.
             budget: each method's training budget unless it gives its own (exactly one of steps, tokens, seconds).
             data: what every method trains on (None: each recipe's own files).
-            out: output folder: ``report.json``, ``report.md``, plots, and one folder per method.
+            output_dir: output folder: ``report.json``, ``report.md``, plots, and one folder per method.
             seed: ``seed_everything`` of every fit and the sampling seed of every evaluation.
             threads: ``OMP_NUM_THREADS`` of every stage (0: the environment's).
             machine: words about the machine, printed beside every figure (the CPU, GPU count and kind are added).
         """
         self.target, self.methods, self.evaluation = target, methods, evaluation
-        self.budget, self.data, self.out, self.seed = budget, data if data is not None else Data(), out, seed
+        self.budget, self.data, self.output_dir, self.seed = (
+            budget,
+            data if data is not None else Data(),
+            output_dir,
+            seed,
+        )
         self.threads, self.machine = threads, machine
 
     def check(self, where: str) -> None:
@@ -269,10 +275,20 @@ class CompareConfig:
         return method.budget or self.budget
 
 
+RENAMED_COMPARE_KEYS = {"out": "output_dir", "evaluation.dtype": "evaluation.target_dtype"}
+"""Top-level keys of a compare recipe a release renamed: refused in one line naming the new one."""
+
+
 def read_config(path: str, overrides: dict | None = None) -> CompareConfig:
-    """The compare recipe at ``path`` with top-level ``overrides`` (e.g. ``{"out": ..., "seed": 1}``), checked."""
+    """The compare recipe at ``path`` with top-level ``overrides`` (``{"output_dir": ..., "seed": 1}``), checked."""
     if not Path(path).is_file():
         raise CompareConfigError(f"compare recipe {path!r} not found")
+    recipe = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    for old, new in RENAMED_COMPARE_KEYS.items():
+        section, _, key = old.rpartition(".")
+        where = recipe.get(section) if section and isinstance(recipe, dict) else recipe
+        if isinstance(where, dict) and key in where:
+            raise CompareConfigError(f"{path}: {old} is now {new}")
     parser = ArgumentParser(exit_on_error=False, prog="draftsmith compare")
     parser.add_argument("--config", action=ActionConfigFile)
     parser.add_class_arguments(CompareConfig)

@@ -25,6 +25,7 @@ reported with the log's last lines and the others go on; the next run retries it
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -83,11 +84,11 @@ class MethodFolder:
 
 
 class Comparison:
-    """Runs the stages of every method of one compare recipe into ``config.out``."""
+    """Runs the stages of every method of one compare recipe into ``config.output_dir``."""
 
     def __init__(self, config: CompareConfig, recipe: str) -> None:
         self.config, self.recipe = config, recipe
-        self.out = Path(config.out)
+        self.out = Path(config.output_dir)
         self.env = dict(os.environ)
         if config.threads > 0:
             self.env["OMP_NUM_THREADS"] = str(config.threads)
@@ -165,7 +166,7 @@ class Comparison:
         partial = done.parent / "train_completions.partial.jsonl"
         self.say(f"data: the target completes {count} prompts ({regen.max_new_tokens} tokens each, greedy)")
         options = {
-            "--target": self.config.target, "--input": str(prompts), "--output": str(partial),
+            "--target": self.config.target, "--input_file": str(prompts), "--output_file": str(partial),
             "--prompt_field": "prompt", "--max_new_tokens": str(regen.max_new_tokens),
             "--batch_size": str(regen.batch_size), "--device": self.config.evaluation.device,
         }  # fmt: skip
@@ -303,7 +304,7 @@ class Comparison:
         folder.file("fit.json").write_text(json.dumps(record, indent=2) + "\n")
 
     def export(self, method: Method, folder: MethodFolder) -> None:
-        args = ["export", "--ckpt", str(folder.ckpt), "--out", str(folder.export)]
+        args = ["export", "--ckpt_path", str(folder.ckpt), "--output_dir", str(folder.export)]
         if method.export_format:
             args += ["--format", method.export_format]
         self.say(f"{method.name}: export{f' ({method.export_format})' if method.export_format else ''}")
@@ -312,14 +313,14 @@ class Comparison:
 
     def eval_arguments(self, method: Method, folder: MethodFolder) -> list[str]:
         """``draftsmith eval``'s arguments every evaluation of ``method`` shares: target, drafter, K, output budget,
-        sampling, passes, seed, device, dtype and the drafting options."""
+        sampling, passes, seed, device, target dtype and the drafting options."""
         evaluation = self.config.evaluation
         return [
             "eval", "--target", self.expand(method, method.eval_target),
             "--drafter", self.expand(method, method.drafter),
             "--k", ",".join(map(str, method.k or evaluation.k)), "--max_new_tokens", str(evaluation.max_new_tokens),
             "--temperature", str(evaluation.temperature), "--repeats", str(evaluation.repeats),
-            "--seed", str(self.config.seed), "--device", evaluation.device, "--dtype", evaluation.dtype,
+            "--seed", str(self.config.seed), "--device", evaluation.device, "--target_dtype", evaluation.target_dtype,
             *option_arguments(method.options, folder.root),
         ]  # fmt: skip
 
@@ -329,7 +330,7 @@ class Comparison:
         args = self.eval_arguments(method, folder)
         args += ["--prompts", str(evaluation.documents), "--max_prompts", str(evaluation.context_prompts)]
         args += ["--context_lengths", ",".join(map(str, evaluation.context_lengths or []))]
-        args += ["--out", str(folder.eval_context)]
+        args += ["--output_dir", str(folder.eval_context)]
         self.say(f"{method.name}: eval by context length, {', '.join(map(str, evaluation.context_lengths or []))}")
         self._run_stage("eval_context", args, folder.root / "eval_context.log")
 
@@ -338,7 +339,7 @@ class Comparison:
         ks = method.k or evaluation.k
         args = self.eval_arguments(method, folder)
         args += ["--prompts", evaluation.prompts, "--max_prompts", str(evaluation.max_prompts)]
-        args += ["--prompt_tokens", str(evaluation.prompt_tokens), "--out", str(folder.eval)]
+        args += ["--prompt_tokens", str(evaluation.prompt_tokens), "--output_dir", str(folder.eval)]
         if method.eval_target != "{target}":  # a changed target: measured beside the recipe's target, its original
             args += ["--original_target", self.config.target]
             args += ["--heldout", evaluation.heldout] if evaluation.heldout else []
@@ -373,11 +374,24 @@ def log_tail(log: Path | None, lines: int = 15) -> str:
     return "".join(log.read_text(errors="replace").splitlines(True)[-lines:])
 
 
+class OneRecipe(argparse.Action):
+    """``--config`` given once: a compare recipe does not compose with another (a second one silently replaced the
+    first), so a second is refused in one line."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        given = getattr(namespace, self.dest, None)
+        if given is not None:
+            parser.exit(2, f"{parser.prog}: one --config (a compare recipe), got {given} and {values}\n")
+        setattr(namespace, self.dest, values)
+
+
 def build_parser() -> ToolParser:
     """The parser of ``draftsmith compare``."""
     parser = ToolParser(prog="draftsmith compare", description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="a compare recipe (recipes/compare/*.yaml)")
-    parser.add_argument("--out", help="output folder (default: the recipe's out)")
+    parser.add_argument(
+        "--config", required=True, action=OneRecipe, help="a compare recipe (recipes/compare/*.yaml); one only"
+    )
+    parser.add_argument("--output_dir", help="output folder (default: the recipe's output_dir)")
     parser.add_argument("--seed", type=int, help="seed of every fit and evaluation (default: the recipe's seed)")
     parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS of every stage (default: the recipe's threads)")
     parser.add_argument("--only", help="run only these methods (names separated by commas); the report lists all done")
@@ -394,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.compare.report import write_report
 
     args = build_parser().parse_args(argv)
-    given = (("out", args.out), ("seed", args.seed), ("threads", args.threads))
+    given = (("output_dir", args.output_dir), ("seed", args.seed), ("threads", args.threads))
     overrides = {key: value for key, value in given if value is not None}
     started = time.perf_counter()  # the comparison's wall time, the shared data included
     try:
@@ -440,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = f", {failures} failed (failed.json in their folders)" if failures else ""
     rows = [("methods", f"{ran - failures} of {ran} done{failed}"), ("report", "\n".join(str(p) for p in paths))]
     other = config.seed + 1  # the same comparison at another seed: which orderings of methods hold
-    rerun = f"draftsmith compare --config {args.config} --seed {other} --out {comparison.out}_seed{other}"
+    rerun = f"draftsmith compare --config {args.config} --seed {other} --output_dir {comparison.out}_seed{other}"
     title = f"compare done in {duration(time.perf_counter() - started)}"
     print(block(title, rows, [f"{rerun} --stability {comparison.out}"]), flush=True)
     return 1 if failures else 0

@@ -388,7 +388,7 @@ def build_parser() -> ToolParser:
         description="Build the standard-library corpus and its byte-level BPE tokenizer, then cut its training and "
         "held-out prompts (train_prompts.jsonl, heldout_prompts.jsonl).",
     )
-    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--output_dir", required=True, help="output folder")
     parser.add_argument("--vocab_size", type=int, default=8192, help="tokenizer vocabulary size (default 8192)")
     parser.add_argument(
         "--seed", type=int, default=0, help="seed of the train / held-out split and of the training prompts (default 0)"
@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     _check_prompt_counts(ns.prompt_chars, ns.prompts_per_file, ns.heldout_prompts)  # before the corpus is built
     start = time.perf_counter()
     corpus = prepare_corpus(
-        ns.out,
+        ns.output_dir,
         vocab_size=ns.vocab_size,
         seed=ns.seed,
         heldout_fraction=ns.heldout_fraction,

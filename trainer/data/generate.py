@@ -37,6 +37,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ from trainer.data.generate_io import (
 from trainer.data.server_client import OpenAIClient, RecordReply, ServerRegenerator, ordered_map, served_model
 from trainer.data.target_replies import Regenerator, complete_records, load_target, regenerate_records, seed_of
 from trainer.errors import DataError, PathError, UsageError
+from trainer.flags import refused_renamed, with_bare_switches
 from trainer.output import CountProgress, block, duration, rate
 
 log = logging.getLogger(__name__)
@@ -117,8 +119,8 @@ def read_records(path: str) -> list[dict[str, Any]]:
 
 def regenerate(
     target: str,
-    input: str,
-    output: str,
+    input_file: str,
+    output_file: str,
     messages_field: str = "messages",
     prompt_field: str | None = None,
     batch_size: int = 16,
@@ -128,13 +130,13 @@ def regenerate(
     top_p: float = 1.0,
     top_k: int = 0,
     seed: int = 0,
-    dtype: str = "float32",
+    target_dtype: str = "float32",
     device: str = "auto",
     max_records: int | None = None,
     trust_remote_code: bool = False,
     progress: bool = True,
     server: str | None = None,
-    model: str | None = None,
+    served_model_name: str | None = None,
     concurrency: int = 8,
     api_key_env: str | None = None,
     timeout: float = 600.0,
@@ -147,8 +149,8 @@ def regenerate(
     Args:
         target: the target, an HF causal LM directory or hub id with its tokenizer (and chat template) beside it.
             With ``server``: the target the data is for, checked against the model the server serves.
-        input: the chat data set: .jsonl, .json or .parquet records holding a message list.
-        output: where the regenerated records go: .jsonl or .parquet (resumed when it exists).
+        input_file: the chat data set: .jsonl, .json or .parquet records holding a message list.
+        output_file: where the regenerated records go: .jsonl or .parquet (resumed when it exists).
         messages_field: key of the message list ({"role", "content"} dicts) in each record.
         prompt_field: completion mode: the key of a plain-text prompt in each record; the output adds ``text``,
             the prompt and the target's continuation (no chat template; for base models). None: chat mode.
@@ -160,7 +162,7 @@ def regenerate(
         top_k: keep only the k most likely tokens (0 keeps every token); used only when sampling (with
             ``server``, sent only when set: vLLM and SGLang take it, ``transformers serve`` refuses it).
         seed: seeds the sampling of each chunk (with ``server``: of each request).
-        dtype: the target's weights dtype (float32, bfloat16, float16; in-process only).
+        target_dtype: the target's weights dtype (float32, bfloat16, float16; in-process only).
         device: "auto" (cuda when available), "cpu", "cuda" or "cuda:N" (in-process only).
         max_records: regenerate only the first N records.
         trust_remote_code: allow custom modelling code in the target directory (off by default; in-process only).
@@ -168,7 +170,7 @@ def regenerate(
             tenth of the records and at least every two minutes.
         server: the base URL of a running OpenAI-compatible server (vLLM, SGLang, ``transformers serve``), such
             as ``http://localhost:8000``: replies come from its API instead of an in-process target.
-        model: with ``server``, the model name to request; None: the one model the server lists.
+        served_model_name: with ``server``, the model name to request; None: the one model the server lists.
         concurrency: with ``server``, requests in flight at once.
         api_key_env: with ``server``, the environment variable holding its API key (None: no key sent).
         timeout: with ``server``, seconds one request may take before it is retried.
@@ -191,28 +193,28 @@ def regenerate(
             raise UsageError(f"generate: {key}={value} is out of range")
     if not 0.0 < top_p <= 1.0:
         raise UsageError(f"generate: top_p={top_p} must lie in (0, 1]")
-    _check_server_options(server, model, concurrency, api_key_env, timeout, retries, retry_wait)
-    out_path = Path(output)
+    _check_server_options(server, served_model_name, concurrency, api_key_env, timeout, retries, retry_wait)
+    out_path = Path(output_file)
     writer = ChunkWriter(out_path)
-    records = read_records(input)
+    records = read_records(input_file)
     if max_records is not None:
         records = records[:max_records]
     if not records:
-        raise DataError(f"{input}: no records to regenerate")
+        raise DataError(f"{input_file}: no records to regenerate")
     for n, record in enumerate(records):
         if prompt_field is None:
-            check_messages(record, messages_field, f"{input} record {n}")
+            check_messages(record, messages_field, f"{input_file} record {n}")
         else:
-            check_prompt(record, prompt_field, f"{input} record {n}")
+            check_prompt(record, prompt_field, f"{input_file} record {n}")
 
-    client = None
+    client, model = None, served_model_name
     if server is not None:  # asked before anything is written: a wrong URL, key or model leaves no output
         client = OpenAIClient(server, api_key_env, timeout, retries, retry_wait)
-        model = served_model(client, model, target, allow_model_mismatch)
-    stat = Path(input).stat()
+        model = served_model(client, served_model_name, target, allow_model_mismatch)
+    stat = Path(input_file).stat()
     meta = {
         "version": META_VERSION,
-        "input": str(Path(input).resolve()),
+        "input": str(Path(input_file).resolve()),
         "input_size": stat.st_size,
         "input_mtime_ns": stat.st_mtime_ns,
         "target": target,
@@ -233,21 +235,21 @@ def regenerate(
         changed = sorted(k for k in meta.keys() | previous.keys() if k != "servers" and meta.get(k) != previous.get(k))
         if changed:
             raise UsageError(
-                f"{output} was started with other settings ({', '.join(changed)} differ, see {meta_path}): "
+                f"{output_file} was started with other settings ({', '.join(changed)} differ, see {meta_path}): "
                 f"delete the output and {meta_path.name} to start over, or rerun with the same settings"
             )
     elif out_path.exists() or writer.parts.exists():
-        raise UsageError(f"{output} exists without {meta_path.name}: it was not written by this tool; move it")
+        raise UsageError(f"{output_file} exists without {meta_path.name}: it was not written by this tool; move it")
     if done > len(records):
-        raise DataError(f"{output} holds {done} records but {input} only {len(records)}")
+        raise DataError(f"{output_file} holds {done} records but {input_file} only {len(records)}")
 
     if client is None:
         chunks = _in_process_chunks(
-            records, done, target, input, messages_field, prompt_field, batch_size, chunk_size, max_new_tokens,
-            temperature, top_p, top_k, seed, dtype, device, trust_remote_code,
+            records, done, target, input_file, messages_field, prompt_field, batch_size, chunk_size, max_new_tokens,
+            temperature, top_p, top_k, seed, target_dtype, device, trust_remote_code,
         )  # fmt: skip
     else:
-        regenerator = ServerRegenerator(client, model, max_new_tokens, temperature, top_p, top_k, seed, input)
+        regenerator = ServerRegenerator(client, model, max_new_tokens, temperature, top_p, top_k, seed, input_file)
         chunks = _server_chunks(records, done, regenerator, messages_field, prompt_field, chunk_size, concurrency)
     first = next(chunks, None)  # in-process: the target has loaded
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -255,11 +257,11 @@ def regenerate(
     lock.acquire()
     try:
         if (writer.done(repair=False) if meta_path.is_file() else 0) != done:
-            raise UsageError(f"{output}: another run wrote records while this one started; rerun to resume")
+            raise UsageError(f"{output_file}: another run wrote records while this one started; rerun to resume")
         if meta_path.is_file():
             done = writer.done()  # now cuts a partial last line (the count is the same)
         write_meta(meta_path, {k: v for k, v in meta.items() if k != "servers" or v})
-        return _write_chunks(chunks, first, writer, records, done, output, input, progress, started)
+        return _write_chunks(chunks, first, writer, records, done, output_file, input_file, progress, started)
     finally:
         lock.release()
 
@@ -316,7 +318,7 @@ def _check_server_options(
     if retry_wait < 0:
         raise UsageError(f"generate: --retry_wait {retry_wait} must be 0 or more seconds")
     if server is None:
-        for flag, value in (("--model", model), ("--api_key_env", api_key_env)):
+        for flag, value in (("--served_model_name", model), ("--api_key_env", api_key_env)):
             if value is not None:
                 raise UsageError(f"generate: {flag} {value!r} needs --server (the in-process target has no name)")
 
@@ -395,8 +397,12 @@ def _server_chunks(
         results.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``draftsmith generate [--config generate.yaml] --target DIR --input IN --output OUT [--server URL] [...]``."""
+SWITCHES = ("--trust_remote_code", "--progress", "--allow_model_mismatch")
+"""The on/off flags (:func:`regenerate`'s bool parameters), which alone mean true (trainer/flags.py)."""
+
+
+def build_parser():
+    """The parser of ``draftsmith generate`` (jsonargparse: its flags are :func:`regenerate`'s parameters)."""
     from jsonargparse import ActionConfigFile, ArgumentParser
 
     parser = ArgumentParser(
@@ -407,7 +413,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--config", action=ActionConfigFile, help="a YAML file with any of the options below")
     parser.add_function_arguments(regenerate)
-    cfg = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``draftsmith generate --target DIR --input_file IN --output_file OUT [--server URL] [--config F]``."""
+    parser = build_parser()
+    tokens = list(sys.argv[1:] if argv is None else argv)
+    refusal = refused_renamed("draftsmith generate", tokens)
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+        return 2
+    cfg = parser.parse_args(with_bare_switches(tokens, SWITCHES))
     kwargs = cfg.as_dict()
     kwargs.pop("config", None)
     stats = regenerate(**kwargs)
@@ -418,13 +435,13 @@ def main(argv: list[str] | None = None) -> int:
         ("records", f"{stats.written} written ({stats.records} in the output), {rate}"),
         ("replies", f"{stats.turns} generated ({stats.tokens} tokens), {stats.truncated} cut at max_new_tokens"),
         ("empty", f"{len(stats.empty)} records with an empty reply"),
-        ("output", str(kwargs["output"])),
+        ("output", str(kwargs["output_file"])),
     ]
     rows.append(
         (
             "train on it",
-            f"data.init_args.train_files: [{kwargs['output']}] and format: {data_format} in a recipe whose target is "
-            f"{kwargs['target']} (docs/guides/your-model.md)",
+            f"data.init_args.train_files: [{kwargs['output_file']}] and format: {data_format} in a recipe whose "
+            f"target is {kwargs['target']} (docs/guides/your-model.md)",
         )
     )
     print(block(f"generate done in {duration(stats.seconds)}", rows), flush=True)

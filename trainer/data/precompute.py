@@ -1,8 +1,8 @@
-"""``draftsmith precompute --config recipe.yaml --out DIR``: the target's top-k log-probabilities (and optionally
+"""``draftsmith precompute --config recipe.yaml --output_dir DIR``: the target's top-k log-probabilities (and optionally
 hidden states) for every sequence of a recipe's data, written as webdataset shards (schema: trainer/data/shards.py).
 
 The recipe names ``target``, a ``data`` section (a TextDataModule, exactly as in a fit recipe) and the options below;
-see recipes/quickstart/precompute.yaml. Every option is also a command-line flag (``--k 512``).
+see recipes/quickstart/precompute.yaml. Every option is also a command-line flag (``--top_logprobs 512``).
 
 Sharding: the sequences of each split (in data-set order, never shuffled) are cut into shards of
 ``samples_per_shard``; work item ``g`` (train shards first, then val) is written by rank ``g % world``. Rank and world
@@ -45,6 +45,7 @@ from trainer.data.text import TextDataModule
 from trainer.data.tokenizer import tokenizer_hash
 from trainer.data.vocab import load_tokenizer_if_present, shared_vocab_size
 from trainer.errors import UsageError
+from trainer.flags import refused_renamed, with_bare_switches
 from trainer.output import CountProgress, block, duration
 from trainer.renamed_keys import renamed_precompute_key_message
 from trainer.target import FrozenTarget
@@ -65,8 +66,8 @@ def rank_and_world() -> tuple[int, int, int]:
 def precompute(
     data: TextDataModule,
     target: str,
-    out: str,
-    k: int = 64,
+    output_dir: str,
+    top_logprobs: int = 64,
     temperature: float = 1.0,
     hidden_layers: list[int] | None = None,
     hidden_dtype: Literal["float16", "bfloat16", "float32"] = "bfloat16",
@@ -84,8 +85,9 @@ def precompute(
     Args:
         data: the recipe's text datamodule; its train (and val) rows are the sequences, in data-set order.
         target: the target, an HF causal LM directory or hub id (its tokenizer is expected beside it).
-        out: the shard folder.
-        k: target log-probabilities kept per position (the k most likely ids); k equal to the vocabulary keeps all.
+        output_dir: the shard folder.
+        top_logprobs: target log-probabilities kept per position (the most likely ids); the vocabulary's size keeps
+            all.
         temperature: the log-probabilities are log_softmax(logits / temperature); training must use the same.
         hidden_layers: HF hidden_states indices to store (0 embeddings, L the final normed output); None stores none.
         hidden_dtype: storage dtype of hidden states: bfloat16, float16, or float32 (twice the bytes; exact).
@@ -99,9 +101,9 @@ def precompute(
         progress: show the progress on rank 0: a bar on a terminal, else a line (sequences/s, elapsed, ETA) every
             tenth of the sequences and at least every two minutes.
     """
-    if k < 1 or samples_per_shard < 1 or batch_size < 1 or temperature <= 0:
+    if top_logprobs < 1 or samples_per_shard < 1 or batch_size < 1 or temperature <= 0:
         raise UsageError(
-            f"k, samples_per_shard, batch_size and temperature must be positive: {k=}, "
+            f"top_logprobs, samples_per_shard, batch_size and temperature must be positive: {top_logprobs=}, "
             f"{samples_per_shard=}, {batch_size=}, {temperature=}"
         )
     if data.document_masking:
@@ -115,7 +117,7 @@ def precompute(
             "set data.long_seq_len=null"
         )
     rank, world, local_rank = rank_and_world()
-    folder = Path(out)
+    folder = Path(output_dir)
     folder.mkdir(parents=True, exist_ok=True)
     if device == "auto":
         device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
@@ -138,8 +140,8 @@ def precompute(
         data.tokenizer,
         frozen.vocab_size,
     )
-    if k > vocab:
-        raise UsageError(f"k={k} exceeds the vocabulary ({vocab} tokens)")
+    if top_logprobs > vocab:
+        raise UsageError(f"top_logprobs={top_logprobs} exceeds the vocabulary ({vocab} tokens)")
     layers = list(hidden_layers or [])
     for i in layers:
         if not 0 <= i <= frozen.num_layers:
@@ -149,7 +151,7 @@ def precompute(
         teacher_fingerprint=target_fingerprint(target),
         tokenizer_hash=tokenizer_hash(data.tokenizer),
         vocab_size=vocab,
-        k=k,
+        k=top_logprobs,
         temperature=float(temperature),
         seq_len=data.seq_len,
         logprob_dtype=logprob_dtype,
@@ -216,7 +218,7 @@ def _check_or_write_meta(folder: Path, meta: ShardMeta) -> None:
         if diff:
             raise UsageError(
                 f"{path}: this folder holds shards made with other settings ({', '.join(diff)} differ): "
-                f"use a new --out folder or delete it"
+                f"use a new --output_dir folder or delete it"
             )
         return
     _atomic_write_text(path, json.dumps(meta.to_dict(), indent=1))
@@ -248,6 +250,10 @@ def _target_signals(target: FrozenTarget, ds, idx: list[int], meta: ShardMeta, d
     return samples
 
 
+SWITCHES = ("--trust_remote_code", "--progress")
+"""The on/off flags (:func:`precompute`'s bool parameters), which alone mean true (trainer/flags.py)."""
+
+
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="draftsmith precompute", description=__doc__.split("\n\n")[0], default_env=False)
     parser.add_argument("--config", action=ActionConfigFile, help="the precompute recipe (YAML)")
@@ -259,7 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     parser.exit_on_error = False  # a renamed key (teacher: target) is refused with its new name, exit status 2
     try:
-        cfg = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+        tokens = list(sys.argv[1:] if argv is None else argv)
+        refusal = refused_renamed("draftsmith precompute", tokens)
+        if refusal is not None:
+            print(refusal, file=sys.stderr)
+            return 2
+        cfg = parser.parse_args(with_bare_switches(tokens, SWITCHES))
     except ArgumentError as err:
         parser.exit_on_error = True
         parser.error(renamed_precompute_key_message(str(err)) or str(err), err.__cause__ or err)
@@ -271,14 +282,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         ("sequences", f"{summary['written']} written in {summary['shards']} shards ({summary['kept']} kept)"),
         ("manifest", "written" if summary["complete"] else "pending (other ranks still running)"),
-        ("shards", str(cfg.out)),
+        ("shards", str(cfg.output_dir)),
     ]
     args = list(sys.argv[1:] if argv is None else argv)
     recipes = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--config"]
     fit_recipe = _fit_recipe_for(recipes[-1]) if recipes else None
     command = (
         f"draftsmith fit --config {shlex.quote(fit_recipe or 'RECIPE.yaml')} "
-        f"--data.init_args.shards {shlex.quote(str(cfg.out))}"
+        f"--data.init_args.shards {shlex.quote(str(cfg.output_dir))}"
     )
     print(block(f"precompute done in {duration(summary['seconds'])}", rows, [command]), flush=True)
     return 0

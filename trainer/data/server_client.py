@@ -277,11 +277,13 @@ def served_model(client: OpenAIClient, model: str | None, target: str, allow_mis
         if len(listed) != 1:
             raise UsageError(
                 f"generate: the server at {client.base} serves {len(listed)} models ({', '.join(listed) or 'none'}): "
-                "name the target's with --model"
+                "name the target's with --served_model_name"
             )
         model = listed[0]
     elif listed and not any(_bare(m) == _bare(model) for m in listed):
-        raise UsageError(f"generate: the server at {client.base} serves {', '.join(listed)}, not --model {model!r}")
+        raise UsageError(
+            f"generate: the server at {client.base} serves {', '.join(listed)}, not --served_model_name {model!r}"
+        )
     if not allow_mismatch and not same_model(model, target):
         raise UsageError(
             f"generate: the server at {client.base} serves {model!r}, not the target {target!r}",

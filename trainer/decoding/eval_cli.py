@@ -94,7 +94,9 @@ def build_parser() -> ToolParser:
         "--k", type=positive_ints("--k"), default=[4], help="drafts per round, or a sweep such as 1,2,4,8"
     )
     parser.add_argument("--max_new_tokens", type=int, default=128, help="output budget per prompt")
-    parser.add_argument("--out", required=True, help="output directory for report.json, report.md, acceptance.png")
+    parser.add_argument(
+        "--output_dir", required=True, help="output directory for report.json, report.md, acceptance.png"
+    )
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling-mode temperature (0 skips sampling)")
     parser.add_argument(
         "--max_prompts",
@@ -137,7 +139,12 @@ def build_parser() -> ToolParser:
         "a fine-tune on longer rows 'improves' there whatever it did to the positions both were trained at",
     )
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda when available)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
+    parser.add_argument(
+        "--target_dtype",
+        default="float32",
+        choices=["float32", "float64", "bfloat16", "float16"],
+        help="the target's weights dtype (and --original_target's)",
+    )
     add_option_arguments(parser)
     return parser
 
@@ -183,7 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device(args.device)
     try:
         sweep = options_from_arguments(args)  # several exit layers: one evaluation each, in out/exit_<E>
-        target, tokenizer, target_path = load_target(args.target, args.dtype, device)  # a hub id: its cached folder
+        target, tokenizer, target_path = load_target(
+            args.target, args.target_dtype, device
+        )  # a hub id: its cached folder
         context = getattr(target.config, "max_position_embeddings", None)
         max_length = context - args.max_new_tokens if context else None
         buckets, indices = None, None
@@ -247,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     original, heldout = None, None
     if args.original_target:
         try:
-            original, _, _ = load_target(args.original_target, args.dtype, device, what="--original_target")
+            original, _, _ = load_target(args.original_target, args.target_dtype, device, what="--original_target")
             cut = min((n for n in (context, args.heldout_tokens) if n), default=None)  # the tighter limit given
             heldout = load_prompts(args.heldout, tokenizer, None, cut=cut) if args.heldout else None
         except UserError:
@@ -259,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     summary: list[tuple[str, str]] = []  # rows of the closing block
     for options, proposer in proposers:
         exit_layer = options.exit_layer
-        out = Path(args.out) / f"exit_{exit_layer}" if len(proposers) > 1 else Path(args.out)
+        out = Path(args.output_dir) / f"exit_{exit_layer}" if len(proposers) > 1 else Path(args.output_dir)
         try:
             report = evaluate_drafter(
                 target, proposer, prompts, args.k, args.max_new_tokens, args.temperature, eos, args.seed,
@@ -324,7 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     commands = []
     if is_training_checkpoint(Path(args.drafter)):
         out = Path(args.drafter).resolve().parent.parent / "export"
-        commands.append(f"draftsmith export --ckpt {shlex.quote(args.drafter)} --out {shlex.quote(str(out))}")
+        commands.append(
+            f"draftsmith export --ckpt_path {shlex.quote(args.drafter)} --output_dir {shlex.quote(str(out))}"
+        )
     print(block(f"eval done in {duration(time.monotonic() - started)}", rows + summary, commands), flush=True)
     return 0
 

@@ -1,4 +1,5 @@
-"""``draftsmith export --ckpt CKPT --out DIR [--format FORMAT]``: a trained drafter in a serving engine's format.
+"""``draftsmith export --ckpt_path CKPT --output_dir DIR [--format FORMAT]``: a trained drafter in a serving
+engine's format.
 
 The checkpoint's drafter record says what the drafter is; its kind says which formats it can be written in
 (trainer/registry.py). Without ``--format`` the kind's first format that can hold the drafter is written (an
@@ -63,8 +64,10 @@ def _export(ckpt: str, out: str, fmt: str | None) -> tuple[Path, ExportFormat, D
 def build_parser() -> ToolParser:
     """The parser of ``draftsmith export``."""
     parser = ToolParser(prog="draftsmith export", description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--ckpt", required=True, help="a Lightning .ckpt file or a DeepSpeed checkpoint directory")
-    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument(
+        "--ckpt_path", required=True, help="a Lightning .ckpt file or a DeepSpeed checkpoint directory (as fit's)"
+    )
+    parser.add_argument("--output_dir", required=True, help="output directory")
     parser.add_argument(
         "--format",
         default=None,
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     started = time.monotonic()
     try:
-        path, written, record = _export(args.ckpt, args.out, args.format)
+        path, written, record = _export(args.ckpt_path, args.output_dir, args.format)
     except UserError as err:
         if debugging():
             raise
@@ -87,9 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, KeyError) as err:  # a format's writer refusing this drafter
         print(f"error: {err}", file=sys.stderr)
         return 2
-    others = [f.name for f in get_kind(record.kind, args.ckpt).formats if f.name != written.name]
+    others = [f.name for f in get_kind(record.kind, args.ckpt_path).formats if f.name != written.name]
     rows = [
-        ("checkpoint", str(args.ckpt)),
+        ("checkpoint", str(args.ckpt_path)),
         (
             "drafter",
             f"{record.kind}, written as {written.name}" + (f" (other formats: {', '.join(others)})" if others else ""),
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     commands = []
     if record.target:
-        recorded = recorded_eval_prompts(args.ckpt)
+        recorded = recorded_eval_prompts(args.ckpt_path)
         if recorded is None:
             rows.append(("measure", NO_PROMPTS))
         else:

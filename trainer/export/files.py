@@ -31,7 +31,7 @@ def write_folder(out_dir: str | Path, config: dict, tensors: dict[str, torch.Ten
     except SafetensorError as err:  # safetensors reports a full disk or an I/O error as its own error, not OSError
         (path / weights).unlink(missing_ok=True)  # a partial file would read as a truncated export
         raise PathError(
-            f"{path / weights}: could not be written ({err})", "free space on its disk, or choose another --out"
+            f"{path / weights}: could not be written ({err})", "free space on its disk, or choose another --output_dir"
         ) from err
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path

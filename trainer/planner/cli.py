@@ -5,7 +5,7 @@
 The recipe is parsed as ``draftsmith fit`` parses it (:func:`trainer.recipe.parse_recipe`: the same ``--config``
 composition, the same errors for unknown keys, the signatures' defaults filled in; fit arguments go after ``--``), and
 nothing is instantiated: the target's config comes from ``AutoConfig.from_pretrained(model.init_args.target)`` (or
-``--target_config DIR|config.json``, or a built-in ``--target`` preset for the Llama 3 shapes, no hub needed), the
+``--target DIR|config.json|HUB_ID``, or a built-in ``--target`` preset for the Llama 3 shapes, no hub needed), the
 drafter is the target's config with ``model.init_args.drafter_config`` applied (as the KD objective builds it) or
 ``model.init_args.drafter``'s config, batch and sequence come from ``data.init_args`` (a ShardDataModule's sequence
 length from its shards' manifest), chunk size from ``model.init_args.loss_chunk_size`` and precision from
@@ -82,8 +82,8 @@ def _load_config(source: str) -> dict[str, Any]:
         return AutoConfig.from_pretrained(source).to_dict()
     except (OSError, ValueError) as err:
         raise ModelFolderError(
-            f"draftsmith plan: cannot read the config of {source!r} ({err}); pass --target_config or a --target "
-            f"preset ({', '.join(PRESETS)})"
+            f"draftsmith plan: cannot read the config of {source!r} ({err}); pass --target with a model folder, a "
+            f"config.json file or a preset ({', '.join(PRESETS)})"
         ) from err
 
 
@@ -180,7 +180,7 @@ def plan_from_recipe(
         # trainer.precision's default, None, is 32-true in Lightning's accelerator connector
         precision = recipe.trainer.precision if recipe.trainer.precision is not None else "32-true"
     chunk = model.get("loss_chunk_size")
-    # a recipe without a target trains a fresh model from its own config: --target/--target_config do not apply
+    # a recipe without a target trains a fresh model from its own config: --target does not apply
     objective = build_objective(recipe.model.class_path, model, target_dict if model.get("target") else None)
     steps = [(int(batch), int(seq))]
     if not steps_given and data.get("long_seq_len") and data.get("long_fraction"):  # mixed lengths: the longest rows
@@ -287,9 +287,12 @@ def build_parser() -> ToolParser:
     p.add_argument("--gpus", type=int, required=True, help="GPUs in the data-parallel world (all nodes)")
     p.add_argument("--gpu_memory", default="80GB", help="memory of one GPU, e.g. 80GB")
     p.add_argument("--reserve", default="3GB", help="allowance for buffers, workspaces and fragmentation")
-    group = p.add_mutually_exclusive_group()
-    group.add_argument("--target", choices=sorted(PRESETS), help="a built-in target shape, not the recipe's target")
-    group.add_argument("--target_config", help="an HF config.json or model folder instead of the recipe's target")
+    p.add_argument(
+        "--target",
+        metavar="MODEL",
+        help="the target instead of the recipe's: a built-in shape (" + ", ".join(sorted(PRESETS)) + "), an HF model "
+        "folder, a config.json file or a hub id",
+    )
     p.add_argument("--batch_size", type=int, help="override data.init_args.batch_size (per GPU)")
     p.add_argument("--seq_len", type=int, help="override data.init_args.seq_len")
     p.add_argument("--precision", help="override trainer.precision")
@@ -316,8 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         budget = parse_bytes(args.gpu_memory) - parse_bytes(args.reserve)  # bad sizes fail before any file is read
         plan = plan_from_recipe(
             args.config,
-            args.target,
-            args.target_config,
+            args.target if args.target in PRESETS else None,
+            None if args.target in PRESETS else args.target,
             args.batch_size,
             args.seq_len,
             args.precision,

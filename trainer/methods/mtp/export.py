@@ -164,7 +164,7 @@ def _write_model(
     out.mkdir(parents=True, exist_ok=True)
     N = drafter.mtp.num_trunk_layers
     if record.target and drafter.trunk is None and Path(record.target).resolve() == out.resolve():
-        raise UsageError(f"--out {out} is the target's own folder: write the export elsewhere")
+        raise UsageError(f"--output_dir {out} is the target's own folder: write the export elsewhere")
     with tempfile.TemporaryDirectory() as scratch:
         source = _trunk_source(drafter, record, Path(scratch))
         files: dict[Path, list[str]] = {}

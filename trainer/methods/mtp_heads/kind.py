@@ -5,7 +5,7 @@ The drafter is the model with its heads; its target is the same model (trunk + h
 ``mtp_heads`` (export.py, the layout documented there): the model as a plain HF checkpoint that
 transformers loads (heads dropped), plus ``mtp_heads.safetensors`` and ``mtp_heads.json`` beside it. So::
 
-    draftsmith export --ckpt CKPT --out DIR
+    draftsmith export --ckpt_path CKPT --output_dir DIR
     draftsmith eval --target DIR --drafter DIR --k 3 [--tree --tree_nodes 16]     # n = 4 heads: K = 3 drafts
 
 Drafting (proposer.py): a chain of the extra heads' argmaxes (samples at a temperature),
