@@ -27,7 +27,7 @@ RENAMED_FLAGS: dict[str, dict[str, str]] = {
     "draftsmith eval": {"--out": "--output_dir", "--dtype": "--target_dtype"},
     "draftsmith compare": {"--out": "--output_dir"},
     "draftsmith export": {"--out": "--output_dir", "--ckpt": "--ckpt_path"},
-    "draftsmith precompute": {"--out": "--output_dir", "--k": "--top_logprobs"},
+    "draftsmith precompute": {"--out": "--output_dir"},  # --k: a recipe key too (trainer/renamed_keys.py)
     "draftsmith generate": {
         "--input": "--input_file",
         "--output": "--output_file",

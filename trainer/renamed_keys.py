@@ -155,7 +155,7 @@ MOVED_KINDS: dict[str, tuple[str, dict[str, Any]]] = {
 """Drafter kind -> (the kind its drafters with the parts below moved to, {config field of those parts: its value when
 the drafter has none}): :func:`record_kind_moved`."""
 
-RENAMED_PRECOMPUTE_KEYS: dict[str, str] = {**dict(_TARGET), "out": "output_dir", "k": "top_logprobs"}
+RENAMED_PRECOMPUTE_KEYS: dict[str, str] = {**dict(_TARGET), "k": "top_logprobs"}
 """Old key of a ``draftsmith precompute`` recipe (trainer/data/precompute.py) -> its new name."""
 
 WHY = "recipes use one name per concept; see docs/methods"

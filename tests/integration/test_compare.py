@@ -53,7 +53,7 @@ def test_compare_trains_measures_reports_and_resumes(tiny_corpus, tiny_target, t
     ]  # fmt: skip
     recipe = {
         "target": str(tiny_target),
-        "out": str(tmp_path / "out"),
+        "output_dir": str(tmp_path / "out"),
         "budget": {"tokens": 2 * 4 * 64},  # two steps of 4 x 64 tokens
         "data": {"regenerate": {"documents": str(documents), "max_new_tokens": 8, "prompt_chars": 60,
                                 "prompts_per_document": 1}},

@@ -33,7 +33,7 @@ def parse_tool_recipe(tool: str, recipe: Path, tmp_path: Path) -> None:
         from trainer.data.precompute import build_parser
 
         cfg = build_parser().parse_args(["--config", str(recipe), "--output_dir", str(tmp_path)])
-        assert cfg.k > 0 and cfg.data is not None
+        assert cfg.top_logprobs > 0 and cfg.data is not None
     elif tool == "compare":
         from trainer.compare.config import read_config
 

@@ -30,7 +30,7 @@ def cut_llama(tmp_path_factory):
 
 def test_compare_recipe_methods_parse_against_the_cut_target(cut_llama, tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)  # the recipe names its methods' recipes relative to the repository
-    config = read_config(RECIPE, {"target": str(cut_llama), "out": str(tmp_path / "out")})
+    config = read_config(RECIPE, {"target": str(cut_llama), "output_dir": str(tmp_path / "out")})
     trained = [m for m in config.methods if m.trains]
     assert {m.name for m in trained} >= {"medusa-1", "eagle3", "dflash", "layerskip"}
     for method in trained:

@@ -287,7 +287,6 @@ RENAMED_CASES = [
     ("generate", ["--target", "t", "--input", "i.jsonl"], "draftsmith generate: --input is now --input_file"),
     ("generate", ["--output=o.jsonl"], "draftsmith generate: --output is now --output_file"),
     ("generate", ["--model", "m"], "draftsmith generate: --model is now --served_model_name"),
-    ("precompute", ["--k", "8"], "draftsmith precompute: --k is now --top_logprobs"),
     ("precompute", ["--out", "x"], "draftsmith precompute: --out is now --output_dir"),
 ]  # fmt: skip
 

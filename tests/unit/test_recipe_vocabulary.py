@@ -71,6 +71,7 @@ def synonyms(name: str) -> str | None:
         (name == "decay", "the loss weight of draft step k is `step_decay ** k` (`optim.decay` is the schedule)"),
         ("model_modules" in name, "modules read from the target's checkpoint: `load_target_modules`"),
         (name == "divergence", "the loss toward a distribution is `loss` (kl, tv, nla, lk_hybrid...)"),
+        (name == "k", "log-probabilities kept per position are `top_logprobs` (`k` is drafts per round)"),
     ]
     return next((why for bad, why in rules if bad), None)
 

@@ -14,7 +14,7 @@ def test_precompute_recipe_parses_and_opens_with_its_command():
         "# draftsmith precompute --config recipes/quickstart/precompute.yaml --output_dir artifacts/shards"
     )
     cfg = build_parser().parse_args(["--config", str(recipe), "--output_dir", "x", "--top_logprobs", "32"])
-    assert cfg.k == 32 and cfg.output_dir == "x" and cfg.target == "artifacts/tiny_target"
+    assert cfg.top_logprobs == 32 and cfg.output_dir == "x" and cfg.target == "artifacts/tiny_target"
     assert cfg.data.class_path == "trainer.data.text.TextDataModule" and cfg.data.init_args.seq_len == 256
 
 
