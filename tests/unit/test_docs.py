@@ -11,7 +11,7 @@ Command lines, and the rule for placeholders:
 - what counts: a line of a fenced code block that starts with ``draftsmith`` (a trailing ``\\`` joins the next
   line; a shell comment, ``# ...``, is cut), and an inline code span that starts with ``draftsmith `` and holds a
   flag. A span without a flag (``draftsmith eval``, ``draftsmith slurm submit``) only names a subcommand: it must
-  exist; ``draftsmith --help`` is the command's own usage.
+  exist; ``draftsmith --help`` is the command's own usage, ``draftsmith --version`` its release.
 - placeholders: a word in capitals (``DIR``, ``FILE``, ``CKPT``, ``N``, ``RECIPE``...), a ``<...>``, ``$VAR`` or
   ``${VAR}`` is replaced by the dummy value ``1`` (a valid integer, path or name for every flag), and ``...`` is
   dropped. A ``draftsmith fit`` or ``validate`` line whose ``--config`` is a placeholder has no recipe to read and is
@@ -295,7 +295,7 @@ def check_command(command: Command) -> str | None:
     if key in _CHECKED:
         return _CHECKED[key]
     assert argv, f"{command.id}: `draftsmith` alone"
-    if argv in (["--help"], ["-h"]):  # the command's own usage (trainer/cli.py)
+    if argv in (["--help"], ["-h"], ["--version"], ["-V"]):  # the command's own usage and version (trainer/cli.py)
         return None
     sub, rest = argv[0], argv[1:]
     known = (*TRAINING, *TOOLS)
