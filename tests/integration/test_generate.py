@@ -214,8 +214,8 @@ def test_a_target_that_does_not_load_writes_nothing(tiny_target, tiny_corpus, tm
     no_config.mkdir()
     cases = [
         ("artifacts/tiny_targte", "is not a local model folder or hub id"),  # a relative path: tried on the hub
-        (str(tmp_path / "tiny_targte"), "is not a local model folder or hub id (no such folder)"),
-        (str(no_config), "no config.json in that folder"),
+        (str(tmp_path / "tiny_targte"), "no such folder"),
+        (str(no_config), "is not a local model folder (no config.json in that directory)"),
     ]
     for target, message in cases:
         with pytest.raises(FileNotFoundError, match=re.escape(f"target {target!r}") + ".*" + re.escape(message)):

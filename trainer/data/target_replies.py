@@ -5,7 +5,6 @@ conversations replaced in order (or plain-text prompts continued), sampling seed
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,7 +13,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from trainer.data.generate_io import Chunk, check_messages, check_prompt
 from trainer.data.tokenizer import load_tokenizer
 from trainer.errors import DataError, PathError, TokenizerError
-from trainer.target import resolve_dtype
+from trainer.target import check_model_path, resolve_dtype
 
 
 def seed_of(seed: int, chunk_start: int) -> int:
@@ -135,13 +134,7 @@ def load_target(target: str, dtype: str, trust_remote_code: bool, needs_chat_tem
             or is a folder without config.json.
         ValueError: its tokenizer has no EOS token, or no chat template when one is needed.
     """
-    path = Path(target).expanduser()
-    if path.exists() and not (path / "config.json").is_file():
-        raise PathError(f"target {target!r}: no config.json in that folder (not a model folder)")
-    # "name" or "org/name" may be a hub id; any other path that does not exist is a missing local folder
-    looks_local = target.startswith((".", "/", "~")) or target.count("/") > 1
-    if looks_local and not path.exists():
-        raise PathError(f"target {target!r} is not a local model folder or hub id (no such folder)")
+    path = check_model_path(target, "target")  # a folder without config.json, or a missing path that looks local
     try:
         tokenizer = load_tokenizer(target, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
