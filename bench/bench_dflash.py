@@ -91,16 +91,8 @@ def train(out: Path, completions: Path, layers: list[int], seconds: int, paralle
             wait(proc, out / f"fit_{name}.log")
             fmt = "eagle3" if name == "eagle3" else "dflash"
             ckpt = out / "runs" / name / "checkpoints" / "last.ckpt"
-            export = [
-                "draftsmith",
-                "export",
-                "--ckpt_path",
-                str(ckpt),
-                "--output_dir",
-                str(exports[name]),
-                "--format",
-                fmt,
-            ]
+            export = ["draftsmith", "export", "--ckpt_path", str(ckpt),
+                      "--output_dir", str(exports[name]), "--format", fmt]  # fmt: skip
             wait(run(export, out / f"export_{name}.log"), out / f"export_{name}.log")
     return exports
 
@@ -222,16 +214,8 @@ def compare_labels(args, art: Path, out: Path) -> int:
     for label, proc in procs.items():
         wait(proc, out / f"fit_{label}.log")
         ckpt = out / "runs" / label / "checkpoints" / "last.ckpt"
-        export = [
-            "draftsmith",
-            "export",
-            "--ckpt_path",
-            str(ckpt),
-            "--output_dir",
-            str(exports[label]),
-            "--format",
-            "dflash",
-        ]
+        export = ["draftsmith", "export", "--ckpt_path", str(ckpt),
+                  "--output_dir", str(exports[label]), "--format", "dflash"]  # fmt: skip
         wait(run(export, out / f"export_{label}.log"), out / f"export_{label}.log")
 
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -95,6 +95,13 @@ def with_bare_switches(tokens: Sequence[str], switches: Sequence[str]) -> list[s
     return out
 
 
+def command_line(prog: str, argv: Sequence[str] | None, switches: Sequence[str]) -> tuple[list[str], str | None]:
+    """A jsonargparse command's arguments (``argv``, else ``sys.argv[1:]``) with its bare ``switches`` given
+    ``true``, and the one-line refusal of a flag ``prog`` renamed among them (None: there is none)."""
+    tokens = list(sys.argv[1:] if argv is None else argv)
+    return with_bare_switches(tokens, switches), refused_renamed(prog, tokens)
+
+
 class ToolParser(argparse.ArgumentParser):
     """An ``argparse.ArgumentParser`` that names the right flag when given one spelled with dashes (its own flags are
     underscore words: tests/unit/test_flags.py checks every tool's) or renamed by a release (:data:`RENAMED_FLAGS`),

@@ -164,16 +164,8 @@ def main() -> int:
     seconds_file.write_text(json.dumps(seconds))
     if not (eagle_dir / "model.safetensors").is_file():
         ckpt = out / "runs" / "eagle3" / "checkpoints" / "last.ckpt"
-        export = [
-            "draftsmith",
-            "export",
-            "--ckpt_path",
-            str(ckpt),
-            "--output_dir",
-            str(eagle_dir),
-            "--format",
-            "eagle3",
-        ]
+        export = ["draftsmith", "export", "--ckpt_path", str(ckpt),
+                  "--output_dir", str(eagle_dir), "--format", "eagle3"]  # fmt: skip
         wait(run(export, out / "export_eagle3.log"), out / "export_eagle3.log")
 
     heldout = write_heldout_prompts(corpus, out / "heldout_prompts.jsonl", args.prompts)

@@ -59,7 +59,7 @@ from trainer.data.generate_io import (
 from trainer.data.server_client import OpenAIClient, RecordReply, ServerRegenerator, ordered_map, served_model
 from trainer.data.target_replies import Regenerator, complete_records, load_target, regenerate_records, seed_of
 from trainer.errors import DataError, PathError, UsageError
-from trainer.flags import refused_renamed, with_bare_switches
+from trainer.flags import command_line
 from trainer.output import CountProgress, block, duration, rate
 
 log = logging.getLogger(__name__)
@@ -419,12 +419,11 @@ def build_parser():
 def main(argv: list[str] | None = None) -> int:
     """``draftsmith generate --target DIR --input_file IN --output_file OUT [--server URL] [--config F]``."""
     parser = build_parser()
-    tokens = list(sys.argv[1:] if argv is None else argv)
-    refusal = refused_renamed("draftsmith generate", tokens)
+    tokens, refusal = command_line("draftsmith generate", argv, SWITCHES)
     if refusal is not None:
         print(refusal, file=sys.stderr)
         return 2
-    cfg = parser.parse_args(with_bare_switches(tokens, SWITCHES))
+    cfg = parser.parse_args(tokens)
     kwargs = cfg.as_dict()
     kwargs.pop("config", None)
     stats = regenerate(**kwargs)

@@ -45,7 +45,7 @@ from trainer.data.text import TextDataModule
 from trainer.data.tokenizer import tokenizer_hash
 from trainer.data.vocab import load_tokenizer_if_present, shared_vocab_size
 from trainer.errors import UsageError
-from trainer.flags import refused_renamed, with_bare_switches
+from trainer.flags import command_line
 from trainer.output import CountProgress, block, duration
 from trainer.renamed_keys import renamed_precompute_key_message
 from trainer.target import FrozenTarget
@@ -265,12 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     parser.exit_on_error = False  # a renamed key (teacher: target) is refused with its new name, exit status 2
     try:
-        tokens = list(sys.argv[1:] if argv is None else argv)
-        refusal = refused_renamed("draftsmith precompute", tokens)
+        tokens, refusal = command_line("draftsmith precompute", argv, SWITCHES)
         if refusal is not None:
             print(refusal, file=sys.stderr)
             return 2
-        cfg = parser.parse_args(with_bare_switches(tokens, SWITCHES))
+        cfg = parser.parse_args(tokens)
     except ArgumentError as err:
         parser.exit_on_error = True
         parser.error(renamed_precompute_key_message(str(err)) or str(err), err.__cause__ or err)
