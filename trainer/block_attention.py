@@ -28,6 +28,8 @@ from typing import Literal
 
 import torch
 
+from trainer.errors import RecipeError
+
 Impl = Literal["auto", "flex", "dense"]
 IMPLS = ("auto", "flex", "dense")
 
@@ -41,9 +43,9 @@ def resolve_impl(impl: str, device: torch.device, needs_grad: bool) -> str:
     if impl == "auto":
         return "flex" if device.type == "cuda" else "dense"
     if impl == "flex" and device.type != "cuda" and needs_grad:
-        raise ValueError(
-            f"attention='flex' cannot train on {device.type}: torch has no flex-attention backward there; use "
-            "'dense' (or 'auto', which picks flex on CUDA only)"
+        raise RecipeError(  # a recipe for GPUs run on CPU: the user's to change, named in one line
+            f"model.init_args.attention: flex cannot train on {device.type}: torch has no flex-attention backward "
+            "there; use dense (or auto, which picks flex on CUDA only)"
         )
     return impl
 

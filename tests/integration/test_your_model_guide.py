@@ -7,9 +7,10 @@ real id, tests/real_shapes.py) and its published chat template, verbatim; laid o
 ``meta-llama/Llama-3.1-8B-Instruct`` (and a 2-layer one as ``meta-llama/Llama-3.2-1B-Instruct``, cached when the page
 downloads it). Conversations cut from the standard library's source. What the test changes in a line, and only this:
 
-- ``http://localhost:8000`` is a real ``transformers serve`` of the cached stand-in (the page's vLLM cannot run here);
+- ``http://localhost:8000`` is a real ``transformers serve`` of the cached stand-in (vLLM and SGLang cannot run here);
 - a command that reads a recipe gets one more ``--config``, the stand-in's sizes: CPU and one process, 32-bit, a few
-  steps, rows of 256 tokens, no data workers (the recipe's 8 GPUs become 2 processes in ``torchrun``);
+  steps, rows of 256 tokens, no data workers, DFlash's dense attention (CPU torch has no flex-attention backward) and
+  32 anchors a row; the recipe's 8 GPUs become 2 processes in ``torchrun``;
 - ``generate`` and ``eval`` get a short ``--max_new_tokens``.
 
 ``slurm submit`` goes through a real single-node SLURM cluster; the job's fit prints the export and eval commands the
@@ -58,11 +59,13 @@ FIT = {  # the stand-in's sizes, for a fit's recipe
     },
     "data": {"init_args": {"seq_len": 256, "num_workers": 0}},
 }
+DFLASH_FIT = {**FIT, "model": {"init_args": {"attention": "dense", "max_anchors": 32}}}  # no flex backward on CPU
 SHARD_FIT = {**FIT, "data": {"init_args": {"batch_size": 2, "num_workers": 0, "shuffle_buffer": 8}}}
 PRECOMPUTE = {"samples_per_shard": 4, "batch_size": 4, "data": {"init_args": {"seq_len": 256, "batch_size": 4}}}
 STAND_IN = {  # recipe -> its stand-in sizes
     "recipes/eagle3_1_llama31_8b.yaml": ("fit.yaml", FIT),
     "recipes/kd_offline_llama31_8b.yaml": ("shard_fit.yaml", SHARD_FIT),
+    "recipes/dflash_llama31_8b.yaml": ("dflash_fit.yaml", DFLASH_FIT),
     "recipes/precompute_llama31_8b.yaml": ("precompute.yaml", PRECOMPUTE),
 }
 
@@ -162,7 +165,7 @@ def test_every_command_of_the_guide_runs_on_the_stand_in(project, tmp_path, tmp_
                 key, value = argv[1].split("=", 1)
                 env[key] = value
                 continue
-            if argv[0] == "vllm":  # the serve line: the one the export printed
+            if argv[0] == "vllm" or argv[:3] == ["python", "-m", "sglang.launch_server"]:  # as the export printed it
                 assert any(s.endswith(": " + line) for s in served), f"{line}\nis not one of\n" + "\n".join(served)
                 continue
             if argv[0] == "hf":

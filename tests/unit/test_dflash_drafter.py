@@ -73,7 +73,7 @@ def test_anchored_attention_matches_the_written_mask(groups):
         flex = anchored_block_attention(*args, anchors, b, "flex")
         torch.testing.assert_close(flex.double(), naive, rtol=1e-5, atol=1e-5)
         args[0].requires_grad_(True)
-        with pytest.raises(ValueError, match="attention='flex' cannot train on cpu"):
+        with pytest.raises(ValueError, match="attention: flex cannot train on cpu"):
             anchored_block_attention(*args, anchors, b, "flex")
 
 
