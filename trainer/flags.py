@@ -19,8 +19,10 @@ keys are.
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
-from collections.abc import Sequence
+import typing
+from collections.abc import Callable, Sequence
 
 RENAMED_FLAGS: dict[str, dict[str, str]] = {
     "draftsmith prepare": {"--out": "--output_dir"},
@@ -95,11 +97,18 @@ def with_bare_switches(tokens: Sequence[str], switches: Sequence[str]) -> list[s
     return out
 
 
-def command_line(prog: str, argv: Sequence[str] | None, switches: Sequence[str]) -> tuple[list[str], str | None]:
-    """A jsonargparse command's arguments (``argv``, else ``sys.argv[1:]``) with its bare ``switches`` given
-    ``true``, and the one-line refusal of a flag ``prog`` renamed among them (None: there is none)."""
+def switches_of(function: Callable) -> tuple[str, ...]:
+    """The on/off flags of a jsonargparse command built from ``function``: its ``bool`` parameters."""
+    hints = typing.get_type_hints(function)
+    return tuple(f"--{name}" for name in inspect.signature(function).parameters if hints.get(name) is bool)
+
+
+def command_line(prog: str, argv: Sequence[str] | None, function: Callable) -> tuple[list[str], str | None]:
+    """A jsonargparse command's arguments (``argv``, else ``sys.argv[1:]``) with its bare switches (the ``bool``
+    parameters of ``function``, the one its parser is built from) given ``true``, and the one-line refusal of a flag
+    ``prog`` renamed among them (None: there is none)."""
     tokens = list(sys.argv[1:] if argv is None else argv)
-    return with_bare_switches(tokens, switches), refused_renamed(prog, tokens)
+    return with_bare_switches(tokens, switches_of(function)), refused_renamed(prog, tokens)
 
 
 class ToolParser(argparse.ArgumentParser):

@@ -238,9 +238,12 @@ def next_commands(
     if prompts is None:
         val_files = getattr(trainer.datamodule, "val_files", None) if trainer.datamodule is not None else None
         prompts = val_files[0] if val_files else None
-    if drafter is not None and record.target and prompts is not None:
-        commands.append(eval_command(record.target, drafter, prompts, prompt_tokens, root / "eval"))
-    measure = NO_PROMPTS if drafter is not None and record.target and prompts is None else ""
+    measure = ""
+    if drafter is not None and record.target:
+        if prompts is None:
+            measure = NO_PROMPTS
+        else:
+            commands.append(eval_command(record.target, drafter, prompts, prompt_tokens, root / "eval"))
     return commands, ", ".join(formats), measure
 
 

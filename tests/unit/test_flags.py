@@ -337,16 +337,19 @@ def test_a_switch_parses_alone_and_with_a_value_on_the_command_line() -> None:
 
 @pytest.mark.parametrize("tool", list(JSONARGPARSE_FUNCTIONS))
 def test_a_jsonargparse_commands_switch_alone_means_true(tool) -> None:
-    from trainer.flags import with_bare_switches
+    from trainer.flags import switches_of, with_bare_switches
 
     module = importlib.import_module(TOOLS[tool][0].split(":")[0])
-    for switch in module.SWITCHES:
+    switches = switches_of(getattr(module, JSONARGPARSE_FUNCTIONS[tool]))
+    assert {"--trust_remote_code", "--progress"} <= set(switches)
+    assert ("--allow_model_mismatch" in switches) == (tool == "generate")
+    for switch in switches:
         assert command_flags()[tool][switch][0] == "switch"
-        assert with_bare_switches([switch, "--seed", "1"], module.SWITCHES) == [switch, "true", "--seed", "1"]
-        assert with_bare_switches(["--seed", "1", switch], module.SWITCHES) == ["--seed", "1", switch, "true"]
-        assert with_bare_switches([switch, "false"], module.SWITCHES) == [switch, "false"]
+        assert with_bare_switches([switch, "--seed", "1"], switches) == [switch, "true", "--seed", "1"]
+        assert with_bare_switches(["--seed", "1", switch], switches) == ["--seed", "1", switch, "true"]
+        assert with_bare_switches([switch, "false"], switches) == [switch, "false"]
     flags = command_flags()[tool]
-    assert sorted(module.SWITCHES) == sorted(f for f, (kind, _) in flags.items() if kind == "switch")
+    assert sorted(switches) == sorted(f for f, (kind, _) in flags.items() if kind == "switch")
 
 
 def test_compare_refuses_a_second_config(capsys) -> None:

@@ -202,13 +202,8 @@ class CompareConfig:
             machine: words about the machine, printed beside every figure (the CPU, GPU count and kind are added).
         """
         self.target, self.methods, self.evaluation = target, methods, evaluation
-        self.budget, self.data, self.output_dir, self.seed = (
-            budget,
-            data if data is not None else Data(),
-            output_dir,
-            seed,
-        )
-        self.threads, self.machine = threads, machine
+        self.budget, self.data = budget, data if data is not None else Data()
+        self.output_dir, self.seed, self.threads, self.machine = output_dir, seed, threads, machine
 
     def check(self, where: str) -> None:
         """Every rule the types cannot say, each error naming ``where`` and the key."""

@@ -397,10 +397,6 @@ def _server_chunks(
         results.close()
 
 
-SWITCHES = ("--trust_remote_code", "--progress", "--allow_model_mismatch")
-"""The on/off flags (:func:`regenerate`'s bool parameters), which alone mean true (trainer/flags.py)."""
-
-
 def build_parser():
     """The parser of ``draftsmith generate`` (jsonargparse: its flags are :func:`regenerate`'s parameters)."""
     from jsonargparse import ActionConfigFile, ArgumentParser
@@ -419,7 +415,7 @@ def build_parser():
 def main(argv: list[str] | None = None) -> int:
     """``draftsmith generate --target DIR --input_file IN --output_file OUT [--server URL] [--config F]``."""
     parser = build_parser()
-    tokens, refusal = command_line("draftsmith generate", argv, SWITCHES)
+    tokens, refusal = command_line("draftsmith generate", argv, regenerate)
     if refusal is not None:
         print(refusal, file=sys.stderr)
         return 2

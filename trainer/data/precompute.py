@@ -250,10 +250,6 @@ def _target_signals(target: FrozenTarget, ds, idx: list[int], meta: ShardMeta, d
     return samples
 
 
-SWITCHES = ("--trust_remote_code", "--progress")
-"""The on/off flags (:func:`precompute`'s bool parameters), which alone mean true (trainer/flags.py)."""
-
-
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="draftsmith precompute", description=__doc__.split("\n\n")[0], default_env=False)
     parser.add_argument("--config", action=ActionConfigFile, help="the precompute recipe (YAML)")
@@ -265,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     parser.exit_on_error = False  # a renamed key (teacher: target) is refused with its new name, exit status 2
     try:
-        tokens, refusal = command_line("draftsmith precompute", argv, SWITCHES)
+        tokens, refusal = command_line("draftsmith precompute", argv, precompute)
         if refusal is not None:
             print(refusal, file=sys.stderr)
             return 2
