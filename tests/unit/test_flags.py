@@ -343,12 +343,12 @@ def test_a_jsonargparse_commands_switch_alone_means_true(tool) -> None:
     switches = switches_of(getattr(module, JSONARGPARSE_FUNCTIONS[tool]))
     assert {"--trust_remote_code", "--progress"} <= set(switches)
     assert ("--allow_model_mismatch" in switches) == (tool == "generate")
+    flags = command_flags()[tool]
     for switch in switches:
-        assert command_flags()[tool][switch][0] == "switch"
+        assert flags[switch][0] == "switch"
         assert with_bare_switches([switch, "--seed", "1"], switches) == [switch, "true", "--seed", "1"]
         assert with_bare_switches(["--seed", "1", switch], switches) == ["--seed", "1", switch, "true"]
         assert with_bare_switches([switch, "false"], switches) == [switch, "false"]
-    flags = command_flags()[tool]
     assert sorted(switches) == sorted(f for f, (kind, _) in flags.items() if kind == "switch")
 
 
