@@ -27,7 +27,7 @@ READ = """
 import json, resource, sys, time
 import torch
 from trainer.checkpoints.reading import load_training_checkpoint
-from trainer.registry import DrafterRecord
+from trainer.training.registry import DrafterRecord
 started = time.perf_counter()
 if sys.argv[2] == "whole":
     data = torch.load(sys.argv[1], map_location="cpu", weights_only=True)

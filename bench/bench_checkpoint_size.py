@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from bench.common import ROOT
-from trainer.recipe import DraftsmithCLI
+from trainer.training.recipe import DraftsmithCLI
 
 
 def main() -> int:

@@ -5,8 +5,8 @@ Each variant runs forward + backward in a fresh child process, which reports the
 of a few further repetitions. Variants:
 
 - naive:   full student and teacher logits, float32 log_softmax of both [B, S, V], KL, backward;
-- chunked: full logits (the model's output), reduced by ``trainer.losses.kd_loss`` with ``chunk_size``;
-- fused:   ``trainer.losses.fused_kd_loss`` on the hidden states and head weights (no full logits at all).
+- chunked: full logits (the model's output), reduced by ``trainer.losses.distillation.kd_loss`` with ``chunk_size``;
+- fused:   ``trainer.losses.distillation.fused_kd_loss`` on the hidden states and head weights (no full logits at all).
 
     python -m bench.bench_kd_loss_memory            # B=4, S=512, H=512, V=32768, chunk 256
 """
@@ -26,7 +26,7 @@ def child(args: argparse.Namespace) -> None:
     import torch
     import torch.nn.functional as F
 
-    from trainer.losses import fused_kd_loss, kd_loss
+    from trainer.losses.distillation import fused_kd_loss, kd_loss
 
     torch.manual_seed(0)
     b, s, h, v, t = args.batch, args.seq, args.hidden, args.vocab, args.temperature

@@ -18,8 +18,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainer.methods.draft_model.kd import KnowledgeDistillation
-from trainer.objective import causal_lm_flops_per_token
-from trainer.throughput import measure_matmul_peak
+from trainer.training.objective import causal_lm_flops_per_token
+from trainer.training.throughput import measure_matmul_peak
 
 
 def main() -> None:

@@ -20,7 +20,8 @@ for token against the model alone, then speculative sampling at T = 1) of the he
 drafts for itself), K = n - 1, as a chain and as the tree built for ``--tree-nodes`` from the heads' measured
 agreement, on the held-out prompts ``make demo`` wrote.
 
-``heldout``: trainer.heldout.heldout_loss of two HF models on the corpus' held-out split (the demo's 256-token rows):
+``heldout``: trainer.training.heldout.heldout_loss of two HF models on the corpus' held-out split (the demo's 256-token
+    rows):
 a model pre-trained with heads (recipes/quickstart/mtp_heads_pretrain.yaml, trunk + head 0) against the same shape
 trained without heads for the same steps (recipes/quickstart/tiny_target.yaml: same data, schedule, seed and initial
 weights).
@@ -147,7 +148,7 @@ def heldout(args: argparse.Namespace) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trainer.heldout import heldout_loss
+    from trainer.training.heldout import heldout_loss
 
     torch.set_num_threads(args.threads)
     data = heldout_data(Path(args.corpus))

@@ -57,7 +57,7 @@ def main() -> None:
     torch.manual_seed(0)
     from trainer.planner import CPU_RUNTIME_BYTES, plan_from_recipe
     from trainer.planner.build import build_objective
-    from trainer.recipe import parse_recipe
+    from trainer.training.recipe import parse_recipe
 
     config = json.loads(Path(args.target_config).read_text())
     text = config.get("text_config", config)

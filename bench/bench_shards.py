@@ -27,7 +27,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainer.data.shard_datamodule import ShardDataModule, ShardLoader
 from trainer.data.shards import ShardMeta, ShardWriter, encode_npy, write_manifest
-from trainer.losses import sparse_kd_loss
+from trainer.losses.distillation import sparse_kd_loss
 
 
 def meta_for(vocab: int, k: int, seq_len: int) -> ShardMeta:

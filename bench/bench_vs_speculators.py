@@ -56,7 +56,15 @@ the target's 160-token completions (``--train-text completions``, the default), 
     python -m bench.bench_vs_speculators --method eagle3 --steps 500 --train-text corpus \
         --out artifacts/vs_speculators_long --name eagle3_corpus_s0
 
-Writes ``OUT/METHOD/vs_speculators.md`` (and prints it), with the ratios ours / speculators'.
+``--seconds S`` compares at equal wall clock instead of equal steps, as a user pays for hours: both sides first train
+``--calibration-steps`` steps together with one thread each (``METHOD/calibration/``), which measures each side's
+seconds per optimizer step on this machine; each side then trains the steps that fit in ``S`` seconds at its own
+rate, its learning-rate schedule over those steps, both again together with one thread each:
+
+    python -m bench.bench_vs_speculators --method eagle3 --seconds 1800 --seed 0 --name eagle3_1800s_s0
+
+Writes ``OUT/METHOD/vs_speculators.md`` (and prints it), with the ratios ours / speculators', and
+``vs_speculators.json`` (steps, seconds per step, tau and tokens/s of each side).
 """
 
 from __future__ import annotations
@@ -216,6 +224,99 @@ def evaluate(target: Path, drafter: Path, prompts: Path, k: int, new_tokens: int
     return json.loads((out / "report.json").read_text())["greedy"][0]
 
 
+def equal_wall_clock_steps(seconds: float, step_seconds: dict[str, float]) -> dict[str, int]:
+    """Each side's optimizer steps in ``seconds`` of training at its measured seconds per step (at least 1)."""
+    if seconds <= 0 or any(s <= 0 for s in step_seconds.values()):
+        raise ValueError(f"a budget of {seconds} s and step times {step_seconds} give no steps")
+    return {side: max(1, int(seconds // s)) for side, s in step_seconds.items()}
+
+
+def budget_line(args: argparse.Namespace, steps: dict[str, int], per_step: dict[str, float]) -> str:
+    """The first words of the report: the budget both sides trained under."""
+    if args.seconds is None:
+        return f"{args.method}: {args.steps} optimizer steps of 4 x 256 tokens each, side by side with one thread each"
+    measured = ", ".join(f"{side} {s:.2f} s" for side, s in per_step.items())
+    return (
+        f"{args.method}: equal wall clock, {args.seconds:.0f} s of training each (seconds per step measured beforehand "
+        f"over {args.calibration_steps} steps, both sides together with one thread each: {measured}), so ours "
+        f"{steps['ours']} and speculators {steps['speculators']} optimizer steps of 4 x 256 tokens, each side's "
+        "schedule over its own steps, side by side with one thread each"
+    )
+
+
+def calibrate(
+    args: argparse.Namespace,
+    art: Path,
+    train_file: Path,
+    method_dir: Path,
+    target: Path,
+    lr: float,
+    warmup: int,
+    fit_args: str,
+) -> dict[str, float]:
+    """Each side's seconds per optimizer step on this machine, measured over ``--calibration-steps`` steps with both
+    sides running together with one thread each, as they will train (made once: ``calibration/step_seconds.json``)."""
+    folder = method_dir / "calibration"
+    done = folder / "step_seconds.json"
+    if done.is_file():
+        return json.loads(done.read_text())
+    rows = folder / "rows"
+    if not (rows / "rows.pt").is_file():
+        save_rows(art, train_file, args.calibration_steps, rows, args.seed)
+    both = {"ours": args.calibration_steps, "speculators": args.calibration_steps}
+    train_both(args, art, rows, folder, train_file, target, lr, warmup, fit_args, both)
+    tokens = ROWS * SEQ
+    per_step = {
+        "ours": tokens / our_tokens_per_s(folder / "ours"),
+        "speculators": statistics.median(
+            json.loads((folder / "speculators" / "throughput.json").read_text())["step_seconds"]
+        ),
+    }
+    done.write_text(json.dumps(per_step))
+    return per_step
+
+
+def train_both(
+    args: argparse.Namespace,
+    art: Path,
+    rows: Path,
+    method_dir: Path,
+    train_file: Path,
+    target: Path,
+    lr: float,
+    warmup: int,
+    fit_args: str,
+    steps: dict[str, int],
+) -> dict[str, int]:
+    """Both sides trained together, one thread each, for their ``steps``: ours under ``method_dir/ours``,
+    speculators' under ``method_dir/speculators``; returns each side's wall clock in seconds (kept across reruns)."""
+    ours_run, theirs_dir = method_dir / "ours", method_dir / "speculators"
+    procs, started, seconds_file = {}, time.perf_counter(), method_dir / "fit_seconds.json"
+    if not (ours_run / "checkpoints" / "last.ckpt").is_file():
+        cmd = fit_cmd(args.method, ours_run, train_file, steps["ours"], target, fit_args)
+        procs["ours"] = run(cmd, method_dir / "fit_ours.log")
+    if not (theirs_dir / "drafter" / "config.json").is_file():
+        optimizer, loss = args.speculators_optimizer, args.speculators_loss
+        layers = args.draft_layers
+        cmd = speculators_cmd(
+            args.method, art, rows, theirs_dir, steps["speculators"], lr, warmup, optimizer, loss, layers
+        )
+        cmd += ["--seed", str(args.seed)]
+        procs["speculators"] = run(cmd, method_dir / "fit_speculators.log", python=SPECULATORS_PYTHON)
+    seconds = json.loads(seconds_file.read_text()) if seconds_file.is_file() else {}
+    try:
+        for name, proc in procs.items():
+            wait(proc, method_dir / f"fit_{name}.log")
+            seconds[name] = round(time.perf_counter() - started)  # both started together
+    finally:  # one side failed: the other stops too, rather than train on alone, unmeasured
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+    seconds_file.parent.mkdir(parents=True, exist_ok=True)
+    seconds_file.write_text(json.dumps(seconds))
+    return seconds
+
+
 def main_project(args: argparse.Namespace) -> int:
     art, out = Path(args.artifacts), Path(args.out)
     target = art / "tiny_target"
@@ -226,9 +327,6 @@ def main_project(args: argparse.Namespace) -> int:
     # the training text: the target's completions of short prompts, or the corpus' own (long) documents
     train_file = completions(art, out / "data") if args.train_text == "completions" else art / "corpus" / "train.jsonl"
     method_dir = out / (args.name or args.method)
-    rows = method_dir / "rows"
-    if not (rows / "rows.pt").is_file():
-        save_rows(art, train_file, args.steps, rows, args.seed)  # in the order our data module seeded so serves
     ours_run, theirs_dir = method_dir / "ours", method_dir / "speculators"
     lr, warmup = recipe_optim(args.method)
     seeds = f"--seed_everything {args.seed} --model.init_args.seed {args.seed} --data.init_args.seed {args.seed}"
@@ -245,26 +343,15 @@ def main_project(args: argparse.Namespace) -> int:
     if args.peak_lr is not None:  # both sides at another peak learning rate than the recipe's
         lr = args.peak_lr
         fit_args = f"{fit_args} --model.init_args.optim.lr {lr}".strip()
-    procs, started, seconds_file = {}, time.perf_counter(), method_dir / "fit_seconds.json"
-    if not (ours_run / "checkpoints" / "last.ckpt").is_file():
-        cmd = fit_cmd(args.method, ours_run, train_file, args.steps, target, fit_args)
-        procs["ours"] = run(cmd, method_dir / "fit_ours.log")
-    if not (theirs_dir / "drafter" / "config.json").is_file():
-        optimizer, loss = args.speculators_optimizer, args.speculators_loss
-        layers = args.draft_layers
-        cmd = speculators_cmd(args.method, art, rows, theirs_dir, args.steps, lr, warmup, optimizer, loss, layers)
-        cmd += ["--seed", str(args.seed)]
-        procs["speculators"] = run(cmd, method_dir / "fit_speculators.log", python=SPECULATORS_PYTHON)
-    seconds = json.loads(seconds_file.read_text()) if seconds_file.is_file() else {}
-    try:
-        for name, proc in procs.items():
-            wait(proc, method_dir / f"fit_{name}.log")
-            seconds[name] = round(time.perf_counter() - started)  # both started together
-    finally:  # one side failed: the other stops too, rather than train on alone, unmeasured
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-    seconds_file.write_text(json.dumps(seconds))
+    if args.seconds is not None:  # equal wall-clock: each side the steps its measured step time fits in the budget
+        per_step = calibrate(args, art, train_file, method_dir, target, lr, warmup, fit_args)
+        steps = equal_wall_clock_steps(args.seconds, per_step)
+    else:
+        per_step, steps = {}, {"ours": args.steps, "speculators": args.steps}
+    rows = method_dir / "rows"
+    if not (rows / "rows.pt").is_file():  # in the order our data module seeded so serves
+        save_rows(art, train_file, max(steps.values()), rows, args.seed)
+    seconds = train_both(args, art, rows, method_dir, train_file, target, lr, warmup, fit_args, steps)
 
     _, fmt, k, _ = METHODS[args.method]
     fmt = args.export_format or fmt
@@ -285,9 +372,9 @@ def main_project(args: argparse.Namespace) -> int:
     ours_tps = our_tokens_per_s(ours_run)
     theirs_tps = json.loads((theirs_dir / "throughput.json").read_text())["tokens_per_s"]
 
-    def row(label: str, greedy: dict, tps: float) -> str:
+    def row(label: str, n_steps: int, greedy: dict, tps: float) -> str:
         acc = ", ".join("-" if a is None else f"{a:.2f}" for a in greedy["acceptance_per_position"])
-        return f"| {label} | {greedy['tau']:.3f} | {acc} | {tps:.0f} |"
+        return f"| {label} | {n_steps} | {greedy['tau']:.3f} | {acc} | {tps:.0f} |"
 
     def ratio(a: float | None, b: float | None) -> str:
         return "-" if a is None or not b else f"{a / b:.2f}x"
@@ -297,8 +384,8 @@ def main_project(args: argparse.Namespace) -> int:
     )
     table = "\n".join(
         [
-            f"{args.method}: {args.steps} optimizer steps of 4 x 256 tokens each, side by side with one thread each "
-            f"(wall clock: ours {seconds.get('ours', '?')} s, speculators {seconds.get('speculators', '?')} s); "
+            budget_line(args, steps, per_step)
+            + f" (wall clock: ours {seconds.get('ours', '?')} s, speculators {seconds.get('speculators', '?')} s); "
             f"greedy, K = {k}, {args.prompts} held-out prompts of {PROMPT_CHARS} characters, {args.max_new_tokens} "
             "new tokens each."
             + f" Seed {args.seed}, loss {args.loss or 'each side default'}."
@@ -309,14 +396,23 @@ def main_project(args: argparse.Namespace) -> int:
             + f" speculators with its {args.speculators_optimizer} optimizer"
             + (f" and `--loss-fn {args.speculators_loss}`." if args.speculators_loss else "."),
             "",
-            "| trainer | tau | acceptance per draft position | training tokens/s |",
-            "|---|---|---|---|",
-            row("draftsmith", ours, ours_tps),
-            row("speculators 0.9", theirs, theirs_tps),
-            f"| ours / speculators | {ours['tau'] / theirs['tau']:.2f}x | {acc_ratio} | {ours_tps / theirs_tps:.2f}x |",
+            "| trainer | optimizer steps | tau | acceptance per draft position | training tokens/s |",
+            "|---|---|---|---|---|",
+            row("draftsmith", steps["ours"], ours, ours_tps),
+            row("speculators 0.9", steps["speculators"], theirs, theirs_tps),
+            f"| ours / speculators | {ratio(steps['ours'], steps['speculators'])} | {ours['tau'] / theirs['tau']:.2f}x "
+            f"| {acc_ratio} | {ours_tps / theirs_tps:.2f}x |",
         ]
     )
     (method_dir / "vs_speculators.md").write_text(table + "\n")
+    result = {
+        "steps": steps,
+        "step_seconds": per_step,
+        "seconds": seconds,
+        "tau": {"ours": ours["tau"], "speculators": theirs["tau"]},
+    }
+    result["tokens_per_s"] = {"ours": ours_tps, "speculators": theirs_tps}
+    (method_dir / "vs_speculators.json").write_text(json.dumps(result, indent=1))
     print(table)
     return 0
 
@@ -443,7 +539,16 @@ def main_speculators(args: argparse.Namespace) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--method", choices=sorted(METHODS), required=True)
-    parser.add_argument("--steps", type=int, default=300, help="optimizer steps of each trainer")
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps of each trainer (equal steps)")
+    parser.add_argument(
+        "--seconds", type=float,
+        help="equal wall clock instead of equal steps: each side trains the steps its measured seconds per step fit "
+        "in this many seconds, its schedule over them",
+    )  # fmt: skip
+    parser.add_argument(
+        "--calibration-steps", type=int, default=20,
+        help="with --seconds: steps of both sides run together beforehand to measure each side's seconds per step",
+    )  # fmt: skip
     parser.add_argument("--artifacts", default="artifacts", help="where `make demo` left the corpus and the target")
     parser.add_argument("--out", default="artifacts/vs_speculators", help="output folder (done steps are skipped)")
     parser.add_argument("--prompts", type=int, default=15, help="held-out prompts in the evaluation")

@@ -29,9 +29,9 @@ import atexit, json, os, sys
 protocol = os.fdopen(os.dup(1), "w")
 os.dup2(2, 1)  # anything the imports print stays off the protocol
 import trainer.cli
-import trainer.recipe  # Lightning, which every fit imports (the tools do not)
+import trainer.training.recipe  # Lightning, which every fit imports (the tools do not)
 import transformers.modeling_utils  # what a model's loading imports, five seconds of it
-from trainer.registry import kinds
+from trainer.training.registry import kinds
 kinds()  # every method's module
 
 def run(request):

@@ -159,7 +159,7 @@ def objective_kwargs(name: str, target: Path, settings: Settings) -> tuple[type,
     The values are the real-model recipes' (recipes/*_llama31_8b.yaml, recipes/quickstart/peagle.yaml and dspark.yaml
     for the methods without one) with the profile's sizes; the target layers follow the cut's layer count.
     """
-    from trainer.objective import Optim
+    from trainer.training.optimizers import Optim
 
     p = PROFILES[settings.profile]
     layers, rows, unused = target_info(target)
@@ -409,7 +409,7 @@ def greedy_identity(
     from trainer.decoding.generate import speculative_generate
     from trainer.decoding.options import ProposerOptions
     from trainer.decoding.proposers import NoProposer
-    from trainer.registry import kinds
+    from trainer.training.registry import kinds
 
     record = objective.drafter_record()
     kind = kinds()[record.kind]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from trainer.recipe import DraftsmithCLI
+from trainer.training.recipe import DraftsmithCLI
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"

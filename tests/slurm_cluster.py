@@ -292,7 +292,11 @@ def kd_job_override(
     record of every training batch (``run/batches.jsonl``), ``extra_callbacks`` and last PreemptionCheckpoint."""
     from tests.recipe_runs import kd_override, record_batches
 
-    callbacks = [record_batches(run), *extra_callbacks, {"class_path": "trainer.preemption.PreemptionCheckpoint"}]
+    callbacks = [
+        record_batches(run),
+        *extra_callbacks,
+        {"class_path": "trainer.distributed.preemption.PreemptionCheckpoint"},
+    ]
     return kd_override(run, corpus, target, max_steps, every_n, batch_size, callbacks)
 
 

@@ -7,25 +7,22 @@ checkpoint directory. :func:`parse_recipe` reads a recipe with the same parser w
 plan`` and ``draftsmith slurm submit`` use it). The other subcommands are plain tools, each a module with
 ``main(argv) -> int``.
 
-Output
-------
-Log lines go to standard error in one format (trainer/output.py: ``INFO: message``, the logger's name on warnings,
-every message once, dependency noise nobody can act on dropped unless ``--debug``). A fit logs progress lines
-(trainer/progress.py, the recipe's ``progress`` section) and, on global rank 0, ends with a closing block on standard
-output: what ran, steps, tokens, time, final losses, tau when measured, the ``last.ckpt``, export and log folders that
-exist, and the ``draftsmith export`` and ``draftsmith eval`` commands to run next. The tools end with such a block too.
+Output ------ Log lines go to standard error in one format (trainer/interface/output.py: ``INFO: message``, the logger's
+name on warnings, every message once, dependency noise nobody can act on dropped unless ``--debug``). A fit logs
+progress lines (trainer/training/progress.py, the recipe's ``progress`` section) and, on global rank 0, ends with a
+closing block on standard output: what ran, steps, tokens, time, final losses, tau when measured, the ``last.ckpt``,
+export and log folders that exist, and the ``draftsmith export`` and ``draftsmith eval`` commands to run next. The tools
+end with such a block too.
 
-Errors
-------
-A mistake the user can fix is a :class:`~trainer.errors.UserError`, raised where the check is made (in a tool, in an
-objective's ``__init__`` or ``setup``, in a datamodule, a DataLoader worker or a callback). Every subcommand ends it
-with ``error: <message>`` on standard error, ``hint: <what to do>`` on the next line when there is one, and exit
-status 2, without a traceback. Any other exception is a bug of ours and keeps its traceback. ``--debug`` before the
-subcommand's own arguments (``draftsmith --debug fit ...``), or ``DRAFTSMITH_DEBUG=1``, shows the traceback of a user
-error too.
+Errors ------ A mistake the user can fix is a :class:`~trainer.interface.errors.UserError`, raised where the check is
+made (in a tool, in an objective's ``__init__`` or ``setup``, in a datamodule, a DataLoader worker or a callback). Every
+subcommand ends it with ``error: <message>`` on standard error, ``hint: <what to do>`` on the next line when there is
+one, and exit status 2, without a traceback. Any other exception is a bug of ours and keeps its traceback. ``--debug``
+before the subcommand's own arguments (``draftsmith --debug fit ...``), or ``DRAFTSMITH_DEBUG=1``, shows the traceback
+of a user error too.
 
 A fit stopped by SIGTERM or Ctrl-C before its last step exits with ``128 + signal`` (143, 130) after saving
-``last.ckpt`` (trainer/preemption.py), which ``--ckpt_path last`` resumes.
+``last.ckpt`` (trainer/distributed/preemption.py), which ``--ckpt_path last`` resumes.
 
 Several ranks (DDP, DeepSpeed, FSDP): the error is printed once. Global rank 0 prints its own error. Every rank that
 fails records its message in the process group's key-value store (hosted by rank 0). Another rank prints its error,
@@ -38,8 +35,8 @@ user error, is a consequence of it (a collective whose peer left): it ends that 
 and so does any exception on a rank other than 0 once rank 0 has ended. After reporting, rank 0 stops the other
 local ranks of Lightning's process launcher, so that none waits in a collective.
 
-A rank that died (kill -9, out of memory, a lost node): the collectives of the others fail (at once where the
-connection closes, else after ``--collective_timeout_s``, trainer/recipe.py). Each surviving rank records in the store
+A rank that died (kill -9, out of memory, a lost node): the collectives of the others fail (at once where the connection
+closes, else after ``--collective_timeout_s``, trainer/training/recipe.py). Each surviving rank records in the store
 that it is alive; rank 0 waits :data:`PEER_GRACE_S` seconds, prints ``error: rank N of W stopped answering at step S``
 naming the ranks that did not, and every surviving rank exits with :data:`PEER_LOST_STATUS` (1). When rank 0 itself
 died, its store no longer answers: rank 1 prints ``error: rank 1: rank 0 of W stopped answering at step S`` and every
@@ -56,8 +53,8 @@ import sys
 import time
 
 from trainer import __version__
-from trainer.errors import DEBUG_ENV, USER_ERROR_STATUS, UserError, debugging, error_report, user_error_in
-from trainer.output import adopt_library_loggers, configure_logging
+from trainer.interface.errors import DEBUG_ENV, USER_ERROR_STATUS, UserError, debugging, error_report, user_error_in
+from trainer.interface.output import adopt_library_loggers, configure_logging
 
 DEBUG_FLAG = "--debug"
 TORCH_CPP_LOG_LEVEL_ENV = "TORCH_CPP_LOG_LEVEL"
@@ -73,7 +70,7 @@ TOOLS: dict[str, tuple[str, str]] = {
     "export": ("trainer.export.cli:main", "write a trained drafter in a serving engine's format"),
     "precompute": ("trainer.data.precompute:main", "write the target's top-k logits and hidden states to shards"),
     "generate": ("trainer.data.generate:main", "regenerate a chat data set's responses with the target"),
-    "slurm": ("trainer.slurm:main", "render and submit an sbatch script for a recipe"),
+    "slurm": ("trainer.slurm.submit:main", "render and submit an sbatch script for a recipe"),
     "plan": ("trainer.planner:main", "estimate memory per GPU for each ZeRO stage"),
 }
 
@@ -156,15 +153,17 @@ def _run(args: list[str], argv: list[str] | None) -> int:
     if args[0] not in ("fit", "validate"):
         print(f"draftsmith: unknown command {args[0]!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    from trainer.preemption import exit_status_after_fit
-    from trainer.recipe import DraftsmithCLI  # Lightning is imported for fits only: the tools start seconds sooner
+    from trainer.distributed.preemption import exit_status_after_fit
+    from trainer.training.recipe import (
+        DraftsmithCLI,  # Lightning is imported for fits only: the tools start seconds sooner
+    )
 
     DraftsmithCLI.running_trainer = None
     started = time.monotonic()
     cli = DraftsmithCLI(args=argv)  # None: LightningCLI reads sys.argv, as its subprocess launchers expect
     status = exit_status_after_fit(cli.trainer) if args[0] == "fit" else 0
     if args[0] == "fit" and cli.trainer.is_global_zero:
-        from trainer.progress import fit_summary
+        from trainer.training.progress import fit_summary
 
         configs = [args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--config", "-c")]
         configs += [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
@@ -320,7 +319,7 @@ def _report_lost_ranks(store, rank: int) -> int | None:
     if not lost:
         return None
     if rank == 0:
-        from trainer.recipe import DraftsmithCLI
+        from trainer.training.recipe import DraftsmithCLI
 
         trainer = DraftsmithCLI.running_trainer
         at = f" at step {trainer.global_step}" if trainer is not None else ""
@@ -354,7 +353,7 @@ def _report_rank0_lost(rank: int) -> int:
     """A collective failed and rank 0's store no longer answers: rank 0 died (or ended on an error it printed).
     Rank 1 prints one line saying so; every surviving rank ends with :data:`PEER_LOST_STATUS`."""
     if rank == 1:
-        from trainer.recipe import DraftsmithCLI
+        from trainer.training.recipe import DraftsmithCLI
 
         trainer = DraftsmithCLI.running_trainer
         at = f" at step {trainer.global_step}" if trainer is not None else ""
@@ -442,9 +441,9 @@ def _peer_failed(store, rank: int | None):
 def _stop_local_ranks() -> None:
     """Kills the other local ranks that Lightning's process launcher started, so that none waits in a collective
     for this one (as Lightning does on Ctrl-C)."""
-    if "trainer.recipe" not in sys.modules:  # no fit ran
+    if "trainer.training.recipe" not in sys.modules:  # no fit ran
         return
-    from trainer.recipe import DraftsmithCLI
+    from trainer.training.recipe import DraftsmithCLI
 
     trainer = DraftsmithCLI.running_trainer
     launcher = getattr(getattr(trainer, "strategy", None), "launcher", None)

@@ -25,11 +25,11 @@ from transformers import AutoModelForCausalLM
 
 from trainer.data.corpus import HELDOUT_PROMPTS, PROMPT_CHARS, prepare_corpus, write_heldout_prompts
 from trainer.data.text import TextDataModule
-from trainer.flags import ToolParser
-from trainer.heldout import heldout_loss, unigram_baseline, unigram_counts
-from trainer.output import block, duration
-from trainer.preemption import exit_status_after_fit
-from trainer.recipe import DraftsmithCLI
+from trainer.distributed.preemption import exit_status_after_fit
+from trainer.interface.flags import ToolParser
+from trainer.interface.output import block, duration
+from trainer.training.heldout import heldout_loss, unigram_baseline, unigram_counts
+from trainer.training.recipe import DraftsmithCLI
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "quickstart"
 ARTIFACTS = Path("artifacts")

@@ -42,7 +42,7 @@ import torch
 from bench.common import fit_cmd, run, training_prompts, wait, write_heldout_prompts
 from trainer.decoding.evaluate import load_prompts
 from trainer.decoding.metrics import loop_mask
-from trainer.registry import load_drafter
+from trainer.training.registry import load_drafter
 
 
 def greedy_continuations(

@@ -61,7 +61,7 @@ def evaluate(
 def heldout_losses(artifacts: Path, models: dict[str, Path]) -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
-    from trainer.heldout import heldout_loss
+    from trainer.training.heldout import heldout_loss
 
     data = heldout_data(artifacts / "corpus")
     return {

@@ -74,7 +74,7 @@ def stage_heldout(out: Path, d0_model: str | None) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trainer.heldout import heldout_loss
+    from trainer.training.heldout import heldout_loss
 
     data = heldout_data(ARTIFACTS / "corpus")
     losses = {}
@@ -118,7 +118,7 @@ def cost_child(depth: int, steps: int) -> None:
 
     from trainer.methods.draft_model.pretrain import CausalLMPretraining
     from trainer.methods.mtp.objective import SequentialMTP
-    from trainer.objective import Optim
+    from trainer.training.optimizers import Optim
 
     torch.set_num_threads(1)
     tokenizer = str(ARTIFACTS / "corpus" / "tokenizer")

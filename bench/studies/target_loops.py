@@ -38,8 +38,8 @@ import torch
 
 from bench.common import ROOT, heldout_data, heldout_texts
 from trainer.decoding.metrics import loop_mask
-from trainer.heldout import heldout_loss
-from trainer.objective import Optim, lr_factor
+from trainer.training.heldout import heldout_loss
+from trainer.training.optimizers import Optim, lr_factor
 
 BEFORE = ["--data.init_args.seq_len", "256", "--data.init_args.batch_size", "8"]  # the demo's target until 2026-12
 VARIANTS = {

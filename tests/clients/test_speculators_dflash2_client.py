@@ -30,7 +30,7 @@ from trainer.methods.dflash.module import DFlashConfig
 from trainer.methods.dflash2 import kind as dflash2_kind
 from trainer.methods.dflash2.module import DFlash2Config, DFlash2Drafter
 from trainer.methods.dflash2.selector import training_candidates
-from trainer.registry import load_drafter
+from trainer.training.registry import load_drafter
 
 RANK = 16
 

@@ -23,7 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.clients.venvs import client_python as venv_python
 from tests.clients.venvs import opt_in
-from trainer.registry import load_drafter
+from trainer.training.registry import load_drafter
 
 SCRIPT = Path(__file__).with_name("speculators_dflash_forward.py")
 SPECULATORS = "speculators==0.9.0"

@@ -27,7 +27,7 @@ from tests.clients.venvs import opt_in
 from trainer.methods.dflash.module import DFlashConfig
 from trainer.methods.dspark import kind as dspark_kind
 from trainer.methods.dspark.module import DSparkConfig, DSparkDrafter
-from trainer.registry import load_drafter
+from trainer.training.registry import load_drafter
 
 RANK = 16
 

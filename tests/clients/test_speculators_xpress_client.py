@@ -30,7 +30,7 @@ from tests.clients.venvs import opt_in
 from trainer.methods.dflash.module import DFlashConfig
 from trainer.methods.xpress import kind as xpress_kind
 from trainer.methods.xpress.module import XPressConfig, XPressDrafter
-from trainer.registry import load_drafter
+from trainer.training.registry import load_drafter
 
 RANK, ROUNDS = 16, 3  # ROUNDS: speculators' default consistency_passes
 

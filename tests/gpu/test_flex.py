@@ -1,6 +1,6 @@
 """Flex attention against the dense path on CUDA at real shapes, through the objectives themselves: EAGLE-3's
 training-time test, DFlash's anchored blocks and P-EAGLE's cross-depth mask give the same loss and the same drafter
-gradients with ``attention: flex`` (compiled, fused) as with ``dense`` (trainer/block_attention.py), on the cut
+gradients with ``attention: flex`` (compiled, fused) as with ``dense`` (trainer/models/block_attention.py), on the cut
 target at DRAFTSMITH_GPU_SEQ tokens. In float32 the two agree to rounding; a bf16-autocast step (the recipes'
 precision) agrees to bf16's resolution."""
 

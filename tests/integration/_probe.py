@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from safetensors.torch import save_file
 
-from trainer.strategies import full_state_dict
+from trainer.distributed.strategies import full_state_dict
 
 
 class StateProbe(Callback):

@@ -17,7 +17,7 @@ from lightning.pytorch.cli import LightningCLI
 from torch.utils.data import DataLoader, Dataset
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trainer.strategies import deepspeed_offload_enabled, shard_for_fsdp2
+from trainer.distributed.strategies import deepspeed_offload_enabled, shard_for_fsdp2
 
 
 def build_toy_llama(vocab_size: int, hidden_size: int, num_layers: int, seed: int) -> LlamaForCausalLM:

@@ -96,9 +96,9 @@ def _export_of_heads_for(target: Path, root: Path) -> Path:
     from transformers import AutoConfig
 
     from trainer.export.cli import export
-    from trainer.fingerprint import fingerprint
     from trainer.methods.medusa import kind as medusa_kind
     from trainer.methods.medusa.module import MedusaConfig, MedusaDrafter
+    from trainer.training.fingerprint import fingerprint
 
     config = AutoConfig.from_pretrained(target)
     heads = MedusaDrafter(MedusaConfig(hidden_size=config.hidden_size, vocab_size=config.vocab_size, num_heads=2))

@@ -22,7 +22,7 @@ from trainer.export.cli import main as export_main
 from trainer.methods.eagle3.export import load_native, load_speculators
 from trainer.methods.eagle3.proposer import Eagle3Proposer, Eagle3TreeProposer
 from trainer.methods.eagle3.vocab_map import vocab_map_from_rows
-from trainer.registry import load_drafter
+from trainer.training.registry import load_drafter
 
 pytestmark = pytest.mark.slow
 

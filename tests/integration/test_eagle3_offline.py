@@ -25,8 +25,8 @@ from trainer.data.shard_datamodule import ShardDataModule
 from trainer.data.text import TextDataModule
 from trainer.methods.eagle3.objective import Eagle3
 from trainer.methods.eagle3.vocab_map import count_label_tokens, vocab_map_from_rows
-from trainer.objective import count_params
-from trainer.target import FrozenTarget, TargetEmbeddings
+from trainer.models.target import FrozenTarget, TargetEmbeddings
+from trainer.training.objective import count_params
 
 AUX = [0, 1, 2]  # the tiny target has 2 layers: hidden_states 0..2
 MODEL = {"draft_vocab_size": 256, "ttt_steps": 3, "target_layers": AUX}

@@ -4,7 +4,7 @@ SIGKILL loses only the steps since the last periodic checkpoint, which stays who
 to the end and exits 0. A disk that fills while a checkpoint is written ends the fit with status 2 and one error line
 naming the folder, and the previous ``last.ckpt`` still loads.
 
-Every fit gets PreemptionCheckpoint and AtomicCheckpointIO by default (trainer/recipe.py) and exits with
+Every fit gets PreemptionCheckpoint and AtomicCheckpointIO by default (trainer/training/recipe.py) and exits with
 ``exit_status_after_fit`` (trainer/cli.py): the recipes here name neither.
 """
 
@@ -29,8 +29,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from tests.cli_server import CliChild, CliServer
 from tests.recipe_runs import RECIPES, kd_override, merge, record_batches, write_override
 from tests.slurm_cluster import recorded_batches
-from trainer.errors import RecipeError
-from trainer.preemption import PreemptionCheckpoint, default_preemption_checkpoint, exit_status_after_fit
+from trainer.distributed.preemption import PreemptionCheckpoint, default_preemption_checkpoint, exit_status_after_fit
+from trainer.interface.errors import RecipeError
 
 MAX_STEPS = 12
 EVERY_N = 5  # periodic checkpoints at steps 5 and 10

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trainer.data import generate as gen
 from trainer.data.generate_io import ChunkWriter, OutputLock
 from trainer.data.text import TextDataModule
-from trainer.errors import UsageError
+from trainer.interface.errors import UsageError
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from tests.recipe_runs import fit, merge, trainer_overrides
 from trainer.cli import main as draftsmith
 from trainer.decoding.eval_cli import main as eval_main
 from trainer.export.cli import main as export_main
-from trainer.registry import load_drafter
+from trainer.training.registry import load_drafter
 
 pytestmark = pytest.mark.slow
 MODEL = {"num_heads": 3, "loss_chunk_size": 64}

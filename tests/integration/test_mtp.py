@@ -17,7 +17,7 @@ from trainer.decoding.evaluate import evaluate_drafter, load_prompts, resolve_dr
 from trainer.decoding.options import ProposerOptions
 from trainer.export.cli import main as export_main
 from trainer.methods.mtp.objective import SequentialMTP
-from trainer.registry import recognise
+from trainer.training.registry import recognise
 
 pytestmark = pytest.mark.slow
 

@@ -51,8 +51,8 @@ def _worker(model_dir: str, out_dir: str) -> None:
 def _fits(model_dir: str, out_dir: Path, strategy_name: str) -> None:
     import lightning as L
 
+    from trainer.distributed.strategies import CPUDeepSpeedStrategy, FSDP2Strategy, full_state_dict
     from trainer.methods.mtp_heads.objective import ParallelMTPHeads
-    from trainer.strategies import CPUDeepSpeedStrategy, FSDP2Strategy, full_state_dict
 
     class SGDHeads(ParallelMTPHeads):
         def configure_optimizers(self):

@@ -12,8 +12,8 @@ import yaml
 
 from tests.recipe_runs import RECIPES
 from trainer.cli import main
-from trainer.objective import DraftObjective
-from trainer.recipe import DraftsmithCLI, parse_recipe
+from trainer.training.objective import DraftObjective
+from trainer.training.recipe import DraftsmithCLI, parse_recipe
 
 RECIPE_FILES = sorted(p for p in RECIPES.rglob("*.yaml") if "_base" not in p.parts)
 BASE_PIECES = sorted((RECIPES / "_base").glob("*.yaml"))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.recipe_runs import RECIPES, ROOT, TINY_MODEL, data_overrides, fit, merge, trainer_overrides, write_override
-from trainer.run_folder import LOCK_FILE, CheckpointFolderError
+from trainer.checkpoints.run_folder import LOCK_FILE, CheckpointFolderError
 
 pytestmark = pytest.mark.slow
 

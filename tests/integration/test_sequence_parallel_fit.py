@@ -1,9 +1,9 @@
-"""EAGLE-3 with ``model.sequence_parallel: 2`` (DeepSpeed-Ulysses, trainer/sequence_parallel.py) through the real
-``draftsmith fit`` in 2 gloo processes on CPU: each rank holds half of every row's positions, the target and the
-training-time test attend over the whole row, and the run follows the 1-process run on the same rows: the same
-batches on both ranks, the same losses, the same final drafter (up to float32 reduction order). The rows are packed
-with document masking, so the whole-row attentions honour the documents across the ranks' slices; bad settings are
-refused naming the key."""
+"""EAGLE-3 with ``model.sequence_parallel: 2`` (DeepSpeed-Ulysses, trainer/distributed/sequence_parallel.py) through the
+real ``draftsmith fit`` in 2 gloo processes on CPU: each rank holds half of every row's positions, the target and the
+training-time test attend over the whole row, and the run follows the 1-process run on the same rows: the same batches
+on both ranks, the same losses, the same final drafter (up to float32 reduction order). The rows are packed with
+document masking, so the whole-row attentions honour the documents across the ranks' slices; bad settings are refused
+naming the key."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 from tests._multiproc import run_group
 from tests.recipe_runs import RECIPES, data_overrides, fit, merge, record_batches, trainer_overrides, write_override
 from trainer.checkpoints.reading import load_training_checkpoint
-from trainer.errors import RecipeError
+from trainer.interface.errors import RecipeError
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

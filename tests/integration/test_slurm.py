@@ -1,9 +1,9 @@
 """``draftsmith slurm submit`` against a real single-node SLURM cluster that this module starts and stops.
 
-A 2-task CPU job trains the quickstart KD recipe to the end; a second job, sent USR1 mid-training (as SLURM does
-before the time limit), checkpoints, requeues itself, resumes with ``--ckpt_path last`` and ends on the same batches
-and bitwise the same weights as the uninterrupted job. A job one of whose tasks is killed (SIGKILL, as with its node)
-is requeued by the script's loop (trainer/requeue.py) and ends the same way; a job killed at the same step every time
+A 2-task CPU job trains the quickstart KD recipe to the end; a second job, sent USR1 mid-training (as SLURM does before
+the time limit), checkpoints, requeues itself, resumes with ``--ckpt_path last`` and ends on the same batches and
+bitwise the same weights as the uninterrupted job. A job one of whose tasks is killed (SIGKILL, as with its node) is
+requeued by the script's loop (trainer/slurm/requeue.py) and ends the same way; a job killed at the same step every time
 stops after ``--max_failed_requeues`` requeues without progress, its log saying so at each attempt.
 """
 
@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from tests.recipe_runs import RECIPES, ROOT, write_override
 from tests.slurm_cluster import FINAL_STATES, kd_job_override, recorded_batches, running_cluster
-from trainer.slurm import main as slurm_main
+from trainer.slurm.submit import main as slurm_main
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from tests.recipe_runs import RECIPES, ROOT, kd_override
-from trainer.errors import DataError
+from trainer.interface.errors import DataError
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 TIMEOUT_S = 400

@@ -36,7 +36,7 @@ from tests.real_shapes import build_tokenizer, published_config
 from tests.recipe_runs import ROOT, write_override
 from tests.serving import TransformersServe, require_serving
 from tests.slurm_cluster import running_cluster
-from trainer.output import NO_PROMPTS
+from trainer.interface.output import NO_PROMPTS
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

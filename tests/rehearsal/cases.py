@@ -134,7 +134,7 @@ def run_precision() -> str:
     """``recipe`` (the recipe's bf16-mixed with the target in bf16) on a CPU that computes bf16 natively, ``fp32``
     elsewhere: PyTorch emulates bf16 there, one conversion per operation, and a real-width fit of two steps did not
     finish in an hour. ``DRAFTSMITH_REHEARSAL_PRECISION`` (``recipe`` or ``fp32``) chooses either."""
-    from trainer.target import cpu_has_native_bf16
+    from trainer.models.target import cpu_has_native_bf16
 
     chosen = os.environ.get("DRAFTSMITH_REHEARSAL_PRECISION") or ("recipe" if cpu_has_native_bf16() else "fp32")
     if chosen not in ("recipe", "fp32"):
@@ -156,7 +156,7 @@ def case_precision(case: Case) -> str:
 
 def low_memory_change(case: Case, precision: str) -> str:
     """What the ``changes`` column says of a case run in its low-memory precision (empty otherwise)."""
-    from trainer.target import cpu_has_native_bf16
+    from trainer.models.target import cpu_has_native_bf16
 
     if precision != case.low_memory_precision:
         return ""
@@ -421,7 +421,7 @@ def formats_of(ckpt: Path, env: dict) -> list[str]:
     of a real-width drafter is large)."""
     code = (
         "import sys, json; from trainer.checkpoints.reading import load_training_checkpoint; "
-        "from trainer.registry import DrafterRecord, get_kind; "
+        "from trainer.training.registry import DrafterRecord, get_kind; "
         "state, raw = load_training_checkpoint(sys.argv[1]); rec = DrafterRecord.from_dict(raw, sys.argv[1]); "
         "print(json.dumps([f.name for f in get_kind(rec.kind, sys.argv[1]).formats]))"
     )

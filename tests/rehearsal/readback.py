@@ -13,7 +13,7 @@ import torch
 
 
 def main(argv: list[str]) -> int:
-    from trainer.registry import load_drafter, recognise
+    from trainer.training.registry import load_drafter, recognise
 
     torch.set_num_threads(1)
     ckpt, folders = argv[0], argv[1:]

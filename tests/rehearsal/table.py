@@ -34,7 +34,7 @@ Cases and overrides: tests/rehearsal/cases.py.""".split()
 
 def machine() -> str:
     """This machine in words: its cores and whether it computes bf16 natively (what the precision column follows)."""
-    from trainer.target import cpu_has_native_bf16
+    from trainer.models.target import cpu_has_native_bf16
 
     bf16 = "native bf16 instructions" if cpu_has_native_bf16() else "no native bf16 instructions"
     return f"{os.cpu_count()}-core CPU, no GPU, {bf16}"

@@ -12,7 +12,7 @@ import pytest
 from tests.real_shapes import build_tokenizer, cut_config
 from tests.rehearsal.cases import REPO
 from trainer.compare.config import fill_placeholders, read_config
-from trainer.recipe import parse_recipe
+from trainer.training.recipe import parse_recipe
 
 pytestmark = pytest.mark.slow  # the tokenizer's BPE and six recipe parses: tens of seconds on two shared cores
 

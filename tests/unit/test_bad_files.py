@@ -19,9 +19,9 @@ from trainer.data.shard_datamodule import ShardDataModule
 from trainer.data.sources import DocumentReader, check_data_paths
 from trainer.data.text import TextDataModule
 from trainer.data.vocab import check_data_tokenizer, load_tokenizer_if_present
-from trainer.errors import CheckpointError, DataError, ModelFolderError, PathError, TokenizerError, UserError
 from trainer.export.files import read_folder, write_folder
-from trainer.target import FrozenTarget, TargetEmbeddings, load_target_tensors, weight_map
+from trainer.interface.errors import CheckpointError, DataError, ModelFolderError, PathError, TokenizerError, UserError
+from trainer.models.target import FrozenTarget, TargetEmbeddings, load_target_tensors, weight_map
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "pre_move"
 TINY_TARGET = FIXTURES / "tiny_target"
@@ -147,7 +147,7 @@ def test_a_distributed_checkpoint_folder_reads_and_a_broken_one_is_named(tmp_pat
 def test_each_checkpoint_layout_is_told_and_its_client_state_found(tmp_path):
     """One rule for the three layouts, which export, eval and the fingerprint check all follow."""
     from trainer.checkpoints.reading import checkpoint_layout, client_state_file
-    from trainer.fingerprint import recorded_fingerprints
+    from trainer.training.fingerprint import recorded_fingerprints
 
     single = tmp_path / "single.ckpt"
     torch.save({"state_dict": {}, "frozen_models": {"target": {"config": "a"}}}, single)

@@ -14,8 +14,8 @@ from lightning.pytorch.loggers.logger import Logger
 from tests.helpers import SpeculativeEvalModule
 from trainer.decoding.callback import SpeculativeEvalCallback
 from trainer.decoding.evaluate import evaluate_drafter
-from trainer.errors import DataError, UsageError
-from trainer.registry import get_kind
+from trainer.interface.errors import DataError, UsageError
+from trainer.training.registry import get_kind
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

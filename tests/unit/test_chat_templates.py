@@ -12,7 +12,7 @@ import pytest
 
 from trainer.data.chat import assistant_rows, has_generation_blocks
 from trainer.data.tokenizer import CHAT_TEMPLATE
-from trainer.errors import DataError
+from trainer.interface.errors import DataError
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
 

@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from trainer.checkpoints.atomic import AtomicCheckpointIO, default_checkpoint_io
-from trainer.errors import CheckpointError
+from trainer.interface.errors import CheckpointError
 
 
 class Tiny(L.LightningModule):

@@ -1,4 +1,4 @@
-"""The chunked-loss engine (trainer/chunked_loss.py) against autograd through the naive formulas in float64: the whole
+"""The chunked-loss engine (trainer/losses/chunked.py) against autograd through the naive formulas in float64: the whole
 [n, V] logits built at once, each row's loss written out plainly, weighted and summed. Values and gradients, with and
 without weights (given, or from the rows' losses), token labels, dense, log-space and top-k distributions, ignored
 rows, several chunkings, two terms and a term that is the logits themselves, the output scaling, and losses over a
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.chunked_loss import (
+from trainer.losses.chunked import (
     Target,
     Term,
     autograd_rows,
@@ -17,7 +17,7 @@ from trainer.chunked_loss import (
     chunked_loss_with_grads,
     cross_entropy_rows,
 )
-from trainer.logit_scaling import LogitScaling
+from trainer.models.logit_scaling import LogitScaling
 
 N, D, V, R, K = 13, 6, 17, 3, 4
 

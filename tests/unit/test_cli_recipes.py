@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.recipe import DraftsmithCLI, RecipeError, parse_recipe
+from trainer.training.recipe import DraftsmithCLI, RecipeError, parse_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "recipes" / "quickstart"
@@ -106,7 +106,7 @@ def test_a_misspelled_key_is_fits_error(tmp_path, capsys):
 
 def test_plan_and_slurm_refuse_a_misspelled_key_with_fits_message(tmp_path, capsys):
     from trainer.planner import main as plan
-    from trainer.slurm import main as slurm
+    from trainer.slurm.submit import main as slurm
 
     bad = tmp_path / "bad.yaml"
     bad.write_text(Path(KD).read_text().replace("batch_size:", "batch_sise:"))

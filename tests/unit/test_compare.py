@@ -17,7 +17,7 @@ from trainer.compare.report import METRICS, metric, ordering_flips, write_report
 from trainer.compare.run import Comparison, training_prompts
 from trainer.decoding.eval_cli import build_parser as eval_parser
 from trainer.decoding.options import ProposerOptions, options_from_arguments
-from trainer.recipe import parse_recipe
+from trainer.training.recipe import parse_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 KD = str(ROOT / "recipes" / "quickstart" / "kd.yaml")

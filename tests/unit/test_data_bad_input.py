@@ -14,8 +14,8 @@ import torch
 from tests.helpers import chat_stream, text_datamodule, write_jsonl
 from trainer.data.packing import IGNORE_INDEX, label_sources, pack_rows, pad_rows
 from trainer.data.sources import expand_data_files
-from trainer.errors import DataError
-from trainer.losses import chunked_cross_entropy
+from trainer.interface.errors import DataError
+from trainer.losses.distillation import chunked_cross_entropy
 
 
 def _chat(prompt_items: int, answer: str, i: int = 0) -> list[dict]:

@@ -18,7 +18,7 @@ from trainer.decoding.eval_cli import build_parser, main
 from trainer.decoding.generate import GenerationResult
 from trainer.decoding.options import ProposerOptions, field_help, options_from_arguments
 from trainer.decoding.proposers import BaseProposer, PromptLookupProposer
-from trainer.errors import UsageError
+from trainer.interface.errors import UsageError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -137,7 +137,7 @@ def test_a_target_with_recurrent_layers_is_refused_by_name():
     such a target is refused, naming the layer type, before anything is drafted (found by the real-shape rehearsal)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trainer.errors import ModelFolderError
+    from trainer.interface.errors import ModelFolderError
 
     config = AutoConfig.for_model(
         "qwen3_5_text", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -42,7 +42,7 @@ def test_lightnings_srun_hint_is_shown_only_inside_a_slurm_job(in_slurm_job) -> 
 
     from lightning.fabric.utilities.warnings import PossibleUserWarning
 
-    from trainer.recipe import hide_srun_hint
+    from trainer.training.recipe import hide_srun_hint
 
     with warnings.catch_warnings(record=True) as shown:
         warnings.simplefilter("always")
@@ -58,7 +58,7 @@ def test_a_stage_stopped_by_a_signal_ends_the_demo_with_its_status(tmp_path, mon
     from types import SimpleNamespace
 
     import trainer.demo as demo
-    from trainer.preemption import PreemptionCheckpoint
+    from trainer.distributed.preemption import PreemptionCheckpoint
 
     stopped = PreemptionCheckpoint()
     stopped.stopped_by = 15

@@ -20,7 +20,7 @@ from tests.helpers import tiny_llama
 from tests.unit.test_dflash_objective import V, save_target
 from trainer.decoding.generate import speculative_generate
 from trainer.decoding.proposers import NoProposer, ProposalContext
-from trainer.errors import ModelFolderError, RecipeError, UsageError
+from trainer.interface.errors import ModelFolderError, RecipeError, UsageError
 from trainer.methods.dflash import kind as dflash_kind
 from trainer.methods.dflash.module import DFlashConfig, DFlashDrafter
 from trainer.methods.dflash.objective import DFlash
@@ -29,8 +29,8 @@ from trainer.methods.dflash2.conv import block_conv
 from trainer.methods.dflash2.module import DFLASH2_KEYS, DFlash2Config, DFlash2Drafter
 from trainer.methods.dflash2.objective import DFlash2
 from trainer.methods.dflash2.proposer import DFlash2Proposer, DFlash2TreeProposer
-from trainer.recipe import parse_recipe
-from trainer.registry import get_kind
+from trainer.training.recipe import parse_recipe
+from trainer.training.registry import get_kind
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(conv_kernel_size=2, conv_group_size=4, selector_rank=5, selector_top_k=4)

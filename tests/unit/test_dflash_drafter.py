@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.block_attention import anchored_block_attention, anchored_block_mask
 from trainer.methods.dflash.module import DFlashConfig, DFlashDrafter, check_mask_token, default_target_layers
+from trainer.models.block_attention import anchored_block_attention, anchored_block_mask
 
 
 def small_config(**overrides) -> DFlashConfig:

@@ -12,9 +12,9 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.unit.test_dflash_drafter import small_drafter
-from trainer.errors import ModelFolderError
+from trainer.interface.errors import ModelFolderError
 from trainer.methods.dflash import export as formats
-from trainer.registry import load_drafter
+from trainer.training.registry import load_drafter
 
 
 def draft_logits(drafter, seed: int = 0) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The losses toward a target distribution (trainer/distribution_loss.py) against their naive formulas in float64:
+"""The losses toward a target distribution (trainer/losses/distribution.py) against their naive formulas in float64:
 KL, TV, negative log-acceptance and the LK hybrid, their values and autograd gradients, on dense, sub-normalised
 (reduced draft vocabulary), one-hot and top-k targets, directly and chunked through the chunked-loss engine."""
 
@@ -9,9 +9,16 @@ import math
 import pytest
 import torch
 
-from trainer.chunked_loss import Target, Term, chunked_loss
-from trainer.distribution_loss import LOSSES, NLA_EPS, DistributionLoss, distribution_rows, loss_rows, sparse_loss_rows
-from trainer.errors import RecipeError
+from trainer.interface.errors import RecipeError
+from trainer.losses.chunked import Target, Term, chunked_loss
+from trainer.losses.distribution import (
+    LOSSES,
+    NLA_EPS,
+    DistributionLoss,
+    distribution_rows,
+    loss_rows,
+    sparse_loss_rows,
+)
 
 torch.manual_seed(0)
 

@@ -16,8 +16,8 @@ Command lines, and the rule for placeholders:
   ``${VAR}`` is replaced by the dummy value ``1`` (a valid integer, path or name for every flag), and ``...`` is
   dropped. A ``draftsmith fit`` or ``validate`` line whose ``--config`` is a placeholder has no recipe to read and is
   not parsed.
-- ``draftsmith fit`` and ``validate``: :func:`trainer.recipe.parse_recipe` (the configs in order, then the other
-  arguments as overrides), which builds and reads nothing but the recipes.
+- ``draftsmith fit`` and ``validate``: :func:`trainer.training.recipe.parse_recipe` (the configs in order, then the
+  other arguments as overrides), which builds and reads nothing but the recipes.
 - every other subcommand: the tool's own ``main(argv)`` from ``trainer.cli.TOOLS`` runs with argparse's and
   jsonargparse's ``parse_args`` intercepted: the first parse returns its namespace by raising, so nothing after the
   parsing runs, whatever the tool. ``plan`` and ``slurm submit`` also parse their recipes and fit arguments with
@@ -234,7 +234,7 @@ _RECIPES: dict[tuple[tuple[str, ...], tuple[str, ...]], str | None] = {}
 
 def recipe_error(configs: list[str], overrides: list[str]) -> str | None:
     """parse_recipe's refusal of a recipe and fit arguments (None: it parses); each pair parsed once."""
-    from trainer.recipe import RecipeError, parse_recipe
+    from trainer.training.recipe import RecipeError, parse_recipe
 
     key = (tuple(configs), tuple(overrides))
     if key not in _RECIPES:
@@ -411,7 +411,7 @@ def test_the_export_table_and_the_objectives_table_list_every_method():
     import lightning.pytorch as pl
 
     import trainer.methods
-    from trainer.registry import kinds
+    from trainer.training.registry import kinds
 
     root = Path(__file__).resolve().parents[2]
     table = (root / "docs/guides/checkpoints-and-resume.md").read_text()

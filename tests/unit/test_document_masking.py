@@ -1,5 +1,5 @@
-"""Packing with document masking (trainer/documents.py's convention): the target runs a packed row as its documents
-alone; the data module serves the packer's exact boundaries; the KD loss sums each document's own loss."""
+"""Packing with document masking (trainer/models/documents.py's convention): the target runs a packed row as its
+documents alone; the data module serves the packer's exact boundaries; the KD loss sums each document's own loss."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from tests.helpers import text_datamodule, tiny_llama, tiny_model, write_jsonl
-from trainer.errors import CheckpointError, RecipeError
-from trainer.target import FrozenTarget
+from trainer.interface.errors import CheckpointError, RecipeError
+from trainer.models.target import FrozenTarget
 
 # --------------------------------------------------------------------------------------------------- the target
 
@@ -184,7 +184,7 @@ def test_on_policy_distills_a_packed_row_per_document_and_prompts_stay_in_the_fi
 
 def test_objectives_that_ignore_document_ids_refuse_document_masking(tiny_corpus, tmp_path):
     from trainer.methods.draft_model.pretrain import CausalLMPretraining
-    from trainer.objective import DraftObjective
+    from trainer.training.objective import DraftObjective
 
     class Ignoring(DraftObjective):
         """An objective whose forwards would attend across documents."""
@@ -197,7 +197,7 @@ def test_objectives_that_ignore_document_ids_refuse_document_masking(tiny_corpus
 
 def test_precompute_refuses_document_masking(tiny_corpus, tmp_path, target_dir):
     from trainer.data.precompute import precompute
-    from trainer.errors import UsageError
+    from trainer.interface.errors import UsageError
 
     data = text_datamodule(tiny_corpus, tmp_path, train_files=[], document_masking=True)
     with pytest.raises(UsageError, match="document_masking=true: precomputed shards store no document boundaries"):

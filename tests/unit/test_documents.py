@@ -1,10 +1,10 @@
-"""trainer/documents.py: positions within documents and the allowed-keys mask, against per-element loops."""
+"""trainer/models/documents.py: positions within documents and the allowed-keys mask, against per-element loops."""
 
 import pytest
 import torch
 
-from trainer.documents import allowed_keys, check_window, document_positions
-from trainer.errors import RecipeError
+from trainer.interface.errors import RecipeError
+from trainer.models.documents import allowed_keys, check_window, document_positions
 
 
 def _random_documents(B: int, S: int, seed: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ from tests.unit.test_dflash_objective import V, save_target
 from trainer.decoding.generate import speculative_generate
 from trainer.decoding.options import ProposerOptions
 from trainer.decoding.proposers import NoProposer, ProposalContext
-from trainer.errors import ModelFolderError, RecipeError, UsageError
+from trainer.interface.errors import ModelFolderError, RecipeError, UsageError
 from trainer.methods.dflash import kind as dflash_kind
 from trainer.methods.dflash.module import DFlashConfig
 from trainer.methods.dflash.objective import DFlash

@@ -1,6 +1,6 @@
-"""Sliding windows and document masks in the drafters' attention (trainer/documents.py's convention): each attention
-against a mask written out by loops, the flex path against the dense one, a window at least the row's length against
-no window, training against drafting, export against reload."""
+"""Sliding windows and document masks in the drafters' attention (trainer/models/documents.py's convention): each
+attention against a mask written out by loops, the flex path against the dense one, a window at least the row's length
+against no window, training against drafting, export against reload."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from tests.unit.test_eagle3_drafter import small_drafter
 from tests.unit.test_eagle3_export import logits_of
 from trainer.decoding.generate import speculative_generate
 from trainer.decoding.proposers import NoProposer
-from trainer.errors import RecipeError, UsageError
+from trainer.interface.errors import RecipeError, UsageError
 from trainer.methods.eagle3.export import load_speculators, save_native, save_speculators
 from trainer.methods.eagle3.module import masked_attention, ttt_attention, ttt_mask
 from trainer.methods.eagle3.objective import Eagle3
@@ -165,7 +165,7 @@ def test_a_bad_window_is_refused_naming_the_key(objective, window):
 
 @pytest.mark.parametrize(("window", "packed"), [(None, False), (3, False), (None, True), (4, True)])
 def test_anchored_attention_applies_the_window_and_the_documents_of_a_naive_mask(window, packed):
-    from trainer.block_attention import anchored_block_attention, anchored_block_mask
+    from trainer.models.block_attention import anchored_block_attention, anchored_block_mask
 
     torch.manual_seed(1)
     B, nh, nkv, S, N, b, D = 2, 4, 2, 20, 3, 4, 8

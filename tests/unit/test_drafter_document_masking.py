@@ -153,9 +153,9 @@ def test_peagle_loss_of_a_packed_row_is_each_documents_own(tmp_path, num_layers)
 
 def test_peagle_mask_keeps_elements_within_their_anchors_document():
     """peagle_mask with documents, against its definition by a loop; the flex mod is the same mask."""
-    from trainer.block_attention import flex_attention
     from trainer.methods.eagle3.module import masked_attention
     from trainer.methods.peagle.module import peagle_mask, peagle_mask_mod
+    from trainer.models.block_attention import flex_attention
 
     anchor = torch.tensor([[0, 1, 2, 3, 4, 5, 1, 2, 4, 1]])
     depth = torch.tensor([[0, 0, 0, 0, 0, 0, 1, 1, 1, 2]])

@@ -19,7 +19,7 @@ from trainer.methods.draft_model import kind as hf_causal_lm
 from trainer.methods.draft_model.proposer import DraftModelProposer
 from trainer.methods.eagle3 import kind as eagle3_kind
 from trainer.methods.eagle3.proposer import Eagle3Proposer, Eagle3TreeProposer
-from trainer.registry import DrafterRecord, kinds, load_drafter, recognise
+from trainer.training.registry import DrafterRecord, kinds, load_drafter, recognise
 
 
 def training_checkpoint(path, module, record: DrafterRecord):

@@ -22,7 +22,7 @@ from trainer.methods.eagle3.vocab_map import build_vocab_map
 from trainer.methods.mtp.module import MTPConfig, MTPModules
 from trainer.methods.peagle import export as peagle_export
 from trainer.methods.peagle.module import PEagleConfig, PEagleDrafter
-from trainer.registry import load_drafter
+from trainer.training.registry import load_drafter
 
 LENGTH = 512  # the target's max_position_embeddings: 8x the 64 positions its rotary scaling was trained at
 ROPES = {

@@ -21,7 +21,8 @@ from tests.unit.test_dflash_objective import V, save_target
 from trainer.decoding.generate import speculative_generate
 from trainer.decoding.options import ProposerOptions
 from trainer.decoding.proposers import NoProposer, ProposalContext
-from trainer.errors import ModelFolderError, RecipeError, UsageError
+from trainer.interface.errors import ModelFolderError, RecipeError, UsageError
+from trainer.interface.renamed_keys import WHY_MOVED
 from trainer.methods.dflash import kind as dflash_kind
 from trainer.methods.dflash.module import DFlashConfig
 from trainer.methods.dflash.objective import DFlash
@@ -30,9 +31,8 @@ from trainer.methods.dspark import kind as dspark_kind
 from trainer.methods.dspark.module import HEAD_KEYS, DSparkConfig, DSparkDrafter
 from trainer.methods.dspark.objective import DSpark
 from trainer.methods.dspark.proposer import DSparkProposer, DSparkTreeProposer
-from trainer.recipe import DraftsmithCLI, parse_recipe
-from trainer.registry import get_kind, load_drafter
-from trainer.renamed_keys import WHY_MOVED
+from trainer.training.recipe import DraftsmithCLI, parse_recipe
+from trainer.training.registry import get_kind, load_drafter
 
 HEADS = dict(markov_rank=6, enable_confidence_head=True, confidence_head_with_markov=True)
 NO_HEADS = dict(markov_rank=0, enable_confidence_head=False, confidence_head_with_markov=False)

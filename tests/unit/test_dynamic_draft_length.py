@@ -34,7 +34,7 @@ from trainer.decoding.proposers import (
 )
 from trainer.decoding.tree import DraftTree
 from trainer.decoding.verify import sampling_verify_chain
-from trainer.errors import UsageError
+from trainer.interface.errors import UsageError
 from trainer.methods.draft_model.proposer import DraftModelProposer
 from trainer.methods.eagle3.module import Eagle3Config, Eagle3Drafter
 from trainer.methods.eagle3.proposer import Eagle3Proposer, Eagle3TreeProposer

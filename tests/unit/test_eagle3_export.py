@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.unit.test_eagle3_drafter import small_drafter
-from trainer.errors import ModelFolderError
 from trainer.export.files import WEIGHTS
+from trainer.interface.errors import ModelFolderError
 from trainer.methods.eagle3.export import load_native, load_speculators, save_native, save_speculators
-from trainer.registry import load_drafter, recognise
+from trainer.training.registry import load_drafter, recognise
 
 
 def logits_of(drafter, embedding, seed=0):

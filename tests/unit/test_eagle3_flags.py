@@ -14,8 +14,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from tests.integration.test_eagle3_offline import tiny_llama
 from tests.unit.test_eagle3_drafter import small_config, small_drafter
-from trainer.errors import CheckpointError, ModelFolderError, RecipeError, UsageError
 from trainer.export.files import WEIGHTS
+from trainer.interface.errors import CheckpointError, ModelFolderError, RecipeError, UsageError
 from trainer.methods.eagle3 import kind as eagle3_kind
 from trainer.methods.eagle3 import records as eagle3_records
 from trainer.methods.eagle3.export import load_native, load_speculators, save_native, save_speculators

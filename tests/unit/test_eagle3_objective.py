@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.integration.test_eagle3_offline import tiny_llama
-from trainer.errors import RecipeError
+from trainer.interface.errors import RecipeError
 from trainer.methods.eagle3.objective import Eagle3
 
 K = 3

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from trainer.decoding.evaluate import load_prompts
-from trainer.output import NO_PROMPTS
-from trainer.progress import next_commands
+from trainer.interface.output import NO_PROMPTS
+from trainer.training.progress import next_commands
 
 CHAT = [
     {"role": "user", "content": "Sort a list."},

@@ -17,9 +17,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFa
 from tests.helpers import tiny_llama
 from trainer.cli import main as draftsmith
 from trainer.decoding.evaluate import check_trained_target, drafter_export
-from trainer.errors import CheckpointError
 from trainer.export.cli import export
-from trainer.fingerprint import EXPORT_RECORD, export_record, fingerprint, recorded_fingerprints, sample_differences
+from trainer.interface.errors import CheckpointError
 from trainer.methods.dflash import export as dflash_formats
 from trainer.methods.dflash.module import DFlashConfig, DFlashDrafter
 from trainer.methods.draft_model import kind as hf_causal_lm
@@ -29,6 +28,13 @@ from trainer.methods.medusa import kind as medusa_kind
 from trainer.methods.medusa.module import MedusaConfig, MedusaDrafter
 from trainer.methods.mtp import record as mtp_record
 from trainer.methods.mtp.module import MTPConfig, MTPDrafter
+from trainer.training.fingerprint import (
+    EXPORT_RECORD,
+    export_record,
+    fingerprint,
+    recorded_fingerprints,
+    sample_differences,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

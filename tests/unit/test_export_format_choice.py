@@ -10,13 +10,13 @@ import pytest
 
 from tests.unit.test_dflash_drafter import small_drafter as small_dflash
 from tests.unit.test_eagle3_drafter import small_drafter as small_eagle3
-from trainer.errors import UserError
+from trainer.interface.errors import UserError
 from trainer.methods.dflash import export as dflash_export
 from trainer.methods.dflash import kind as dflash_kind
 from trainer.methods.eagle3 import export as eagle3_export
 from trainer.methods.eagle3 import kind as eagle3_kind
-from trainer.progress import next_commands
-from trainer.registry import get_kind
+from trainer.training.progress import next_commands
+from trainer.training.registry import get_kind
 
 SLIDING = {"layer_types": ("sliding_attention", "full_attention"), "sliding_window": 5}
 

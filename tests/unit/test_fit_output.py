@@ -1,6 +1,6 @@
-"""What ``draftsmith fit`` prints into a log file (trainer/progress.py, trainer/output.py): a progress line per
-interval from rank zero only, each message once in one format, no FLOPs, and a closing block naming the checkpoint
-on disk and the next commands."""
+"""What ``draftsmith fit`` prints into a log file (trainer/training/progress.py, trainer/interface/output.py): a
+progress line per interval from rank zero only, each message once in one format, no FLOPs, and a closing block naming
+the checkpoint on disk and the next commands."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from lightning.pytorch.callbacks import Callback
 
 from tests._multiproc import run_group
 from tests.recipe_runs import RECIPES, kd_override, save_random_target, write_override
-from trainer.errors import RecipeError
-from trainer.output import block, duration
-from trainer.progress import ProgressLog
+from trainer.interface.errors import RecipeError
+from trainer.interface.output import block, duration
+from trainer.training.progress import ProgressLog
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
@@ -161,7 +161,7 @@ def test_logging_format_names_the_logger_for_warnings_and_under_debug():
     import io
     import warnings
 
-    from trainer.output import configure_logging
+    from trainer.interface.output import configure_logging
 
     root = logging.getLogger()
     level, handlers, showwarning, filters = root.level, list(root.handlers), warnings.showwarning, warnings.filters[:]
@@ -192,7 +192,7 @@ def test_the_terminal_bar_shows_no_negative_epoch_count(max_epochs, max_steps):
 
     from lightning.pytorch.callbacks import RichProgressBar
 
-    from trainer.progress import StepProgressBar
+    from trainer.training.progress import StepProgressBar
 
     bar, plain = StepProgressBar(), RichProgressBar()
     bar._trainer = plain._trainer = SimpleNamespace(max_epochs=max_epochs, max_steps=max_steps)
@@ -225,7 +225,7 @@ def test_off_a_terminal_the_bar_gives_way_to_the_lines_unless_the_recipe_names_o
     """pytest's standard error is no terminal: Lightning's default bar is off (the progress lines print instead), and a
     bar the recipe names is kept (Lightning refuses a named bar with enable_progress_bar false)."""
     from tests.recipe_runs import RECIPES as recipes
-    from trainer.recipe import DraftsmithCLI
+    from trainer.training.recipe import DraftsmithCLI
 
     assert not sys.stderr.isatty()
     override = kd_override(tmp_path, tiny_corpus, target, max_steps=STEPS, every_n=STEPS)
@@ -268,10 +268,10 @@ def test_the_closing_block_counts_training_steps_alone_and_a_resumed_runs_own_to
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    import trainer.objective as objective_module
+    import trainer.training.objective as objective_module
     from tests.unit.test_objective_base import Clocked
-    from trainer.progress import fit_summary
-    from trainer.registry import DrafterRecord
+    from trainer.training.progress import fit_summary
+    from trainer.training.registry import DrafterRecord
 
     class Saved(Clocked):  # a record for its checkpoints (of no registered kind: the block names no next command)
         def drafter_record(self) -> DrafterRecord:
@@ -316,7 +316,7 @@ _DEPENDENCY_NOISE = """
 import os, sys, tempfile
 import torch
 import torch.distributed as dist
-from trainer.output import configure_logging
+from trainer.interface.output import configure_logging
 
 configure_logging(debug=sys.argv[1] == "1")
 from deepspeed.accelerator import get_accelerator

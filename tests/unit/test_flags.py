@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from trainer.cli import TOOLS
-from trainer.flags import ToolParser, option_strings, respelled
+from trainer.interface.flags import ToolParser, option_strings, respelled
 
 # the argparse tools, each with a build_parser(); generate and precompute are jsonargparse (their parameter names)
 ARGPARSE_TOOLS = ("eval", "export", "plan", "slurm", "compare", "prepare", "demo")
@@ -210,7 +210,7 @@ def command_flags() -> dict[str, dict[str, tuple[str, str]]]:
     import inspect
     import typing
 
-    from trainer.flags import _Switch
+    from trainer.interface.flags import _Switch
 
     out: dict[str, dict[str, tuple[str, str]]] = {}
     for tool in ARGPARSE_TOOLS:
@@ -265,7 +265,7 @@ def test_a_name_means_one_thing_in_every_command() -> None:
 
 
 def test_a_renamed_flag_is_no_longer_a_flag_of_its_command() -> None:
-    from trainer.flags import RENAMED_FLAGS
+    from trainer.interface.flags import RENAMED_FLAGS
 
     flags = command_flags()
     by_prog = {f"draftsmith {tool}": tool for tool in flags} | {"draftsmith slurm submit": "slurm"}
@@ -306,7 +306,7 @@ def test_an_old_spelling_is_refused_in_one_line_naming_the_new_one(tool, argv, m
 def test_every_switch_takes_true_or_false_and_alone_means_true(tool) -> None:
     """Each switch as argparse calls it: alone (its const), with true/false in any case, and off by default; any
     other word is refused naming the flag."""
-    from trainer.flags import _Switch
+    from trainer.interface.flags import _Switch
 
     parser = parser_of(tool)
     parsers = [
@@ -337,7 +337,7 @@ def test_a_switch_parses_alone_and_with_a_value_on_the_command_line() -> None:
 
 @pytest.mark.parametrize("tool", list(JSONARGPARSE_FUNCTIONS))
 def test_a_jsonargparse_commands_switch_alone_means_true(tool) -> None:
-    from trainer.flags import switches_of, with_bare_switches
+    from trainer.interface.flags import switches_of, with_bare_switches
 
     module = importlib.import_module(TOOLS[tool][0].split(":")[0])
     switches = switches_of(getattr(module, JSONARGPARSE_FUNCTIONS[tool]))

@@ -16,7 +16,7 @@ from tests.serving import FakeServer, free_port
 from trainer import cli
 from trainer.data import generate as gen
 from trainer.data.server_client import ordered_map, same_model, server_base
-from trainer.errors import DataError, UsageError
+from trainer.interface.errors import DataError, UsageError
 
 MODEL = "org/tiny-target"
 

@@ -6,6 +6,7 @@ are allowed by the declaration alone, and an undeclared sibling import or the pa
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shutil
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
@@ -46,6 +48,24 @@ def lint_imports(root: Path) -> tuple[int, dict[str, str], str]:
     return done.returncode, verdicts, output
 
 
+ENTRY_MODULES = {"cli", "demo"}  # the draftsmith command and its demo; everything else lives in a package
+
+
+def test_the_root_holds_packages_and_the_entry_modules_and_the_layers_name_them():
+    root = ROOT / "trainer"
+    assert {p.stem for p in root.glob("*.py")} - {"__init__"} == ENTRY_MODULES
+    packages = {p.parent.name for p in root.glob("*/__init__.py")}
+    contract = next(
+        c
+        for c in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+        if c["name"] == LAYERS
+    )
+    named = {name.strip() for layer in contract["layers"] for name in re.split(r"[:|]", layer)}
+    assert named == packages | ENTRY_MODULES
+    for package in packages:  # each says what it holds
+        assert ast.get_docstring(ast.parse((root / package / "__init__.py").read_text())), package
+
+
 def test_the_tree_keeps_every_contract():
     status, verdicts, output = lint_imports(ROOT)
     assert status == 0, output
@@ -74,7 +94,7 @@ def prepend(file: Path, line: str) -> None:
             LAYERS,
             "trainer.decoding.session -> trainer.methods.eagle3.module",
         ),
-        # one method imports a sibling's module (what they share belongs in trainer/layers.py)
+        # one method imports a sibling's module (what they share belongs in trainer/models/layers.py)
         (
             "trainer/methods/dflash/module.py",
             "import trainer.methods.eagle3.module",

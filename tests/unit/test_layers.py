@@ -1,4 +1,4 @@
-"""trainer/layers.py against the formulas written out: RMSNorm, the gated MLP and the key/value repeat; and the
+"""trainer/models/layers.py against the formulas written out: RMSNorm, the gated MLP and the key/value repeat; and the
 parameter names the drafters' checkpoints hold."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.layers import AttentionProjections, GatedMLP, RMSNorm, repeat_kv
+from trainer.models.layers import AttentionProjections, GatedMLP, RMSNorm, repeat_kv
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])

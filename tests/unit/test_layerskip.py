@@ -16,7 +16,7 @@ from tests.helpers import tiny_llama
 from trainer.decoding.evaluate import resolve_drafter
 from trainer.decoding.options import ProposerOptions
 from trainer.methods.layerskip.objective import LayerSkip, dropout_rates, exit_scales
-from trainer.registry import load_drafter, recognise
+from trainer.training.registry import load_drafter, recognise
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 V = 40

@@ -1,4 +1,4 @@
-"""The one ``model.loss`` option (trainer/distribution_loss.py) in EAGLE-3, P-EAGLE and DFlash: for every loss, the
+"""The one ``model.loss`` option (trainer/losses/distribution.py) in EAGLE-3, P-EAGLE and DFlash: for every loss, the
 objective's loss on a tiny batch equals a naive reference built from the definitions in float64 (drafts computed as
 drafting computes them, scored position by position), the expected acceptance ``alpha`` each logs per position equals
 the naive ``sum_v min(p_v, q_v)`` against the target's own distribution (over the draft vocabulary not renormalised:
@@ -15,8 +15,8 @@ from torch import nn
 
 from tests.integration.test_eagle3_offline import tiny_llama
 from tests.unit.test_dflash_objective import save_target
-from trainer.distribution_loss import LOSSES, NLA_EPS
-from trainer.errors import RecipeError
+from trainer.interface.errors import RecipeError
+from trainer.losses.distribution import LOSSES, NLA_EPS
 from trainer.methods.dflash.objective import DFlash
 from trainer.methods.dspark.objective import DSpark
 from trainer.methods.eagle3.objective import Eagle3
@@ -177,9 +177,9 @@ def test_kl_skips_the_target_log_partition_on_steps_whose_metrics_are_not_logged
 
 
 def test_eagle3_kl_gradients_equal_the_definitions(tmp_path):
-    """``kl`` trains the cross entropy against the renormalised soft labels: its gradients equal those of the KL of
-    the definitions (lk_hybrid at eta 0: lambda = 1, autograd through trainer/distribution_loss.py), which differs from
-    it by the labels' entropy alone; recompute on, so the checkpointed steps are rerun in backward."""
+    """``kl`` trains the cross entropy against the renormalised soft labels: its gradients equal those of the KL of the
+    definitions (lk_hybrid at eta 0: lambda = 1, autograd through trainer/losses/distribution.py), which differs from it
+    by the labels' entropy alone; recompute on, so the checkpointed steps are rerun in backward."""
     grads = []
     for name, eta in (("kl", 3.0), ("lk_hybrid", 0.0)):
         torch.manual_seed(0)

@@ -15,11 +15,9 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.helpers import tiny_llama
-from trainer.chunked_loss import Target, Term, chunked_loss_with_grads, cross_entropy_rows, kl_from_log_probs
-from trainer.distribution_loss import LOSSES, NLA_EPS, DistributionLoss
-from trainer.errors import RecipeError
-from trainer.logit_scaling import LogitScaling
-from trainer.losses import (
+from trainer.interface.errors import RecipeError
+from trainer.losses.chunked import Target, Term, chunked_loss_with_grads, cross_entropy_rows, kl_from_log_probs
+from trainer.losses.distillation import (
     KD_LOSSES,
     SoftTargets,
     _log1mexp,
@@ -30,12 +28,14 @@ from trainer.losses import (
     kd_loss,
     sparse_kd_loss,
 )
+from trainer.losses.distribution import LOSSES, NLA_EPS, DistributionLoss
 from trainer.methods.draft_model.kd import KnowledgeDistillation
 from trainer.methods.draft_model.on_policy import OnPolicyDistillation
 from trainer.methods.layerskip.objective import LayerSkip, exit_scales
 from trainer.methods.medusa.objective import Medusa, shifted
 from trainer.methods.mtp_heads.module import MTPHeads, Original, head_labels
 from trainer.methods.mtp_heads.objective import ParallelMTPHeads
+from trainer.models.logit_scaling import LogitScaling
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 V = 40
@@ -73,7 +73,7 @@ def naive_mean(p: torch.Tensor, logits: torch.Tensor, kept: torch.Tensor, name: 
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The losses (trainer/losses.py) on the chunked-loss engine.
+# The losses (trainer/losses/distillation.py) on the chunked-loss engine.
 
 
 @pytest.mark.parametrize("name", LOSSES)
@@ -141,7 +141,7 @@ def test_sparse_kd_loss_takes_the_lk_losses_over_the_stored_ids(name):
 
 
 def _old_dense_rows(student_logits, teacher_logits, divergence, beta, t):
-    """trainer/losses.py's row function of the KD losses before the LK losses, as it was written."""
+    """trainer/losses/distillation.py's row function of the KD losses before the LK losses, as it was written."""
     lq = F.log_softmax(student_logits / t if t != 1.0 else student_logits, dim=-1)  # [C, V]
     with torch.no_grad():
         lp = F.log_softmax(teacher_logits / t if t != 1.0 else teacher_logits, dim=-1)  # [C, V]

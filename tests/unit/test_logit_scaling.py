@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests.helpers import SCALED_FAMILIES, tiny_scaled_model
-from trainer.logit_scaling import LogitScaling
-from trainer.target import FrozenTarget
+from trainer.models.logit_scaling import LogitScaling
+from trainer.models.target import FrozenTarget
 
 EXPECTED = {
     "llama": LogitScaling(),

@@ -1,12 +1,11 @@
-"""trainer.losses against plain float64 reference formulas written out here, chunked against unchunked."""
+"""trainer.losses.distillation against plain float64 reference formulas written out here, chunked against unchunked."""
 
 import math
 
 import pytest
 import torch
 
-from trainer.logit_scaling import LogitScaling
-from trainer.losses import (
+from trainer.losses.distillation import (
     SoftTargets,
     chunked_cross_entropy,
     cross_entropy_with_grads,
@@ -14,6 +13,7 @@ from trainer.losses import (
     kd_loss,
     sparse_kd_loss,
 )
+from trainer.models.logit_scaling import LogitScaling
 
 B, S, V, H, HT = 2, 5, 11, 6, 7
 
@@ -31,8 +31,8 @@ def make_inputs(seed: int = 0, dtype=torch.float32):
 
 
 def reference(student, teacher, mask, labels, loss, beta=0.5, temperature=1.0, alpha=0.0, lk_eta=3.0):
-    """Float64 loop over positions: (loss, kd, ce, acceptance), the formulas of trainer.losses written out plainly
-    (the LK losses without T^2)."""
+    """Float64 loop over positions: (loss, kd, ce, acceptance), the formulas of trainer.losses.distillation written out
+    plainly (the LK losses without T^2)."""
     t, divergence = temperature, loss
     kd_terms, weights, ce_terms, ce_weights, accept = [], [], [], [], []
     for b in range(student.shape[0]):

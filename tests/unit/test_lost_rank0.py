@@ -44,7 +44,7 @@ def orphaned_store():
 
 
 def _end_on_rank1(store, monkeypatch, master_port: int, capsys) -> tuple[int, str]:
-    from trainer.recipe import DraftsmithCLI
+    from trainer.training.recipe import DraftsmithCLI
 
     monkeypatch.setattr(DraftsmithCLI, "running_trainer", None)  # no fit in this process (another test's may linger)
     monkeypatch.setattr(cli, "_rank_and_store", lambda: (1, store))

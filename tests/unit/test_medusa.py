@@ -27,7 +27,7 @@ from trainer.methods.medusa.export import (
 from trainer.methods.medusa.module import MedusaConfig, MedusaDrafter
 from trainer.methods.medusa.objective import Medusa, shifted, warmup_factor
 from trainer.methods.medusa.proposer import MedusaProposer
-from trainer.registry import load_drafter, recognise
+from trainer.training.registry import load_drafter, recognise
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 V, H = 48, 16

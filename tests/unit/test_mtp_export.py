@@ -19,7 +19,7 @@ from tests.helpers import tiny_llama, tiny_model
 from trainer.methods.mtp import export as exports
 from trainer.methods.mtp import kind as kind
 from trainer.methods.mtp.module import MTPConfig, MTPDrafter
-from trainer.registry import kinds
+from trainer.training.registry import kinds
 
 IDS = torch.tensor([[5, 3, 9, 1, 7, 2, 8, 4, 6, 0, 11, 12]])
 

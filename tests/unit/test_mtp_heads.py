@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import tiny_llama, tiny_model
-from trainer.logit_scaling import LogitScaling
-from trainer.losses import cross_entropy_with_grads
+from trainer.losses.distillation import cross_entropy_with_grads
 from trainer.methods.mtp_heads.module import MTPHeads, head_labels
+from trainer.models.logit_scaling import LogitScaling
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 VOCAB = 48

@@ -25,7 +25,7 @@ from trainer.methods.mtp_heads import export as mtp_export
 from trainer.methods.mtp_heads import kind as mtp_kind
 from trainer.methods.mtp_heads.module import MTPHeads, default_accuracy
 from trainer.methods.mtp_heads.proposer import MTPHeadsProposer
-from trainer.registry import load_drafter
+from trainer.training.registry import load_drafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 VOCAB = 16  # a small vocabulary: random heads' guesses are often right, so paths get accepted
@@ -120,7 +120,7 @@ def test_an_exported_folder_is_recognised_as_mtp_heads(tmp_path) -> None:
     heads = heads_of(3, dtype=torch.float32)
     mtp_export.save(heads, tmp_path / "out", None)
     code = (
-        "import sys; from pathlib import Path; from trainer.registry import recognise as r; "
+        "import sys; from pathlib import Path; from trainer.training.registry import recognise as r; "
         "k, f = r(Path(sys.argv[1])); print(k.name, f.name)"
     )
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out")], capture_output=True, text=True)

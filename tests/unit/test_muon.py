@@ -1,5 +1,5 @@
-"""``optim.name: muon`` (trainer/muon.py): the parameter split, one optimizer that steps exactly as torch's Muon and
-AdamW side by side, a scheduler that reaches both, and a state_dict that resumes to the same weights."""
+"""``optim.name: muon`` (trainer/training/muon.py): the parameter split, one optimizer that steps exactly as torch's
+Muon and AdamW side by side, a scheduler that reaches both, and a state_dict that resumes to the same weights."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.muon import MuonWithAdamW, split_for_muon
+from trainer.training.muon import MuonWithAdamW, split_for_muon
 
 
 class Tiny(nn.Module):
@@ -112,9 +112,10 @@ def test_groups_of_one_kind_only_are_refused():
 def test_an_objective_builds_it_and_deepspeed_refuses_it():
     from types import SimpleNamespace
 
-    from trainer.errors import RecipeError
-    from trainer.objective import DraftObjective, Optim
-    from trainer.strategies import CPUDeepSpeedStrategy
+    from trainer.distributed.strategies import CPUDeepSpeedStrategy
+    from trainer.interface.errors import RecipeError
+    from trainer.training.objective import DraftObjective
+    from trainer.training.optimizers import Optim
 
     class Objective(DraftObjective):
         def __init__(self) -> None:
@@ -124,10 +125,13 @@ def test_an_objective_builds_it_and_deepspeed_refuses_it():
         def trainable_module(self) -> nn.Module:
             return self.model
 
+    def trainer(strategy: object) -> SimpleNamespace:
+        return SimpleNamespace(strategy=strategy, precision="32-true", max_steps=10)
+
     objective = Objective()
-    objective._trainer = SimpleNamespace(strategy=object())
-    optimizer = objective._muon_optimizer()
+    objective._trainer = trainer(object())
+    optimizer = objective.configure_optimizers()["optimizer"]
     assert isinstance(optimizer, MuonWithAdamW) and [g["lr"] for g in optimizer.param_groups] == [0.01] * 3
-    objective._trainer = SimpleNamespace(strategy=object.__new__(CPUDeepSpeedStrategy))  # a DeepSpeedStrategy
+    objective._trainer = trainer(object.__new__(CPUDeepSpeedStrategy))  # a DeepSpeedStrategy
     with pytest.raises(RecipeError, match="optim.name: muon cannot run under DeepSpeed"):
-        objective._muon_optimizer()
+        objective.configure_optimizers()

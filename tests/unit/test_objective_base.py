@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from tests.recipe_runs import save_random_target
-from trainer.errors import TokenizerError
-from trainer.objective import DataRequirements, DraftObjective
+from trainer.interface.errors import TokenizerError
+from trainer.training.objective import DataRequirements, DraftObjective
 
 
 class Probe(DraftObjective):
@@ -100,7 +100,7 @@ def test_tokens_per_s_is_the_rate_over_the_steps_since_the_last_written_value(ti
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import CSVLogger
 
-    import trainer.objective as objective_module
+    import trainer.training.objective as objective_module
 
     clock = [100.0]
     monkeypatch.setattr(objective_module.time, "perf_counter", lambda: clock[0])

@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.helpers import tiny_scaled_model
-from trainer.logit_scaling import LogitScaling
 from trainer.methods.draft_model.kd import KnowledgeDistillation
 from trainer.methods.draft_model.on_policy import OnPolicyDistillation, assemble, left_pad, prompt_lengths
+from trainer.models.logit_scaling import LogitScaling
 
 EOS, PAD, VOCAB = 1, 0, 64
 STUDENT = {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 48}

@@ -17,7 +17,7 @@ from tests.integration.test_eagle3_offline import tiny_llama as saved_llama
 from trainer.decoding.generate import speculative_generate
 from trainer.decoding.head_tree import MEDUSA_SPARSE_TREE
 from trainer.decoding.proposers import NoProposer, ProposalContext
-from trainer.errors import ModelFolderError, RecipeError
+from trainer.interface.errors import ModelFolderError, RecipeError
 from trainer.methods.eagle3.module import Eagle3Config
 from trainer.methods.eagle3.objective import Eagle3
 from trainer.methods.eagle3.vocab_map import build_vocab_map
@@ -25,7 +25,7 @@ from trainer.methods.peagle.export import load_peagle, save_peagle
 from trainer.methods.peagle.module import PEagleConfig, PEagleDrafter, peagle_mask, peagle_mask_mod
 from trainer.methods.peagle.objective import PEagle, cod_sample
 from trainer.methods.peagle.proposer import PEagleProposer
-from trainer.registry import load_drafter, recognise
+from trainer.training.registry import load_drafter, recognise
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -88,8 +88,8 @@ def test_mask_matches_its_definition_and_flex_matches_dense():
                     rule = rule and (window is None or (aq + dq) - (ak + dk) < window)
                     expected = (rule and bool(valid[b, q]) and bool(valid[b, k])) or q == k
                     assert bool(allowed[b, q, k]) == expected, (b, q, k)
-    from trainer.block_attention import flex_attention
     from trainer.methods.eagle3.module import masked_attention
+    from trainer.models.block_attention import flex_attention
 
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 4, 10, 8), torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8)

@@ -12,10 +12,10 @@ from trainer.checkpoints.reading import load_training_checkpoint
 from trainer.decoding.generate import speculative_generate
 from trainer.decoding.options import ProposerOptions
 from trainer.decoding.proposers import NoProposer
-from trainer.errors import RecipeError
 from trainer.export.cli import main as export_main
+from trainer.interface.errors import RecipeError
 from trainer.methods.peagle.objective import PEagle
-from trainer.registry import get_kind, load_drafter
+from trainer.training.registry import get_kind, load_drafter
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trainer.objective import DraftObjective, Optim
 from trainer.planner import PRESETS, Shape, drafter_activation_bytes, estimate, main, parse_bytes, plan_from_recipe
+from trainer.training.objective import DraftObjective
+from trainer.training.optimizers import Optim
 
 ROOT = Path(__file__).resolve().parents[2]
 KD = str(ROOT / "recipes" / "quickstart" / "kd.yaml")
@@ -229,7 +230,7 @@ def random_target(tiny_corpus, tmp_path_factory):
 
 
 def _overrides(recipe: Path, target: Path, tokenizer: str) -> list[str]:
-    from trainer.recipe import parse_recipe
+    from trainer.training.recipe import parse_recipe
 
     model = parse_recipe([str(recipe)]).model.init_args
     out = []
@@ -248,7 +249,7 @@ def test_every_method_counts_what_its_objective_builds(name, random_target, tiny
     """The planner's counts (objective built on the meta device) equal the objective built for real from the target's
     weights: trained parameters and their bytes, frozen elements, for every method's quickstart recipe."""
     from trainer.planner.build import init_arguments, objective_class
-    from trainer.recipe import parse_recipe
+    from trainer.training.recipe import parse_recipe
 
     recipe = QUICKSTART / name
     overrides = _overrides(recipe, random_target, str(tiny_corpus.tokenizer_dir))
@@ -275,7 +276,7 @@ def test_every_quickstart_recipe_plans_through_its_objectives_estimate(recipe, t
     planner names no objective class). A recipe that starts from another run's checkpoint (init_from) is refused
     naming it, and plans without it but for mtp_extend, which copies the checkpoint's first module."""
     from trainer.planner.build import objective_class
-    from trainer.recipe import parse_recipe
+    from trainer.training.recipe import parse_recipe
 
     model = parse_recipe([str(recipe)]).model
     cls = objective_class(model.class_path)
@@ -368,7 +369,7 @@ def test_real_recipes_plan_from_their_published_configs(capsys, tmp_path):
 def test_draft_vocabulary_larger_than_the_targets_is_named(tmp_path):
     target = tmp_path / "t"
     LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(target)
-    from trainer.errors import RecipeError
+    from trainer.interface.errors import RecipeError
 
     for recipe in ("eagle3.yaml", "peagle.yaml"):
         with pytest.raises(RecipeError, match=r"model\.draft_vocab_size=600 must be in 1\.\.512"):
@@ -387,8 +388,8 @@ def test_draft_vocabulary_larger_than_the_targets_is_named(tmp_path):
 def test_target_config_missing_a_key_is_named(tmp_path, drop, change, match):
     """A config.json without a key Hugging Face would silently default: refused naming the file and key, before any
     weight is read (the folder holds none)."""
-    from trainer.errors import ModelFolderError
-    from trainer.target import FrozenTarget
+    from trainer.interface.errors import ModelFolderError
+    from trainer.models.target import FrozenTarget
 
     config = LlamaConfig(**TINY).to_dict()
     config.update(change)
@@ -401,8 +402,8 @@ def test_target_config_missing_a_key_is_named(tmp_path, drop, change, match):
 
 
 def test_sequence_beyond_the_targets_context_is_named():
-    from trainer.errors import RecipeError
-    from trainer.target import check_context
+    from trainer.interface.errors import RecipeError
+    from trainer.models.target import check_context
 
     config = LlamaConfig(**TINY, max_position_embeddings=128)
     check_context(config, 128, "t")
@@ -414,7 +415,7 @@ def test_sequence_beyond_the_targets_context_is_named():
 def test_bf16_on_a_cpu_without_native_bf16_is_named_and_kept():
     """PyTorch emulates bf16 on such CPUs: the run keeps bf16 (the planner's precision) with a warning naming the
     keys that ask for it; nothing to say on a CPU with native bf16, or without bf16."""
-    from trainer.target import emulated_bf16_message
+    from trainer.models.target import emulated_bf16_message
 
     dtypes = {"model.target_dtype": "bfloat16", "model.drafter_dtype": "float32"}
     message = emulated_bf16_message("bf16-mixed", dtypes, native=False)
@@ -442,8 +443,8 @@ def test_dense_ttt_attention_keeps_the_scores_the_plan_counts():
     """EAGLE-3's dense training-time-test attention (what ``auto`` runs on CPU) keeps, for backward, storages of one
     score per query, key and head: measured on CPU in bf16, the score-sized ones (at least a byte a score) are the
     plan's :func:`dense_scores` (float32 probabilities and their bf16 copy) within 0.8x-1.25x."""
-    from trainer.activation_memory import dense_scores
     from trainer.methods.eagle3.module import ttt_attention
+    from trainer.training.activation_memory import dense_scores
 
     B, nh, nkv, S, D, i = 2, 4, 2, 64, 8, 2
     torch.manual_seed(0)

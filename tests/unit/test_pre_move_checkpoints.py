@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from trainer.decoding.generate import speculative_generate
 from trainer.decoding.options import ProposerOptions
-from trainer.registry import get_kind, load_drafter
+from trainer.training.registry import get_kind, load_drafter
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "pre_move"
 EXPECTED = json.loads((FIXTURES / "expected.json").read_text())

@@ -21,7 +21,7 @@ from trainer.compare.config import Regenerate
 from trainer.compare.run import training_prompts as compare_training_prompts
 from trainer.data.corpus import HELDOUT_PROMPTS, PROMPT_CHARS, PROMPTS_PER_FILE, main, write_heldout_prompts
 from trainer.demo import build_parser as demo_parser
-from trainer.errors import UsageError
+from trainer.interface.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "recipes" / "quickstart"

@@ -20,9 +20,9 @@ import yaml
 import trainer.methods
 from trainer.cli import main as draftsmith
 from trainer.data import precompute
-from trainer.objective import DraftObjective
-from trainer.recipe import DraftsmithCLI, RecipeError, parse_recipe
-from trainer.renamed_keys import RENAMED_KEYS, RENAMED_PRECOMPUTE_KEYS, RENAMED_VALUES, WHY, renamed
+from trainer.interface.renamed_keys import RENAMED_KEYS, RENAMED_PRECOMPUTE_KEYS, RENAMED_VALUES, WHY, renamed
+from trainer.training.objective import DraftObjective
+from trainer.training.recipe import DraftsmithCLI, RecipeError, parse_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "recipes"
@@ -82,7 +82,7 @@ def recipe_objectives(recipes: list[Path]) -> set[str]:
 
 
 def method_packages() -> set[str]:
-    """The method packages of trainer.methods, whose kinds the registry imports (trainer.registry.kinds)."""
+    """The method packages of trainer.methods, whose kinds the registry imports (trainer.training.registry.kinds)."""
     return {info.name for info in pkgutil.iter_modules(trainer.methods.__path__) if info.ispkg}
 
 
@@ -95,7 +95,7 @@ def check_objectives_found(found: dict[str, type[DraftObjective]], recipes: list
     """No count to keep up to date: the objectives ``found`` are the ones the fit ``recipes`` train, and every method
     package the registry reads (one drafter kind each) holds one or more, each naming its parameters with the project's
     vocabulary (tests/integration/test_add_a_method_guide.py runs this on the guide's method too)."""
-    from trainer.registry import kinds
+    from trainer.training.registry import kinds
 
     assert set(RENAMED_KEYS) <= set(found)
     assert recipe_objectives(recipes) == set(found), "an objective without a quickstart recipe, or the reverse"

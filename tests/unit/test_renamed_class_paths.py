@@ -1,7 +1,8 @@
-"""An objective that moved keeps loading (trainer/renamed_keys.py ``RENAMED_CLASS_PATHS``): a recipe naming its old
-class path is refused in one line naming the new one, by ``parse_recipe`` and by ``draftsmith fit`` (status 2), and
-``draftsmith fit --ckpt_path`` resumes a checkpoint whose hyper-parameters name the old path as the new class, with
-the settings it recorded."""
+"""An objective that moved keeps loading (trainer/interface/renamed_keys.py ``RENAMED_CLASS_PATHS``): a recipe naming
+its old class path is refused in one line naming the new one, by ``parse_recipe`` and by ``draftsmith fit`` (status 2),
+and ``draftsmith fit --ckpt_path`` resumes a checkpoint whose hyper-parameters name the old path as the new class, with
+the settings it recorded. So does a class of a module that moved into a package (``MOVED_MODULES``: a recipe's
+strategy or callback)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,16 @@ import torch
 import yaml
 
 from trainer.cli import main as draftsmith
-from trainer.recipe import DraftsmithCLI, RecipeError, parse_recipe
-from trainer.renamed_keys import RENAMED_CLASS_PATHS, WHY_MOVED, checkpoint_names_renamed
+from trainer.interface.renamed_keys import (
+    MOVED_MODULES,
+    RENAMED_CLASS_PATHS,
+    WHY_GROUPED,
+    WHY_MOVED,
+    checkpoint_names_renamed,
+    moved_class_path,
+    moved_module_path,
+)
+from trainer.training.recipe import DraftsmithCLI, RecipeError, parse_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 OLD_PEAGLE = "trainer.methods.eagle3.peagle_objective.PEagle"
@@ -103,3 +112,64 @@ def test_checkpoint_names_renamed_leaves_other_class_paths_as_they_are():
     assert checkpoint_names_renamed(config) == config
     no_path = {"fit": {"model": {"dict_kwargs": {"target": "x"}}}}
     assert checkpoint_names_renamed(no_path) == no_path
+
+
+# trainer/'s root modules grouped into packages (0.22.0): a class path under an old module is refused naming its new
+# path, and resolves to it for a checkpoint
+MODULE_MOVES = sorted(MOVED_MODULES.items())
+
+
+@pytest.mark.parametrize("old, new", MODULE_MOVES, ids=[o for o, _ in MODULE_MOVES])
+def test_every_moved_module_imports_at_its_new_path_only(old, new):
+    importlib.import_module(new)
+    if new.startswith(old + "."):  # trainer.slurm is the package its module moved into
+        assert not hasattr(importlib.import_module(old), "main"), f"{old} still holds what moved to {new}"
+    else:
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(old)
+
+
+def old_strategy_recipe(tmp_path: Path) -> Path:
+    """recipes/_base/deepspeed_zero2.yaml naming its strategy by the class path before the move."""
+    base = yaml.safe_load((ROOT / "recipes" / "_base" / "deepspeed_zero2.yaml").read_text())
+    assert base["trainer"]["strategy"]["class_path"] == NEW_STRATEGY
+    base["trainer"]["strategy"]["class_path"] = OLD_STRATEGY
+    file = tmp_path / "old_zero2.yaml"
+    file.write_text(yaml.safe_dump(base))
+    return file
+
+
+OLD_STRATEGY = "trainer.strategies.CPUDeepSpeedStrategy"
+NEW_STRATEGY = "trainer.distributed.strategies.CPUDeepSpeedStrategy"
+KD = str(ROOT / "recipes" / "quickstart" / "kd.yaml")
+
+
+def test_a_moved_strategy_or_callback_class_path_is_refused_naming_the_new_one(tmp_path):
+    with pytest.raises(RecipeError) as strategy:
+        parse_recipe([KD, str(old_strategy_recipe(tmp_path))])
+    assert str(strategy.value) == f"class_path {OLD_STRATEGY} was renamed to {NEW_STRATEGY} ({WHY_GROUPED})"
+    old_callback = "trainer.preemption.PreemptionCheckpoint"
+    with pytest.raises(RecipeError) as callback:
+        parse_recipe([KD], ["--trainer.callbacks+", old_callback])
+    assert str(callback.value) == (
+        f"class_path {old_callback} was renamed to trainer.distributed.preemption.PreemptionCheckpoint ({WHY_GROUPED})"
+    )
+    # the recipes as they are now parse
+    parsed = parse_recipe([KD, str(ROOT / "recipes" / "_base" / "deepspeed_zero2.yaml")])
+    assert parsed.trainer.strategy.class_path == NEW_STRATEGY
+
+
+def test_fit_refuses_a_moved_strategy_with_status_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        draftsmith(["fit", "--config", KD, "--config", str(old_strategy_recipe(tmp_path))])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"class_path {OLD_STRATEGY} was renamed to {NEW_STRATEGY}" in err and "Traceback" not in err
+
+
+def test_moved_module_path_leaves_the_paths_that_resolve_now():
+    assert moved_module_path("trainer.losses.fused_kd_loss") == "trainer.losses.distillation.fused_kd_loss"
+    assert moved_module_path("trainer.losses.chunked.chunked_loss") is None  # the package of the same name
+    assert moved_module_path("trainer.slurm.requeue") is None
+    assert moved_module_path(NEW_STRATEGY) is None
+    assert moved_class_path(OLD_STRATEGY, {}) == NEW_STRATEGY

@@ -1,4 +1,5 @@
-"""trainer/requeue.py, the requeue loop of a SLURM job, without SLURM: ``scontrol requeue`` is recorded instead of run.
+"""trainer/slurm/requeue.py, the requeue loop of a SLURM job, without SLURM: ``scontrol requeue`` is recorded instead of
+run.
 
 Each attempt's ``start`` and ``end`` run on a checkpoint folder that the test writes as a fit would; the decisions
 (requeue or stop, the exit status) are those of a plain loop over the attempts' steps.
@@ -15,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import requeue
 from trainer.checkpoints.sharded import MARKER
+from trainer.slurm import requeue
 
 
 def _save(folder: Path, step: int, name: str = "last.ckpt") -> Path:
@@ -91,7 +92,7 @@ def test_a_failure_without_progress_stops_after_the_limit(tmp_path, requeued, ca
     folder, state = tmp_path / "ckpt", tmp_path / "logs" / "job-12.requeue.json"
     expected = _naive(attempts, limit)
     got: list[str] = []
-    caplog.set_level(logging.INFO, logger="trainer.requeue")
+    caplog.set_level(logging.INFO, logger="trainer.slurm.requeue")
     for n, (status, after) in enumerate(attempts[: len(expected)], start=1):
         caplog.clear()
         requeue.start(state, [folder], "12", n)
@@ -119,7 +120,7 @@ def test_a_failure_without_progress_stops_after_the_limit(tmp_path, requeued, ca
 
 def test_an_attempt_logs_what_it_resumed_from(tmp_path, requeued, caplog):
     folder, state = tmp_path / "ckpt", tmp_path / "job.requeue.json"
-    caplog.set_level(logging.INFO, logger="trainer.requeue")
+    caplog.set_level(logging.INFO, logger="trainer.slurm.requeue")
     requeue.start(state, [folder], "7", 1)
     assert caplog.messages[-1] == "attempt 1 of job 7: starting from scratch (no checkpoint yet)"
     path = _save(folder, 5)

@@ -1,6 +1,6 @@
-"""Sequence parallelism (trainer/sequence_parallel.py): DeepSpeed-Ulysses around EAGLE-3's training-time-test
-attention and around a target's forward, in two gloo processes on CPU, gives the single process's outputs and
-gradients; refusals name the key."""
+"""Sequence parallelism (trainer/distributed/sequence_parallel.py): DeepSpeed-Ulysses around EAGLE-3's
+training-time-test attention and around a target's forward, in two gloo processes on CPU, gives the single process's
+outputs and gradients; refusals name the key."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests._multiproc import run_group
-from trainer.errors import RecipeError
-from trainer.sequence_parallel import check_sequence_parallel
+from trainer.distributed.sequence_parallel import check_sequence_parallel
+from trainer.interface.errors import RecipeError
 
 WORKER = """
 import os, sys
@@ -21,7 +21,7 @@ import torch.distributed as dist
 import deepspeed
 
 from trainer.methods.eagle3.module import ttt_attention
-from trainer.sequence_parallel import ulysses_attention
+from trainer.distributed.sequence_parallel import ulysses_attention
 
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
@@ -49,7 +49,7 @@ print("rank", rank, "ttt equal", flush=True)
 # the frozen target's forward: each rank runs its slice, positions counted from the slice's first global position
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trainer.sequence_parallel import register_ulysses_sdpa
+from trainer.distributed.sequence_parallel import register_ulysses_sdpa
 
 config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, attn_implementation="sdpa")

@@ -21,8 +21,8 @@ from trainer.checkpoints.sharded import (
     read_marker,
     save_folder_atomically,
 )
-from trainer.errors import RecipeError
-from trainer.recipe import DEFAULT_COLLECTIVE_TIMEOUT_S, _set_collective_timeout, parse_recipe
+from trainer.interface.errors import RecipeError
+from trainer.training.recipe import DEFAULT_COLLECTIVE_TIMEOUT_S, _set_collective_timeout, parse_recipe
 
 
 class OneRank:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainer.errors import RecipeError, UsageError
-from trainer.slurm import SlurmJob, main, render
+from trainer.interface.errors import RecipeError, UsageError
+from trainer.slurm.submit import SlurmJob, main, render
 
 ROOT = Path(__file__).resolve().parents[2]
 KD = str(ROOT / "recipes" / "quickstart" / "kd.yaml")
@@ -56,7 +56,7 @@ def test_gpu_job_matches_allocation(tmp_path, capsys):
     assert over["--trainer.num_nodes"] == "2" and over["--trainer.devices"] == "8"
     assert over["--trainer.accelerator"] == "gpu" and over["--trainer.max_steps"] == "7"
     assert [args[i + 1] for i, a in enumerate(args) if a == "--config"] == [KD, ZERO2]
-    assert "--trainer.callbacks+=trainer.preemption.PreemptionCheckpoint" in args
+    assert "--trainer.callbacks+=trainer.distributed.preemption.PreemptionCheckpoint" in args
     assert args[-2:] == ["--ckpt_path", "last"]
     assert f"cd {tmp_path}" in script and "DS_ACCELERATOR" not in script
     shell = ("${SLURM", "$(date", "$$", '"${requeue[@]}"', "status=$?", '"$status"')  # the script's own variables
@@ -79,7 +79,7 @@ def test_cpu_job_uses_tasks_per_node_and_workers(tmp_path):
 
 def test_callback_already_in_recipe_is_not_added_twice(tmp_path):
     recipe = tmp_path / "cb.yaml"
-    cb = {"class_path": "trainer.preemption.PreemptionCheckpoint"}
+    cb = {"class_path": "trainer.distributed.preemption.PreemptionCheckpoint"}
     ckpt = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"dirpath": "ckpts"}}
     recipe.write_text(yaml.safe_dump({"trainer": {"callbacks": [ckpt, cb]}}))
     args = _fit_args(render(SlurmJob(configs=[KD, str(recipe)])))
@@ -87,7 +87,7 @@ def test_callback_already_in_recipe_is_not_added_twice(tmp_path):
 
 
 def test_the_requeue_loop_reads_the_recipes_checkpoint_folder(tmp_path):
-    """srun ends the step when one task dies; trainer.requeue runs before and after the fit, on the recipe's
+    """srun ends the step when one task dies; trainer.slurm.requeue runs before and after the fit, on the recipe's
     ModelCheckpoint folder (resolved from the workdir), with the job's state file and its limit."""
     script = render(SlurmJob(configs=[KD], workdir=str(tmp_path), job_name="kd", max_failed_requeues=5))
     srun = next(line for line in script.splitlines() if line.startswith("srun "))

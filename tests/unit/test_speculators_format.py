@@ -17,10 +17,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from tests.unit.test_dflash_drafter import small_drafter as dflash_drafter
 from tests.unit.test_dspark import setup as dspark_setup
 from tests.unit.test_eagle3_drafter import small_drafter as eagle3_drafter
-from trainer.errors import ModelFolderError
 from trainer.export import speculators
+from trainer.interface.errors import ModelFolderError
 from trainer.methods.peagle.module import PEagleConfig, PEagleDrafter
-from trainer.registry import DrafterRecord, get_kind, load_drafter, recognise
+from trainer.training.registry import DrafterRecord, get_kind, load_drafter, recognise
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCHITECTURES = ["LlamaForCausalLM"]

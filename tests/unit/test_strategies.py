@@ -1,4 +1,5 @@
-"""Fast checks of trainer/strategies.py and the recipes/_base fragments (the 2-process runs are in integration/)."""
+"""Fast checks of trainer/distributed/strategies.py and the recipes/_base fragments (the 2-process runs are in
+integration/)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from lightning.pytorch.strategies import DDPStrategy, Strategy
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests._multiproc import free_port
-from trainer.strategies import (
+from trainer.distributed.strategies import (
     CPUDeepSpeedStrategy,
     FSDP2Strategy,
     deepspeed_offload_enabled,

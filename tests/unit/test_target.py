@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.helpers import SCALED_FAMILIES, tiny_scaled_model
-from trainer.target import FrozenTarget
+from trainer.models.target import FrozenTarget
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from tests.helpers import tiny_llama
 from trainer.decoding.drift import prompt_loss, target_drift
 from trainer.decoding.report import markdown
-from trainer.errors import RecipeError
+from trainer.interface.errors import RecipeError
 from trainer.methods.layerskip import kind as layerskip_kind
 from trainer.methods.layerskip.objective import LayerSkip, exit_scales
 from trainer.methods.mtp_heads import export as mtp_export

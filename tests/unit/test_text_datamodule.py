@@ -9,7 +9,7 @@ import torch
 from tests.helpers import chat_stream, text_datamodule, write_jsonl
 from trainer.data.packing import IGNORE_INDEX, pack_rows
 from trainer.data.text import TextDataModule
-from trainer.errors import DataError
+from trainer.interface.errors import DataError
 
 DOCS = [f"def f{i}(x):\n    return x * {i} + {i * i}\n" * (1 + i % 3) for i in range(12)]
 CHATS = [

@@ -1,5 +1,6 @@
-"""The progress of the tools' long stages (trainer/output.py's CountProgress, used by ``draftsmith precompute`` and
-``generate``): plain lines in a log file, at every interval and at the end; the bar on a terminal only."""
+"""The progress of the tools' long stages (trainer/interface/output.py's CountProgress, used by ``draftsmith
+precompute`` and ``generate``): plain lines in a log file, at every interval and at the end; the bar on a terminal
+only."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.recipe_runs import save_random_target
-from trainer.output import CountProgress, duration
+from trainer.interface.output import CountProgress, duration
 
 REPO = Path(__file__).resolve().parents[2]
 _LINE = re.compile(r"^INFO: precompute (\d+)/(\d+) seq \| [\d.,]+ seq/s \| elapsed \S+( \| eta \S+)?$")
@@ -40,7 +41,7 @@ def _lines_at(total: int, done: int, every_n: int, updates: list[int]) -> list[i
 def test_off_a_terminal_a_line_per_interval_and_at_the_end(total, done, every_n, updates, caplog):
     stream = io.StringIO()
     progress = CountProgress("precompute", total, "seq", done, every_n=every_n, every_seconds=0, stream=stream)
-    with caplog.at_level(logging.INFO, logger="trainer.output"):
+    with caplog.at_level(logging.INFO, logger="trainer.interface.output"):
         for n in updates:
             progress.update(n)
         progress.close()
@@ -62,7 +63,7 @@ def test_the_line_reads_rate_elapsed_and_eta_of_this_run():
 def test_on_a_terminal_the_bar_and_no_lines(caplog):
     stream = _Terminal()
     progress = CountProgress("generate", 4, "records", every_n=1, every_seconds=0, stream=stream)
-    with caplog.at_level(logging.INFO, logger="trainer.output"):
+    with caplog.at_level(logging.INFO, logger="trainer.interface.output"):
         for _ in range(4):
             progress.update(1, "3.0 tokens/s")
         progress.close()
@@ -126,7 +127,7 @@ def test_eval_logs_a_line_per_tenth_of_its_side_by_side_decodes(temperature, cap
     prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
     ks, thresholds, repeats = [1, 2], [0.0], 2
     total = len(prompts) * len(ks) * len(thresholds) * repeats * (2 if temperature > 0 else 1)
-    with caplog.at_level(logging.INFO, logger="trainer.output"):
+    with caplog.at_level(logging.INFO, logger="trainer.interface.output"):
         evaluate_drafter(target, NoProposer(), prompts, ks, 3, temperature, None, 0, repeats, thresholds, progress=True)
     counts = [int(m[1]) for r in caplog.records if (m := re.match(rf"eval (\d+)/{total} prompts \| ", r.getMessage()))]
     assert counts and counts[-1] == total and counts == sorted(set(counts))

@@ -9,8 +9,8 @@ import pytest
 from torch._utils import ExceptionWrapper
 
 from trainer.cli import _without_debug_flag
-from trainer.errors import DataError, RecipeError, TokenizerError, UserError, error_report, user_error_in
-from trainer.recipe import RecipeError as RecipeErrorOfRecipes
+from trainer.interface.errors import DataError, RecipeError, TokenizerError, UserError, error_report, user_error_in
+from trainer.training.recipe import RecipeError as RecipeErrorOfRecipes
 
 
 def test_one_recipe_error_class():

@@ -19,7 +19,9 @@ import trainer
 from tests.helpers import tiny_llama
 from trainer.cli import main as draftsmith
 from trainer.export.cli import export
-from trainer.fingerprint import (
+from trainer.methods.medusa import kind as medusa_kind
+from trainer.methods.medusa.module import MedusaConfig, MedusaDrafter
+from trainer.training.fingerprint import (
     EXPORT_RECORD,
     EXPORT_VERSION_KEY,
     export_record,
@@ -27,8 +29,6 @@ from trainer.fingerprint import (
     fingerprint,
     write_export_record,
 )
-from trainer.methods.medusa import kind as medusa_kind
-from trainer.methods.medusa.module import MedusaConfig, MedusaDrafter
 
 REPO = Path(__file__).resolve().parents[2]
 CHANGELOG = REPO / "CHANGELOG.md"

@@ -20,15 +20,15 @@ from tests.helpers import tiny_llama
 from tests.unit.test_dflash_objective import V, save_target
 from trainer.decoding.generate import speculative_generate
 from trainer.decoding.proposers import NoProposer, ProposalContext
-from trainer.errors import ModelFolderError, RecipeError, UsageError
+from trainer.interface.errors import ModelFolderError, RecipeError, UsageError
 from trainer.methods.dflash import kind as dflash_kind
 from trainer.methods.dflash.module import DFlashConfig
 from trainer.methods.xpress import kind as xpress_kind
 from trainer.methods.xpress.module import REFINER_KEYS, XPressConfig, XPressDrafter
 from trainer.methods.xpress.objective import XPress
 from trainer.methods.xpress.proposer import XPressProposer, XPressTreeProposer
-from trainer.recipe import parse_recipe
-from trainer.registry import get_kind
+from trainer.training.recipe import parse_recipe
+from trainer.training.registry import get_kind
 
 ROOT = Path(__file__).resolve().parents[2]
 

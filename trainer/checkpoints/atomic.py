@@ -15,8 +15,9 @@ What :class:`AtomicCheckpointIO` does
 It writes ``<folder>/.<name>.<random>.tmp`` beside the checkpoint, streaming ``torch.save`` into it (no second copy in
 memory), flushes and fsyncs it, then ``os.replace``s it onto the checkpoint's name (atomic on one file system) and
 fsyncs the folder. On an ``OSError`` (``ENOSPC``, a quota, an I/O error) the temporary file is removed and a
-:class:`~trainer.errors.CheckpointError` names the folder and says that the previous checkpoint there is intact.
-Reading a checkpoint that is truncated or not a checkpoint (``--ckpt_path``) is a CheckpointError naming the file.
+:class:`~trainer.interface.errors.CheckpointError` names the folder and says that the previous checkpoint there is
+intact. Reading a checkpoint that is truncated or not a checkpoint (``--ckpt_path``) is a CheckpointError naming the
+file.
 
 Where it applies: every strategy that writes one file through its CheckpointIO (single device, DDP, FSDP with
 ``state_dict_type="full"``, ModelParallel without distributed checkpoints). DeepSpeed writes its own checkpoint
@@ -38,7 +39,7 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from trainer.errors import CheckpointError
+from trainer.interface.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import torch
 
-from trainer.errors import CheckpointError, PathError
+from trainer.interface.errors import CheckpointError, PathError
 
 _ZIP_MAGIC = b"PK\x03\x04"
 # Globals a DeepSpeed checkpoint folder's files name besides what weights_only allows by default (its ZeRO stage enum,

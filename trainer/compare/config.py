@@ -20,7 +20,7 @@ import yaml
 from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser
 
 from trainer.decoding.options import ProposerOptions
-from trainer.errors import RecipeError
+from trainer.interface.errors import RecipeError
 
 PLACEHOLDERS = ("target", "data", "run", "ckpt", "export")
 PLACEHOLDER = re.compile(r"\{([A-Za-z_]\w*)\}")  # {name}; other braces (JSON values) are left as they are

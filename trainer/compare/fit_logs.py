@@ -18,7 +18,7 @@ def steps_for_budget(budget: Budget, recipe: str, fit_args: list[str]) -> int | 
         return budget.steps
     if budget.tokens is None:
         return None
-    from trainer.recipe import RecipeError, parse_recipe
+    from trainer.training.recipe import RecipeError, parse_recipe
 
     try:
         fit = parse_recipe([recipe], fit_args)
@@ -40,7 +40,7 @@ def loss_of(recipe: str, fit_args: list[str]) -> str:
     """The loss a method trains with, as the report's ``loss`` column shows it: the objective's ``model.loss`` (the
     cross entropy on tokens, ``ce``, for an objective without one) and its ``model.labels`` where it has them, read
     with fit's own parser (the recipe's value, else the objective's default)."""
-    from trainer.recipe import parse_recipe
+    from trainer.training.recipe import parse_recipe
 
     args = parse_recipe([recipe], fit_args).model.init_args
     loss = getattr(args, "loss", None) or "ce"

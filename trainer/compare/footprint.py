@@ -20,7 +20,7 @@ def footprint(drafter: str, target: str) -> dict:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from trainer.registry import get_kind, load_drafter
+    from trainer.training.registry import get_kind, load_drafter
 
     hf_logging.disable_progress_bar()  # the comparison prints one line per stage
 

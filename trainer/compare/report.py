@@ -18,7 +18,7 @@ from pathlib import Path
 from trainer.compare.config import CompareConfig, Method
 from trainer.compare.fit_logs import tokens_at
 from trainer.decoding.drift import heldout_text
-from trainer.errors import PathError
+from trainer.interface.errors import PathError
 
 METRICS = {
     "tau_greedy": "tau greedy at the largest K",

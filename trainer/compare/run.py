@@ -38,9 +38,9 @@ from typing import IO
 from trainer.compare.config import CompareConfig, CompareConfigError, Method, fill_placeholders, read_config
 from trainer.data.corpus import training_prompts
 from trainer.decoding.options import option_arguments
-from trainer.errors import UserError, debugging, error_report
-from trainer.flags import ToolParser
-from trainer.output import block, duration
+from trainer.interface.errors import UserError, debugging, error_report
+from trainer.interface.flags import ToolParser
+from trainer.interface.output import block, duration
 
 FIT_TAGS = ("train/tokens", "spec_eval/tau", "spec_eval/tau_sampling")
 
@@ -101,7 +101,7 @@ class Comparison:
     def check_methods(self) -> None:
         """Every training method's recipe and fit arguments, read by fit's own parser (nothing built, no file read):
         a misspelled key stops the comparison before anything runs, naming the method."""
-        from trainer.recipe import RecipeError, parse_recipe
+        from trainer.training.recipe import RecipeError, parse_recipe
 
         for i, method in enumerate(self.config.methods):
             if method.trains:

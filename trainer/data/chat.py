@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.errors import DataError, TokenizerError
+from trainer.interface.errors import DataError, TokenizerError
 
 _GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.data.tokenizer import tokenizer_hash, train_byte_level_bpe, wrap_fast_tokenizer
-from trainer.errors import DataError, PathError, UsageError
-from trainer.flags import ToolParser
+from trainer.interface.errors import DataError, PathError, UsageError
+from trainer.interface.flags import ToolParser
 
 log = logging.getLogger(__name__)
 

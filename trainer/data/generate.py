@@ -58,9 +58,9 @@ from trainer.data.generate_io import (
 )
 from trainer.data.server_client import OpenAIClient, RecordReply, ServerRegenerator, ordered_map, served_model
 from trainer.data.target_replies import Regenerator, complete_records, load_target, regenerate_records, seed_of
-from trainer.errors import DataError, PathError, UsageError
-from trainer.flags import command_line
-from trainer.output import CountProgress, block, duration, rate
+from trainer.interface.errors import DataError, PathError, UsageError
+from trainer.interface.flags import command_line
+from trainer.interface.output import CountProgress, block, duration, rate
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.errors import DataError, UsageError
+from trainer.interface.errors import DataError, UsageError
 
 log = logging.getLogger(__name__)
 

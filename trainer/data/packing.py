@@ -6,8 +6,8 @@ A row holds `seq_len + 1` token ids and a per-token "trained" flag; an example b
     labels     [S] long   row[1:] (the next token), IGNORE_INDEX where it is not trained
     loss_mask  [S] bool   True where labels is trained (aligned with labels)
     document_ids [S] long (rows packed with document masking only) the document of each input position within its
-                 row, counted from 0 (trainer/documents.py): row[0] may be the tail of a document cut at the previous
-                 row; it is document 0 of this row
+                 row, counted from 0 (trainer/models/documents.py): row[0] may be the tail of a document cut at the
+                 previous row; it is document 0 of this row
 
 A row "has nothing to train" when no label is trained (`trained[1:]` all False; `trained[0]` is never a label of its
 row). `label_sources` tells which stream (file) each label of a row comes from, so that callers can drop such rows

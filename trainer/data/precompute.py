@@ -44,11 +44,11 @@ from trainer.data.shards import (
 from trainer.data.text import TextDataModule
 from trainer.data.tokenizer import tokenizer_hash
 from trainer.data.vocab import load_tokenizer_if_present, shared_vocab_size
-from trainer.errors import UsageError
-from trainer.flags import command_line
-from trainer.output import CountProgress, block, duration
-from trainer.renamed_keys import renamed_precompute_key_message
-from trainer.target import FrozenTarget
+from trainer.interface.errors import UsageError
+from trainer.interface.flags import command_line
+from trainer.interface.output import CountProgress, block, duration
+from trainer.interface.renamed_keys import renamed_precompute_key_message
+from trainer.models.target import FrozenTarget
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch.utils.data import DistributedSampler
 
-from trainer.errors import CheckpointError, DataError
+from trainer.interface.errors import CheckpointError, DataError
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from trainer.errors import DataError, UsageError
+from trainer.interface.errors import DataError, UsageError
 
 log = logging.getLogger(__name__)
 

@@ -47,9 +47,9 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from trainer.data.shards import ShardError, ShardInfo, ShardMeta, check_compatible, iter_shard, load_manifest
 from trainer.data.sources import check_shards_folder
-from trainer.errors import CheckpointError, DataError, RecipeError
-from trainer.preemption import stop_signal_worker_init
-from trainer.sequence_parallel import data_parallel_rank_world
+from trainer.distributed.preemption import stop_signal_worker_init
+from trainer.distributed.sequence_parallel import data_parallel_rank_world
+from trainer.interface.errors import CheckpointError, DataError, RecipeError
 
 log = logging.getLogger(__name__)
 

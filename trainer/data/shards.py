@@ -40,7 +40,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from trainer.errors import DataError, PathError, TokenizerError
+from trainer.interface.errors import DataError, PathError, TokenizerError
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"

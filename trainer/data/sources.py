@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from trainer.errors import DataError, PathError
+from trainer.interface.errors import DataError, PathError
 
 _TEXT_SUFFIXES = (".txt",)
 _JSON_SUFFIXES = (".jsonl", ".json")

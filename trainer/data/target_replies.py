@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from trainer.data.generate_io import Chunk, check_messages, check_prompt
 from trainer.data.tokenizer import load_tokenizer
-from trainer.errors import DataError, PathError, TokenizerError
-from trainer.target import check_model_path, resolve_dtype
+from trainer.interface.errors import DataError, PathError, TokenizerError
+from trainer.models.target import check_model_path, resolve_dtype
 
 
 def seed_of(seed: int, chunk_start: int) -> int:

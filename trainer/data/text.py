@@ -14,7 +14,7 @@ one row, truncated to `seq_len + 1` tokens or right-padded with the pad token (p
 
 Document masking (`document_masking=True`, packed rows only): every batch also carries
 
-    document_ids [B, S] long  the document of each input position within its row (trainer/documents.py), from the
+    document_ids [B, S] long  the document of each input position within its row (trainer/models/documents.py), from the
                               packer's own boundaries (not guessed from EOS: a chat document may hold EOS tokens)
 
 and a document's first token is no label (the previous document's last token would predict it across the boundary),
@@ -83,9 +83,9 @@ from trainer.data.packing import (
 from trainer.data.sampler import MixedLengthSampler, ResumableSampler, resume_point
 from trainer.data.sources import DocumentReader, Documents, check_data_paths
 from trainer.data.tokenizer import check_before_reading, load_tokenizer, tokenizer_hash
-from trainer.errors import CheckpointError, DataError, PathError, RecipeError, TokenizerError
-from trainer.preemption import stop_signal_worker_init
-from trainer.sequence_parallel import data_parallel_rank_world
+from trainer.distributed.preemption import stop_signal_worker_init
+from trainer.distributed.sequence_parallel import data_parallel_rank_world
+from trainer.interface.errors import CheckpointError, DataError, PathError, RecipeError, TokenizerError
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from trainer.errors import PathError, UsageError
+from trainer.interface.errors import PathError, UsageError
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"

@@ -18,7 +18,7 @@ from typing import Any
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from trainer.data.tokenizer import tokenizer_hash
-from trainer.errors import TokenizerError
+from trainer.interface.errors import TokenizerError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 

@@ -1,11 +1,11 @@
 """A Lightning callback that measures tau with real speculative decoding every N training steps.
 
 Every objective that trains a drafter implements the protocol :class:`SpeculativeEvalModule` through the base class
-(trainer/objective.py): ``speculative_eval_target()`` (the frozen HF target, on the module's device),
-``trainable_module()`` (the drafter as it is being trained) and ``drafter_record()`` (what it is). The callback asks
-the record's drafter kind for a proposer (trainer/registry.py), the same factory ``draftsmith eval`` uses, with the
-same :class:`~trainer.decoding.options.ProposerOptions` (``options``: ``tree``, ``tree_nodes``, ``exit_layer``...),
-so what is logged during training is what ``eval`` measures afterwards with the same flags. In a recipe::
+(trainer/training/objective.py): ``speculative_eval_target()`` (the frozen HF target, on the module's device),
+``trainable_module()`` (the drafter as it is being trained) and ``drafter_record()`` (what it is). The callback asks the
+record's drafter kind for a proposer (trainer/training/registry.py), the same factory ``draftsmith eval`` uses, with the
+same :class:`~trainer.decoding.options.ProposerOptions` (``options``: ``tree``, ``tree_nodes``, ``exit_layer``...), so
+what is logged during training is what ``eval`` measures afterwards with the same flags. In a recipe::
 
     - class_path: trainer.decoding.callback.SpeculativeEvalCallback
       init_args: {prompts: held_out.jsonl, k: 3, options: {tree: true, tree_nodes: 16}}
@@ -36,8 +36,8 @@ from trainer.decoding.evaluate import load_prompts, loop_statistics, run_prompts
 from trainer.decoding.identity import check_identity
 from trainer.decoding.options import ProposerOptions
 from trainer.decoding.proposers import NoProposer, Proposer
-from trainer.errors import UsageError
-from trainer.registry import DrafterRecord, get_kind
+from trainer.interface.errors import UsageError
+from trainer.training.registry import DrafterRecord, get_kind
 
 
 @runtime_checkable

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from transformers import PreTrainedModel
 
 from trainer.decoding.drift import prompt_loss
-from trainer.errors import DataError, UsageError
+from trainer.interface.errors import DataError, UsageError
 
 
 def cut_buckets(

@@ -38,11 +38,11 @@ from trainer.decoding.evaluate import evaluate_drafter, load_prompts, refuse_dra
 from trainer.decoding.identity import SpeculativeMismatchError
 from trainer.decoding.options import ProposerOptions, add_option_arguments, options_from_arguments, positive_ints
 from trainer.decoding.report import write_report
-from trainer.errors import TokenizerError, UsageError, UserError
-from trainer.flags import ToolParser
-from trainer.output import block, duration
-from trainer.registry import is_training_checkpoint
-from trainer.target import check_safetensors_headers, resolve_model
+from trainer.interface.errors import TokenizerError, UsageError, UserError
+from trainer.interface.flags import ToolParser
+from trainer.interface.output import block, duration
+from trainer.models.target import check_safetensors_headers, resolve_model
+from trainer.training.registry import is_training_checkpoint
 
 
 def build_parser() -> ToolParser:
@@ -152,7 +152,7 @@ def build_parser() -> ToolParser:
 def load_target(
     name: str, dtype: str, device: torch.device, what: str = "--target"
 ) -> tuple[PreTrainedModel, object, str]:
-    """The HF target, its tokenizer and its folder, from a local folder or a hub id (trainer/target.py
+    """The HF target, its tokenizer and its folder, from a local folder or a hub id (trainer/models/target.py
     ``resolve_model``: the local Hugging Face cache, offline too), with an error that says what the folder lacks."""
     path = str(resolve_model(name, what))
     refuse_drafter_as_target(path)
@@ -179,7 +179,7 @@ def _error(message: str, err: BaseException) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``draftsmith eval``; returns the exit status: 2 for a bad input or a greedy output mismatch (a
-    :class:`~trainer.errors.UserError` goes to the command's handler, which prints it and exits 2)."""
+    :class:`~trainer.interface.errors.UserError` goes to the command's handler, which prints it and exits 2)."""
     args = build_parser().parse_args(argv)
     started = time.monotonic()
     if args.heldout_tokens < 0 or args.heldout_tokens == 1:

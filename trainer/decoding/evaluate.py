@@ -36,10 +36,11 @@ from trainer.decoding.generate import GenerationResult, speculative_generate
 from trainer.decoding.identity import check_identity, describe_near_tie
 from trainer.decoding.options import ProposerOptions
 from trainer.decoding.proposers import NoProposer, Proposer, build_proposer, registered_proposers
-from trainer.errors import CheckpointError, ModelFolderError
 from trainer.export.files import folder_config
 from trainer.export.speculators import read_block
-from trainer.fingerprint import (
+from trainer.interface.errors import CheckpointError, ModelFolderError
+from trainer.interface.output import CountProgress
+from trainer.training.fingerprint import (
     EXPORT_RECORD,
     describe,
     differences,
@@ -48,8 +49,14 @@ from trainer.fingerprint import (
     recorded_fingerprints,
     sample_differences,
 )
-from trainer.output import CountProgress
-from trainer.registry import DrafterRecord, check_target, get_kind, is_training_checkpoint, load_drafter, recognise
+from trainer.training.registry import (
+    DrafterRecord,
+    check_target,
+    get_kind,
+    is_training_checkpoint,
+    load_drafter,
+    recognise,
+)
 
 log = logging.getLogger(__name__)
 
@@ -193,11 +200,11 @@ def named_target(folder: Path, config: dict) -> str | None:
 def drafter_export(path: str | Path) -> tuple[str, str, str | None] | None:
     """(kind, format, the target it names) of a folder that holds a drafter export and no target model, else None.
 
-    The rule: a format of a registered kind recognises the folder (trainer/registry.py ``recognise``), that format is
-    not the generic one (any HF causal LM folder is kind ``hf_causal_lm``'s, and is a target as well), and the folder's
-    ``config.json`` does not name a model class transformers builds (:func:`_is_model_class`). So a LayerSkip export,
-    an MTP checkpoint (NextN, Qwen3-Next) and an MTP-heads export, which are target models with a drafter's files
-    beside them, are not drafter exports here; Medusa, EAGLE-3, DFlash (z-lab and speculators) exports are.
+    The rule: a format of a registered kind recognises the folder (trainer/training/registry.py ``recognise``), that
+    format is not the generic one (any HF causal LM folder is kind ``hf_causal_lm``'s, and is a target as well), and the
+    folder's ``config.json`` does not name a model class transformers builds (:func:`_is_model_class`). So a LayerSkip
+    export, an MTP checkpoint (NextN, Qwen3-Next) and an MTP-heads export, which are target models with a drafter's
+    files beside them, are not drafter exports here; Medusa, EAGLE-3, DFlash (z-lab and speculators) exports are.
     """
     folder = Path(path)
     if not folder.is_dir():
@@ -276,7 +283,7 @@ def _same_weights_or_refuse(spec: str, what: str, ours, target_path: str, allow_
 def check_carried_target(spec: str, carried: nn.Module, target_path: str, allow_other_target: bool = False) -> None:
     """Refuse a drafter that carries the target it trained (Medusa-2, an MTP trunk trained with its modules) measured
     against another model: its weights and ``target_path``'s are compared by sampled values, tensor by tensor
-    (:func:`~trainer.fingerprint.sample_differences`; a float32 copy and a bfloat16 save agree).
+    (:func:`~trainer.training.fingerprint.sample_differences`; a float32 copy and a bfloat16 save agree).
 
     Raises:
         CheckpointError: no weight in common, or one differing, unless ``allow_other_target``.
@@ -287,11 +294,12 @@ def check_carried_target(spec: str, carried: nn.Module, target_path: str, allow_
 
 def check_exported_target(spec: str, target_path: str, allow_other_target: bool = False) -> None:
     """Refuse an exported drafter measured against a target other than the one it was made for, as far as its folder
-    says which: the fingerprint ``draftsmith export`` wrote beside it (:data:`~trainer.fingerprint.EXPORT_RECORD`),
-    compared as a training checkpoint's is; for a target model with a drafter's files beside it (an MTP, MTP-heads or
-    LayerSkip export), that model's own weights, compared with ``target_path``'s. A drafter export without a record
-    (a folder another tool wrote, or an export older than the record) is one warning line saying that nothing ties it
-    to ``target_path``; a draft model folder (kind ``hf_causal_lm``) without one is left to the tokenizer check.
+    says which: the fingerprint ``draftsmith export`` wrote beside it
+    (:data:`~trainer.training.fingerprint.EXPORT_RECORD`), compared as a training checkpoint's is; for a target model
+    with a drafter's files beside it (an MTP, MTP-heads or LayerSkip export), that model's own weights, compared with
+    ``target_path``'s. A drafter export without a record (a folder another tool wrote, or an export older than the
+    record) is one warning line saying that nothing ties it to ``target_path``; a draft model folder (kind
+    ``hf_causal_lm``) without one is left to the tokenizer check.
 
     Raises:
         CheckpointError: a recorded fingerprint that differs, or a model folder whose weights differ, unless
@@ -336,11 +344,11 @@ def check_trained_target(checkpoint: str, target_path: str, allow_other_target: 
     """Refuse to measure a training checkpoint against a target other than the one it recorded.
 
     Training checkpoints keep the fingerprint of their frozen target (``checkpoint["frozen_models"]["target"]``;
-    ``"teacher"`` in KD checkpoints): its config hash, the hash of its weights' names, shapes and dtypes, and a hash
-    of a sample of their values (trainer/fingerprint.py; reading it costs the safetensors headers and one small slice
-    per tensor). They are compared with ``target_path``'s; the path itself is not compared (the same model copied
-    elsewhere is the same target). A checkpoint without a recorded target, or an export (no fingerprint), is not
-    checked here.
+    ``"teacher"`` in KD checkpoints): its config hash, the hash of its weights' names, shapes and dtypes, and a hash of
+    a sample of their values (trainer/training/fingerprint.py; reading it costs the safetensors headers and one small
+    slice per tensor). They are compared with ``target_path``'s; the path itself is not compared (the same model copied
+    elsewhere is the same target). A checkpoint without a recorded target, or an export (no fingerprint), is not checked
+    here.
 
     Raises:
         CheckpointError: naming both fingerprints and what differs, unless ``allow_other_target``.
@@ -514,8 +522,8 @@ def evaluate_drafter(
     and ``near_ties`` from that bucket's prompts, whose indices stay those of ``prompts``).
 
     ``progress``: show the progress over every prompt of every pass (each threshold and K, greedy then sampling, each
-    repeat), trainer/output.py's CountProgress: a bar on a terminal, else a line every tenth of them and at least
-    every two minutes."""
+    repeat), trainer/interface/output.py's CountProgress: a bar on a terminal, else a line every tenth of them and at
+    least every two minutes."""
     if not accept_thresholds:
         raise ValueError("accept_thresholds: give at least one threshold (0: off)")
     passes = len(accept_thresholds) * len(ks) * (2 if temperature > 0 else 1) * repeats

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
-from trainer.errors import UsageError
+from trainer.interface.errors import UsageError
 
 TreePaths = tuple[tuple[int, ...], ...]
 

@@ -1,15 +1,14 @@
 """Proposers: where the drafts come from. A protocol, the registry of drafters without weights, and the proposers
 that need no training.
 
-A proposer is called once per round with a :class:`ProposalContext` and returns a :class:`DraftTree` (a chain for
-most). The engine never looks inside a proposer: what ``draftsmith eval`` and the training callback ask of one (the
-most drafts per round, whether it can draft K, writing a tree measured on prompts) is part of the protocol, with its
-defaults in :class:`BaseProposer`, which every proposer here and in the methods derives from. Trained drafters get
-theirs from their drafter kind (trainer/registry.py: ``draftsmith eval --drafter PATH`` loads the drafter and asks
-its kind, with the :class:`~trainer.decoding.options.ProposerOptions`); drafters that need no weights register a name
-here with ``@register_proposer("name")`` and a classmethod ``from_options(target, options)`` (``draftsmith eval
---drafter NAME``): ``none``, ``prompt-lookup`` and ``early-exit`` (the target's own first layers,
-trainer/methods/layerskip/proposer.py).
+A proposer is called once per round with a :class:`ProposalContext` and returns a :class:`DraftTree` (a chain for most).
+The engine never looks inside a proposer: what ``draftsmith eval`` and the training callback ask of one (the most drafts
+per round, whether it can draft K, writing a tree measured on prompts) is part of the protocol, with its defaults in
+:class:`BaseProposer`, which every proposer here and in the methods derives from. Trained drafters get theirs from their
+drafter kind (trainer/training/registry.py: ``draftsmith eval --drafter PATH`` loads the drafter and asks its kind, with
+the :class:`~trainer.decoding.options.ProposerOptions`); drafters that need no weights register a name here with
+``@register_proposer("name")`` and a classmethod ``from_options(target, options)`` (``draftsmith eval --drafter NAME``):
+``none``, ``prompt-lookup`` and ``early-exit`` (the target's own first layers, trainer/methods/layerskip/proposer.py).
 
 Dynamic draft length (``ProposerOptions.accept_threshold``, ``draftsmith eval --accept_threshold``). A proposer that
 can predict whether its drafts will be accepted declares ``estimates_acceptance = True`` (the hook; ``False`` in
@@ -217,7 +216,7 @@ def register_proposer(name: str) -> Callable[[P], P]:
 
 def registered_proposers() -> list[str]:
     """Names of the registered proposers."""
-    from trainer.registry import kinds
+    from trainer.training.registry import kinds
 
     kinds()  # the methods' proposers that need no weights (early-exit) register when their kind is imported
     return sorted(_REGISTRY)

@@ -31,7 +31,7 @@ from transformers import PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 
 from trainer.decoding.cache import compact_cache, new_cache
-from trainer.errors import ModelFolderError
+from trainer.interface.errors import ModelFolderError
 
 FINAL_PRENORM = -1
 """Hidden-state key of the last layer's output before the final norm (HF's ``hidden_states[L]`` is after it)."""

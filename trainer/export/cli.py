@@ -2,11 +2,11 @@
 engine's format.
 
 The checkpoint's drafter record says what the drafter is; its kind says which formats it can be written in
-(trainer/registry.py). Without ``--format`` the kind's first format that can hold the drafter is written (an
-EAGLE-3.1 drafter's norm flags: ``eagle3-speculators``, not ``eagle3``). Beside it goes the fingerprint of the
-frozen target the checkpoint recorded (``target_fingerprint.json``, trainer/fingerprint.py), which ``draftsmith eval``
-compares with its ``--target``; a drafter that carries the target it trained (Medusa-2, an MTP pre-training) is
-compared by that target's own weights instead, and gets none.
+(trainer/training/registry.py). Without ``--format`` the kind's first format that can hold the drafter is written (an
+EAGLE-3.1 drafter's norm flags: ``eagle3-speculators``, not ``eagle3``). Beside it goes the fingerprint of the frozen
+target the checkpoint recorded (``target_fingerprint.json``, trainer/training/fingerprint.py), which ``draftsmith eval``
+compares with its ``--target``; a drafter that carries the target it trained (Medusa-2, an MTP pre-training) is compared
+by that target's own weights instead, and gets none.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-from trainer.errors import CheckpointError, PathError, UserError, debugging, error_report
-from trainer.fingerprint import recorded_fingerprints, write_export_record
-from trainer.flags import ToolParser
-from trainer.output import NO_PROMPTS, block, duration, eval_command, recorded_eval_prompts
-from trainer.registry import DrafterRecord, ExportFormat, get_kind, is_training_checkpoint, kinds
+from trainer.interface.errors import CheckpointError, PathError, UserError, debugging, error_report
+from trainer.interface.flags import ToolParser
+from trainer.interface.output import NO_PROMPTS, block, duration, eval_command, recorded_eval_prompts
+from trainer.training.fingerprint import recorded_fingerprints, write_export_record
+from trainer.training.registry import DrafterRecord, ExportFormat, get_kind, is_training_checkpoint, kinds
 
 
 def _formats_help() -> str:

@@ -11,7 +11,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from trainer.errors import ModelFolderError, PathError
+from trainer.interface.errors import ModelFolderError, PathError
 
 WEIGHTS = "model.safetensors"
 
@@ -45,7 +45,7 @@ def read_folder(path: str | Path, what: str, weights: str = WEIGHTS) -> tuple[di
         ModelFolderError: a ``config.json`` that is not JSON, or a weights file that is empty, truncated or not
             safetensors, named.
     """
-    from trainer.target import safetensors_error
+    from trainer.models.target import safetensors_error
 
     folder = Path(path)
     for name in ("config.json", weights):

@@ -38,7 +38,7 @@ def export_student(objective, student: PreTrainedModel, out_dir: str, tokenizer_
 
     Under FSDP2 or ZeRO-3 every rank takes part in gathering the full weights; rank zero writes them.
     """
-    from trainer.strategies import full_state_dict
+    from trainer.distributed.strategies import full_state_dict
 
     state = full_state_dict(student) if objective.weights_are_sharded() else None
     if objective.global_rank == 0:

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from trainer.errors import ModelFolderError
 from trainer.export.files import folder_config
+from trainer.interface.errors import ModelFolderError
 
 PROPOSAL_TYPE = "greedy"
 """The one proposal method the exports name (speculators' default)."""

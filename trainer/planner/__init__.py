@@ -2,8 +2,8 @@
 
 :mod:`trainer.planner.cli` reads the recipe and prints the table; :mod:`trainer.planner.build` builds the objective on
 the meta device and counts its tensors; the objective estimates its own step's activations
-(``DraftObjective.activation_bytes``, written with :mod:`trainer.activation_memory`); :mod:`trainer.planner.shapes`
-holds the presets and the ZeRO accounting.
+(``DraftObjective.activation_bytes``, written with :mod:`trainer.training.activation_memory`);
+:mod:`trainer.planner.shapes` holds the presets and the ZeRO accounting.
 """
 
 from trainer.planner.cli import (

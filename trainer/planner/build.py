@@ -25,7 +25,7 @@ from unittest import mock
 import torch
 from torch import nn
 
-from trainer.errors import RecipeError, UserError
+from trainer.interface.errors import RecipeError, UserError
 from trainer.planner.shapes import Counts
 
 
@@ -36,8 +36,8 @@ def meta_loading(device: str = "meta") -> Iterator[None]:
     shape, frozen models get an empty fingerprint."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    import trainer.objective as objective_module
-    import trainer.target as target_module
+    import trainer.models.target as target_module
+    import trainer.training.objective as objective_module
 
     def from_pretrained(path, *args, dtype=None, torch_dtype=None, trust_remote_code=False, **kwargs):
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -71,7 +71,7 @@ def objective_class(class_path: str) -> type:
 
 def init_arguments(init_args: Any) -> dict[str, Any]:
     """``model.init_args`` as keyword arguments (nested dataclass arguments, ``optim``, built as fit builds them)."""
-    from trainer.objective import Optim
+    from trainer.training.optimizers import Optim
 
     args = init_args.as_dict() if hasattr(init_args, "as_dict") else dict(init_args)
     if isinstance(args.get("optim"), dict):

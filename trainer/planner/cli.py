@@ -2,16 +2,17 @@
 
     draftsmith plan --config recipes/quickstart/kd.yaml --gpus 8 --gpu_memory 80GB [--target llama-3-8b] [-- FIT ARGS]
 
-The recipe is parsed as ``draftsmith fit`` parses it (:func:`trainer.recipe.parse_recipe`: the same ``--config``
-composition, the same errors for unknown keys, the signatures' defaults filled in; fit arguments go after ``--``), and
-nothing is instantiated: the target's config comes from ``AutoConfig.from_pretrained(model.init_args.target)`` (or
-``--target DIR|config.json|HUB_ID``, or a built-in ``--target`` preset for the Llama 3 shapes, no hub needed), the
-drafter is the target's config with ``model.init_args.drafter_config`` applied (as the KD objective builds it) or
-``model.init_args.drafter``'s config, batch and sequence come from ``data.init_args`` (a ShardDataModule's sequence
-length from its shards' manifest), chunk size from ``model.init_args.loss_chunk_size`` and precision from
-``trainer.precision``. Data of mixed lengths (``data.init_args.long_seq_len`` with a ``long_fraction`` above 0) is
-planned at its step of larger activations: ``batch_size`` rows of ``seq_len``, or ``batch_size / k`` rows of
-``long_seq_len`` (k = long_seq_len / seq_len); ``--batch_size`` or ``--seq_len`` plans exactly the step they name.
+The recipe is parsed as ``draftsmith fit`` parses it (:func:`trainer.training.recipe.parse_recipe`: the same
+``--config`` composition, the same errors for unknown keys, the signatures' defaults filled in; fit arguments go after
+``--``), and nothing is instantiated: the target's config comes from
+``AutoConfig.from_pretrained(model.init_args.target)`` (or ``--target DIR|config.json|HUB_ID``, or a built-in
+``--target`` preset for the Llama 3 shapes, no hub needed), the drafter is the target's config with
+``model.init_args.drafter_config`` applied (as the KD objective builds it) or ``model.init_args.drafter``'s config,
+batch and sequence come from ``data.init_args`` (a ShardDataModule's sequence length from its shards' manifest), chunk
+size from ``model.init_args.loss_chunk_size`` and precision from ``trainer.precision``. Data of mixed lengths
+(``data.init_args.long_seq_len`` with a ``long_fraction`` above 0) is planned at its step of larger activations:
+``batch_size`` rows of ``seq_len``, or ``batch_size / k`` rows of ``long_seq_len`` (k = long_seq_len / seq_len);
+``--batch_size`` or ``--seq_len`` plans exactly the step they name.
 
 What is counted, per GPU, for N GPUs (the ZeRO paper's accounting, Adam/AdamW):
 
@@ -26,13 +27,13 @@ What is counted, per GPU, for N GPUs (the ZeRO paper's accounting, Adam/AdamW):
   tensors: one copy of the parameters it updates, P_d x 4 / N under ZeRO); DeepSpeed's fp32 gradient of the
   optimizer's partition (P_d x 4 / N), and under ZeRO-1 and 2 its two gradient buckets of ``reduce_bucket_size``
   (Lightning's 2e8 elements; fp32 under ZeRO-1, the gradients' dtype under ZeRO-2);
-* activations: the objective's own estimate of one step, ``activation_bytes`` (trainer/activation_memory.py), the
-  peak of the target's forward under no_grad and the trained part's forward and backward: per trained layer
-  B x S x (10 H + 4 I + 2 H_kv) x a bytes saved for backward (a = 4 for 32-true, else 2), the S x S scores per head
-  of a drafter attention that is not fused (``attention: dense``, or ``auto`` on CPU: the GPU rows plan ``auto`` as
-  flex, the ``--cpu`` line as dense), the target's attention mask (or an eager target's scores), what the target
-  hands over, and a chunked loss's float32 chunks. An objective without an estimate is refused by name.
-  ``--sequence_parallel P`` plans DeepSpeed-Ulysses (trainer/sequence_parallel.py) for an objective that declares
+* activations: the objective's own estimate of one step, ``activation_bytes`` (trainer/training/activation_memory.py),
+  the peak of the target's forward under no_grad and the trained part's forward and backward: per trained layer B x S x
+  (10 H + 4 I + 2 H_kv) x a bytes saved for backward (a = 4 for 32-true, else 2), the S x S scores per head of a drafter
+  attention that is not fused (``attention: dense``, or ``auto`` on CPU: the GPU rows plan ``auto`` as flex, the
+  ``--cpu`` line as dense), the target's attention mask (or an eager target's scores), what the target hands over, and a
+  chunked loss's float32 chunks. An objective without an estimate is refused by name. ``--sequence_parallel P`` plans
+  DeepSpeed-Ulysses (trainer/distributed/sequence_parallel.py) for an objective that declares
   ``plans_sequence_parallel`` (EAGLE-3): each GPU holds S / P positions and attends over the whole row with 1 / P of
   the heads, as ``model.sequence_parallel`` (the default of the flag) runs it in ``draftsmith fit``.
 
@@ -56,11 +57,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.activation_memory import PlannedStep
-from trainer.errors import DataError, ModelFolderError, RecipeError, UsageError, UserError, debugging, error_report
-from trainer.flags import ToolParser
+from trainer.interface.errors import (
+    DataError,
+    ModelFolderError,
+    RecipeError,
+    UsageError,
+    UserError,
+    debugging,
+    error_report,
+)
+from trainer.interface.flags import ToolParser
 from trainer.planner.build import build_objective, count
 from trainer.planner.shapes import GIB, PRESETS, Counts, Estimate, Shape, estimate_counts
+from trainer.training.activation_memory import PlannedStep
 
 # Resident memory of a `draftsmith fit` process before its model is built: 445 MiB measured after importing torch
 # 2.13 (CPU), Lightning, transformers 5.24 and an objective, rounded up for the trainer, tokenizer and data loader.
@@ -129,15 +138,15 @@ def plan_from_recipe(
         seq: overrides data.init_args.seq_len.
         precision: overrides trainer.precision.
         overrides: more ``draftsmith fit`` arguments, applied after the configs as fit applies them.
-        sequence_parallel: ranks sharing each row under DeepSpeed-Ulysses (trainer/sequence_parallel.py); None: the
-            recipe's ``model.sequence_parallel`` (1 without one); an objective that does not declare
+        sequence_parallel: ranks sharing each row under DeepSpeed-Ulysses (trainer/distributed/sequence_parallel.py);
+            None: the recipe's ``model.sequence_parallel`` (1 without one); an objective that does not declare
             ``plans_sequence_parallel`` is refused above 1.
 
     Raises:
-        trainer.recipe.RecipeError: a recipe or override ``draftsmith fit`` would refuse (fit's message).
+        trainer.training.recipe.RecipeError: a recipe or override ``draftsmith fit`` would refuse (fit's message).
         UserError: a recipe the objective refuses, or a target config the planner cannot read.
     """
-    from trainer.recipe import parse_recipe
+    from trainer.training.recipe import parse_recipe
 
     recipe = parse_recipe(configs, overrides)
     if recipe.get("model") is None:
@@ -215,7 +224,7 @@ def plan_from_recipe(
 def _check_sequence_parallel(objective: Any, size: int, steps: list[tuple[int, int]]) -> None:
     """Refuses ``--sequence_parallel size`` for an objective whose estimate does not plan it (its class does not
     declare ``plans_sequence_parallel``), and a degree Ulysses cannot run on its attention or rows."""
-    from trainer.sequence_parallel import check_sequence_parallel
+    from trainer.distributed.sequence_parallel import check_sequence_parallel
 
     name = type(objective).__name__
     if not type(objective).__dict__.get("plans_sequence_parallel", False):

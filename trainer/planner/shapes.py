@@ -1,6 +1,6 @@
 """Shapes and the ZeRO accounting of ``draftsmith plan``: preset sizes of Llama-like causal LMs (each a
-:class:`trainer.activation_memory.Shape`, whose parameter counts are the HF implementation's), the bytes per parameter
-of a precision, and the bytes per GPU of one trained and one frozen model under DDP and ZeRO 1, 2 and 3
+:class:`trainer.training.activation_memory.Shape`, whose parameter counts are the HF implementation's), the bytes per
+parameter of a precision, and the bytes per GPU of one trained and one frozen model under DDP and ZeRO 1, 2 and 3
 (:func:`estimate`, :func:`estimate_counts`).
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.activation_memory import HALF_TRUE, MIXED, Shape
-from trainer.errors import RecipeError, UsageError
+from trainer.interface.errors import RecipeError, UsageError
+from trainer.training.activation_memory import HALF_TRUE, MIXED, Shape
 
 GIB = 1024**3
 

@@ -54,9 +54,9 @@ from typing import Any, Literal
 
 import torch
 
-from trainer.errors import ModelFolderError
 from trainer.export import speculators
 from trainer.export.files import cpu_tensors, read_folder, write_folder
+from trainer.interface.errors import ModelFolderError
 from trainer.methods.dflash.module import FULL, LAYER_TYPES, SLIDING, DFlashConfig, DFlashDrafter
 
 ZLAB_ARCHITECTURES = ["DFlashDraftModel"]

@@ -23,7 +23,7 @@ from trainer.export.speculators import folder_block, read_block
 from trainer.methods.dflash import export as formats
 from trainer.methods.dflash.module import DFlashConfig, DFlashDrafter
 from trainer.methods.dflash.proposer import DFlashProposer, DFlashTreeProposer
-from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
+from trainer.training.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
 
 KIND = "dflash"
 

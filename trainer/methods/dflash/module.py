@@ -32,7 +32,7 @@ the z-lab ``target_layer_ids`` count outputs of layers from 0, so z-lab id ``j``
 (``dflash.model.extract_context_feature`` reads ``hidden_states[j + 1]``).
 
 Two uses of one layer stack: :meth:`DFlashDrafter.train_blocks` runs every block of a batch in one pass under the
-anchored block-sparse mask (trainer/block_attention.py); :meth:`DFlashDrafter.context_kv` and
+anchored block-sparse mask (trainer/models/block_attention.py); :meth:`DFlashDrafter.context_kv` and
 :meth:`DFlashDrafter.draft` run one block against cached context keys and values, as the proposer does. A test checks
 that both give the same slots.
 """
@@ -49,9 +49,9 @@ from transformers import Qwen3Config
 from transformers.activations import ACT2FN
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-from trainer.block_attention import Impl, anchored_block_attention
-from trainer.documents import document_positions
-from trainer.layers import AttentionProjections, GatedMLP, RMSNorm, repeat_kv
+from trainer.models.block_attention import Impl, anchored_block_attention
+from trainer.models.documents import document_positions
+from trainer.models.layers import AttentionProjections, GatedMLP, RMSNorm, repeat_kv
 
 KV = tuple[torch.Tensor, torch.Tensor]
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -383,7 +383,7 @@ class DFlashDrafter(nn.Module):
             embeds: [B, N * b] block inputs: the target's embeddings of :meth:`block_ids`, [B, N * b, H].
             anchors: [B, N] the anchor position of every block (its slots sit at anchor .. anchor + b - 1).
             impl: the block-sparse attention's implementation (``auto``: flex on CUDA, dense elsewhere).
-            documents: [B, S] the document of every position (trainer/documents.py): a block sees its anchor's
+            documents: [B, S] the document of every position (trainer/models/documents.py): a block sees its anchor's
                 document only and rotary positions count from its first token; None is one document.
 
         A sliding layer (:meth:`DFlashConfig.windowed`) sees the context ``anchor - sliding_window .. anchor - 1``,

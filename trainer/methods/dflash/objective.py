@@ -6,7 +6,7 @@ both trained (the loss mask allows at the anchor and the next token: at inferenc
 output token), then sorted. Block ``j`` is ``[token a_j, mask x (b - 1)]`` at positions ``a_j .. a_j + b - 1`` and
 sees the context (the target's hidden states of the chosen layers, ``hidden_norm(fc(.))``) of positions ``< a_j``
 and its own block; all blocks of a batch run in one drafter pass under the anchored block-sparse mask
-(trainer/block_attention.py: flex attention on CUDA, a mask-aware dense computation elsewhere).
+(trainer/models/block_attention.py: flex attention on CUDA, a mask-aware dense computation elsewhere).
 
 Slot ``k >= 1`` of block ``j`` predicts the token at ``a_j + k`` (slot 0, the anchor, is not trained), where that token
 is inside the row and trained. Its weight is ``exp(-(k - 1) / gamma)`` (gamma 7 at b = 16), normalised over the block:
@@ -31,10 +31,10 @@ The drafter uses the target's embedding and lm_head and trains only its own laye
 token is an id the tokenizer does not use (module.py ``check_mask_token``), recorded in the drafter's
 config and every export; a special token accepted there is also refused when the training data contains it.
 
-The loss of each slot toward its label is ``model.loss`` (trainer/distribution_loss.py): ``kl`` (the default; the cross
-entropy with token labels, KL(p || q) with soft ones), ``tv`` (1 - alpha), ``nla`` (-log alpha) or ``lk_hybrid`` (the
-LK losses); with token labels ``p`` is the label's one-hot (``nla`` is then the cross entropy, ``tv`` is 1 - q_label).
-D-PACE's weights read the token cross entropies, so ``position_weights: dpace`` needs ``kl``.
+The loss of each slot toward its label is ``model.loss`` (trainer/losses/distribution.py): ``kl`` (the default; the
+cross entropy with token labels, KL(p || q) with soft ones), ``tv`` (1 - alpha), ``nla`` (-log alpha) or ``lk_hybrid``
+(the LK losses); with token labels ``p`` is the label's one-hot (``nla`` is then the cross entropy, ``tv`` is 1 -
+q_label). D-PACE's weights read the token cross entropies, so ``position_weights: dpace`` needs ``kl``.
 
 Logged per step: the loss, ``acc_k`` (slot k's argmax equals its label token, or the target's argmax with soft labels),
 ``alpha_k`` (slot k's expected acceptance under speculative sampling, ``sum_v min(p_v, q_v)`` against the target's
@@ -59,11 +59,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.activation_memory import F32, PlannedStep, Shape, chunked, dense_scores, frozen_forward, layer_saved
-from trainer.block_attention import Impl
-from trainer.distribution_loss import DEFAULT_ETA, DistributionLoss
-from trainer.documents import check_window
-from trainer.errors import CheckpointError, RecipeError, UserError
+from trainer.interface.errors import CheckpointError, RecipeError, UserError
+from trainer.losses.distribution import DEFAULT_ETA, DistributionLoss
 from trainer.methods.dflash import kind as dflash_kind
 from trainer.methods.dflash.module import (
     SLIDING,
@@ -75,17 +72,28 @@ from trainer.methods.dflash.module import (
 )
 from trainer.methods.dflash.refiner import LogitBias, SlotTerm, backbone_config, refit
 from trainer.methods.dflash.slot_loss import ChunkLabels, Weights, block_chunks, block_dpace_weights, slot_loss
-from trainer.objective import (
+from trainer.models.block_attention import Impl
+from trainer.models.documents import check_window
+from trainer.models.target import FrozenTarget, document_kwargs, resolve_dtype
+from trainer.training.activation_memory import (
+    F32,
+    PlannedStep,
+    Shape,
+    chunked,
+    dense_scores,
+    frozen_forward,
+    layer_saved,
+)
+from trainer.training.objective import (
     DataRequirements,
     DraftObjective,
-    Optim,
     TargetSignals,
     causal_lm_flops_per_token,
     count_params,
     derived_seed,
 )
-from trainer.registry import DrafterRecord, check_target, load_drafter
-from trainer.target import FrozenTarget, document_kwargs, resolve_dtype
+from trainer.training.optimizers import Optim
+from trainer.training.registry import DrafterRecord, check_target, load_drafter
 
 
 class DFlash(DraftObjective):
@@ -141,7 +149,7 @@ class DFlash(DraftObjective):
             dpace_alpha: D-PACE's smoothing of each slot's confidence, ``(1 - a) * exp(-loss) + a``, in (0, 1].
             labels: "argmax" (the default) trains on the target's argmax (cross entropy), what greedy verification
                 accepts; "data" on the rows' own tokens, "soft" on the target's distribution (KL).
-            loss: each slot's loss toward its label (trainer/distribution_loss.py): "kl" (KL(p || q); the cross
+            loss: each slot's loss toward its label (trainer/losses/distribution.py): "kl" (KL(p || q); the cross
                 entropy with token labels), "tv" (1 - alpha, alpha = sum_v min(p_v, q_v) the expected acceptance),
                 "nla" (-log alpha; the cross entropy with token labels) or "lk_hybrid" (lambda * KL + (1 - lambda)
                 * TV, lambda = exp(-lk_eta * alpha)); with token labels p is the label's one-hot. "dpace" needs "kl".

@@ -1,6 +1,6 @@
 """DFlash's slot loss with its gradients taken in forward, one chunk of slots at a time, on the chunked-loss engine
-(trainer/chunked_loss.py): the per-slot loss is :func:`slot_rows`, one of the losses toward a target distribution
-(trainer/distribution_loss.py, ``model.loss``: ``kl`` by default, the cross entropy of token labels).
+(trainer/losses/chunked.py): the per-slot loss is :func:`slot_rows`, one of the losses toward a target distribution
+(trainer/losses/distribution.py, ``model.loss``: ``kl`` by default, the cross entropy of token labels).
 
 A slot's logits are ``h @ head.T`` (the target's frozen lm_head, bare, as the proposer computes them), plus with a block
 refiner's low-rank logit bias (refiner.py ``LogitBias``) ``e @ w2.T`` of the slot's features ``e``: both linear in the
@@ -9,7 +9,7 @@ distribution, p the label's: one-hot for token labels, the target's distribution
 gives every gradient at once: ``G @ head`` for ``h``, ``G @ w2`` for ``e`` and ``G.T @ e`` for ``w2``. Only one chunk's
 [C, V] logits exist at a time, and none is recomputed in backward: a checkpointed chunk costs three vocabulary
 projections (forward, its recomputation, the backward's), this one two. (With ``kl``; the other losses of
-trainer/distribution_loss.py take ``G`` by autograd on the chunk.)
+trainer/losses/distribution.py take ``G`` by autograd on the chunk.)
 
 Weights may depend on the losses (D-PACE, :func:`block_dpace_weights`): given as a function of a chunk's slots and their
 losses, they are taken per chunk before its gradients, which is exact when the chunks hold whole blocks
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.chunked_loss import RowLoss, RowLosses, Target, Term, Weights, chunked_loss
-from trainer.distribution_loss import DistributionLoss, distribution_rows
+from trainer.losses.chunked import RowLoss, RowLosses, Target, Term, Weights, chunked_loss
+from trainer.losses.distribution import DistributionLoss, distribution_rows
 
 Labels = Callable[[slice], "ChunkLabels"]
 KL = DistributionLoss("kl")
@@ -53,8 +53,8 @@ class ChunkLabels:
 
 
 def slot_rows(spec: DistributionLoss = KL) -> RowLoss:
-    """DFlash's per-slot loss on the chunked-loss engine: ``spec`` (trainer/distribution_loss.py) toward the token
-    labels' one-hot, else toward the target's distribution (``kl``: :func:`~trainer.chunked_loss.cross_entropy_rows`,
+    """DFlash's per-slot loss on the chunked-loss engine: ``spec`` (trainer/losses/distribution.py) toward the token
+    labels' one-hot, else toward the target's distribution (``kl``: :func:`~trainer.losses.chunked.cross_entropy_rows`,
     its gradient ``q - p`` in closed form; the others by autograd on the chunk), with the right-argmax flags [C] and
     the acceptance rates [C] against the target's distribution (empty unless wanted) as statistics. logits: [C, V]
     float32 (overwritten)."""

@@ -17,7 +17,7 @@ from trainer.methods.dflash import kind as dflash_kind
 from trainer.methods.dflash2 import export as formats
 from trainer.methods.dflash2.module import DFlash2Config, DFlash2Drafter
 from trainer.methods.dflash2.proposer import DFlash2Proposer, DFlash2TreeProposer
-from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
+from trainer.training.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
 
 KIND = "dflash2"
 

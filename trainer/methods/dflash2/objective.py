@@ -29,9 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from trainer.block_attention import Impl
-from trainer.distribution_loss import DEFAULT_ETA
-from trainer.errors import RecipeError
+from trainer.interface.errors import RecipeError
+from trainer.losses.distribution import DEFAULT_ETA
 from trainer.methods.dflash.module import DFlashConfig
 from trainer.methods.dflash.objective import DFlash
 from trainer.methods.dflash.refiner import LogitBias
@@ -39,8 +38,10 @@ from trainer.methods.dflash.slot_loss import Weights
 from trainer.methods.dflash2 import kind as dflash2_kind
 from trainer.methods.dflash2.module import DFlash2Config, DFlash2Drafter
 from trainer.methods.dflash2.selector import training_candidates
-from trainer.objective import Optim, TargetSignals
-from trainer.registry import DrafterRecord
+from trainer.models.block_attention import Impl
+from trainer.training.objective import TargetSignals
+from trainer.training.optimizers import Optim
+from trainer.training.registry import DrafterRecord
 
 RECIPE_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 """DFlash2's drafter fields set by the recipe (``model.<key>``)."""
@@ -104,7 +105,7 @@ class DFlash2(DFlash):
             labels: "argmax" (the default) trains on the target's argmax (cross entropy), what greedy verification
                 accepts; "data" on the rows' own tokens, "soft" on the target's distribution (KL). The selector's
                 token is the label token with "data", else the target's argmax.
-            loss: each slot's unary loss toward its label (trainer/distribution_loss.py): "kl", "tv", "nla" or
+            loss: each slot's unary loss toward its label (trainer/losses/distribution.py): "kl", "tv", "nla" or
                 "lk_hybrid"; the selector's loss is a cross entropy over the candidates whatever this is.
             lk_eta: the hybrid's temperature eta (3, the LK paper's and speculators' default).
             attention: the block-sparse attention: "flex" (CUDA), "dense", or "auto" (flex on CUDA).

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from trainer.errors import ModelFolderError
 from trainer.export.files import cpu_tensors, folder_config, write_folder
+from trainer.interface.errors import ModelFolderError
 from trainer.methods.dflash import export as dflash_export
 from trainer.methods.domino.module import DominoConfig, DominoDrafter
 

@@ -15,7 +15,7 @@ from trainer.methods.dflash import kind as dflash_kind
 from trainer.methods.domino import export as formats
 from trainer.methods.domino.module import DominoConfig, DominoDrafter
 from trainer.methods.domino.proposer import DominoProposer, DominoTreeProposer
-from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
+from trainer.training.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
 
 KIND = "domino"
 

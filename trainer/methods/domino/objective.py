@@ -28,16 +28,17 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from trainer.block_attention import Impl
-from trainer.distribution_loss import DEFAULT_ETA
-from trainer.errors import RecipeError
+from trainer.interface.errors import RecipeError
+from trainer.losses.distribution import DEFAULT_ETA
 from trainer.methods.dflash.module import DFlashConfig
 from trainer.methods.dflash.objective import DFlash
 from trainer.methods.dflash.refiner import LogitBias, SlotTerm
 from trainer.methods.domino import kind as domino_kind
 from trainer.methods.domino.module import HEAD_KEYS, DominoConfig, DominoDrafter, check_head
-from trainer.objective import Optim, TargetSignals
-from trainer.registry import DrafterRecord
+from trainer.models.block_attention import Impl
+from trainer.training.objective import TargetSignals
+from trainer.training.optimizers import Optim
+from trainer.training.registry import DrafterRecord
 
 
 def base_weight(step: int, total_steps: int, start: float, decay_ratio: float) -> float:
@@ -105,7 +106,7 @@ class Domino(DFlash):
             dpace_alpha: D-PACE's smoothing of each slot's confidence, ``(1 - a) * exp(-loss) + a``, in (0, 1].
             labels: "argmax" (the default) trains on the target's argmax (cross entropy), what greedy verification
                 accepts; "data" on the rows' own tokens, "soft" on the target's distribution (KL).
-            loss: each slot's loss toward its label, in both terms of the curriculum (trainer/distribution_loss.py):
+            loss: each slot's loss toward its label, in both terms of the curriculum (trainer/losses/distribution.py):
                 "kl" (KL(p || q); the cross entropy with token labels, SpecForge's), "tv" (1 - alpha, alpha =
                 sum_v min(p_v, q_v) the expected acceptance), "nla" (-log alpha) or "lk_hybrid" (lambda * KL +
                 (1 - lambda) * TV, lambda = exp(-lk_eta * alpha)). "dpace" needs "kl".

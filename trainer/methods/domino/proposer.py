@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.decoding.proposers import ProposalContext
-from trainer.errors import UsageError
+from trainer.interface.errors import UsageError
 from trainer.methods.dflash.proposer import DFlashProposer, DFlashTreeProposer
 from trainer.methods.domino.module import DominoDrafter
 

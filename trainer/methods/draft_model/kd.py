@@ -2,11 +2,11 @@
 
 Online (``target_signals: online``): the frozen target runs inside the training step; the drafter (any HF causal
 LM, smaller than the target) learns to match the target's temperature-softened distribution at every trained position
-(``loss``: the forward KL, the reverse KL, the generalized JSD, or an LK loss: total variation, negative
-log-acceptance, the hybrid; trainer/losses.py), optionally mixed with cross entropy on the hard labels. The expected
+(``loss``: the forward KL, the reverse KL, the generalized JSD, or an LK loss: total variation, negative log-acceptance,
+the hybrid; trainer/losses/distillation.py), optionally mixed with cross entropy on the hard labels. The expected
 acceptance ``alpha = sum_v min(p_v, q_v)`` of the drafter under the target is logged as ``alpha_0``. The loss is
-computed in chunks of positions (``trainer.losses``) so that the float32 full-vocabulary logits of both models for the
-whole batch never exist at once.
+computed in chunks of positions (``trainer.losses.distillation``) so that the float32 full-vocabulary logits of both
+models for the whole batch never exist at once.
 
 Offline (``target_signals: shards``): the batches carry the target's top-k ids and log-probabilities written by
 ``draftsmith precompute`` (trainer/data/shard_datamodule.py); only the target's config and tokenizer are loaded, never
@@ -26,17 +26,25 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from trainer.activation_memory import PlannedStep, Shape, causal_lm_layers, chunked, frozen_forward, layer_saved
 from trainer.data.vocab import load_tokenizer_if_present, shared_vocab_size
-from trainer.distribution_loss import DEFAULT_ETA, DistributionLoss
-from trainer.errors import RecipeError
 from trainer.export.hf import export_student
-from trainer.logit_scaling import LogitScaling
-from trainer.losses import KD_LOSSES, SPARSE_LOSSES, fused_kd_loss, kd_loss, sparse_kd_loss
+from trainer.interface.errors import RecipeError
+from trainer.losses.distillation import KD_LOSSES, SPARSE_LOSSES, fused_kd_loss, kd_loss, sparse_kd_loss
+from trainer.losses.distribution import DEFAULT_ETA, DistributionLoss
 from trainer.methods.draft_model import kind as hf_causal_lm
-from trainer.objective import DataRequirements, DraftObjective, Optim, TargetSignals, causal_lm_flops_per_token
-from trainer.registry import DrafterRecord
-from trainer.target import document_kwargs, resolve_dtype
+from trainer.models.logit_scaling import LogitScaling
+from trainer.models.target import document_kwargs, resolve_dtype
+from trainer.training.activation_memory import (
+    PlannedStep,
+    Shape,
+    causal_lm_layers,
+    chunked,
+    frozen_forward,
+    layer_saved,
+)
+from trainer.training.objective import DataRequirements, DraftObjective, TargetSignals, causal_lm_flops_per_token
+from trainer.training.optimizers import Optim
+from trainer.training.registry import DrafterRecord
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +127,7 @@ class KnowledgeDistillation(DraftObjective):
                 target), jsd the generalized Jensen-Shannon divergence with weight beta (TRL's GKD convention: 0 is
                 the forward KL, 1 the reverse KL); tv the total variation 1 - alpha, nla the negative log-acceptance
                 -log(alpha), lk_hybrid lambda * KL + (1 - lambda) * TV with lambda = exp(-lk_eta * alpha) (the LK
-                losses, trainer/distribution_loss.py; alpha = sum_v min(p_v, q_v), the expected acceptance). From
+                losses, trainer/losses/distribution.py; alpha = sum_v min(p_v, q_v), the expected acceptance). From
                 shards: kl, tv, nla or lk_hybrid.
             lk_eta: the hybrid's eta (loss=lk_hybrid only), >= 0.
             beta: the JSD interpolation weight, used only with loss=jsd.
@@ -135,8 +143,8 @@ class KnowledgeDistillation(DraftObjective):
             target_signals: "online" runs the target in every step; "shards" reads its top-k from the batches of
                 a ShardDataModule (written by ``draftsmith precompute``), loading only the target's config and
                 tokenizer.
-            tail: with shards, how the mass outside the top-k is treated: "renormalize" (both distributions
-                restricted to the k ids) or "bucket" (one extra outcome each); see trainer.losses.sparse_kd_loss.
+            tail: with shards, how the mass outside the top-k is treated: "renormalize" (both distributions restricted
+                to the k ids) or "bucket" (one extra outcome each); see trainer.losses.distillation.sparse_kd_loss.
             optim: optimizer and learning-rate schedule.
         """
         super().__init__(optim)

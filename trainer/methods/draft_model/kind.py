@@ -17,7 +17,7 @@ from trainer.decoding.options import ProposerOptions
 from trainer.export import serving
 from trainer.export.hf import save_hf
 from trainer.methods.draft_model.proposer import DraftModelProposer
-from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
+from trainer.training.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
 
 KIND = "hf_causal_lm"
 DEFAULT_DRAFTS = 4  # drafts per round in the serve lines: draftsmith eval --k 1,2,4,8 finds the best for a drafter

@@ -8,12 +8,12 @@ At every training step a coin with probability ``lmbda`` decides where the step'
 - tails: the data set's own sequences and loss mask (the KD objective's step), or, with ``seq_kd``, continuations the
   target sampled from the same prompts (sequence-level KD).
 
-The loss (``loss``, the vocabulary of every objective) is by default GKD's generalized JSD with weight ``beta``
-between the target's and the drafter's temperature-softened next-token distributions at every trained position
-(``beta = 0`` is the forward KL, ``beta = 1`` the reverse KL, TRL's GKD convention, see trainer/losses.py), or the
-forward KL, the reverse KL, or an LK loss (``tv``, ``nla``, ``lk_hybrid``: taken at ``temperature`` without its
-square), computed in chunks by ``fused_kd_loss``. The expected acceptance ``sum_v min(p_v, q_v)`` of the drafter
-under the target is logged as ``alpha_0``.
+The loss (``loss``, the vocabulary of every objective) is by default GKD's generalized JSD with weight ``beta`` between
+the target's and the drafter's temperature-softened next-token distributions at every trained position (``beta = 0`` is
+the forward KL, ``beta = 1`` the reverse KL, TRL's GKD convention, see trainer/losses/distillation.py), or the forward
+KL, the reverse KL, or an LK loss (``tv``, ``nla``, ``lk_hybrid``: taken at ``temperature`` without its square),
+computed in chunks by ``fused_kd_loss``. The expected acceptance ``sum_v min(p_v, q_v)`` of the drafter under the target
+is logged as ``alpha_0``.
 
 Prompts. ``prompt="prefix"``: the first ``prompt_len`` tokens of every row (text data). ``prompt="chat"``: the tokens
 before the first assistant token of the row (the untrained region that ends where the loss mask first turns on after
@@ -40,17 +40,18 @@ import torch
 from torch import nn
 from transformers import GenerationConfig, PreTrainedModel
 
-from trainer.activation_memory import PlannedStep
-from trainer.distribution_loss import DEFAULT_ETA, DistributionLoss
-from trainer.errors import RecipeError
 from trainer.export.hf import export_student
-from trainer.logit_scaling import LogitScaling
-from trainer.losses import KD_LOSSES, LossParts, fused_kd_loss
+from trainer.interface.errors import RecipeError
+from trainer.losses.distillation import KD_LOSSES, LossParts, fused_kd_loss
+from trainer.losses.distribution import DEFAULT_ETA, DistributionLoss
 from trainer.methods.draft_model import kind as hf_causal_lm
 from trainer.methods.draft_model.kd import build_drafter, distillation_activation_bytes, drafter_vocab_size
-from trainer.objective import DataRequirements, DraftObjective, Optim, causal_lm_flops_per_token, derived_seed
-from trainer.registry import DrafterRecord
-from trainer.target import document_kwargs
+from trainer.models.logit_scaling import LogitScaling
+from trainer.models.target import document_kwargs
+from trainer.training.activation_memory import PlannedStep
+from trainer.training.objective import DataRequirements, DraftObjective, causal_lm_flops_per_token, derived_seed
+from trainer.training.optimizers import Optim
+from trainer.training.registry import DrafterRecord
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +175,7 @@ class OnPolicyDistillation(DraftObjective):
             lmbda: probability that a training step trains on the drafter's own continuations (GKD's lambda).
             loss: the loss toward the target's distribution: jsd (GKD's generalized JSD with weight beta), kl
                 (KL(target || drafter)), reverse_kl, or an LK loss: tv (total variation), nla (negative
-                log-acceptance), lk_hybrid (trainer/distribution_loss.py).
+                log-acceptance), lk_hybrid (trainer/losses/distribution.py).
             lk_eta: the hybrid's eta (loss=lk_hybrid only), >= 0.
             beta: generalized JSD weight (TRL's GKD convention): 0 is the forward KL, 1 the reverse KL (loss=jsd).
             seq_kd: on steps that are not on-policy, train on the target's continuations instead of the data set.

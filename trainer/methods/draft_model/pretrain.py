@@ -16,13 +16,14 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from trainer.activation_memory import PlannedStep, causal_lm_layers, chunked, layer_saved
-from trainer.llama import new_llama_config
-from trainer.losses import chunked_cross_entropy
+from trainer.losses.distillation import chunked_cross_entropy
 from trainer.methods.draft_model import kind as hf_causal_lm
-from trainer.objective import DataRequirements, DraftObjective, Optim, causal_lm_flops_per_token
-from trainer.registry import DrafterRecord
-from trainer.target import document_kwargs
+from trainer.models.llama import new_llama_config
+from trainer.models.target import document_kwargs
+from trainer.training.activation_memory import PlannedStep, causal_lm_layers, chunked, layer_saved
+from trainer.training.objective import DataRequirements, DraftObjective, causal_lm_flops_per_token
+from trainer.training.optimizers import Optim
+from trainer.training.registry import DrafterRecord
 
 log = logging.getLogger(__name__)
 

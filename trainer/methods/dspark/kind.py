@@ -4,7 +4,7 @@ refiner of speculators 0.9 (``DSparkDraftModel``).
 Exported in speculators' DSpark format (``dspark``: ``DSparkSpeculator``, export.py), the one format that holds the
 heads; drafted one block per round as a chain, or as a DDTree with ``--tree``, resolved left to right through the
 heads (proposer.py). A training checkpoint written when DSpark was an option of DFlash (a ``dflash`` record whose
-config sets the heads) is read as this kind (trainer/renamed_keys.py ``MOVED_KINDS``).
+config sets the heads) is read as this kind (trainer/interface/renamed_keys.py ``MOVED_KINDS``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from trainer.methods.dflash import kind as dflash_kind
 from trainer.methods.dspark import export as formats
 from trainer.methods.dspark.module import DSparkConfig, DSparkDrafter
 from trainer.methods.dspark.proposer import DSparkProposer, DSparkTreeProposer
-from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
+from trainer.training.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
 
 KIND = "dspark"
 

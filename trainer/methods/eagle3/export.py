@@ -45,9 +45,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trainer.errors import ModelFolderError, UsageError
 from trainer.export import speculators
 from trainer.export.files import cpu_tensors, read_folder, write_folder
+from trainer.interface.errors import ModelFolderError, UsageError
 from trainer.methods.eagle3.module import NORM_FLAGS, Eagle3Config, Eagle3Drafter, flag_weight_mismatch
 
 NATIVE_FLAGS = ("norm_before_residual", "norm_before_fc")  # what the native format's loaders read

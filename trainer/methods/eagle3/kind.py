@@ -21,8 +21,8 @@ from trainer.methods.eagle3 import export as formats
 from trainer.methods.eagle3 import records
 from trainer.methods.eagle3.module import Eagle3Config, Eagle3Drafter
 from trainer.methods.eagle3.proposer import Eagle3Proposer, Eagle3TreeProposer
-from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
-from trainer.target import EMBEDDING_NAMES, load_target_tensors
+from trainer.models.target import EMBEDDING_NAMES, load_target_tensors
+from trainer.training.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
 
 KIND = "eagle3"
 DEFAULT_DRAFTS = 3  # drafts per round to serve with when the record has no TTT steps (an export read back)

@@ -7,9 +7,9 @@ distributions). Greedy verification accepts a draft only when it is the target's
 against the labels ``(1 - w) * probs + w * onehot(argmax)`` (:func:`mix_argmax`). w = 0 is the soft labels alone,
 w = 1 the argmax alone; the figures of each are in docs/benchmarks/eagle3.md.
 
-``model.loss`` (trainer/distribution_loss.py) picks the per-position loss: ``kl`` is the cross entropy above, unchanged;
-``tv``, ``nla`` and ``lk_hybrid`` train toward the target's own probabilities over the draft vocabulary, *not*
-renormalised, so that the mass of target tokens outside the draft vocabulary counts as rejected, as verification
+``model.loss`` (trainer/losses/distribution.py) picks the per-position loss: ``kl`` is the cross entropy above,
+unchanged; ``tv``, ``nla`` and ``lk_hybrid`` train toward the target's own probabilities over the draft vocabulary,
+*not* renormalised, so that the mass of target tokens outside the draft vocabulary counts as rejected, as verification
 rejects them (the KL part of ``lk_hybrid`` renormalises, as ``kl`` does). ``argmax_weight`` mixes the argmax into the
 KL's labels only, so it is refused with a loss other than ``kl`` (:func:`check_loss`).
 """
@@ -20,8 +20,8 @@ import math
 
 import torch
 
-from trainer.distribution_loss import DistributionLoss
-from trainer.errors import RecipeError
+from trainer.interface.errors import RecipeError
+from trainer.losses.distribution import DistributionLoss
 
 
 def check_argmax_weight(argmax_weight: float, labels: str = "soft") -> float:
@@ -51,7 +51,7 @@ def mix_argmax(probs: torch.Tensor, argmax_weight: float) -> torch.Tensor:
 
 
 def check_loss(loss: str, lk_eta: float, argmax_weight: float) -> DistributionLoss:
-    """``model.loss`` and ``model.lk_eta`` (:meth:`~trainer.distribution_loss.DistributionLoss.from_options`), refused
+    """``model.loss`` and ``model.lk_eta`` (:meth:`~trainer.losses.distribution.DistributionLoss.from_options`), refused
     with ``model.argmax_weight > 0`` unless the loss is ``kl``: the mix moves label mass onto the argmax, which only the
     KL's cross entropy reads as a weighted sum of the two losses."""
     spec = DistributionLoss.from_options(loss, lk_eta)

@@ -31,9 +31,9 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from trainer.block_attention import Impl, resolve_impl, ttt_flex_attention
-from trainer.documents import allowed_keys, document_positions
-from trainer.layers import AttentionProjections, GatedMLP, RMSNorm, repeat_kv
+from trainer.models.block_attention import Impl, resolve_impl, ttt_flex_attention
+from trainer.models.documents import allowed_keys, document_positions
+from trainer.models.layers import AttentionProjections, GatedMLP, RMSNorm, repeat_kv
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
@@ -67,9 +67,9 @@ class Eagle3Config:
         fc_norm: one RMSNorm per target state (``fc_norm.{j}``) before the concatenation (EAGLE-3.1); exclusive with
             ``norm_before_fc``.
         norm_output: the next step is fed ``norm(o)`` instead of ``o``, and ``lm_head`` reads it (EAGLE-3.1).
-        window: the sliding window of the drafter's attention, in tokens (trainer/documents.py: a query at position
-            t sees keys at t - window + 1 .. t), or None for full attention; training-time test and drafting apply
-            the same one (:func:`ttt_attention`, :meth:`Eagle3Drafter.forward`).
+        window: the sliding window of the drafter's attention, in tokens (trainer/models/documents.py: a query at
+            position t sees keys at t - window + 1 .. t), or None for full attention; training-time test and drafting
+            apply the same one (:func:`ttt_attention`, :meth:`Eagle3Drafter.forward`).
     """
 
     hidden_size: int
@@ -277,7 +277,8 @@ def windowed(
     past_len: int,
     key_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``allowed`` with the keys further than ``window`` behind each query masked (trainer/documents.py's convention).
+    """``allowed`` with the keys further than ``window`` behind each query masked (trainer/models/documents.py's
+    convention).
 
     Args:
         allowed: [N, M + N] or [B, 1, N, M + N] bool over past then new keys.
@@ -326,14 +327,14 @@ def ttt_attention(
     Query ``t`` sees the step-0 keys ``0..t`` (causal) and, for every later step ``j = 1..i``, only the key at its
     own position ``t``. q: [B, nh, S, D]; keys[j], values[j]: [B, nkv, S, D] -> [B, nh, S, D].
 
-    ``window`` (trainer/documents.py's convention, by rotary position): query ``t`` of step ``i`` sits at position
-    ``t + i``, the step-0 key ``p`` at ``p`` and the step-``j`` key at ``t + j``, so it keeps the step-0 keys with
-    ``t + i - p < window`` and the step-``j`` keys with ``i - j < window``: what drafting depth ``i`` after position
-    ``t`` sees (its cache and its ancestors, proposer.py). ``documents`` [B, S]: step-0 keys of another document are
-    masked (the later steps' keys are the query's own element).
+    ``window`` (trainer/models/documents.py's convention, by rotary position): query ``t`` of step ``i`` sits at
+    position ``t + i``, the step-0 key ``p`` at ``p`` and the step-``j`` key at ``t + j``, so it keeps the step-0 keys
+    with ``t + i - p < window`` and the step-``j`` keys with ``i - j < window``: what drafting depth ``i`` after
+    position ``t`` sees (its cache and its ancestors, proposer.py). ``documents`` [B, S]: step-0 keys of another
+    document are masked (the later steps' keys are the query's own element).
 
     ``impl``: ``dense`` computes the causal scores [S, S] and the i diagonal ones [S, i] and normalises them together;
-    ``flex`` runs the same mask through flex attention (trainer/block_attention.py: fused, no probabilities
+    ``flex`` runs the same mask through flex attention (trainer/models/block_attention.py: fused, no probabilities
     stored; CUDA only for training); ``auto`` picks flex on CUDA.
     """
     if _resolved(impl, q) == "flex":
@@ -358,7 +359,7 @@ def ttt_attention(
 
 
 def _resolved(impl: Impl, q: torch.Tensor) -> str:
-    """The implementation ``impl`` resolves to for queries ``q`` (trainer/block_attention.py)."""
+    """The implementation ``impl`` resolves to for queries ``q`` (trainer/models/block_attention.py)."""
     return resolve_impl(impl, q.device, torch.is_grad_enabled() and q.requires_grad)
 
 
@@ -514,7 +515,7 @@ class Eagle3Drafter(nn.Module):
             positions: [B, S] rotary positions (the step-0 positions plus i).
             keys, values: the keys and values of steps 0..i-1, each [B, nkv, S, D].
             impl: the TTT attention's implementation (see :func:`ttt_attention`).
-            documents: [B, S] the document of every element (trainer/documents.py), or None (one document).
+            documents: [B, S] the document of every element (trainer/models/documents.py), or None (one document).
             attention: ``attention(q, keys, values, window, documents)`` in place of :func:`ttt_attention` with
                 ``impl`` (sequence parallelism: that attention over the whole row, each rank holding a slice of its
                 elements; ``documents`` are then the whole row's), or None.
@@ -553,7 +554,7 @@ class Eagle3Drafter(nn.Module):
                 otherwise [B, S + steps] a token stream whose entry ``t + 1 + i`` is fed at step i (the data's
                 tokens, as in the reference implementations).
             impl: the TTT attention's implementation (see :func:`ttt_attention`).
-            documents: [B, S] the document of every element (trainer/documents.py): attention stays inside each
+            documents: [B, S] the document of every element (trainer/models/documents.py): attention stays inside each
                 document and rotary positions count from its first token; None is one document.
         """
         B, S, _ = fused.shape

@@ -19,7 +19,7 @@ Offline mode (``target_signals: shards``): the batches of a ShardDataModule carr
 the target's top-k next tokens at temperature 1, written by ``draftsmith precompute`` (recipes/quickstart/
 precompute_eagle3.yaml). The target model is never built: only its config and the two tensors the drafter needs, the
 input embedding (the drafter's input) and the lm_head (which initialises the draft lm_head rows), are read from its
-safetensors (trainer.target.TargetEmbeddings). Soft labels are the top-k probabilities restricted to the draft
+safetensors (trainer.models.target.TargetEmbeddings). Soft labels are the top-k probabilities restricted to the draft
 vocabulary and renormalised over it (positions where none of the k ids is in it are not trained); argmax labels use the
 top-1 id, the accuracies the best-ranked id in the draft vocabulary (soft labels) or the top-1 id (argmax), as online.
 With k equal to the vocabulary and float32 shards it is the online objective.
@@ -27,7 +27,7 @@ With k equal to the vocabulary and float32 shards it is the online objective.
 Accuracies (``acc_i``) count the drafts equal to the target's most likely token: among the draft vocabulary's tokens
 with soft labels (what the loss sees, and what speculators reports), among all tokens with argmax labels.
 
-The loss (``model.loss``, trainer/distribution_loss.py; labels.py): ``kl`` (the default) is the cross entropy above;
+The loss (``model.loss``, trainer/losses/distribution.py; labels.py): ``kl`` (the default) is the cross entropy above;
 ``tv``, ``nla`` and ``lk_hybrid`` (the LK losses) train toward the target's own probabilities over the draft vocabulary,
 not renormalised, so the mass of target tokens outside it counts as rejected (with argmax labels: toward the label's
 one-hot, ``nla`` then being the cross entropy and ``tv`` ``1 - q_label``). ``alpha_i`` logs step i's expected acceptance
@@ -41,7 +41,7 @@ their inputs and outputs (features, keys and values: what later steps read) and 
 and loss included; the last step, the first one backward needs, is stored as before. It trades step time for memory
 (bench/bench_eagle3_ttt.py measures both; docs/benchmarks/memory.md); the loss and gradients are unchanged (tested).
 ``attention: flex`` (or ``auto``) runs the TTT mask through flex attention on CUDA
-(trainer/block_attention.py), which stores no attention probabilities; it is checked against the dense
+(trainer/models/block_attention.py), which stores no attention probabilities; it is checked against the dense
 path on CPU (forward) but has not been run on a GPU in this repository, so the default stays ``dense``.
 
 The reduced vocabulary (vocab_map.py) is counted once from the datamodule's training rows in
@@ -64,32 +64,32 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from trainer.activation_memory import F32, PlannedStep, Shape, dense_scores, frozen_forward, layer_saved
-from trainer.block_attention import Impl
-from trainer.distribution_loss import DEFAULT_ETA, acceptance, loss_rows, sparse_loss_rows
-from trainer.documents import check_window, document_positions
-from trainer.errors import RecipeError
-from trainer.methods.eagle3 import kind as eagle3_kind
-from trainer.methods.eagle3 import vocab_map
-from trainer.methods.eagle3.labels import check_argmax_weight, check_loss, mix_argmax
-from trainer.methods.eagle3.module import Eagle3Config, Eagle3Drafter, ttt_attention
-from trainer.objective import (
-    DataRequirements,
-    DraftObjective,
-    Optim,
-    TargetSignals,
-    causal_lm_flops_per_token,
-    count_params,
-)
-from trainer.registry import DrafterRecord
-from trainer.sequence_parallel import (
+from trainer.distributed.sequence_parallel import (
     SequenceParallel,
     check_sequence_parallel,
     register_ulysses_sdpa,
     ulysses_attention,
     whole_row_target,
 )
-from trainer.target import resolve_dtype
+from trainer.interface.errors import RecipeError
+from trainer.losses.distribution import DEFAULT_ETA, acceptance, loss_rows, sparse_loss_rows
+from trainer.methods.eagle3 import kind as eagle3_kind
+from trainer.methods.eagle3 import vocab_map
+from trainer.methods.eagle3.labels import check_argmax_weight, check_loss, mix_argmax
+from trainer.methods.eagle3.module import Eagle3Config, Eagle3Drafter, ttt_attention
+from trainer.models.block_attention import Impl
+from trainer.models.documents import check_window, document_positions
+from trainer.models.target import resolve_dtype
+from trainer.training.activation_memory import F32, PlannedStep, Shape, dense_scores, frozen_forward, layer_saved
+from trainer.training.objective import (
+    DataRequirements,
+    DraftObjective,
+    TargetSignals,
+    causal_lm_flops_per_token,
+    count_params,
+)
+from trainer.training.optimizers import Optim
+from trainer.training.registry import DrafterRecord
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +158,8 @@ class Eagle3(DraftObjective):
                 draft vocabulary: each position's loss is ``(1 - w) * soft + w * CE(argmax)``, in [0, 1]. The argmax is
                 what greedy verification accepts; the soft part keeps the distribution sampling accepts. Default 0
                 (soft labels alone). Only with ``loss: kl``.
-            loss: each position's loss (trainer/distribution_loss.py): "kl" (the cross entropy above), "tv" (1 - alpha,
-                alpha = sum_v min(p_v, q_v) the expected acceptance, p the target's probabilities over the draft
+            loss: each position's loss (trainer/losses/distribution.py): "kl" (the cross entropy above), "tv" (1 -
+                alpha, alpha = sum_v min(p_v, q_v) the expected acceptance, p the target's probabilities over the draft
                 vocabulary, not renormalised), "nla" (-log alpha) or "lk_hybrid" (lambda * KL + (1 - lambda) * TV,
                 lambda = exp(-lk_eta * alpha)); with argmax labels p is the label's one-hot.
             lk_eta: the hybrid's temperature eta (3, the LK paper's and speculators' default).
@@ -190,16 +190,16 @@ class Eagle3(DraftObjective):
             norm_output: feed the post-norm drafter output to the next TTT step and drafting step, and to ``lm_head``
                 (EAGLE-3.1 against attention drift, speculators' ``norm_output``).
             window: sliding-window draft attention, in tokens: a query at position t sees keys at t - window + 1 .. t
-                (trainer/documents.py), in training-time test and in drafting alike; null (the default) attends to
-                every earlier key. Exported as the layer config's ``sliding_window`` and ``layer_types`` in the
-                speculators format; the native format refuses it. With ``init_from`` it replaces the window the
-                drafter was trained with (a mask, not a weight).
-            sequence_parallel: ranks sharing each row under DeepSpeed-Ulysses (trainer/sequence_parallel.py), for rows
-                longer than one GPU holds: each holds S / P consecutive positions of every row, the target and the
-                drafter attending over the whole row with 1 / P of the heads; the ranks of a group read the same rows,
-                so the data-parallel replicas are world / P. 1 (the default): none. Needs an online target, DDP or
-                DeepSpeed, P dividing the world size, both models' key/value heads and the rows' lengths, and rows of
-                at least P * ttt_steps tokens.
+                (trainer/models/documents.py), in training-time test and in drafting alike; null (the default) attends
+                to every earlier key. Exported as the layer config's ``sliding_window`` and ``layer_types`` in the
+                speculators format; the native format refuses it. With ``init_from`` it replaces the window the drafter
+                was trained with (a mask, not a weight).
+            sequence_parallel: ranks sharing each row under DeepSpeed-Ulysses
+                (trainer/distributed/sequence_parallel.py), for rows longer than one GPU holds: each holds S / P
+                consecutive positions of every row, the target and the drafter attending over the whole row with 1 / P
+                of the heads; the ranks of a group read the same rows, so the data-parallel replicas are world / P. 1
+                (the default): none. Needs an online target, DDP or DeepSpeed, P dividing the world size, both models'
+                key/value heads and the rows' lengths, and rows of at least P * ttt_steps tokens.
             optim: optimizer and learning-rate schedule.
         """
         super().__init__(optim)
@@ -421,7 +421,7 @@ class Eagle3(DraftObjective):
         """Runs the target: (fused [B, S - 1, H], embedding, argmax [B, S], its distribution over the draft vocabulary
         renormalised [B, S, Vd], None, its mass there [B, S] or None when neither the loss nor this step's logged
         metrics read it; vocab_map.online_target_signals). ``documents`` [B, S]: each document of a packed row run
-        alone (trainer/documents.py), or None."""
+        alone (trainer/models/documents.py), or None."""
         with_mass = not self.loss_spec.is_kl or self.metrics_due()  # alpha_i is logged only every N steps
         hidden, argmax, probs, mass = vocab_map.online_target_signals(
             self.target, ids, self.drafter, self.labels == "soft", with_mass, documents
@@ -487,7 +487,7 @@ class Eagle3(DraftObjective):
             target_mass: [B, M] the target's probability of the draft vocabulary: ``target_probs * target_mass`` is
                 its own, what the acceptance ``alpha_i`` and the losses other than ``kl`` are measured against; None
                 (``kl`` on a step whose metrics are not logged): ``alpha_i`` is not computed.
-            documents: [B, S] the document of every position of a packed row (trainer/documents.py), or None (one
+            documents: [B, S] the document of every position of a packed row (trainer/models/documents.py), or None (one
                 document): element t attends within token t's document, at rotary positions counted from its first
                 token, and step i does not train (nor count in its metrics) an element whose label position
                 t + 1 + i lies in another document.

@@ -9,10 +9,10 @@ from pathlib import Path
 from torch import nn
 
 from trainer.checkpoints.reading import sub_state_dict
-from trainer.errors import CheckpointError
 from trainer.export.speculators import folder_block
+from trainer.interface.errors import CheckpointError
 from trainer.methods.eagle3.module import Eagle3Config, flag_weight_mismatch
-from trainer.registry import DrafterRecord, load_components
+from trainer.training.registry import DrafterRecord, load_components
 
 
 def training_record(

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from trainer.errors import RecipeError
+from trainer.interface.errors import RecipeError
 
 
 def check_draft_vocab(draft_vocab_size: int, target_vocab_size: int, target: str) -> None:
@@ -112,13 +112,13 @@ def online_target_signals(
 
     With soft labels the target's final hidden state is projected onto the draft vocabulary's rows of its lm_head
     only: no [B, S, V] logits are made (the full vocabulary costs 8x the projection at a 1/8 draft vocabulary, and
-    at 8B is the step's largest tensor), and the argmax, for the accuracy metrics, is the target's most likely token
-    of the draft vocabulary, as speculators reports it; the share of the draft vocabulary (:func:`draft_mass`) takes
-    the full vocabulary's log-partition a chunk of positions at a time, skipped without ``with_mass`` (it costs as
-    much as the projection onto every row: the objectives ask for it when a loss or a logged metric reads it). Argmax
-    labels need the argmax over the whole vocabulary (positions whose argmax is outside the draft vocabulary are
-    skipped), so they project onto every row, and the mass comes with them. ``documents`` [B, S] (a packed row's
-    document_ids, trainer/documents.py): the target runs each document alone (FrozenTarget.forward's document_ids).
+    at 8B is the step's largest tensor), and the argmax, for the accuracy metrics, is the target's most likely token of
+    the draft vocabulary, as speculators reports it; the share of the draft vocabulary (:func:`draft_mass`) takes the
+    full vocabulary's log-partition a chunk of positions at a time, skipped without ``with_mass`` (it costs as much as
+    the projection onto every row: the objectives ask for it when a loss or a logged metric reads it). Argmax labels
+    need the argmax over the whole vocabulary (positions whose argmax is outside the draft vocabulary are skipped), so
+    they project onto every row, and the mass comes with them. ``documents`` [B, S] (a packed row's document_ids,
+    trainer/models/documents.py): the target runs each document alone (FrozenTarget.forward's document_ids).
     ``position_ids`` [B, S]: the positions of ``ids`` (a slice of a row under sequence parallelism), or None.
 
     Returns:

@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from trainer.decoding.options import ProposerOptions
 from trainer.export.hf import save_hf
 from trainer.methods.layerskip.proposer import EarlyExitProposer
-from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
+from trainer.training.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
 
 KIND = "layerskip"
 MARKER = "layerskip.json"

@@ -26,7 +26,7 @@ Training (Elhoushi et al. 2024; torchtune's names):
   next-token distribution (``original``: every exit's loss is its ``KL(p_original || q_exit)``, the last layer's
   included), so that the exits draft what the model predicts and the model's output stays the original's; ``loss``
   replaces that KL by another loss toward the same distribution (``tv``, ``nla``, ``lk_hybrid``:
-  trainer/distribution_loss.py). Every exit compared with the original (each of them with ``labels: original``, the
+  trainer/losses/distribution.py). Every exit compared with the original (each of them with ``labels: original``, the
   last layer with ``target_kl_weight``) logs its expected acceptance under the original's distribution,
   ``sum_v min(p_v, q_v)``, as ``alpha_exit_{layer}`` beside ``exit_{layer}``, from the loss's chunked pass.
 
@@ -48,19 +48,20 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 
-from trainer.activation_memory import PlannedStep, causal_lm_layers, chunked, frozen_forward, layer_saved
 from trainer.data.vocab import load_tokenizer_if_present
 from trainer.decoding.session import slice_refusal
-from trainer.distribution_loss import DEFAULT_ETA, LOSSES, DistributionLoss
-from trainer.errors import ModelFolderError, RecipeError
 from trainer.export.hf import export_student
-from trainer.llama import new_llama_config
-from trainer.logit_scaling import LogitScaling
-from trainer.losses import KL, LossParts, chunked_cross_entropy, fused_kd_loss, kd_loss
+from trainer.interface.errors import ModelFolderError, RecipeError
+from trainer.losses.distillation import KL, LossParts, chunked_cross_entropy, fused_kd_loss, kd_loss
+from trainer.losses.distribution import DEFAULT_ETA, LOSSES, DistributionLoss
 from trainer.methods.layerskip import kind as layerskip_kind
-from trainer.objective import DataRequirements, DraftObjective, Optim, causal_lm_flops_per_token, derived_seed
-from trainer.registry import DrafterRecord
-from trainer.target import resolve_dtype
+from trainer.models.llama import new_llama_config
+from trainer.models.logit_scaling import LogitScaling
+from trainer.models.target import resolve_dtype
+from trainer.training.activation_memory import PlannedStep, causal_lm_layers, chunked, frozen_forward, layer_saved
+from trainer.training.objective import DataRequirements, DraftObjective, causal_lm_flops_per_token, derived_seed
+from trainer.training.optimizers import Optim
+from trainer.training.registry import DrafterRecord
 
 SCALES = ("uniform", "linear_l", "sum_l", "sqrt_l", "inv_l")
 
@@ -259,7 +260,7 @@ class LayerSkip(DraftObjective):
                 what the model predicts rather than the data, and the model's own output is held to the original's
                 (``target_kl_weight`` then weighs its KL once more).
             loss: with labels=original, every exit's loss toward the copy's distribution: kl (the forward KL), tv
-                (total variation), nla (negative log-acceptance) or lk_hybrid (trainer/distribution_loss.py; the last
+                (total variation), nla (negative log-acceptance) or lk_hybrid (trainer/losses/distribution.py; the last
                 layer's value is also what target_kl_weight weighs); labels=data takes the cross entropy and needs kl.
             lk_eta: the hybrid's eta (loss=lk_hybrid only), >= 0.
             loss_chunk_size: positions per chunk of every exit's logits.

@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from trainer.errors import ModelFolderError
 from trainer.export.files import WEIGHTS, cpu_tensors, read_folder, write_folder
+from trainer.interface.errors import ModelFolderError
 from trainer.methods.medusa.module import MedusaConfig, MedusaDrafter
 
 VLLM_WEIGHTS = WEIGHTS

@@ -22,7 +22,7 @@ from trainer.export.files import folder_config
 from trainer.methods.medusa import export as formats
 from trainer.methods.medusa.module import MedusaConfig, MedusaDrafter
 from trainer.methods.medusa.proposer import MedusaProposer
-from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
+from trainer.training.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
 
 KIND = "medusa"
 

@@ -7,7 +7,7 @@ tokens, its argmax (``labels: argmax``; with regenerated data this is how Medusa
 1 + k, under the loss mask of that token; or (``labels: original``) the target's whole next-token distribution at
 t + 1 + k, the frozen target's at stage 1 and the frozen original's with Medusa-2's self-distillation: head k's loss
 is then its forward KL from that distribution over the same positions (the paper's self-distillation of the heads),
-or another loss toward it (``loss``: ``tv``, ``nla``, ``lk_hybrid``, trainer/distribution_loss.py); head k's expected
+or another loss toward it (``loss``: ``tv``, ``nla``, ``lk_hybrid``, trainer/losses/distribution.py); head k's expected
 acceptance under that distribution, ``sum_v min(p_v, q_v)``, is logged as ``alpha_{k}`` beside ``loss_{k}``.
 
 - Medusa-1 (``stage: 1``): loss ``sum_k step_decay^k CE_k``; the target is frozen (a FrozenTarget: never in a
@@ -20,9 +20,9 @@ acceptance under that distribution, ``sum_v min(p_v, q_v)``, is logged as ``alph
   ``heads_lr_multiplier`` (4) times faster than the target, which trains in full or its last ``trained_target_layers``
   layers and final norm; the warm-up of the heads' weight is constant, linear or sine over ``heads_warmup_steps``.
 
-Every head's logits are computed in chunks of positions (trainer/losses.py), one head after the other, so that the
-float32 logits of all heads never exist at once. The drafter (module.py) holds the heads and, for
-Medusa-2, the trained target; drafter kind ``medusa`` (kind.py) exports it for vLLM or TGI.
+Every head's logits are computed in chunks of positions (trainer/losses/distillation.py), one head after the other, so
+that the float32 logits of all heads never exist at once. The drafter (module.py) holds the heads and, for Medusa-2, the
+trained target; drafter kind ``medusa`` (kind.py) exports it for vLLM or TGI.
 """
 
 from __future__ import annotations
@@ -35,24 +35,24 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from trainer.activation_memory import PlannedStep, Shape, chunked, frozen_forward, layer_saved
 from trainer.data.vocab import load_tokenizer_if_present
-from trainer.distribution_loss import DEFAULT_ETA, LOSSES, DistributionLoss
-from trainer.errors import RecipeError
-from trainer.logit_scaling import LogitScaling
-from trainer.losses import SoftTargets, chunked_cross_entropy, fused_kd_loss
+from trainer.interface.errors import RecipeError
+from trainer.losses.distillation import SoftTargets, chunked_cross_entropy, fused_kd_loss
+from trainer.losses.distribution import DEFAULT_ETA, LOSSES, DistributionLoss
 from trainer.methods.medusa import kind as medusa_kind
 from trainer.methods.medusa.module import MedusaConfig, MedusaDrafter
-from trainer.objective import (
+from trainer.models.logit_scaling import LogitScaling
+from trainer.models.target import FrozenTarget, resolve_dtype
+from trainer.training.activation_memory import PlannedStep, Shape, chunked, frozen_forward, layer_saved
+from trainer.training.objective import (
     DataRequirements,
     DraftObjective,
-    Optim,
     TargetSignals,
     causal_lm_flops_per_token,
     count_params,
 )
-from trainer.registry import DrafterRecord
-from trainer.target import FrozenTarget, resolve_dtype
+from trainer.training.optimizers import Optim
+from trainer.training.registry import DrafterRecord
 
 IGNORE_INDEX = -100
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ def chunked_argmax(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int) 
     """``argmax(hidden @ weight.T)`` over the vocabulary, ``chunk_size`` positions at a time: [B, S, H] -> [B, S].
 
     Also a model's own greedy token when its forward scales its logits (Cohere, Granite, Gemma-2's soft-cap,
-    trainer/logit_scaling.py): a positive factor and the soft-cap are increasing, so they keep the argmax."""
+    trainer/models/logit_scaling.py): a positive factor and the soft-cap are increasing, so they keep the argmax."""
     flat = hidden.reshape(-1, hidden.shape[-1])  # [B*S, H]
     out = torch.cat([(flat[i : i + chunk_size] @ weight.T).argmax(-1) for i in range(0, flat.shape[0], chunk_size)])
     return out.reshape(hidden.shape[:-1])
@@ -124,7 +124,7 @@ class Medusa(DraftObjective):
                 (the frozen target's distribution, the forward KL from it; at stage 2 the frozen original's, which
                 needs self_distillation; online target signals only).
             loss: with labels=original, each head's loss toward that distribution: kl (the forward KL), tv (total
-                variation), nla (negative log-acceptance) or lk_hybrid (trainer/distribution_loss.py); other labels
+                variation), nla (negative log-acceptance) or lk_hybrid (trainer/losses/distribution.py); other labels
                 take the cross entropy and need kl.
             lk_eta: the hybrid's eta (loss=lk_hybrid only), >= 0.
             heads_coefficient: stage 2: the heads' loss weight beside the target's loss.

@@ -41,11 +41,10 @@ from torch import nn
 from transformers.core_model_loading import revert_weight_conversion
 
 from trainer.data.vocab import TOKENIZER_FILES, load_tokenizer_if_present
-from trainer.errors import CheckpointError, ModelFolderError, UsageError
+from trainer.interface.errors import CheckpointError, ModelFolderError, UsageError
 from trainer.methods.mtp.module import LAYOUTS, NEXTN_MODEL_TYPES, MTPConfig, MTPDrafter, text_config, trunk_parts
 from trainer.methods.mtp.record import make_record
-from trainer.registry import DrafterRecord
-from trainer.target import (
+from trainer.models.target import (
     EMBEDDING_NAMES,
     LM_HEAD_NAMES,
     SAFETENSORS_INDEX,
@@ -53,6 +52,7 @@ from trainer.target import (
     target_file,
     weight_map,
 )
+from trainer.training.registry import DrafterRecord
 
 MTP_WEIGHTS = "model-mtp.safetensors"
 NEXTN_OWN = ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")

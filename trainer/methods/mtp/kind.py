@@ -19,7 +19,7 @@ from trainer.methods.mtp import export as formats
 from trainer.methods.mtp.module import MTPConfig, MTPDrafter, text_config
 from trainer.methods.mtp.proposer import MTPProposer
 from trainer.methods.mtp.record import COMPONENTS, KIND, make_record  # noqa: F401 (the record, re-exported here)
-from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
+from trainer.training.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
 
 
 def build(record: DrafterRecord) -> MTPDrafter:

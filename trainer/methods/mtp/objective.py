@@ -1,10 +1,10 @@
 """Sequential multi-token prediction (DeepSeek-V3 MTP): D modules after a trunk, three modes in one objective.
 
-Module ``k`` (1-based here, as the papers count) reads the hidden state of depth ``k - 1`` (the trunk's for k = 1)
-and the embedding of token ``t + k``, runs one decoder layer of the trunk's family and predicts token ``t + k + 1``
-through its own final norm and the trunk's lm_head (module.py). Each depth's cross entropy is computed
-in chunks of positions (trainer/losses.py), one depth after the other, so the float32 logits of several depths never
-exist at once. Modes:
+Module ``k`` (1-based here, as the papers count) reads the hidden state of depth ``k - 1`` (the trunk's for k = 1) and
+the embedding of token ``t + k``, runs one decoder layer of the trunk's family and predicts token ``t + k + 1`` through
+its own final norm and the trunk's lm_head (module.py). Each depth's cross entropy is computed in chunks of positions
+(trainer/losses/distillation.py), one depth after the other, so the float32 logits of several depths never exist at
+once. Modes:
 
 - ``pretrain``: a fresh trunk (any HF family: ``model_type`` and ``target_config``, vocabulary from ``tokenizer``)
   trained together with its modules: ``loss = CE_main + lambda / D * sum_k CE_k``, lambda scheduled by the tokens
@@ -37,17 +37,25 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from trainer.activation_memory import PlannedStep, Shape, causal_lm_layers, chunked, frozen_forward, layer_saved
 from trainer.data.vocab import load_tokenizer_if_present
-from trainer.errors import RecipeError
-from trainer.logit_scaling import LogitScaling
-from trainer.losses import chunked_cross_entropy
+from trainer.interface.errors import RecipeError
+from trainer.losses.distillation import chunked_cross_entropy
 from trainer.methods.mtp import export as exports
 from trainer.methods.mtp import kind as mtp_kind
 from trainer.methods.mtp.module import MTPConfig, MTPDrafter, text_config
-from trainer.objective import DataRequirements, DraftObjective, Optim, causal_lm_flops_per_token, count_params
-from trainer.registry import DrafterRecord
-from trainer.target import FrozenTarget, resolve_dtype
+from trainer.models.logit_scaling import LogitScaling
+from trainer.models.target import FrozenTarget, resolve_dtype
+from trainer.training.activation_memory import (
+    PlannedStep,
+    Shape,
+    causal_lm_layers,
+    chunked,
+    frozen_forward,
+    layer_saved,
+)
+from trainer.training.objective import DataRequirements, DraftObjective, causal_lm_flops_per_token, count_params
+from trainer.training.optimizers import Optim
+from trainer.training.registry import DrafterRecord
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ none imports another for it."""
 from __future__ import annotations
 
 from trainer.methods.mtp.module import MTPConfig, text_config
-from trainer.registry import DrafterRecord
+from trainer.training.registry import DrafterRecord
 
 KIND = "mtp"
 COMPONENTS = {"mtp": "drafter.mtp.", "trunk": "drafter.trunk."}

@@ -39,8 +39,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from trainer.errors import ModelFolderError
 from trainer.export.hf import save_hf
+from trainer.interface.errors import ModelFolderError
 from trainer.methods.mtp_heads.module import MTPHeads
 
 FORMAT = "draftsmith-mtp-heads"

@@ -29,7 +29,7 @@ from trainer.export import serving
 from trainer.methods.mtp_heads import export as formats
 from trainer.methods.mtp_heads.module import ACCURACY_TOP_K, MTPHeads, default_accuracy
 from trainer.methods.mtp_heads.proposer import MTPHeadsProposer
-from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
+from trainer.training.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
 
 KIND = "mtp_heads"
 

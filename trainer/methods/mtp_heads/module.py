@@ -13,7 +13,7 @@ Training loss: ``sum_i w_i * CE_i``, ``CE_i`` the mean cross entropy of head ``i
 ``t + 1 + i`` is a trained label (``labels`` shifted by ``i``, the last ``i`` positions unlabelled). With ``distill``
 (fine-tuning), ``CE_i`` is replaced by head ``i``'s forward KL from a frozen original's next-token distribution at
 ``t + i`` (its prediction of the same token) over the same positions: every head learns what the model it started
-from predicts, not the data's tokens (:func:`head_soft_targets`); ``loss`` (trainer/distribution_loss.py) replaces
+from predicts, not the data's tokens (:func:`head_soft_targets`); ``loss`` (trainer/losses/distribution.py) replaces
 that KL by another loss toward the same distribution (``tv``, ``nla``, ``lk_hybrid``), and every head's expected
 acceptance under it, ``sum_v min(p_v, q_v)``, is computed in the same chunked pass (:attr:`HeadsOutput.head_alpha`).
 
@@ -22,24 +22,24 @@ Three ways to run the heads' backward (:data:`HEAD_BACKWARDS`), all giving the n
 - ``sequential``: :class:`_SequentialHeads`, a custom ``autograd.Function`` whose forward runs each head's forward and
   backward in turn on *detached leaf copies* of ``z`` and of the head's, the norm's and the lm_head's parameters
   (``torch.func.functional_call``), accumulating d(loss)/dz and the parameter gradients, with the logits computed and
-  freed a chunk of positions at a time (``trainer.losses.cross_entropy_with_grads``, on the chunked-loss engine of
-  trainer/chunked_loss.py); its backward returns the stored gradients times ``grad_output``. The trunk then runs one
-  backward. No gradient hook of DDP or DeepSpeed fires inside (the leaves are not the parameters), so they see one
-  backward in which every parameter's gradient arrives once (the shared lm_head's summed over heads), with or without
-  gradient accumulation. It reads parameters directly, so it needs whole parameters: DDP, ZeRO-1/2, one process.
+  freed a chunk of positions at a time (``trainer.losses.distillation.cross_entropy_with_grads``, on the chunked-loss
+  engine of trainer/losses/chunked.py); its backward returns the stored gradients times ``grad_output``. The trunk then
+  runs one backward. No gradient hook of DDP or DeepSpeed fires inside (the leaves are not the parameters), so they see
+  one backward in which every parameter's gradient arrives once (the shared lm_head's summed over heads), with or
+  without gradient accumulation. It reads parameters directly, so it needs whole parameters: DDP, ZeRO-1/2, one process.
 - ``checkpoint``: for ZeRO-3 and FSDP2, where a parameter is only a shard outside its module's forward: every head's
   loss runs under ``torch.utils.checkpoint`` (``use_reentrant=False``) through the modules' own forwards, so each
   head's logits are freed after its forward and recomputed, one head at a time, in backward.
 - ``naive``: plain autograd, every head's full logits alive until backward (the reference, and the benchmark's
   baseline).
 
-Keeping the model's own outputs (``original``): when the model trains, its next-token distribution (trunk + head 0)
-can be held close to a frozen copy of the model it started from, ``KL(p_original || q_head0)`` per position (forward
-KL, the original's distribution first), averaged over the positions of a mask and returned beside the heads' loss
-(:attr:`HeadsOutput.target_kl`; the objective weighs it). The logits are chunked over positions as every
-full-vocabulary loss is (``trainer.losses.fused_kd_loss``): sequential backward and evaluation run head 0's layer and
-norm once more through autograd and project a chunk of positions at a time; ``checkpoint`` and ``naive`` take head 0's
-logits through the modules' own forwards (under activation checkpointing for ``checkpoint``) and ``kd_loss`` on them.
+Keeping the model's own outputs (``original``): when the model trains, its next-token distribution (trunk + head 0) can
+be held close to a frozen copy of the model it started from, ``KL(p_original || q_head0)`` per position (forward KL, the
+original's distribution first), averaged over the positions of a mask and returned beside the heads' loss
+(:attr:`HeadsOutput.target_kl`; the objective weighs it). The logits are chunked over positions as every full-vocabulary
+loss is (``trainer.losses.distillation.fused_kd_loss``): sequential backward and evaluation run head 0's layer and norm
+once more through autograd and project a chunk of positions at a time; ``checkpoint`` and ``naive`` take head 0's logits
+through the modules' own forwards (under activation checkpointing for ``checkpoint``) and ``kd_loss`` on them.
 
 Drafting (:meth:`MTPHeads.draft_logits`): the extra heads read ``z`` of the committed positions from the target session;
 each keeps its own KV cache over them. See proposer.py.
@@ -60,12 +60,12 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
-from trainer.chunked_loss import RowLosses, Term, chunked_loss, kl_from_log_probs
 from trainer.decoding.session import slice_refusal
-from trainer.distribution_loss import DistributionLoss
-from trainer.distribution_loss import loss_rows as distribution_loss_rows
-from trainer.logit_scaling import LogitScaling
-from trainer.losses import KL, SoftTargets, cross_entropy_with_grads, fused_kd_loss, kd_loss
+from trainer.losses.chunked import RowLosses, Term, chunked_loss, kl_from_log_probs
+from trainer.losses.distillation import KL, SoftTargets, cross_entropy_with_grads, fused_kd_loss, kd_loss
+from trainer.losses.distribution import DistributionLoss
+from trainer.losses.distribution import loss_rows as distribution_loss_rows
+from trainer.models.logit_scaling import LogitScaling
 
 HEAD_BACKWARDS = ("sequential", "checkpoint", "naive")
 IGNORE_INDEX = -100
@@ -270,7 +270,7 @@ class MTPHeads(nn.Module):
             distill: every head's loss is its forward KL from the original's distribution (:func:`head_soft_targets`)
                 over the positions it has a label at, instead of its cross entropy on the labels (needs ``original``);
                 ``target_kl`` is then not computed (head 0's loss is that KL over the labelled positions).
-            loss: with ``distill``, the loss toward the original's distribution (trainer/distribution_loss.py; ``kl``
+            loss: with ``distill``, the loss toward the original's distribution (trainer/losses/distribution.py; ``kl``
                 is the forward KL above).
         """
         if backward not in HEAD_BACKWARDS:

@@ -32,7 +32,7 @@ What the heads learn (``labels``): the data's tokens (cross entropy, the paper's
 distribution (``original``: head i's loss at position t is its forward KL from the original's next-token distribution
 at t + i, head 0's included, which then also carries ``target_kl_weight``), so that no head pulls the shared trunk
 towards the data where the original predicts otherwise. With ``labels: original``, ``loss`` is the loss toward that
-distribution (``kl``, the forward KL; ``tv``, ``nla``, ``lk_hybrid``: trainer/distribution_loss.py), and every
+distribution (``kl``, the forward KL; ``tv``, ``nla``, ``lk_hybrid``: trainer/losses/distribution.py), and every
 head's expected acceptance under it, ``sum_v min(p_v, q_v)``, is logged as ``alpha_head{i}`` beside
 ``loss_head{i}`` (computed in the same chunked pass as the loss).
 
@@ -53,17 +53,18 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedModel
 
-from trainer.activation_memory import PlannedStep, causal_lm_layers, chunked, frozen_forward, layer_saved
 from trainer.data.vocab import load_tokenizer_if_present
-from trainer.distribution_loss import DEFAULT_ETA, LOSSES, DistributionLoss
-from trainer.errors import RecipeError
-from trainer.llama import new_llama_config
+from trainer.interface.errors import RecipeError
+from trainer.losses.distribution import DEFAULT_ETA, LOSSES, DistributionLoss
 from trainer.methods.mtp_heads import export as mtp_export
 from trainer.methods.mtp_heads import kind as mtp_kind
 from trainer.methods.mtp_heads.module import MTPHeads, Original
-from trainer.objective import DataRequirements, DraftObjective, Optim, causal_lm_flops_per_token, count_params
-from trainer.registry import DrafterRecord
-from trainer.target import resolve_dtype
+from trainer.models.llama import new_llama_config
+from trainer.models.target import resolve_dtype
+from trainer.training.activation_memory import PlannedStep, causal_lm_layers, chunked, frozen_forward, layer_saved
+from trainer.training.objective import DataRequirements, DraftObjective, causal_lm_flops_per_token, count_params
+from trainer.training.optimizers import Optim
+from trainer.training.registry import DrafterRecord
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ class ParallelMTPHeads(DraftObjective):
                 model predicts rather than the data, and the model's own output is held to the original's. Needs
                 ``target``; the frozen copy costs what ``target_kl_weight`` costs.
             loss: with labels=original, every head's loss toward the copy's distribution: kl (the forward KL), tv
-                (total variation), nla (negative log-acceptance) or lk_hybrid (trainer/distribution_loss.py);
+                (total variation), nla (negative log-acceptance) or lk_hybrid (trainer/losses/distribution.py);
                 labels=data takes the cross entropy and needs kl. target_kl_weight then adds to head 0's weight on
                 this loss.
             lk_eta: the hybrid's eta (loss=lk_hybrid only), >= 0.
@@ -360,7 +361,7 @@ class ParallelMTPHeads(DraftObjective):
 
     def on_train_end(self) -> None:
         if self.export_dir:
-            from trainer.strategies import full_state_dict
+            from trainer.distributed.strategies import full_state_dict
 
             state = full_state_dict(self.mtp) if self.weights_are_sharded() else None
             self._save(state)

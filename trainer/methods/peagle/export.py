@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from trainer.errors import ModelFolderError
 from trainer.export.files import write_folder
+from trainer.interface.errors import ModelFolderError
 from trainer.methods.eagle3.export import (
     consume_tensors,
     module_name,

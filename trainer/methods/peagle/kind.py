@@ -18,7 +18,7 @@ from trainer.methods.eagle3 import records
 from trainer.methods.peagle.export import MODEL_TYPE, load_peagle, save_peagle
 from trainer.methods.peagle.module import PEagleConfig, PEagleDrafter
 from trainer.methods.peagle.proposer import PEagleProposer
-from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
+from trainer.training.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
 
 KIND = "peagle"
 

@@ -32,9 +32,6 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from trainer.block_attention import Impl, flex_attention, resolve_impl
-from trainer.documents import allowed_keys, document_positions
-from trainer.layers import repeat_kv
 from trainer.methods.eagle3.module import (
     DecoderLayer,
     Eagle3Config,
@@ -44,6 +41,9 @@ from trainer.methods.eagle3.module import (
     masked_attention,
     windowed,
 )
+from trainer.models.block_attention import Impl, flex_attention, resolve_impl
+from trainer.models.documents import allowed_keys, document_positions
+from trainer.models.layers import repeat_kv
 
 
 @dataclass
@@ -77,10 +77,10 @@ def peagle_mask(
     """anchor, depth: [B, N] (valid: [B, N] bool, False for padding) -> allowed [B, 1, N, N] bool.
 
     Query q sees key k iff (``d_k == 0`` and ``a_k <= a_q``) or (``a_k == a_q`` and ``d_k <= d_q``); padding keys are
-    hidden and a padding query sees itself only (no empty rows). With a ``window``, also only keys whose position
-    ``a_k + d_k`` is less than ``window`` behind the query's ``a_q + d_q`` (trainer/documents.py), as drafting. With
-    ``documents`` [B, S] (the row's document_ids, trainer/documents.py), also only keys whose anchor is in the query
-    anchor's document."""
+    hidden and a padding query sees itself only (no empty rows). With a ``window``, also only keys whose position ``a_k
+    + d_k`` is less than ``window`` behind the query's ``a_q + d_q`` (trainer/models/documents.py), as drafting. With
+    ``documents`` [B, S] (the row's document_ids, trainer/models/documents.py), also only keys whose anchor is in the
+    query anchor's document."""
     aq, ak = anchor[:, :, None], anchor[:, None, :]  # [B, N, 1], [B, 1, N]
     dq, dk = depth[:, :, None], depth[:, None, :]
     allowed = ((dk == 0) & (ak <= aq)) | ((ak == aq) & (dk <= dq))  # [B, N, N]
@@ -166,8 +166,9 @@ class PEagleDrafter(Eagle3Drafter):
             anchor, depth: [B, N] long; elements 0..n-1 of every row are the depth-0 ones, anchors 0..n-1 in order
                 (COD sampling's order), the others placeholders (depth >= 1) or padding.
             valid: [B, N] bool, False for padding.
-            impl: the :func:`peagle_mask` attention, dense or flex (trainer/block_attention.py, CUDA for training).
-            documents: [B, S] the row's document_ids (trainer/documents.py), or None (one document): an element
+            impl: the :func:`peagle_mask` attention, dense or flex (trainer/models/block_attention.py, CUDA for
+                training).
+            documents: [B, S] the row's document_ids (trainer/models/documents.py), or None (one document): an element
                 attends within its anchor's document only, at rotary positions counted from that document's start.
 
         Every placeholder has the same inputs (``mask_token_id``'s embedding, the fused ``mask_hidden``), so their

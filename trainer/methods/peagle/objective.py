@@ -30,19 +30,20 @@ from typing import Literal
 
 import torch
 
-from trainer.activation_memory import F32, PlannedStep, Shape, layer_saved
-from trainer.block_attention import Impl
-from trainer.distribution_loss import DEFAULT_ETA, acceptance, loss_rows
-from trainer.documents import check_window
-from trainer.errors import RecipeError
+from trainer.interface.errors import RecipeError
+from trainer.losses.distribution import DEFAULT_ETA, acceptance, loss_rows
 from trainer.methods.eagle3.labels import check_argmax_weight, check_loss, mix_argmax
 from trainer.methods.eagle3.objective import Eagle3
 from trainer.methods.eagle3.vocab_map import online_target_signals
 from trainer.methods.peagle import kind as peagle_kind
 from trainer.methods.peagle.module import PEagleConfig, PEagleDrafter
-from trainer.objective import Optim, causal_lm_flops_per_token, count_params
-from trainer.registry import DrafterRecord
-from trainer.target import resolve_dtype
+from trainer.models.block_attention import Impl
+from trainer.models.documents import check_window
+from trainer.models.target import resolve_dtype
+from trainer.training.activation_memory import F32, PlannedStep, Shape, layer_saved
+from trainer.training.objective import causal_lm_flops_per_token, count_params
+from trainer.training.optimizers import Optim
+from trainer.training.registry import DrafterRecord
 
 
 def cod_sample(
@@ -55,12 +56,12 @@ def cod_sample(
     documents: torch.Tensor | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """COD sampling of one row: ``trained`` [n + 1] bool, the loss mask of label positions 1..n+1 of the n elements
-    (``trained[a + d]``: element (a, d) has a trained label). Returns per depth d = 0.. (anchors [m_d], depth d):
-    depth 0 every anchor 0..n-1; depth d a random subset of depth d - 1's anchors with ``a + d <= n - 1`` and a trained
-    label, of size ``int(n_trained * max(ratio ** d, floor))`` (all of them when fewer), n_trained the anchors with a
-    trained depth-0 label. With ``max_anchors`` below n_trained, depth 1 draws from ``max_anchors`` of those, drawn at
-    random, and they are n_trained (speculators' ``max_anchors``: the deeper depths' budget, whatever the row's
-    length). ``documents`` [n + 2]: the row's document_ids (trainer/documents.py); a label position ``a + 1 + d`` in
+    (``trained[a + d]``: element (a, d) has a trained label). Returns per depth d = 0.. (anchors [m_d], depth d): depth
+    0 every anchor 0..n-1; depth d a random subset of depth d - 1's anchors with ``a + d <= n - 1`` and a trained label,
+    of size ``int(n_trained * max(ratio ** d, floor))`` (all of them when fewer), n_trained the anchors with a trained
+    depth-0 label. With ``max_anchors`` below n_trained, depth 1 draws from ``max_anchors`` of those, drawn at random,
+    and they are n_trained (speculators' ``max_anchors``: the deeper depths' budget, whatever the row's length).
+    ``documents`` [n + 2]: the row's document_ids (trainer/models/documents.py); a label position ``a + 1 + d`` in
     another document than anchor ``a`` counts as untrained (None: one document)."""
     n = trained.numel() - 1
     anchors = torch.arange(n, device=trained.device)
@@ -151,7 +152,7 @@ class PEagle(Eagle3):
             argmax_weight: the weight w of a cross entropy on the target's most likely token of the draft vocabulary
                 mixed into each element's soft-label loss, ``(1 - w) * soft + w * CE(argmax)``, in [0, 1] (as
                 EAGLE-3's: the argmax is what greedy verification accepts). Only with ``loss: kl``.
-            loss: each element's loss, as EAGLE-3's (trainer/distribution_loss.py): "kl" (the cross entropy), "tv"
+            loss: each element's loss, as EAGLE-3's (trainer/losses/distribution.py): "kl" (the cross entropy), "tv"
                 (1 - alpha, alpha = sum_v min(p_v, q_v) the expected acceptance against the target's probabilities over
                 the draft vocabulary, not renormalised), "nla" (-log alpha) or "lk_hybrid" (lambda * KL + (1 - lambda)
                 * TV, lambda = exp(-lk_eta * alpha)).
@@ -259,13 +260,13 @@ class PEagle(Eagle3):
         return self.parallel_loss(ids, loss_mask, aux, probs, argmax, anchor, depth, valid, mass, documents)
 
     def parallel_loss(self, ids, loss_mask, aux, probs, target_argmax, anchor, depth, valid, mass=None, documents=None):
-        """The loss of sampled elements. ids, loss_mask, target_argmax: [B, S]; aux: [B, S - 1, n Ht] the
-        concatenated target states; probs: [B, S, Vd] soft labels (renormalised over the draft vocabulary); anchor,
-        depth, valid: [B, N]; mass: [B, S] the target's probability of the draft vocabulary (``probs * mass`` its
-        own probabilities, what ``alpha_d`` and the losses other than ``kl`` are measured against); None: the losses
-        take it as 1 and ``alpha_d`` is not computed (``kl`` on a step whose metrics are not logged); documents:
-        [B, S] the rows' document_ids (trainer/documents.py) or None: elements attend within their anchor's document
-        and an element whose label position is in another document is not trained."""
+        """The loss of sampled elements. ids, loss_mask, target_argmax: [B, S]; aux: [B, S - 1, n Ht] the concatenated
+        target states; probs: [B, S, Vd] soft labels (renormalised over the draft vocabulary); anchor, depth, valid: [B,
+        N]; mass: [B, S] the target's probability of the draft vocabulary (``probs * mass`` its own probabilities, what
+        ``alpha_d`` and the losses other than ``kl`` are measured against); None: the losses take it as 1 and
+        ``alpha_d`` is not computed (``kl`` on a step whose metrics are not logged); documents: [B, S] the rows'
+        document_ids (trainer/models/documents.py) or None: elements attend within their anchor's document and an
+        element whose label position is in another document is not trained."""
         drafter = self.drafter
         B, N = anchor.shape
         n = ids.shape[1] - 2  # the depth-0 elements: anchors 0..S-3 in order (COD sampling's), placeholders after

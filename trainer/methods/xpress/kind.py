@@ -17,7 +17,7 @@ from trainer.methods.dflash import kind as dflash_kind
 from trainer.methods.xpress import export as formats
 from trainer.methods.xpress.module import XPressConfig, XPressDrafter
 from trainer.methods.xpress.proposer import XPressProposer, XPressTreeProposer
-from trainer.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
+from trainer.training.registry import DrafterKind, DrafterRecord, ExportFormat, register_kind
 
 KIND = "xpress"
 

@@ -25,18 +25,19 @@ from typing import Literal
 
 import torch
 
-from trainer.activation_memory import PlannedStep
-from trainer.block_attention import Impl
-from trainer.distribution_loss import DEFAULT_ETA
-from trainer.errors import RecipeError
+from trainer.interface.errors import RecipeError
+from trainer.losses.distribution import DEFAULT_ETA
 from trainer.methods.dflash.module import DFlashConfig
 from trainer.methods.dflash.objective import DFlash
 from trainer.methods.dflash.refiner import LogitBias, SlotTerm
 from trainer.methods.xpress import kind as xpress_kind
 from trainer.methods.xpress.head import check_refiner
 from trainer.methods.xpress.module import REFINER_KEYS, XPressConfig, XPressDrafter
-from trainer.objective import Optim, TargetSignals
-from trainer.registry import DrafterRecord
+from trainer.models.block_attention import Impl
+from trainer.training.activation_memory import PlannedStep
+from trainer.training.objective import TargetSignals
+from trainer.training.optimizers import Optim
+from trainer.training.registry import DrafterRecord
 
 
 class XPress(DFlash):
@@ -98,7 +99,7 @@ class XPress(DFlash):
             dpace_alpha: D-PACE's smoothing of each slot's confidence, ``(1 - a) * exp(-loss) + a``, in (0, 1].
             labels: "argmax" (the default) trains on the target's argmax, what greedy verification accepts; "data" on
                 the rows' own tokens, "soft" on the target's distribution.
-            loss: each slot's loss toward its label (trainer/distribution_loss.py): "kl", "tv", "nla" or "lk_hybrid",
+            loss: each slot's loss toward its label (trainer/losses/distribution.py): "kl", "tv", "nla" or "lk_hybrid",
                 in every term (speculators' XPress default is the mixture 0.1 ce + 0.9 tv, which is not one of them).
             lk_eta: the hybrid's temperature eta.
             attention: the block-sparse attention: "flex" (CUDA), "dense", or "auto" (flex on CUDA).

@@ -2,8 +2,8 @@
 
 Cohere multiplies the logits by ``config.logit_scale``, Granite divides them by ``config.logits_scaling`` and Gemma-2
 soft-caps them, ``cap * tanh(logits / cap)`` with ``cap = config.final_logit_softcapping``. A loss that projects a
-model's hidden states with its bare lm_head weight (the chunked losses of trainer/losses.py) applies the same scaling
-to get that model's own distribution; :class:`LogitScaling` is that scaling as a value.
+model's hidden states with its bare lm_head weight (the chunked losses of trainer/losses/distillation.py) applies the
+same scaling to get that model's own distribution; :class:`LogitScaling` is that scaling as a value.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import torch
 class LogitScaling:
     """``logits -> softcap * tanh(multiplier * logits / softcap)``, or ``multiplier * logits`` without a soft-cap: the
     scaling a model's forward applies after its lm_head (the multiplication first, then the soft-cap, as each
-    architecture's forward and :meth:`trainer.target.FrozenTarget.project` do). ``LogitScaling()`` is the identity.
+    architecture's forward and :meth:`trainer.models.target.FrozenTarget.project` do). ``LogitScaling()`` is the
+    identity.
 
     Both operations are strictly increasing, so an argmax (or a ranking) of the logits is the same with or without
     the scaling; a distribution (softmax) is not.

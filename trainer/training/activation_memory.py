@@ -2,8 +2,8 @@
 one training step as ``draftsmith plan`` sizes it (:class:`PlannedStep`), and the terms every estimate adds up.
 
 Each objective states the activation bytes of one of its training steps in
-:meth:`trainer.objective.DraftObjective.activation_bytes`, built from the objective on the meta device (its shapes,
-its TTT steps, heads, depth, exits, chunk size, draft vocabulary, target signals); the planner
+:meth:`trainer.training.objective.DraftObjective.activation_bytes`, built from the objective on the meta device (its
+shapes, its TTT steps, heads, depth, exits, chunk size, draft vocabulary, target signals); the planner
 (:mod:`trainer.planner`) reads it and adds weights, gradients, optimizer states and buffers.
 
 Every estimate is the peak of two phases: the frozen target's forward under ``no_grad`` (its largest transient layer,
@@ -14,9 +14,9 @@ tensors autograd saves, :func:`layer_saved` per decoder layer; the chunked losse
 and input; fused attention, no S x S scores). A chunked loss keeps three float32 ``[chunk, V]`` tensors alive
 (logits, softmax, gradient), a loss against a second distribution six.
 
-Attention: the drafters' block-sparse attention (trainer/block_attention.py) is fused under ``flex`` (on CUDA, and what
-``auto`` picks there) and keeps no scores; its ``dense`` path (what ``auto`` picks on CPU, and the recipes' default)
-keeps float32 probabilities and their copy in the activations' dtype for every query and key it scores
+Attention: the drafters' block-sparse attention (trainer/models/block_attention.py) is fused under ``flex`` (on CUDA,
+and what ``auto`` picks there) and keeps no scores; its ``dense`` path (what ``auto`` picks on CPU, and the recipes'
+default) keeps float32 probabilities and their copy in the activations' dtype for every query and key it scores
 (:func:`dense_scores`), quadratic in the sequence length: at 8B width and 8k tokens that alone outgrows a GPU. The
 frozen target's attention (:func:`target_scores`): sdpa, flash and flex kernels keep no scores, but transformers builds
 a boolean ``[B, 1, S, S]`` mask for a padded or packed row; eager attention materialises its scores and float32 softmax
@@ -37,7 +37,7 @@ from typing import Any
 
 from torch import nn
 
-from trainer.errors import ModelFolderError
+from trainer.interface.errors import ModelFolderError
 
 F32 = 4
 HALF_TRUE = ("bf16-true", "16-true")
@@ -137,9 +137,9 @@ class PlannedStep:
         device: where the step runs, ``cuda`` (a drafter's ``auto`` attention is flex there) or ``cpu`` (dense).
         target_scores: bytes of the frozen target's attention scores and mask alive in one layer's forward
             (:func:`target_scores` of its attention implementation; 0 without a target forward).
-        sequence_parallel: ranks P sharing each row under DeepSpeed-Ulysses (trainer/sequence_parallel.py): each
-            holds ``seq / P`` positions (:attr:`tokens`) and attends over the whole row with ``1 / P`` of the heads;
-            the target's ``ulysses_sdpa`` builds the whole row's boolean ``[B, 1, S, S]`` mask for a packed row's
+        sequence_parallel: ranks P sharing each row under DeepSpeed-Ulysses (trainer/distributed/sequence_parallel.py):
+            each holds ``seq / P`` positions (:attr:`tokens`) and attends over the whole row with ``1 / P`` of the
+            heads; the target's ``ulysses_sdpa`` builds the whole row's boolean ``[B, 1, S, S]`` mask for a packed row's
             documents (an upper bound, as for sdpa: a row of one document gets none). 1: none.
     """
 
@@ -154,8 +154,8 @@ class PlannedStep:
     sequence_parallel: int = 1
 
     def fused(self, impl: str) -> bool:
-        """Whether a drafter attention ``impl`` (``auto``, ``flex`` or ``dense``, trainer/block_attention.py) runs
-        fused on this step's device: flex on CUDA (``flex``, or ``auto`` there); on CPU flex cannot train, every
+        """Whether a drafter attention ``impl`` (``auto``, ``flex`` or ``dense``, trainer/models/block_attention.py)
+        runs fused on this step's device: flex on CUDA (``flex``, or ``auto`` there); on CPU flex cannot train, every
         implementation is dense."""
         return self.device == "cuda" and impl in ("flex", "auto")
 

@@ -20,8 +20,8 @@ Dropped unless ``--debug`` (messages that say nothing the user can act on), each
   user set it): the stack dump of a store call that fails once a peer died, which the rank reports in one line;
 - off a terminal, the tqdm bars of transformers and huggingface_hub (``HF_HUB_DISABLE_PROGRESS_BARS``, unless set).
 
-:class:`CountProgress` is the progress of a tool's long stage: tqdm's bar on a terminal, plain lines in the format of
-a fit's (trainer/progress.py) off one. :func:`block` is the closing block every command ends with: a title line,
+:class:`CountProgress` is the progress of a tool's long stage: tqdm's bar on a terminal, plain lines in the format of a
+fit's (trainer/training/progress.py) off one. :func:`block` is the closing block every command ends with: a title line,
 aligned ``label  value`` rows and the next commands to run.
 """
 
@@ -93,8 +93,8 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 
 def configure_logging(debug: bool, stream=None) -> None:
-    """Installs the root handler of :mod:`trainer.output`'s format at level INFO (replacing one an earlier call
-    installed), routes Python warnings through it, drops the noise listed in the module docstring unless ``debug``,
+    """Installs the root handler of :mod:`trainer.interface.output`'s format at level INFO (replacing one an earlier
+    call installed), routes Python warnings through it, drops the noise listed in the module docstring unless ``debug``,
     and adopts Lightning's and transformers' loggers if they are already imported.
 
     Args:
@@ -165,7 +165,7 @@ def duration(seconds: float) -> str:
 
 def elapsed_and_eta(elapsed: float, done: float, left: float) -> list[str]:
     """``elapsed 2m10s`` and, when some work is done and some is left, ``eta 8m40s`` at the pace so far: the timing
-    fields of every progress line (a fit's steps, trainer/progress.py; a tool's items, :class:`CountProgress`).
+    fields of every progress line (a fit's steps, trainer/training/progress.py; a tool's items, :class:`CountProgress`).
 
     Args:
         elapsed: seconds spent on the ``done`` units.
@@ -310,8 +310,8 @@ def eval_command(target: str, drafter: str | Path, prompts: str, prompt_tokens: 
 
 def recorded_eval_prompts(checkpoint: str | Path) -> tuple[str, int] | None:
     """The prompts file (and ``prompt_tokens``) that a fit's own evaluation used, read from the ``config.yaml`` saved
-    beside its checkpoint (trainer/run_folder.py): the SpeculativeEvalCallback's ``prompts``, else the first of the
-    data's ``val_files``; None when the config or both are missing."""
+    beside its checkpoint (trainer/checkpoints/run_folder.py): the SpeculativeEvalCallback's ``prompts``, else the first
+    of the data's ``val_files``; None when the config or both are missing."""
     import yaml
 
     config_file = Path(checkpoint).parent / "config.yaml"

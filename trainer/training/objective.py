@@ -1,5 +1,5 @@
-"""The base of every objective: optimizer and schedule, token counting, throughput and MFU, training checks, and
-what a checkpoint holds.
+"""The base of every objective: token counting, throughput and MFU, training checks, and what a checkpoint holds; its
+optimizer and schedule are ``model.init_args.optim``'s (trainer/training/optimizers.py).
 
 Subclasses implement ``trainable_module()`` (what the optimizer trains), ``compute_loss(batch)`` (returns the loss
 and a dict of extra metrics), ``flops_per_token()``, ``drafter_record()`` (what the trained drafter is, for
@@ -18,8 +18,8 @@ tokenizer, or the shards' target, tokenizer, vocabulary, temperature and hidden 
 Throughput: ``train/tokens_per_s`` is the training tokens of every rank over the time of the optimizer steps since the
 last written value, each step from the start of its first micro-batch to the end of its optimizer step (validation,
 speculative evaluation, checkpoint saves and data loading between steps are not counted); ``train/mfu`` divides it by
-the measured matmul peak (trainer/throughput.py). :meth:`training_throughput` is the same count over the whole run
-(the fit's closing block, trainer/progress.py).
+the measured matmul peak (trainer/training/throughput.py). :meth:`training_throughput` is the same count over the whole
+run (the fit's closing block, trainer/training/progress.py).
 
 Training checks: a non-finite loss stops the run (naming the step); so do a gradient norm of exactly zero for
 :data:`DEAD_GRADIENT_STEPS` optimizer steps in a row and trainable weights whose root mean square exceeds
@@ -46,50 +46,22 @@ from transformers import AutoConfig, PreTrainedModel
 from trainer.data.shard_datamodule import ShardDataModule, checked_shard_data
 from trainer.data.shards import load_manifest
 from trainer.data.vocab import check_data_tokenizer, load_tokenizer_if_present
-from trainer.errors import CheckpointError, DataError, RecipeError, TrainingError
-from trainer.fingerprint import describe, fingerprint
-from trainer.preemption import PreemptionCheckpoint
-from trainer.registry import DrafterRecord, check_target, load_drafter
-from trainer.strategies import deepspeed_offload_enabled, shard_for_fsdp2
-from trainer.target import FrozenTarget, TargetEmbeddings, check_context, check_model_path, model_load_error
-from trainer.throughput import measure_matmul_peak
+from trainer.distributed.preemption import PreemptionCheckpoint
+from trainer.distributed.strategies import shard_for_fsdp2
+from trainer.interface.errors import CheckpointError, DataError, RecipeError, TrainingError
+from trainer.models.target import FrozenTarget, TargetEmbeddings, check_context, check_model_path, model_load_error
+from trainer.training.fingerprint import describe, fingerprint
+from trainer.training.optimizers import Optim, build_optimizer, build_schedule
+from trainer.training.registry import DrafterRecord, check_target, load_drafter
+from trainer.training.throughput import measure_matmul_peak
 
 if TYPE_CHECKING:
-    from trainer.activation_memory import PlannedStep
+    from trainer.training.activation_memory import PlannedStep
 
 DEAD_GRADIENT_STEPS = 3
 MAX_WEIGHT_RMS = 1e3
 
 TargetSignals = Literal["online", "shards"]
-
-
-@dataclass(frozen=True)
-class Optim:
-    """AdamW (or Muon for the hidden matrices) with linear warm-up and a decay to ``min_lr_ratio * lr``.
-
-    Args:
-        name: ``adamw``, or ``muon``: Muon for the 2-D hidden matrices and AdamW for vectors, embeddings and output
-            heads (trainer/muon.py; speculators 0.9's default), one learning rate for both (Muon's update scaled to
-            AdamW's RMS). Not under DeepSpeed, whose flat partitions Muon cannot orthogonalise.
-        lr: peak learning rate.
-        weight_decay: decoupled weight decay, applied to matrices only (not to norms or biases).
-        betas: Adam's (beta1, beta2).
-        eps: Adam's epsilon.
-        warmup_steps: optimizer steps of linear warm-up from 0.
-        decay: shape of the schedule after warm-up, over ``trainer.max_steps``.
-        min_lr_ratio: the final learning rate as a fraction of ``lr``.
-        muon_momentum: Muon's Nesterov momentum (``name: muon``).
-    """
-
-    name: Literal["adamw", "muon"] = "adamw"
-    lr: float = 3e-4
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    warmup_steps: int = 0
-    decay: Literal["cosine", "linear", "constant"] = "cosine"
-    min_lr_ratio: float = 0.1
-    muon_momentum: float = 0.95
 
 
 @dataclass(frozen=True)
@@ -120,17 +92,6 @@ def derived_seed(*parts: object) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def lr_factor(step: int, optim: Optim, total_steps: int) -> float:
-    """The multiplier of the peak learning rate at an optimizer step."""
-    if optim.warmup_steps > 0 and step < optim.warmup_steps:
-        return (step + 1) / optim.warmup_steps
-    if optim.decay == "constant" or total_steps <= optim.warmup_steps:
-        return 1.0
-    progress = min(1.0, (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps))
-    shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if optim.decay == "cosine" else 1.0 - progress
-    return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * shape
-
-
 def longest_rows(datamodule) -> tuple[int | None, str]:
     """The tokens of the datamodule's longest training rows and their recipe key: ``data.long_seq_len`` with mixed
     lengths, else ``data.seq_len`` (None for a datamodule without one)."""
@@ -145,10 +106,12 @@ class DraftObjective(L.LightningModule):
     family: P-EAGLE's extends EAGLE-3's, DSpark's DFlash's)."""
 
     # Whether every forward of this objective over the batch (target and drafter) passes the batch's document_ids
-    # (trainer/documents.py) to its attention; otherwise data.document_masking is refused (check_document_masking).
+    # (trainer/models/documents.py) to its attention; otherwise data.document_masking is refused
+    # (check_document_masking).
     honours_document_ids: ClassVar[bool] = False
-    # Ranks sharing each row under sequence parallelism (trainer/sequence_parallel.py): the samplers give them the same
-    # rows. 1 (none) unless an objective that trains so takes it as an argument (EAGLE-3's model.sequence_parallel).
+    # Ranks sharing each row under sequence parallelism (trainer/distributed/sequence_parallel.py): the samplers give
+    # them the same rows. 1 (none) unless an objective that trains so takes it as an argument (EAGLE-3's
+    # model.sequence_parallel).
     sequence_parallel: int = 1
 
     def __init__(self, optim: Optim = Optim()) -> None:
@@ -190,7 +153,7 @@ class DraftObjective(L.LightningModule):
         raise NotImplementedError
 
     def drafter_record(self) -> DrafterRecord:
-        """What the trained module is (trainer/registry.py), stored in every checkpoint."""
+        """What the trained module is (trainer/training/registry.py), stored in every checkpoint."""
         raise NotImplementedError
 
     def data_requirements(self) -> DataRequirements:
@@ -201,7 +164,7 @@ class DraftObjective(L.LightningModule):
     def activation_bytes(self, step: PlannedStep) -> int:
         """The activation bytes of one training step on ``step``'s batch, read by ``draftsmith plan``: the objective
         is built on the meta device, so this reads its shapes and settings, never its weights; the terms are in
-        :mod:`trainer.activation_memory`.
+        :mod:`trainer.training.activation_memory`.
 
         Raises:
             RecipeError: the objective has no estimate (an objective that does not implement this method): the
@@ -505,72 +468,13 @@ class DraftObjective(L.LightningModule):
         return [(self.trainable_module(), 1.0)]
 
     def configure_optimizers(self):
-        optimizer = self._muon_optimizer() if self.optim.name == "muon" else self._adamw_optimizer()
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self._schedule(optimizer), "interval": "step"}}
-
-    def _muon_optimizer(self) -> torch.optim.Optimizer:
-        from trainer.muon import MuonWithAdamW, split_for_muon
-
-        if self._trainer is not None and isinstance(self.trainer.strategy, DeepSpeedStrategy):
-            raise RecipeError(
-                "model.init_args.optim.name: muon cannot run under DeepSpeed (it flattens the parameters into 1-D "
-                "partitions; Muon orthogonalises matrices): use DDP or FSDP2, or optim.name: adamw"
-            )
-        muon_groups, adamw_groups = [], []
-        for module, multiplier in self.lr_groups():
-            muon, matrices, vectors = split_for_muon(module)
-            lr = self.optim.lr * multiplier
-            muon_groups.append({"params": muon, "weight_decay": self.optim.weight_decay, "lr": lr})
-            adamw_groups.append({"params": matrices, "weight_decay": self.optim.weight_decay, "lr": lr})
-            adamw_groups.append({"params": vectors, "weight_decay": 0.0, "lr": lr})
-        muon_groups = [g for g in muon_groups if g["params"]]
-        adamw_groups = [g for g in adamw_groups if g["params"]]
-        if not muon_groups or not adamw_groups:
-            raise RecipeError(
-                f"model.init_args.optim.name: muon: the trained module has {'no' if not muon_groups else 'only'} "
-                "2-D hidden matrices (Muon trains those, AdamW the rest): use optim.name: adamw"
-            )
-        return MuonWithAdamW(
-            muon_groups, adamw_groups, betas=self.optim.betas, eps=self.optim.eps, momentum=self.optim.muon_momentum
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
+        optimizer = build_optimizer(self.optim, self.lr_groups(), strategy, precision)
+        schedule = build_schedule(
+            optimizer, self.optim, self.trainer.max_steps, lambda: self.trainer.estimated_stepping_batches
         )
-
-    def _adamw_optimizer(self) -> torch.optim.Optimizer:
-        groups = []
-        for module, multiplier in self.lr_groups():
-            decay = [p for p in module.parameters() if p.requires_grad and p.ndim >= 2]
-            no_decay = [p for p in module.parameters() if p.requires_grad and p.ndim < 2]
-            lr = self.optim.lr * multiplier
-            groups += [
-                {"params": decay, "weight_decay": self.optim.weight_decay, "lr": lr},
-                {"params": no_decay, "weight_decay": 0.0, "lr": lr},
-            ]
-        groups = [g for g in groups if g["params"]]
-        if self._trainer is not None and deepspeed_offload_enabled(self.trainer.strategy):
-            from deepspeed.ops.adam import DeepSpeedCPUAdam  # offload refuses a torch optimizer
-
-            optimizer = DeepSpeedCPUAdam(groups, lr=self.optim.lr, betas=self.optim.betas, eps=self.optim.eps)
-        else:
-            # fused: one kernel over all the parameters (on CPU 5x faster than the default loop over tensors), except
-            # in mixed precision, where Lightning clips only an unfused optimizer's gradients (and unscales float16's)
-            mixed = self._trainer is not None and "mixed" in str(self.trainer.precision)
-            optimizer = torch.optim.AdamW(
-                groups, lr=self.optim.lr, betas=self.optim.betas, eps=self.optim.eps, fused=not mixed
-            )
-        return optimizer
-
-    def _schedule(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
-        """Warm-up and decay (``optim``) over the run's optimizer steps."""
-        total = self.trainer.max_steps if self.trainer.max_steps and self.trainer.max_steps > 0 else 0
-        if total <= 0:
-            estimated = self.trainer.estimated_stepping_batches  # inf when only trainer.max_time bounds the run
-            if math.isinf(estimated) and self.optim.decay != "constant":
-                raise RecipeError(
-                    f"model.init_args.optim.decay={self.optim.decay!r} decays the learning rate over the run's "
-                    "length, but the run has no trainer.max_steps or max_epochs (trainer.max_time alone): set "
-                    "trainer.max_steps, or optim.decay: constant"
-                )
-            total = 0 if math.isinf(estimated) else int(estimated)
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, self.optim, total))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def on_fit_start(self) -> None:
         self._move_target(self.trainer.strategy.root_device)  # where the batches go, whatever moved the module

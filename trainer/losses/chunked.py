@@ -1,13 +1,14 @@
 """The chunked-loss engine: project rows onto the vocabulary a chunk at a time and take a per-row loss and its gradient
 in forward, so that no full ``[n, V]`` logits exist, in forward or backward.
 
-Every full-vocabulary loss of the project runs through :func:`chunked_loss` (or :func:`chunked_loss_with_grads`):
-KD's divergences and the next-token cross entropy (trainer/losses.py), the heads of parallel multi-token prediction
-(through :func:`trainer.losses.cross_entropy_with_grads`) and DFlash's slot loss (trainer/methods/dflash/slot_loss.py).
+Every full-vocabulary loss of the project runs through :func:`chunked_loss` (or :func:`chunked_loss_with_grads`): KD's
+divergences and the next-token cross entropy (trainer/losses/distillation.py), the heads of parallel multi-token
+prediction (through :func:`trainer.losses.distillation.cross_entropy_with_grads`) and DFlash's slot loss
+(trainer/methods/dflash/slot_loss.py).
 
 What a call computes. The logits of row ``i`` are the sum of linear terms (:class:`Term`), ``sum_t rows_t[i] @
 weight_t.T`` (a term without a weight is the logits themselves), widened to the compute dtype and scaled by the model's
-output scaling (:class:`~trainer.logit_scaling.LogitScaling`). The rows scored are ``index`` (or all of them, in
+output scaling (:class:`~trainer.models.logit_scaling.LogitScaling`). The rows scored are ``index`` (or all of them, in
 order), processed in chunks of consecutive selected rows. For each chunk the engine asks ``targets(part)`` for what
 the chunk is scored against (``part``: the chunk's slice of the selection, so that dense targets are built one chunk
 at a time) and the loss function for the rows' losses and their gradients (:data:`RowLoss`); the weights (a tensor,
@@ -42,7 +43,7 @@ from typing import Any
 
 import torch
 
-from trainer.logit_scaling import LogitScaling
+from trainer.models.logit_scaling import LogitScaling
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ RENAMED_FLAGS: dict[str, dict[str, str]] = {
     "draftsmith eval": {"--out": "--output_dir", "--dtype": "--target_dtype"},
     "draftsmith compare": {"--out": "--output_dir"},
     "draftsmith export": {"--out": "--output_dir", "--ckpt": "--ckpt_path"},
-    "draftsmith precompute": {"--out": "--output_dir"},  # --k: a recipe key too (trainer/renamed_keys.py)
+    "draftsmith precompute": {"--out": "--output_dir"},  # --k: a recipe key too (trainer/interface/renamed_keys.py)
     "draftsmith generate": {
         "--input": "--input_file",
         "--output": "--output_file",

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.chunked_loss import RowLoss, RowLosses, Target, autograd_rows, cross_entropy_rows
-from trainer.errors import RecipeError
+from trainer.interface.errors import RecipeError
+from trainer.losses.chunked import RowLoss, RowLosses, Target, autograd_rows, cross_entropy_rows
 
 LOSSES = ("kl", "tv", "nla", "lk_hybrid")
 """The ``model.loss`` values every objective that trains toward a distribution accepts."""
@@ -132,7 +132,7 @@ def sparse_loss_rows(
 
 
 def _target_rows(logits: torch.Tensor, target: Target, spec: DistributionLoss) -> tuple[torch.Tensor, tuple]:
-    """Per row of a chunk, the loss and ``(alpha,)`` against a :class:`~trainer.chunked_loss.Target`: token ids (a
+    """Per row of a chunk, the loss and ``(alpha,)`` against a :class:`~trainer.losses.chunked.Target`: token ids (a
     one-hot ``p``), else a dense distribution (``probs`` or ``log_probs``) or a top-k one (``sparse``). With ids and a
     distribution both, the loss is the ids' and ``alpha`` the distribution's (what sampling verification accepts)."""
     dense = target.probs if target.probs is not None else None
@@ -158,10 +158,10 @@ def _target_rows(logits: torch.Tensor, target: Target, spec: DistributionLoss) -
 
 
 def distribution_rows(spec: DistributionLoss) -> RowLoss:
-    """The per-row loss ``spec`` on the chunked-loss engine (trainer/chunked_loss.py) against a
-    :class:`~trainer.chunked_loss.Target`, with the rows' acceptance rates ``alpha`` [C] as its one statistic.
+    """The per-row loss ``spec`` on the chunked-loss engine (trainer/losses/chunked.py) against a
+    :class:`~trainer.losses.chunked.Target`, with the rows' acceptance rates ``alpha`` [C] as its one statistic.
 
-    ``kl`` is :func:`~trainer.chunked_loss.cross_entropy_rows` (its closed-form gradient ``q - p``; the target's
+    ``kl`` is :func:`~trainer.losses.chunked.cross_entropy_rows` (its closed-form gradient ``q - p``; the target's
     distribution must then be normalised, as the objectives give it) with the acceptance asked for whenever the target
     holds a distribution (token ids alone: ``q`` at the id); the others take their gradient by autograd on the chunk.
     """

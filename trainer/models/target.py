@@ -21,9 +21,9 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from trainer.documents import allowed_keys, document_positions
-from trainer.errors import ModelFolderError, PathError, RecipeError, UserError
-from trainer.logit_scaling import LogitScaling
+from trainer.interface.errors import ModelFolderError, PathError, RecipeError, UserError
+from trainer.models.documents import allowed_keys, document_positions
+from trainer.models.logit_scaling import LogitScaling
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +235,7 @@ def document_attention(
 
     Args:
         model: the HF causal LM (or its decoder) the inputs are for.
-        document_ids: [B, S] int64, non-decreasing along each row (trainer/documents.py).
+        document_ids: [B, S] int64, non-decreasing along each row (trainer/models/documents.py).
         attention_mask: [B, S] padding mask (1 = a real token), or None; combined with the documents in the 4D mask.
         position_ids: must be None: the positions are the documents' own.
 
@@ -308,7 +308,7 @@ class FrozenTarget(nn.Module):
     called on a parent module, and every forward runs under ``torch.no_grad()``. Its weights never appear in a parent
     module's ``state_dict`` (so a checkpoint of a distillation run holds the student only), and loading a state dict
     leaves them as they are: on resume the frozen model is rebuilt from its path, and the objective checks its
-    fingerprint (trainer/fingerprint.py) against the one the checkpoint recorded.
+    fingerprint (trainer/training/fingerprint.py) against the one the checkpoint recorded.
     """
 
     def __init__(self, model: PreTrainedModel) -> None:
@@ -395,12 +395,12 @@ class FrozenTarget(nn.Module):
         """The normalised last hidden state, [B, S, H]: ``logit_scaling(lm_head(final_hidden))`` gives the logits.
 
         Used by chunked losses, which project to the vocabulary one chunk of positions at a time (and apply
-        :attr:`logit_scaling` to each chunk, ``teacher_scaling`` of :func:`trainer.losses.fused_kd_loss`).
+        :attr:`logit_scaling` to each chunk, ``teacher_scaling`` of :func:`trainer.losses.distillation.fused_kd_loss`).
 
         Args:
             input_ids: [B, S] token ids.
             attention_mask: [B, S] padding mask, or None.
-            document_ids: [B, S] the document of every position of a packed row (trainer/documents.py), or None:
+            document_ids: [B, S] the document of every position of a packed row (trainer/models/documents.py), or None:
                 each document is then run as if alone (:func:`document_attention`).
         """
         with torch.no_grad():
@@ -435,7 +435,7 @@ class FrozenTarget(nn.Module):
             position_ids: [B, S] positions, or None (HF counts from the cache's length).
             logits: False skips the output projection (no [B, S, V] tensor: ask for layer L and project what is
                 needed, as EAGLE-3's soft labels project onto the draft vocabulary only).
-            document_ids: [B, S] int64 the document of every position of a packed row (trainer/documents.py), or
+            document_ids: [B, S] int64 the document of every position of a packed row (trainer/models/documents.py), or
                 None (one document per row): no position attends across documents and positions restart at each
                 document's first token, so every document's hidden states and logits are those of it alone
                 (:func:`document_attention`). Exclusive with ``position_ids`` and with a cache.

@@ -11,15 +11,14 @@ OnExceptionCheckpoint), so it would ignore the hpc file and resume from an older
 SIGTERM Lightning sets ``trainer.received_sigterm`` and raises ``SIGTERMException`` at the next batch boundary without
 saving anything.
 
-What this callback does
------------------------
-Its handlers only record the signal. At the end of the next training batch (where ModelCheckpoint saves, so the
-checkpoint is the same as a regular one and resumes exactly: weights, optimizer, LR schedule, loops, and the data
-position that ``TextDataModule.state_dict`` stores), the ranks agree (a signal seen by any rank counts), save
-``<ModelCheckpoint dirpath>/last.ckpt`` with ``trainer.save_checkpoint``, and stop. On SIGUSR1 inside a SLURM job,
-rank 0 then runs ``scontrol requeue <job>``; the requeued job runs the same ``fit ... --ckpt_path last`` and resumes
-from that file. Every ``draftsmith fit`` gets one (:func:`default_preemption_checkpoint`, added by trainer/recipe.py
-unless the recipe names its own), and ``draftsmith slurm submit`` adds one to every job; trainer/cli.py exits with
+What this callback does ----------------------- Its handlers only record the signal. At the end of the next training
+batch (where ModelCheckpoint saves, so the checkpoint is the same as a regular one and resumes exactly: weights,
+optimizer, LR schedule, loops, and the data position that ``TextDataModule.state_dict`` stores), the ranks agree (a
+signal seen by any rank counts), save ``<ModelCheckpoint dirpath>/last.ckpt`` with ``trainer.save_checkpoint``, and
+stop. On SIGUSR1 inside a SLURM job, rank 0 then runs ``scontrol requeue <job>``; the requeued job runs the same ``fit
+... --ckpt_path last`` and resumes from that file. Every ``draftsmith fit`` gets one
+(:func:`default_preemption_checkpoint`, added by trainer/training/recipe.py unless the recipe names its own), and
+``draftsmith slurm submit`` adds one to every job; trainer/cli.py exits with
 :func:`exit_status_after_fit`.
 
 Ctrl-C (SIGINT) does the same: the first one saves ``last.ckpt`` at the end of the batch and stops (Lightning alone
@@ -66,7 +65,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from trainer.errors import RecipeError
+from trainer.interface.errors import RecipeError
 
 log = logging.getLogger(__name__)
 

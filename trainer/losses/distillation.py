@@ -15,7 +15,7 @@ position, summed over the vocabulary:
   ``beta * KL(p || q)`` and ``(1 - beta) * KL(q || p)``, so the endpoints are a switch, not a limit).
   One difference from TRL: TRL applies the temperature but not the ``T^2`` factor; here each of these three is
   multiplied by ``T^2`` (Hinton et al.), so that gradient sizes do not depend on the temperature.
-- ``"tv"``, ``"nla"``, ``"lk_hybrid"``: the LK losses of trainer/distribution_loss.py (total variation ``1 - alpha``,
+- ``"tv"``, ``"nla"``, ``"lk_hybrid"``: the LK losses of trainer/losses/distribution.py (total variation ``1 - alpha``,
   the negative log-acceptance ``-log alpha``, and ``lambda * KL + (1 - lambda) * TV`` with ``lambda = exp(-lk_eta *
   sg(alpha))``), on the same tempered distributions but *without* the ``T^2`` factor (they are bounded by 1, or by
   ``-log 1e-5`` for ``nla``, at any temperature; the hybrid's KL term is the plain KL at ``T``).
@@ -35,7 +35,7 @@ The KD functions return :class:`LossParts` (``loss``, and the detached ``kd`` an
 :func:`chunked_cross_entropy` returns the scalar loss.
 
 Memory. The full-vocabulary float32 logits of both models for the whole batch never exist at once, in forward or
-backward: every loss here runs on the chunked-loss engine (trainer/chunked_loss.py). Only the selected positions are
+backward: every loss here runs on the chunked-loss engine (trainer/losses/chunked.py). Only the selected positions are
 processed, ``chunk_size`` of them at a time: each chunk is projected (fused variants), upcast to float32 and reduced,
 and the gradient with respect to that chunk's logits is taken right away (by autograd on the chunk, or in closed form
 for :func:`cross_entropy_with_grads`) and folded into the gradients of the inputs (student logits, or student hidden
@@ -45,11 +45,11 @@ logits, hidden states or weights. ``chunk_size=None`` processes all selected pos
 computed during the forward pass only when grad mode is on and an input requires grad. The fused functions read the
 head weight directly: under DeepSpeed ZeRO-3 the caller must gather it first.
 
-Output scaling. Some architectures scale their logits in their own forward after the lm_head (Cohere's
-``logit_scale``, Granite's ``logits_scaling``, Gemma-2's ``final_logit_softcapping``: trainer/logit_scaling.py). The
-fused variants project with the bare head weight, so a model's own distribution needs its :class:`LogitScaling`:
-``fused_kd_loss(..., student_scaling=, teacher_scaling=)`` and ``chunked_cross_entropy(..., scaling=)`` apply it to
-each chunk's float32 logits (the teacher's without gradient; the student's gradient is carried through the scaling's
+Output scaling. Some architectures scale their logits in their own forward after the lm_head (Cohere's ``logit_scale``,
+Granite's ``logits_scaling``, Gemma-2's ``final_logit_softcapping``: trainer/models/logit_scaling.py). The fused
+variants project with the bare head weight, so a model's own distribution needs its :class:`LogitScaling`:
+``fused_kd_loss(..., student_scaling=, teacher_scaling=)`` and ``chunked_cross_entropy(..., scaling=)`` apply it to each
+chunk's float32 logits (the teacher's without gradient; the student's gradient is carried through the scaling's
 derivative to the raw logits ``hidden @ weight.T``, so the chain rule through the projection is unchanged). None or the
 identity costs nothing. The full-logit variants (:func:`kd_loss`, :func:`sparse_kd_loss`) take logits already scaled (a
 model's forward output).
@@ -66,7 +66,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from trainer.chunked_loss import (
+from trainer.losses.chunked import (
     Target,
     Term,
     autograd_rows,
@@ -75,13 +75,13 @@ from trainer.chunked_loss import (
     cross_entropy_rows,
     kl_from_log_probs,
 )
-from trainer.distribution_loss import DEFAULT_ETA, LOSSES, DistributionLoss, distribution_rows, sparse_loss_rows
-from trainer.distribution_loss import loss_rows as lk_loss_rows
-from trainer.logit_scaling import LogitScaling
+from trainer.losses.distribution import DEFAULT_ETA, LOSSES, DistributionLoss, distribution_rows, sparse_loss_rows
+from trainer.losses.distribution import loss_rows as lk_loss_rows
+from trainer.models.logit_scaling import LogitScaling
 
 IGNORE_INDEX = -100
 KD_LOSSES = ("kl", "reverse_kl", "jsd", *LOSSES[1:])
-"""The ``loss`` values of the KD losses here: trainer/distribution_loss.py's :data:`LOSSES` and two divergences of
+"""The ``loss`` values of the KD losses here: trainer/losses/distribution.py's :data:`LOSSES` and two divergences of
 their own (the reverse KL and the generalized JSD)."""
 SPARSE_LOSSES = LOSSES
 """The losses a top-k teacher (:func:`sparse_kd_loss`) supports: the reverse KL and the JSD need the teacher's whole
@@ -186,7 +186,7 @@ def _sparse_rows(
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The objective per row, on the chunked-loss engine (trainer/chunked_loss.py).
+# The objective per row, on the chunked-loss engine (trainer/losses/chunked.py).
 
 
 @dataclass
@@ -480,7 +480,7 @@ def sparse_kd_loss(
     KD is multiplied by T^2, reduced and combined with the optional cross entropy as in :func:`kd_loss`.
 
     ``loss`` (:data:`SPARSE_LOSSES`): ``kl`` is the above; ``tv``, ``nla`` and ``lk_hybrid`` are taken over the k ids
-    (trainer/distribution_loss.py's :func:`~trainer.distribution_loss.sparse_loss_rows`: the teacher's mass outside
+    (trainer/losses/distribution.py's :func:`~trainer.losses.distribution.sparse_loss_rows`: the teacher's mass outside
     them counts as rejected, the hybrid's KL is the renormalised one, ``tail`` is not used), without ``T^2``. The
     acceptance (:attr:`LossParts.alpha`) is the overlap over the k ids, a lower bound.
     """
@@ -594,7 +594,7 @@ def cross_entropy_with_grads(
     select them) and ``onehot(label)`` becomes ``p`` in the gradient (the KL and the soft cross entropy differ by the
     teacher's entropy, a constant). The mean acceptance ``sum_v min(p_v, q_v)`` over the labelled positions is then
     the fourth item (detached; None without ``soft_targets``). ``loss``: the loss toward the teacher's distribution
-    (trainer/distribution_loss.py: ``kl``, the above, with its closed-form gradient; ``tv``, ``nla``, ``lk_hybrid``
+    (trainer/losses/distribution.py: ``kl``, the above, with its closed-form gradient; ``tv``, ``nla``, ``lk_hybrid``
     with the gradient taken by autograd on each chunk); needs ``soft_targets`` unless it is ``kl``.
     """
     _check_options("kl", 0.5, 1.0, 1.0, chunk_size)

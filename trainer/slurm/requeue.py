@@ -1,7 +1,7 @@
 """The requeue loop of a ``draftsmith slurm submit`` job: each attempt's log lines, and whether a failed one requeues.
 
-The rendered sbatch script (slurm/train.sbatch.in) runs ``python -m trainer.requeue start`` before its ``srun ...
-fit ... --ckpt_path last`` and ``python -m trainer.requeue end --exit_status N`` after it:
+The rendered sbatch script (slurm/train.sbatch.in) runs ``python -m trainer.slurm.requeue start`` before its ``srun ...
+fit ... --ckpt_path last`` and ``python -m trainer.slurm.requeue end --exit_status N`` after it:
 
 - ``start`` logs ``attempt N of job J: resuming from step S (PATH)`` (or ``starting from scratch``) and records the
   step in the job's state file (``<log_dir>/<job_name>-<job id>.requeue.json``, which survives a requeue);
@@ -30,9 +30,9 @@ import sys
 from pathlib import Path
 
 from trainer.checkpoints.sharded import read_marker
-from trainer.errors import USER_ERROR_STATUS
+from trainer.interface.errors import USER_ERROR_STATUS
 
-log = logging.getLogger("trainer.requeue")  # also when run as __main__
+log = logging.getLogger("trainer.slurm.requeue")  # also when run as __main__
 
 _LAST = re.compile(r"^last(-v?\d+)?\.ckpt$")  # ModelCheckpoint's CHECKPOINT_NAME_LAST, versioned or not
 
@@ -190,8 +190,8 @@ def end(state_file: Path, folders: list[Path], job_id: str, exit_status: int, ma
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The parser of ``python -m trainer.requeue {start,end}`` (run by the rendered sbatch script)."""
-    p = argparse.ArgumentParser(prog="python -m trainer.requeue", description=(__doc__ or "").split("\n\n")[0])
+    """The parser of ``python -m trainer.slurm.requeue {start,end}`` (run by the rendered sbatch script)."""
+    p = argparse.ArgumentParser(prog="python -m trainer.slurm.requeue", description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("action", choices=("start", "end"), help="before the fit (start) or after it (end)")
     p.add_argument("--state", type=Path, required=True, help="the job's state file, kept across requeues")
     p.add_argument("--checkpoints", type=Path, action="append", required=True, help="a ModelCheckpoint folder")
@@ -203,8 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m trainer.requeue``; returns the batch script's exit status."""
-    from trainer.output import configure_logging
+    """Entry point of ``python -m trainer.slurm.requeue``; returns the batch script's exit status."""
+    from trainer.interface.output import configure_logging
 
     args = build_parser().parse_args(argv)
     configure_logging(debug=False)

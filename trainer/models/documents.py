@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer.errors import RecipeError
+from trainer.interface.errors import RecipeError
 
 
 def document_positions(document_ids: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_only
 
-from trainer.errors import CheckpointError
+from trainer.interface.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 

@@ -3,8 +3,8 @@ the same parser without building anything (``draftsmith plan``, ``slurm submit``
 
 The objective is chosen by ``model.class_path``; every ``__init__`` signature is the config schema; unknown or
 misspelled keys are rejected with the key named, a renamed key or a moved class path with its new name
-(trainer/renamed_keys.py); the resolved config is saved beside the logs and every checkpoint directory
-(trainer/run_folder.py).
+(trainer/interface/renamed_keys.py); the resolved config is saved beside the logs and every checkpoint directory
+(trainer/checkpoints/run_folder.py).
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
 
 from trainer.checkpoints.atomic import default_checkpoint_io
+from trainer.checkpoints.run_folder import SaveConfigBesideCheckpoints
 from trainer.checkpoints.sharded import complete_last_checkpoints
 from trainer.data.sources import check_data_paths
-from trainer.errors import RecipeError
-from trainer.output import adopt_library_loggers
-from trainer.preemption import PreemptionCheckpoint, default_preemption_checkpoint
-from trainer.progress import ModelSummaryWithoutFlops, ProgressLog, StepProgressBar
-from trainer.renamed_keys import checkpoint_names_renamed, renamed_key_message
-from trainer.run_folder import SaveConfigBesideCheckpoints
+from trainer.distributed.preemption import PreemptionCheckpoint, default_preemption_checkpoint
+from trainer.interface.errors import RecipeError
+from trainer.interface.output import adopt_library_loggers
+from trainer.interface.renamed_keys import checkpoint_names_renamed, renamed_key_message
+from trainer.training.progress import ModelSummaryWithoutFlops, ProgressLog, StepProgressBar
 
 __all__ = ["DraftsmithCLI", "RecipeError", "parse_recipe"]
 
@@ -79,9 +79,9 @@ def unknown_key_message(parser_error: str) -> str | None:
 
 
 class _RecipeParser(LightningArgumentParser):
-    """The parser of ``draftsmith fit``: an unknown key that was renamed (trainer/renamed_keys.py) is refused with its
-    new name instead of the parser's "not accepted", and another unknown ``init_args`` key in one line naming the
-    closest parameter; a resumed checkpoint's hyper-parameters are read with renamed keys and values under their new
+    """The parser of ``draftsmith fit``: an unknown key that was renamed (trainer/interface/renamed_keys.py) is refused
+    with its new name instead of the parser's "not accepted", and another unknown ``init_args`` key in one line naming
+    the closest parameter; a resumed checkpoint's hyper-parameters are read with renamed keys and values under their new
     names."""
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
@@ -99,10 +99,11 @@ class DraftsmithCLI(LightningCLI):
     data paths checked before anything is built; every fit saves checkpoints atomically (AtomicCheckpointIO) and
     saves ``last.ckpt`` on SIGTERM, SIGINT and SIGUSR1 (PreemptionCheckpoint), unless its recipe names its own.
 
-    What a fit prints (trainer/progress.py): the ``progress`` section (:class:`~trainer.progress.ProgressLog`,
-    ``--progress.every_n_steps``, ``--progress.every_seconds``) logs plain-text progress lines; off a terminal (standard
-    error not a TTY) Lightning's progress bar is off unless the recipe sets ``trainer.enable_progress_bar`` or names a
-    bar, on a terminal it is :class:`~trainer.progress.StepProgressBar`; the model summary has no FLOPs column."""
+    What a fit prints (trainer/training/progress.py): the ``progress`` section
+    (:class:`~trainer.training.progress.ProgressLog`, ``--progress.every_n_steps``, ``--progress.every_seconds``) logs
+    plain-text progress lines; off a terminal (standard error not a TTY) Lightning's progress bar is off unless the
+    recipe sets ``trainer.enable_progress_bar`` or names a bar, on a terminal it is
+    :class:`~trainer.training.progress.StepProgressBar`; the model summary has no FLOPs column."""
 
     running_trainer: Trainer | None = None
     """The trainer of the last DraftsmithCLI built in this process: the error handler of ``draftsmith``
@@ -114,9 +115,9 @@ class DraftsmithCLI(LightningCLI):
         Args:
             args: the command line after ``draftsmith``, e.g. ``["fit", "--config", "recipe.yaml"]``.
             run: run the subcommand (False: only build, as LightningCLI).
-            exit_on_error: a bad config prints usage and the error and exits with code 2 (False: raises
-                jsonargparse's ArgumentError instead). A renamed key (trainer/renamed_keys.py) is refused with its new
-                name either way.
+            exit_on_error: a bad config prints usage and the error and exits with code 2 (False: raises jsonargparse's
+                ArgumentError instead). A renamed key (trainer/interface/renamed_keys.py) is refused with its new name
+                either way.
         """
         adopt_library_loggers()  # Lightning's own handler would print every message a second time
         super().__init__(
@@ -134,7 +135,7 @@ class DraftsmithCLI(LightningCLI):
         )
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        """The ``progress`` section: :class:`~trainer.progress.ProgressLog`'s ``every_n_steps`` and
+        """The ``progress`` section: :class:`~trainer.training.progress.ProgressLog`'s ``every_n_steps`` and
         ``every_seconds``, a callback of every fit; ``collective_timeout_s``: the process group's timeout."""
         parser.add_lightning_class_args(ProgressLog, "progress")
         parser.add_argument(
@@ -161,8 +162,8 @@ class DraftsmithCLI(LightningCLI):
             check_data_paths(init_args)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        """The recipe's trainer, with :func:`~trainer.checkpoints.atomic.default_checkpoint_io` among its plugins
-        unless the recipe names a CheckpointIO, and :func:`~trainer.preemption.default_preemption_checkpoint` after
+        """The recipe's trainer, with :func:`~trainer.checkpoints.atomic.default_checkpoint_io` among its plugins unless
+        the recipe names a CheckpointIO, and :func:`~trainer.distributed.preemption.default_preemption_checkpoint` after
         its other callbacks and before its checkpoint callbacks (which Lightning runs last) unless the recipe has a
         PreemptionCheckpoint."""
         trainer_config = self._get(self.config_init, "trainer", default={}) or {}
@@ -248,10 +249,10 @@ def _default_summary(callback: Any) -> bool:
 
 
 def _warn_emulated_bf16(trainer: Trainer, model: Any) -> None:
-    """Logs once when a CPU run asks for bf16 that this CPU only emulates (trainer/target.py)."""
+    """Logs once when a CPU run asks for bf16 that this CPU only emulates (trainer/models/target.py)."""
     from lightning.pytorch.accelerators import CPUAccelerator
 
-    from trainer.target import emulated_bf16_message
+    from trainer.models.target import emulated_bf16_message
 
     if not isinstance(trainer.accelerator, CPUAccelerator):
         return

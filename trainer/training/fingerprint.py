@@ -83,7 +83,7 @@ def fingerprint(name_or_path: str, config, tensors: Mapping[str, torch.Tensor] |
         config: its HF config.
         tensors: its weights, used when the model has no safetensors files to read (None: read the files).
     """
-    from trainer.target import weight_map
+    from trainer.models.target import weight_map
 
     shapes, sample = hashlib.sha256(), hashlib.sha256()
     try:
@@ -129,7 +129,7 @@ def recorded_fingerprints(checkpoint: str | Path) -> dict[str, dict[str, str]]:
     (FSDP2) one is opened memory-mapped: the weights it holds are not read.
     """
     from trainer.checkpoints.reading import client_state_file, explain_load_error
-    from trainer.errors import CheckpointError
+    from trainer.interface.errors import CheckpointError
 
     path = client_state_file(Path(checkpoint))
     if path is None:
@@ -166,7 +166,7 @@ def _read_export_record(folder: str | Path) -> tuple[Path, object]:
     Raises:
         ModelFolderError: a record that is not JSON, naming the file.
     """
-    from trainer.errors import ModelFolderError
+    from trainer.interface.errors import ModelFolderError
 
     path = Path(folder) / EXPORT_RECORD
     if not path.is_file():
@@ -183,7 +183,7 @@ def export_record(folder: str | Path) -> dict[str, str] | None:
     Raises:
         ModelFolderError: a record that is not JSON or holds no ``target`` mapping of strings, naming the file.
     """
-    from trainer.errors import ModelFolderError
+    from trainer.interface.errors import ModelFolderError
 
     path, data = _read_export_record(folder)
     if data is None:
@@ -221,7 +221,7 @@ def sample_differences(
         (the number of tensor names both hold with one shape, the names among them whose sampled values differ);
         (0, []) means no weight in common to compare.
     """
-    from trainer.target import weight_map
+    from trainer.models.target import weight_map
 
     if isinstance(tensors, (str, Path)):
         ours = _file_entries(weight_map(str(tensors)))

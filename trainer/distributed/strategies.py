@@ -146,8 +146,8 @@ class CPUDeepSpeedStrategy(DeepSpeedStrategy):
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options: Any = None) -> None:
         """Save without frozen parameters (also on CUDA): frozen targets are rebuilt from their paths on resume and
-        checked by fingerprint (trainer/objective.py), so a checkpoint holds what training changes. The folder is
-        written under a temporary name and published whole once every rank finished
+        checked by fingerprint (trainer/training/objective.py), so a checkpoint holds what training changes. The folder
+        is written under a temporary name and published whole once every rank finished
         (:func:`~trainer.checkpoints.sharded.save_folder_atomically`)."""
         self.exclude_frozen_parameters = True
         step = int(checkpoint.get("global_step", 0))

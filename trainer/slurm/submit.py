@@ -8,24 +8,24 @@ environment requires), ``--cpus-per-task`` sized for the recipe's ``data.init_ar
 main process), USR1 to the tasks ``--signal_lead`` seconds before the time limit, ``--requeue`` and
 ``--open-mode=append``, and ``srun python -m trainer.cli fit`` with the recipe's configs, the overrides that make
 ``trainer.num_nodes``, ``trainer.devices`` and ``trainer.accelerator`` match the allocation, the
-:class:`trainer.preemption.PreemptionCheckpoint` callback and ``--ckpt_path last`` (so a requeued job resumes).
-``srun --kill-on-bad-exit=1`` ends the step as soon as one task dies; the script then runs :mod:`trainer.requeue`,
-which logs each attempt (what it resumed from, its exit status) and requeues a failed one, stopping after
-``--max_failed_requeues`` (default 3) requeues in a row of attempts that made no progress (the step of the last
-complete checkpoint in the recipe's ModelCheckpoint folders did not move).
-The allocation comes from the recipe unless the flags say otherwise (:func:`allocation`): ``--nodes`` from
-``trainer.num_nodes``; a recipe whose ``trainer.accelerator`` is ``gpu`` (or ``cuda``) renders a GPU job of
-``trainer.devices`` GPUs per node; ``cpu`` (or ``auto`` without ``--gpus_per_node``) a CPU job of ``trainer.devices``
-processes per node (``accelerator cpu``). ``--gpus_per_node 0`` on a GPU recipe, or ``--gpus_per_node N`` on a CPU
-recipe, is a contradiction, refused in one line naming both and the override that settles it.
-``--dry_run`` prints the script; otherwise it is written to the log folder and submitted, and the job id is printed.
+:class:`trainer.distributed.preemption.PreemptionCheckpoint` callback and ``--ckpt_path last`` (so a requeued job
+resumes). ``srun --kill-on-bad-exit=1`` ends the step as soon as one task dies; the script then runs
+:mod:`trainer.slurm.requeue`, which logs each attempt (what it resumed from, its exit status) and requeues a failed one,
+stopping after ``--max_failed_requeues`` (default 3) requeues in a row of attempts that made no progress (the step of
+the last complete checkpoint in the recipe's ModelCheckpoint folders did not move). The allocation comes from the recipe
+unless the flags say otherwise (:func:`allocation`): ``--nodes`` from ``trainer.num_nodes``; a recipe whose
+``trainer.accelerator`` is ``gpu`` (or ``cuda``) renders a GPU job of ``trainer.devices`` GPUs per node; ``cpu`` (or
+``auto`` without ``--gpus_per_node``) a CPU job of ``trainer.devices`` processes per node (``accelerator cpu``).
+``--gpus_per_node 0`` on a GPU recipe, or ``--gpus_per_node N`` on a CPU recipe, is a contradiction, refused in one line
+naming both and the override that settles it. ``--dry_run`` prints the script; otherwise it is written to the log folder
+and submitted, and the job id is printed.
 
-The recipe is read by the parser of ``draftsmith fit`` (:func:`trainer.recipe.parse_recipe`, nothing instantiated), with
-the fit arguments after ``--``: a key fit would refuse is refused before the job is queued, with fit's message. Every
-value that goes into the script is checked first (:func:`check_job`): a control character anywhere (a newline would
-add a line of its own, run on the cluster), and what SLURM does not accept (partition, account and job names, the
-time format, an output folder that ``#SBATCH --output`` cannot hold, an ``--sbatch`` value that is not an option) are
-refused with the option and the value named.
+The recipe is read by the parser of ``draftsmith fit`` (:func:`trainer.training.recipe.parse_recipe`, nothing
+instantiated), with the fit arguments after ``--``: a key fit would refuse is refused before the job is queued, with
+fit's message. Every value that goes into the script is checked first (:func:`check_job`): a control character anywhere
+(a newline would add a line of its own, run on the cluster), and what SLURM does not accept (partition, account and job
+names, the time format, an output folder that ``#SBATCH --output`` cannot hold, an ``--sbatch`` value that is not an
+option) are refused with the option and the value named.
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ from pathlib import Path
 from string import Template
 from typing import Any
 
-from trainer.errors import PathError, RecipeError, UsageError, UserError, debugging, error_report
-from trainer.flags import ToolParser
+from trainer.interface.errors import PathError, RecipeError, UsageError, UserError, debugging, error_report
+from trainer.interface.flags import ToolParser
 
-TEMPLATE = Path(__file__).resolve().parents[1] / "slurm" / "train.sbatch.in"
-PREEMPTION_CALLBACK = "trainer.preemption.PreemptionCheckpoint"
+TEMPLATE = Path(__file__).resolve().parents[2] / "slurm" / "train.sbatch.in"
+PREEMPTION_CALLBACK = "trainer.distributed.preemption.PreemptionCheckpoint"
 
 
 @dataclass
@@ -75,7 +75,7 @@ def read_recipe(job: SlurmJob) -> Any:
     A key fit would refuse (misspelled, unknown, of the wrong type) is refused here with fit's message, before a job
     is queued.
     """
-    from trainer.recipe import parse_recipe
+    from trainer.training.recipe import parse_recipe
 
     return parse_recipe(job.configs, job.fit_args)
 

@@ -25,8 +25,8 @@ from pathlib import Path
 
 from torch import nn
 
-from trainer.errors import CheckpointError, ModelFolderError, PathError, UsageError
-from trainer.renamed_keys import record_kind_moved
+from trainer.interface.errors import CheckpointError, ModelFolderError, PathError, UsageError
+from trainer.interface.renamed_keys import record_kind_moved
 
 
 @dataclass
@@ -64,7 +64,8 @@ class DrafterRecord:
     @classmethod
     def from_dict(cls, data: dict, where: str) -> DrafterRecord:
         """The record of a checkpoint's ``drafter`` entry; ``where`` names the file in errors. A record of a drafter
-        whose parts moved to a kind of their own is read as that kind (trainer/renamed_keys.py ``MOVED_KINDS``)."""
+        whose parts moved to a kind of their own is read as that kind (trainer/interface/renamed_keys.py
+        ``MOVED_KINDS``)."""
         if not isinstance(data, dict) or "kind" not in data or "config" not in data:
             raise CheckpointError(f"{where}: holds no drafter record (a checkpoint written by draftsmith fit has one)")
         data = record_kind_moved(dict(data))

@@ -8,7 +8,7 @@ and shares one ``param_groups`` list (a learning-rate scheduler scales every gro
 ``state_dict`` for checkpoints and resume).
 
 DeepSpeed flattens the parameters into 1-D partitions, which Muon cannot orthogonalise: ``optim.name: muon`` is
-refused there (``DraftObjective.configure_optimizers``).
+refused there (:func:`trainer.training.optimizers.muon_optimizer`).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
     step 120/600 | loss 2.31 | lr 3.0e-04 | 1,734 tok/s | elapsed 2m10s | eta 8m40s | val loss 2.40 | tau 2.61
 
 The values are what the objective logs (``train/loss``, ``train/lr``, ``train/tokens_per_s``, ``val/loss``;
-trainer/objective.py) and the latest measurement of :class:`~trainer.decoding.callback.SpeculativeEvalCallback`
+trainer/training/objective.py) and the latest measurement of :class:`~trainer.decoding.callback.SpeculativeEvalCallback`
 (``tau``, ``tau_sampling``, ``acceptance``). A validation run adds a ``step N/M | val loss X`` line when it ends.
 
 :class:`StepProgressBar` is Lightning's live bar on a terminal, with ``Epoch 0`` instead of ``Epoch 0/-2`` in fits
@@ -29,8 +29,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ModelSummary, RichProgressBar
 from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table
 
-from trainer.errors import RecipeError
-from trainer.output import NO_PROMPTS, PROGRESS_EVERY_SECONDS, block, duration, elapsed_and_eta, eval_command
+from trainer.interface.errors import RecipeError
+from trainer.interface.output import NO_PROMPTS, PROGRESS_EVERY_SECONDS, block, duration, elapsed_and_eta, eval_command
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ def next_commands(
     """The ``draftsmith export`` and ``draftsmith eval`` lines for this run, its export formats (a row of the block)
     and what to do to measure it when the recipe names no held-out prompts (else ""); ([], None, "") for a module
     without a drafter record."""
-    from trainer.registry import get_kind
+    from trainer.training.registry import get_kind
 
     try:
         record = module.drafter_record()

@@ -6,7 +6,7 @@ The vocabulary: the model being drafted for (frozen or fine-tuned) is the ``targ
 chunk of a loss ``loss_chunk_size``, and the loss weight of draft step ``k`` is ``step_decay ** k``.
 
 :data:`RENAMED_KEYS` is the one table of the renames, per objective; ``draftsmith fit`` and
-:func:`trainer.recipe.parse_recipe` refuse an old key with :func:`renamed_key_message` (tests/unit/
+:func:`trainer.training.recipe.parse_recipe` refuse an old key with :func:`renamed_key_message` (tests/unit/
 test_recipe_vocabulary.py checks that every new name is a parameter of its objective), and ``draftsmith precompute``
 with :data:`RENAMED_PRECOMPUTE_KEYS`. A value that was renamed (:data:`RENAMED_VALUES`: one value, one meaning across
 objectives) is refused the same way, naming its new spelling: ``labels``, what a loss is trained towards, is ``data``
@@ -21,6 +21,7 @@ read as that kind (:func:`record_kind_moved`).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import re
 from dataclasses import dataclass
@@ -108,6 +109,44 @@ stays, refused with a message naming the new class (:data:`RENAMED_KEYS` and :fu
 
 WHY_MOVED = "each method lives in its own folder, trainer/methods/<method>/"
 
+MOVED_MODULES: dict[str, str] = {
+    "trainer.target": "trainer.models.target",
+    "trainer.llama": "trainer.models.llama",
+    "trainer.layers": "trainer.models.layers",
+    "trainer.block_attention": "trainer.models.block_attention",
+    "trainer.documents": "trainer.models.documents",
+    "trainer.logit_scaling": "trainer.models.logit_scaling",
+    "trainer.losses": "trainer.losses.distillation",
+    "trainer.distribution_loss": "trainer.losses.distribution",
+    "trainer.chunked_loss": "trainer.losses.chunked",
+    "trainer.strategies": "trainer.distributed.strategies",
+    "trainer.sequence_parallel": "trainer.distributed.sequence_parallel",
+    "trainer.preemption": "trainer.distributed.preemption",
+    "trainer.run_folder": "trainer.checkpoints.run_folder",
+    "trainer.objective": "trainer.training.objective",
+    "trainer.muon": "trainer.training.muon",
+    "trainer.recipe": "trainer.training.recipe",
+    "trainer.registry": "trainer.training.registry",
+    "trainer.progress": "trainer.training.progress",
+    "trainer.activation_memory": "trainer.training.activation_memory",
+    "trainer.throughput": "trainer.training.throughput",
+    "trainer.fingerprint": "trainer.training.fingerprint",
+    "trainer.heldout": "trainer.training.heldout",
+    "trainer.errors": "trainer.interface.errors",
+    "trainer.output": "trainer.interface.output",
+    "trainer.flags": "trainer.interface.flags",
+    "trainer.renamed_keys": "trainer.interface.renamed_keys",
+    "trainer.slurm": "trainer.slurm.submit",
+    "trainer.requeue": "trainer.slurm.requeue",
+}
+"""Old module of ``trainer/`` -> the module it is now (0.22.0 grouped the root's modules into packages,
+docs/developer/layout.md). A class path under an old module (a recipe's ``trainer.strategy.class_path:
+trainer.strategies.CPUDeepSpeedStrategy``, a callback's) is refused in one line naming its new path
+(:func:`renamed_key_message`); a checkpoint whose hyper-parameters name one resumes with the new
+(:func:`moved_class_path`)."""
+
+WHY_GROUPED = "trainer/'s modules are grouped into packages, docs/developer/layout.md"
+
 _DSPARK_HEADS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
 
 
@@ -194,7 +233,28 @@ def moved_class_path(class_path: str, init_args: dict[str, Any]) -> str:
     moved = MOVED_OPTIONS.get(class_path)
     if moved is not None and _builds_any(init_args, moved.unset):
         return moved.to
-    return RENAMED_CLASS_PATHS.get(class_path, class_path)
+    return RENAMED_CLASS_PATHS.get(class_path) or moved_module_path(class_path) or class_path
+
+
+def _resolves(path: str) -> bool:
+    """Whether a dotted path names a module, or an attribute of one, that imports now."""
+    module, _, name = path.rpartition(".")
+    for candidate, attribute in ((path, None), (module, name)):
+        try:
+            imported = importlib.import_module(candidate)
+        except ImportError:
+            continue
+        return attribute is None or hasattr(imported, attribute)
+    return False
+
+
+def moved_module_path(path: str) -> str | None:
+    """``path`` (a class path or module) under the module it moved to (:data:`MOVED_MODULES`), or None when it did not
+    move (a path that resolves now is where it belongs)."""
+    for old, new in MOVED_MODULES.items():
+        if (path == old or path.startswith(old + ".")) and not _resolves(path):
+            return new + path[len(old) :]
+    return None
 
 
 def record_kind_moved(record: dict[str, Any]) -> dict[str, Any]:
@@ -219,6 +279,10 @@ def renamed_key_message(parser_error: str) -> str | None:
     for old, new in RENAMED_CLASS_PATHS.items():
         if re.search(rf"(?<![\w.]){re.escape(old)}(?![\w.])", parser_error):
             return f"model.class_path {old} was renamed to {new} ({WHY_MOVED})"
+    for path in re.findall(r"(?<![\w.])trainer\.[\w.]*\w", parser_error):
+        new = moved_module_path(path)
+        if new is not None:
+            return f"class_path {path} was renamed to {new} ({WHY_GROUPED})"
     for found in _UNKNOWN_INIT_ARG.finditer(parser_error):
         moved = MOVED_OPTIONS.get(found["cls"])
         if moved is not None and found["key"] in moved.options:

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.documents import allowed_keys
-from trainer.errors import RecipeError
+from trainer.interface.errors import RecipeError
+from trainer.models.documents import allowed_keys
 
 AttentionFn = Callable[..., torch.Tensor]
 

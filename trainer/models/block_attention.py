@@ -28,7 +28,7 @@ from typing import Literal
 
 import torch
 
-from trainer.errors import RecipeError
+from trainer.interface.errors import RecipeError
 
 Impl = Literal["auto", "flex", "dense"]
 IMPLS = ("auto", "flex", "dense")
@@ -152,7 +152,7 @@ def anchored_block_attention(
         block: b, slots per block.
         impl: ``flex``, ``dense`` or ``auto``.
         window: a block anchored at ``a`` sees the context ``a - window .. a - 1`` only (None: all of ``0..a-1``).
-        documents: [B, S] the document of every context position (trainer/documents.py): a block sees the context
+        documents: [B, S] the document of every context position (trainer/models/documents.py): a block sees the context
             of its anchor's document only; None is one document.
 
     The dense path computes the context scores [B, nh, N * b, S] (masked to each block's prefix) and the
@@ -195,7 +195,7 @@ def anchored_block_attention(
 
 def ttt_mask_mod(seq_len: int, step: int = 0, window: int | None = None, documents: torch.Tensor | None = None):
     """The flex ``mask_mod`` of EAGLE-3's TTT step ``step`` over the keys of steps 0..step concatenated (``seq_len``
-    each), with an optional sliding ``window`` and ``documents`` [B, S] (trainer/documents.py); see
+    each), with an optional sliding ``window`` and ``documents`` [B, S] (trainer/models/documents.py); see
     trainer/methods/eagle3/module.py's ``ttt_attention`` for what the window keeps."""
 
     def mask_mod(b, h, q_idx, kv_idx):
