@@ -17,7 +17,13 @@ from trainer.decoding.generate import speculative_generate
 from trainer.decoding.proposers import ProposalContext
 from trainer.methods.dflash.module import DFlashConfig
 from trainer.methods.dflash.proposer import DFlashProposer
-from trainer.methods.dflash2.acceptance import VocabularySampling, chain_tau, expected_acceptance, slot_acceptance
+from trainer.methods.dflash2.acceptance import (
+    VocabularySampling,
+    chain_tau,
+    engine_tau,
+    expected_acceptance,
+    slot_acceptance,
+)
 from trainer.methods.dflash2.module import DFlash2Config, DFlash2Drafter
 from trainer.methods.dflash2.proposer import DFlash2Proposer
 
@@ -180,3 +186,15 @@ def test_vocabulary_sampling_keeps_the_rest_of_the_vocabulary_and_the_greedy_dra
     theirs.reset()
     tree = theirs.propose(ProposalContext(tokens, 4, 1.0, torch.Generator().manual_seed(0), 128, hidden))
     torch.testing.assert_close(tree.probs.double(), torch.softmax(theirs.slot_hidden[:4] @ head.detach().t(), -1))
+
+
+def test_engine_tau_is_the_evals_tau():
+    target, drafter = small_vocabulary()
+    proposer = DFlash2Proposer(drafter, target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    prompts = [[1, 2, 0, 1, 2], [3, 0, 2]]
+    rounds = []
+    for i, prompt in enumerate(prompts):  # draftsmith eval's seeds: seed + prompt index
+        gen = torch.Generator().manual_seed(3 + i)
+        rounds += speculative_generate(target, torch.tensor(prompt), proposer, 3, 12, 1.0, generator=gen).rounds
+    tau = sum(r.committed for r in rounds) / len(rounds)
+    assert engine_tau(target, proposer, prompts, 3, 12, 1.0, 3) == pytest.approx(tau) and tau > 1

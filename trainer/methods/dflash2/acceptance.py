@@ -68,8 +68,16 @@ class VocabularySampling(DFlash2Proposer):
         return torch.cat(drafted), torch.stack(dists), torch.stack(rows), None
 
 
-def engine_tau(target, proposer, prompts: list[list[int]], k: int, max_new_tokens: int, temperature: float,
-               seed: int, eos_token_id=None) -> float:  # fmt: skip
+def engine_tau(
+    target,
+    proposer: DFlashProposer,
+    prompts: list[list[int]],
+    k: int,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    eos_token_id: int | list[int] | None = None,
+) -> float:
     """tau (tokens committed per target forward) of speculative decoding with ``proposer`` on the prompts, as
     ``draftsmith eval`` decodes them (a generator seeded with ``seed + prompt index``)."""
     results = run_prompts(target, proposer, prompts, k, max_new_tokens, temperature, eos_token_id, seed)
