@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--engine", action="store_true", help="also decode the prompts (K = --k) with DFlash2's rule, the vocabulary "
         "rule and the baseline, and give each one's measured tau"
     )  # fmt: skip
-    parser.add_argument("--output", default=None, help="write the figures here as JSON")
+    parser.add_argument("--output_file", default=None, help="write the figures here as JSON")
     args = parser.parse_args(argv)
     if args.temperature <= 0:
         parser.error("--temperature must be above 0: at 0 nothing is sampled")
@@ -230,10 +230,10 @@ def main(argv: list[str] | None = None) -> dict:
             )
             lines.append(f"measured tau, {name}: {measured[name]:.3f}")
     sys.stdout.write("\n".join(lines) + "\n")
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    if args.output_file:
+        Path(args.output_file).parent.mkdir(parents=True, exist_ok=True)
         record = {"args": vars(args), "alpha": result, "measured_tau": measured}
-        Path(args.output).write_text(json.dumps(record, indent=1) + "\n")
+        Path(args.output_file).write_text(json.dumps(record, indent=1) + "\n")
     return result
 
 
