@@ -109,6 +109,7 @@ def objective_of(tmp_path, **options) -> Domino:
         str(tmp_path / "target"), num_draft_layers=1, target_layers=[1, 3], block_size=5, mask_token_id=V - 1,
         max_anchors=3, labels="data", loss_chunk_size=4, **{**HEAD, **options},
     )  # fmt: skip
+    torch.manual_seed(0)  # the weights below, whatever the drafter's own initialisation drew
     for p in objective.drafter.parameters():
         nn.init.normal_(p, std=0.3)
     return objective
@@ -326,3 +327,71 @@ def test_sharded_weights_are_refused(tmp_path, monkeypatch):
     ids = torch.randint(0, V - 1, (1, 8), generator=torch.Generator().manual_seed(0))
     with pytest.raises(RecipeError, match="FSDP2 and ZeRO-3 shard; train it with DDP or on one device"):
         objective.compute_loss({"input_ids": ids, "loss_mask": torch.ones(1, 8, dtype=torch.bool)})
+
+
+@pytest.mark.parametrize("prefix", [1, 0])
+def test_training_and_drafting_give_the_same_corrected_logits_when_the_data_is_the_drafts(prefix, tmp_path, one_thread):
+    """One block through both paths: the proposer drafts it left to right after a prompt; the objective, trained on
+    the prompt followed by those drafts (teacher forcing on the drafted tokens), computes the same slots' corrected
+    logits from the same drafter. Every slot's head inputs (the slot's output, the GRU's state after the root and the
+    drafts before it) are then the same on both sides, so are the logits, and each draft is its training row's
+    argmax."""
+    objective = objective_of(tmp_path, pure_draft_prefix_len=prefix)
+    drafter, b = objective.drafter, objective.drafter.config.block_size
+    embedding, head = objective.embedding_weight(), objective.target.lm_head_weight
+    a, S = 7, 7 + b  # the anchor (the round's root) and a row that holds its whole block
+    ids = torch.randint(0, V - 1, (1, S), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        out = objective.target.model.get_decoder()(input_ids=ids, output_hidden_states=True)
+    hidden = {i: out.hidden_states[i][0, :a] for i in drafter.config.target_layers}  # positions 0..a-1
+    proposer = DominoProposer(drafter, embedding, head)
+    context = ProposalContext(tokens=ids[0, : a + 1], k=b - 1, vocab_size=V, hidden_states=hidden)
+    with torch.no_grad():
+        drafts, _, rows, _ = proposer.draft_chain(context, proposer.block_logits(context)[: b - 1])  # [b-1], [b-1, V]
+    plain = proposer.slot_hidden @ head.t()  # [b - 1, V] the backbone's logits: the head must change some
+    assert not torch.allclose(rows[prefix:], plain[prefix:], atol=1e-3)
+    torch.testing.assert_close(rows[:prefix], plain[:prefix])
+    forced = ids.clone()
+    forced[0, a + 1 :] = drafts  # the data after the root is the drafts
+    seen = {}
+
+    def capture(hidden, bias, *args):  # the slot loss's inputs: every trained slot's output and its logit bias
+        seen.setdefault("logits", hidden @ head.t() + bias.features @ bias.weight.t())  # [n, V]: the first term's
+        return original(hidden, bias, *args)
+
+    original = objective._slot_losses
+    objective._slot_losses = capture
+    objective.anchors = lambda trained, stage: (torch.tensor([[a]]), torch.tensor([[True]]))
+    with torch.no_grad():
+        objective.compute_loss({"input_ids": forced, "loss_mask": torch.ones(1, S, dtype=torch.bool)})
+    trained = seen["logits"]  # [b - 1, V]: slots 1..b-1 of the block at a
+    assert trained.shape == rows.shape
+    torch.testing.assert_close(trained, rows, rtol=1e-4, atol=1e-4)
+    assert torch.equal(trained.argmax(-1), drafts)  # teacher forcing on the drafts reproduces each draft
+
+
+def test_a_new_head_starts_as_plain_dflash_and_trains_from_there(tmp_path, monkeypatch, one_thread):
+    """The delta's output projection starts at zero: a new drafter's corrected logits are its backbone's, in drafting
+    and in training (the curriculum's two terms equal), and the first step's gradient reaches that projection."""
+    save_target(tmp_path / "target")
+    objective = Domino(
+        str(tmp_path / "target"), num_draft_layers=1, target_layers=[1, 3], block_size=5, mask_token_id=V - 1,
+        max_anchors=3, labels="data", **HEAD,
+    )  # fmt: skip
+    drafter = objective.drafter
+    assert not drafter.embed_proj[2].weight.any() and drafter.embed_proj[0].weight.std() > 0
+    embedding, head = objective.embedding_weight(), objective.target.lm_head_weight
+    hidden = {i: torch.randn(6, 16) for i in drafter.config.target_layers}
+    tokens = torch.tensor([5, 9, 17, 4, 60, 33, 2])
+    proposer = DominoProposer(drafter, embedding, head)
+    context = ProposalContext(tokens=tokens, k=4, vocab_size=V, hidden_states=hidden)
+    with torch.no_grad():
+        drafts, _, rows, _ = proposer.draft_chain(context, proposer.block_logits(context)[:4])
+    assert torch.equal(rows, proposer.slot_hidden[:4] @ head.t())
+    drafter.train()
+    monkeypatch.setattr(objective, "schedule_position", lambda: (1, 10))  # lambda 0.8: both terms computed
+    ids = torch.randint(0, V - 1, (2, 12), generator=torch.Generator().manual_seed(2))
+    loss, metrics = objective.compute_loss({"input_ids": ids, "loss_mask": torch.ones(2, 12, dtype=torch.bool)})
+    assert float(metrics["loss_final"]) == float(metrics["loss_base"])
+    loss.backward()
+    assert drafter.embed_proj[2].weight.grad.abs().sum() > 0

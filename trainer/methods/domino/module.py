@@ -91,9 +91,11 @@ class DominoDrafter(DFlashDrafter):
             nn.SiLU(),
             nn.Linear(c.emb_dim, c.vocab_size, bias=False),
         )
-        # the reference's initialisation (HF's normal, std 0.02); the GRU keeps torch's
-        for layer in (self.embed_proj[0], self.embed_proj[2]):
-            nn.init.normal_(layer.weight, std=0.02)
+        # the delta's output projection starts at zero, so a new head adds nothing: the corrected logits start as the
+        # backbone's (a plain DFlash drafter's), and the head grows from there (its input projection HF's normal, std
+        # 0.02; the GRU keeps torch's)
+        nn.init.normal_(self.embed_proj[0].weight, std=0.02)
+        nn.init.zeros_(self.embed_proj[2].weight)
 
     def prefix_states(self, embeds: torch.Tensor, state: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """The GRU over token embeddings ``embeds`` [u, T, H] from ``state`` [1, u, G] (None: zeros): its states
