@@ -425,18 +425,17 @@ def test_drafting_passes_draft_from_the_logits_the_training_rounds_score(tmp_pat
     b, anchors = 6, [3, 8]
     ids = torch.randint(0, V - 1, (1, 16), generator=torch.Generator().manual_seed(4))
     monkeypatch.setattr(objective, "anchors", lambda trained, stage: (torch.tensor([anchors]), torch.ones(1, 2).bool()))
-    scored, slot_rows = [], xpress_objective.slot_rows
+    scored, slot_rows, later = [], xpress_objective.slot_rows, xpress_objective.cross_entropy_rows
 
-    def recording(spec):
-        rows = slot_rows(spec)
-
+    def record(rows):
         def score(logits, labels, need_grad):
             scored.append(logits.clone())  # [n, V]: the slots of both blocks, block by block
             return rows(logits, labels, need_grad)
 
         return score
 
-    monkeypatch.setattr(xpress_objective, "slot_rows", recording)
+    monkeypatch.setattr(xpress_objective, "cross_entropy_rows", record(later))  # the terms after the first
+    monkeypatch.setattr(xpress_objective, "slot_rows", lambda spec: record(slot_rows(spec)))
     with torch.no_grad():
         objective.compute_loss({"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.bool)})
         states = objective.target.model(ids, output_hidden_states=True).hidden_states

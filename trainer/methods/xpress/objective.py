@@ -29,8 +29,8 @@ import torch
 
 from trainer.activation_memory import PlannedStep
 from trainer.block_attention import Impl
-from trainer.chunked_loss import RowLosses, Term, chunked_loss, grad_times_weight
-from trainer.distribution_loss import DEFAULT_ETA
+from trainer.chunked_loss import RowLosses, Target, Term, chunked_loss, cross_entropy_rows, grad_times_weight
+from trainer.distribution_loss import DEFAULT_ETA, distribution_rows
 from trainer.errors import RecipeError
 from trainer.methods.dflash.module import DFlashConfig
 from trainer.methods.dflash.objective import DFlash
@@ -325,7 +325,8 @@ class XPress(DFlash):
         trained_parts = [slice(int(lo), int(hi)) for lo, hi in zip(edges[:-1], edges[1:])]
         chunk_of = {p.start * (b - 1): c for c, p in enumerate(block_parts)}
         labels = self._labels(ids, batch, final, rows, positions)
-        score = slot_rows(self.loss_spec)
+        score = slot_rows(self.loss_spec)  # the first term's, with the metrics' statistics
+        later = cross_entropy_rows if self.loss_spec.is_kl else distribution_rows(self.loss_spec)
         mean = 1.0 / max(n, 1)
         sums = torch.zeros(len(kinds), dtype=torch.float32, device=idx.device)
         hits, accept = [], []
@@ -340,14 +341,28 @@ class XPress(DFlash):
             part, tpart = block_parts[c], trained_parts[c]
             nb = part.stop - part.start
             at = local[tpart] - part.start * (b - 1)  # [Ct] the trained slots' rows in the chunk
+            whole = at.numel() == base.shape[0]  # every slot of the chunk trained (then at is 0..C-1)
             chunk_labels = labels(tpart)
+            if chunk_labels.ids is not None:  # the later terms' loss: the token labels' alone (no acceptance)
+                plain = Target(ids=chunk_labels.ids)
+            else:
+                plain = Target(probs=chunk_labels.probs, sparse=chunk_labels.sparse)
             total = base.new_zeros(base.shape[0])  # [C]
             grad = torch.zeros_like(base) if need_grad else None  # [C, V]
 
-            def term(j: int, logits: torch.Tensor, features: torch.Tensor | None, slot: int = -1) -> None:
-                """Term j's losses of the trained slots of the chunk's ``logits`` [C, V], the rows of
-                ``features`` [C, r] giving its bias (slot: where its features' gradient goes, -1 none)."""
-                out = score(logits[at], chunk_labels, need_grad)
+            def term(
+                j: int, logits: torch.Tensor, features: torch.Tensor | None, slot: int = -1, keep: bool = False
+            ) -> None:
+                """Term j's losses of the trained slots of the chunk's ``logits`` [C, V] (overwritten unless
+                ``keep``), the rows of ``features`` [C, r] giving its bias (slot: where its features' gradient
+                goes)."""
+                chosen = logits[at] if not whole else logits.clone() if keep else logits  # [Ct, V]
+                if j == 0:  # DFlash's slot loss, with the right-argmax flags and acceptance rates of the metrics
+                    out = score(chosen, chunk_labels, need_grad)
+                    hits.append(out.stats[0])
+                    accept.append(out.stats[1])
+                else:
+                    out = later(chosen, plain, need_grad)
                 spec = step.terms[j]
                 if spec.uniform:
                     w = torch.full_like(out.loss, mean)
@@ -358,13 +373,13 @@ class XPress(DFlash):
                 w = w.detach().to(out.loss.dtype)  # [Ct]
                 sums[j] += (out.loss * w).sum().to(sums.dtype)
                 total.index_add_(0, at, (out.loss * w * spec.scale).to(total.dtype))
-                if j == 0:
-                    hits.append(out.stats[0])
-                    accept.append(out.stats[1])
                 if not need_grad:
                     return
                 g = out.grad.mul_((w * spec.scale)[:, None].to(out.grad.dtype))  # [Ct, V]
-                grad.index_add_(0, at, g)
+                if whole:
+                    grad.add_(g)
+                else:
+                    grad.index_add_(0, at, g)
                 if features is not None:
                     grad_x[slot].view(-1, grad_x[slot].shape[-1]).index_add_(
                         0, at + part.start * (b - 1), grad_times_weight(g, readout).float()
@@ -382,9 +397,10 @@ class XPress(DFlash):
                     prev, features, logits = next(rounds)
                     prevs[rnd][part] = prev
                     rnd += 1
-                    term(j, logits.flatten(0, 1), features.flatten(0, 1), rnd)
+                    # the next round reads this round's argmax: its logits are kept, but the last round's
+                    term(j, logits.flatten(0, 1), features.flatten(0, 1), rnd, keep=rnd < passes)
                 else:
-                    term(j, base, None)
+                    term(j, base, None)  # the last term: the chunk's projection itself
             return RowLosses(total, grad)
 
         hidden = step.blocks[:, :, 1:].flatten(0, 1)[active].flatten(0, 1)  # [A * (b - 1), H]
