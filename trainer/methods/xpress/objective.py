@@ -314,7 +314,7 @@ class XPress(DFlash):
         blocks = step.blocks.flatten(0, 1)[active]  # [A, b, H]
         cache = refiner.hidden_cache(blocks)  # [A, b, 2r]
         teacher = step.teacher.flatten(0, 1)[active]  # [A, b]
-        first = torch.stack([teacher[:, 0], teacher[:, 1]], dim=-1)  # [A, 2]: the token before the anchor, the anchor
+        first = teacher[:, :2]  # [A, 2]: the token before the anchor, the anchor
         x_tf = refiner.features(teacher, cache)[:, 1:]  # [A, b - 1, r]
         cache_d, x_tf_d = cache.detach(), x_tf.detach()
         kinds = [t.bias.kind for t in step.terms]
