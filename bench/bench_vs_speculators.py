@@ -191,7 +191,7 @@ def speculators_cmd(
 ) -> list[str]:
     return [
         "-m", "bench.bench_vs_speculators", "--side", "speculators", "--method", method, "--target",
-        str(art / "tiny_target"), "--rows", str(data), "--output_dir", str(out), "--steps", str(steps), "--lr", str(lr),
+        str(art / "tiny_target"), "--rows", str(data), "--out", str(out), "--steps", str(steps), "--lr", str(lr),
         "--warmup", str(warmup), "--speculators-optimizer", optimizer, "--speculators-loss", loss,
         *([] if layers is None else ["--draft-layers", str(layers)]),
     ]  # fmt: skip

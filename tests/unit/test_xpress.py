@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.helpers import tiny_llama
 from tests.unit.test_dflash_objective import V, save_target
@@ -23,7 +24,9 @@ from trainer.decoding.proposers import NoProposer, ProposalContext
 from trainer.interface.errors import ModelFolderError, RecipeError, UsageError
 from trainer.methods.dflash import kind as dflash_kind
 from trainer.methods.dflash.module import DFlashConfig
+from trainer.methods.dflash.refiner import LogitBias, SlotTerm
 from trainer.methods.xpress import kind as xpress_kind
+from trainer.methods.xpress import objective as xpress_objective
 from trainer.methods.xpress.module import REFINER_KEYS, XPressConfig, XPressDrafter
 from trainer.methods.xpress.objective import XPress
 from trainer.methods.xpress.proposer import XPressProposer, XPressTreeProposer
@@ -48,9 +51,9 @@ def naive_bias(drafter: XPressDrafter, slots: torch.Tensor, prev: list[int]) -> 
     return torch.stack(out)
 
 
-def naive_xpress_loss(objective: XPress, ids: torch.Tensor, loss_mask: torch.Tensor) -> dict[str, float]:
+def naive_xpress_loss(objective: XPress, ids: torch.Tensor, loss_mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """Each term's loss (data labels' cross entropy, slots weighted exp(-(k - 1) / gamma) normalised by the weights;
-    the base anchor's a plain mean with ``base_anchor_full_weight``) and the total."""
+    the base anchor's a plain mean with ``base_anchor_full_weight``) and the total, differentiable in the drafter."""
     drafter, target = objective.drafter, objective.target
     c = drafter.config
     b, (B, S) = c.block_size, ids.shape
@@ -88,8 +91,8 @@ def naive_xpress_loss(objective: XPress, ids: torch.Tensor, loss_mask: torch.Ten
                     continue
                 w = math.exp(-(k - 1) / objective.gamma)
                 for name in names:
-                    loss = float(F.cross_entropy(logits[name][k][None], ids[r, t][None]))
-                    sums[name] += loss if name == "base_anchor" and full else w * loss
+                    loss = F.cross_entropy(logits[name][k][None], ids[r, t][None])
+                    sums[name] = sums[name] + (loss if name == "base_anchor" and full else w * loss)
                 weights += w
                 n += 1
     terms = {name: sums[name] / (n if name == "base_anchor" and full else weights) for name in names}
@@ -100,13 +103,13 @@ def naive_xpress_loss(objective: XPress, ids: torch.Tensor, loss_mask: torch.Ten
     return terms
 
 
-def make_objective(tmp_path: Path, **options) -> XPress:
+def make_objective(tmp_path: Path, cls: type[XPress] = XPress, **options) -> XPress:
     save_target(tmp_path / "target")
     settings = dict(
         num_draft_layers=1, target_layers=[1, 3], block_size=4, mask_token_id=V - 1, max_anchors=3, labels="data",
         loss_chunk_size=5, xpress_rank=6, consistency_passes=2, base_anchor_full_weight=True,
     )  # fmt: skip
-    objective = XPress(str(tmp_path / "target"), **{**settings, **options})
+    objective = cls(str(tmp_path / "target"), **{**settings, **options})
     torch.manual_seed(3)
     for p in objective.drafter.parameters():
         nn.init.normal_(p, std=0.3)  # mix_l starts at zero: random, so that the mixer counts
@@ -122,10 +125,10 @@ def test_the_loss_equals_blocks_drafted_alone_with_the_refiner_written_out(full,
     with torch.no_grad():
         loss, metrics = objective.compute_loss({"input_ids": ids, "loss_mask": loss_mask})
         expected = naive_xpress_loss(objective, ids, loss_mask)
-    torch.testing.assert_close(float(loss), expected["total"], rtol=1e-5, atol=0)
+    torch.testing.assert_close(float(loss), float(expected["total"]), rtol=1e-5, atol=0)
     for name in ("tf", "consistency_round0", "consistency_round1", "base_anchor"):
-        torch.testing.assert_close(float(metrics[f"loss_{name}"]), expected[name], rtol=1e-5, atol=0)
-    assert expected["consistency_round1"] != pytest.approx(expected["tf"], rel=1e-3)  # the rounds differ: not void
+        torch.testing.assert_close(float(metrics[f"loss_{name}"]), float(expected[name]), rtol=1e-5, atol=0)
+    assert float(expected["consistency_round1"]) != pytest.approx(float(expected["tf"]), rel=1e-3)  # not void
     loss, _ = objective.compute_loss({"input_ids": ids, "loss_mask": loss_mask})
     loss.backward()  # every refiner weight trains
     for name, p in objective.drafter.refiner_head.named_parameters():
@@ -135,8 +138,133 @@ def test_the_loss_equals_blocks_drafted_alone_with_the_refiner_written_out(full,
     with torch.no_grad():
         loss, metrics = objective.compute_loss({"input_ids": ids, "loss_mask": loss_mask})
         expected = naive_xpress_loss(objective, ids, loss_mask)
-    torch.testing.assert_close(float(loss), expected["tf"], rtol=1e-5, atol=0)
+    torch.testing.assert_close(float(loss), float(expected["tf"]), rtol=1e-5, atol=0)
     assert set(k for k in metrics if k.startswith("loss_")) == {"loss_tf"}
+
+
+def gradients(objective: XPress, loss: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The gradients of ``loss`` with respect to every drafter weight (0 where it does not reach one)."""
+    objective.drafter.zero_grad(set_to_none=True)
+    loss.backward()
+    return {
+        name: torch.zeros_like(p) if p.grad is None else p.grad.clone()
+        for name, p in objective.drafter.named_parameters()
+    }
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_the_shared_pass_has_the_naive_formulas_gradients(full, tmp_path):
+    objective = make_objective(tmp_path, base_anchor_full_weight=full, consistency_passes=3)
+    ids = torch.randint(0, V - 1, (2, 11), generator=torch.Generator().manual_seed(1))
+    loss_mask = torch.ones(2, 11, dtype=torch.bool)
+    loss_mask[0, :4] = False
+    loss_mask[1, 6] = False  # an untrained slot inside a block: its argmax still seeds the slots after it
+    loss, _ = objective.compute_loss({"input_ids": ids, "loss_mask": loss_mask})
+    ours = gradients(objective, loss)
+    expected = naive_xpress_loss(objective, ids, loss_mask)
+    torch.testing.assert_close(loss.detach(), expected["total"].detach(), rtol=1e-5, atol=0)
+    reference = gradients(objective, expected["total"])
+    for name, grad in reference.items():
+        assert grad.abs().sum() > 0, name  # every weight trains (the backbone's and the refiner's)
+        torch.testing.assert_close(ours[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+class PerTerm(XPress):
+    """XPress's loss as each term's own slot loss (DFlash's), every free-running round's argmax its own projection of
+    the slots onto the vocabulary: the computation the shared pass replaces."""
+
+    def slot_terms(self, blocks, anchors, ids, idx, prev):
+        refiner = self.drafter.refiner_head
+        B, N, b, _ = blocks.shape
+        positions = anchors[:, :, None] + torch.arange(-1, b - 1)
+        positions[:, :, 0] = torch.where(anchors > 0, anchors - 1, anchors)
+        teacher = ids.gather(1, positions.clamp(max=ids.shape[1] - 1).flatten(1)).view(B, N, b)
+        cache = refiner.hidden_cache(blocks)
+        head = self.target.lm_head_weight.detach()
+
+        def trained(features):
+            return LogitBias(features[:, :, 1:].flatten(0, 2)[idx], refiner.readout.weight)
+
+        def argmax(features=None):
+            with torch.no_grad():
+                logits = blocks.detach() @ head.t()
+                return (logits if features is None else logits + refiner.bias(features.detach())).argmax(-1)
+
+        terms = [SlotTerm(trained(refiner.features(teacher, cache)), name="tf")]
+        guess = argmax()
+        for j in range(self.consistency_passes):
+            guess[:, :, 0] = ids.gather(1, anchors)
+            features = refiner.features(torch.cat([teacher[:, :, :1], guess[:, :, :-1]], dim=-1), cache)
+            scale = self.consistency_weight / self.consistency_passes
+            terms.append(SlotTerm(trained(features), scale=scale, name=f"consistency_round{j}"))
+            if j + 1 < self.consistency_passes:
+                guess = argmax(features)
+        terms.append(
+            SlotTerm(None, scale=self.base_anchor_weight, name="base_anchor", uniform=self.base_anchor_full_weight)
+        )
+        return terms
+
+
+OPTIONS = [
+    dict(labels="argmax"),
+    dict(labels="soft", loss="tv"),
+    dict(labels="argmax", position_weights="dpace", base_anchor_full_weight=False),
+    dict(labels="data", loss="lk_hybrid", loss_chunk_size=3),
+    dict(labels="argmax", loss_chunk_size=64, max_anchors=6),
+]
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_the_shared_pass_equals_every_term_on_its_own(options, tmp_path):
+    """Labels, losses, D-PACE weights and chunkings: the same losses, metrics and gradients as each term's own slot
+    loss."""
+    settings = dict(consistency_passes=3, **options)
+    ours, theirs = make_objective(tmp_path, **settings), make_objective(tmp_path, cls=PerTerm, **settings)
+    ids = torch.randint(0, V - 1, (3, 14), generator=torch.Generator().manual_seed(2))
+    loss_mask = torch.ones(3, 14, dtype=torch.bool)
+    loss_mask[0, :3] = False
+    loss_mask[2, 8] = False
+    batch = {"input_ids": ids, "loss_mask": loss_mask}
+    loss, metrics = ours.compute_loss(batch)
+    expected, expected_metrics = theirs.compute_loss(batch)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
+    assert metrics.keys() == expected_metrics.keys()
+    for name, value in expected_metrics.items():
+        torch.testing.assert_close(metrics[name], value, rtol=1e-5, atol=1e-7, msg=name)
+    grads, reference = gradients(ours, loss), gradients(theirs, expected)
+    for name, grad in reference.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+class HeadProducts(TorchDispatchMode):
+    """Counts the matrix products that read the target's lm_head weight [V, H] (the slots' and the target's
+    projections onto the vocabulary, and the gradients taken back through it)."""
+
+    def __init__(self, head: torch.Tensor) -> None:
+        super().__init__()
+        self.storage, self.count = head.untyped_storage().data_ptr(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.matmul):
+            if any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == self.storage for a in args):
+                self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_step_projects_the_slots_onto_the_vocabulary_once(tmp_path):
+    """Argmax labels, three rounds and the backbone's term, one chunk: the slots' logits once and their summed
+    gradient once, the target's argmax and distribution once each (each term on its own: thirteen products of the
+    slots and ten of the target's)."""
+    ids = torch.randint(0, V - 1, (2, 16), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "loss_mask": torch.ones(2, 16, dtype=torch.bool)}
+    counts = {}
+    for cls in (XPress, PerTerm):
+        objective = make_objective(tmp_path, cls=cls, labels="argmax", consistency_passes=3, loss_chunk_size=4096)
+        with HeadProducts(objective.target.lm_head_weight) as products:
+            loss, _ = objective.compute_loss(batch)
+            loss.backward()
+        counts[cls] = products.count
+    assert counts == {XPress: 2 + 2, PerTerm: 13 + 10}
 
 
 def setup(seed: int = 0, **refiner) -> tuple[nn.Module, XPressDrafter]:
@@ -276,9 +404,10 @@ def test_the_quickstart_recipe_and_the_compare_row():
     args = parsed.model.init_args
     assert (args.xpress_rank, args.xpress_mlp_ratio, args.num_jacobi_passes) == (64, 2, 6)
     assert (args.consistency_weight, args.consistency_passes, args.base_anchor_weight) == (0.3, 3, 0.6)
-    dspark = parse_recipe([str(ROOT / "recipes" / "quickstart" / "dspark.yaml")]).model.init_args
-    for key in ("target", "num_draft_layers", "block_size", "mask_token_id", "max_anchors", "gamma", "labels"):
-        assert args[key] == dspark[key], key  # the DFlash drafter of dspark.yaml, the refiner aside
+    dflash = parse_recipe([str(ROOT / "recipes" / "quickstart" / "dflash.yaml")]).model.init_args
+    keys = ("target", "num_draft_layers", "block_size", "mask_token_id", "max_anchors", "position_weights", "labels")
+    for key in keys:
+        assert args[key] == dflash[key], key  # the DFlash drafter of dflash.yaml (D-PACE), the refiner aside
     rows = {
         row["name"]: row for row in yaml.safe_load((ROOT / "recipes" / "compare" / "tiny.yaml").read_text())["methods"]
     }
@@ -288,3 +417,66 @@ def test_the_quickstart_recipe_and_the_compare_row():
         "export_format": "xpress",
         "k": [4, 15],
     }
+
+
+def test_drafting_passes_draft_from_the_logits_the_training_rounds_score(tmp_path, monkeypatch, one_thread):
+    """The same tokens through the training step (two blocks of a row, every slot trained) and the proposer (a round
+    at each anchor): greedy Jacobi pass p's refined logits are those free-running round p - 1 scores."""
+    objective = make_objective(tmp_path, block_size=6, consistency_passes=3, loss_chunk_size=4096)
+    b, anchors = 6, [3, 8]
+    ids = torch.randint(0, V - 1, (1, 16), generator=torch.Generator().manual_seed(4))
+    monkeypatch.setattr(objective, "anchors", lambda trained, stage: (torch.tensor([anchors]), torch.ones(1, 2).bool()))
+    scored, slot_rows, later = [], xpress_objective.slot_rows, xpress_objective.cross_entropy_rows
+
+    def record(rows):
+        def score(logits, labels, need_grad):
+            scored.append(logits.clone())  # [n, V]: the slots of both blocks, block by block
+            return rows(logits, labels, need_grad)
+
+        return score
+
+    monkeypatch.setattr(xpress_objective, "cross_entropy_rows", record(later))  # the terms after the first
+    monkeypatch.setattr(xpress_objective, "slot_rows", lambda spec: record(slot_rows(spec)))
+    with torch.no_grad():
+        objective.compute_loss({"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.bool)})
+        states = objective.target.model(ids, output_hidden_states=True).hidden_states
+    assert len(scored) == 5  # one chunk: the teacher-forced term, three rounds, the backbone's own
+    proposer = XPressProposer(objective.drafter, objective.embedding_weight(), objective.target.lm_head_weight)
+    changed = False
+    for i, a in enumerate(anchors):
+        hidden = {layer: states[layer][0, :a] for layer in objective.drafter.config.target_layers}
+        tokens = ids[0, : a + 1]
+        proposer.reset()
+        with torch.no_grad():
+            logits = proposer.block_logits(ProposalContext(tokens, b - 1, 0.0, None, V, hidden))  # [b - 1, V]
+            torch.testing.assert_close(logits, scored[-1][i * (b - 1) : (i + 1) * (b - 1)], rtol=1e-5, atol=1e-5)
+            for passes in (1, 2, 3):
+                drafts, rows = proposer.jacobi(tokens, logits, passes)
+                trained = scored[passes][i * (b - 1) : (i + 1) * (b - 1)]  # round passes - 1
+                torch.testing.assert_close(rows, trained, rtol=1e-5, atol=1e-5)
+                assert drafts.tolist() == trained.argmax(-1).tolist()
+                changed |= drafts.tolist() != logits.argmax(-1).tolist()
+    assert changed  # the refiner moves some draft: the rounds are not the backbone's argmax
+
+
+def test_slot_zero_reads_the_anchor_at_a_documents_start(tmp_path, monkeypatch):
+    """Packed rows: the block anchored at a document's first token conditions slot 0 on the anchor, as at a row's
+    start (and as drafting does at a sequence's start), not on the previous document's last token."""
+    objective = make_objective(tmp_path)
+    ids = torch.randint(0, V - 1, (1, 12), generator=torch.Generator().manual_seed(5))
+    documents = torch.tensor([[0] * 5 + [1] * 7])
+    monkeypatch.setattr(objective, "anchors", lambda trained, stage: (torch.tensor([[5, 7]]), torch.ones(1, 2).bool()))
+    seen = []
+    real = XPress.slot_terms
+
+    def slot_terms(self, *args):
+        terms = real(self, *args)
+        seen.append(terms[0].bias.step.teacher[0, :, 0].tolist())
+        return terms
+
+    monkeypatch.setattr(XPress, "slot_terms", slot_terms)
+    batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.bool)}
+    with torch.no_grad():
+        objective.compute_loss(batch)
+        objective.compute_loss({**batch, "document_ids": documents})
+    assert seen == [[int(ids[0, 4]), int(ids[0, 6])], [int(ids[0, 5]), int(ids[0, 6])]]

@@ -17,9 +17,16 @@ slot k - 1. The first two inputs are the same in every refine pass (:meth:`XPres
 costs the embedding, the mixer, the MLP and the readout. Parameter names and initialisation are speculators' (every
 linear map and the embedding normal with std 0.02, ``mix_l`` zero; ``causal_tril`` is not saved), so that the
 ``xpress`` export is the state dict itself.
+
+The Jacobi passes (:meth:`XPressRefinerHead.jacobi`) are one function for training and drafting: the seed is the
+drafter's own argmax of each slot, and every pass conditions every slot on the previous pass's argmax of the slots
+before it. Training's free-running rounds are its first passes (objective.py), and the greedy proposer's K passes the
+same ones (proposer.py): the logits a round trains are the logits a pass drafts from.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -84,3 +91,41 @@ class XPressRefinerHead(nn.Module):
     def bias(self, features: torch.Tensor) -> torch.Tensor:
         """features [..., r] -> [..., V] the logit bias."""
         return self.readout(features.to(self.readout.weight.dtype))
+
+    def refine(
+        self, base: torch.Tensor, cache: torch.Tensor, first: torch.Tensor, drafts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The refined logits of a block's first k drafted slots given drafts before them.
+
+        Args:
+            base: [..., k, V] the lm_head's logits of slots 1..k (k <= b - 1).
+            cache: [..., b, 2r] the blocks' :meth:`hidden_cache`.
+            first: [..., 2] the token before the anchor (the anchor itself at a sequence's start) and the anchor.
+            drafts: [..., m] the drafts of slots 1..m (slot k reads those of slots 1..k - 1; the rest may be anything).
+
+        Returns:
+            prev [..., b] the token before each slot's token (slots past what ``drafts`` gives read the anchor: no
+            slot up to k reads them), the features [..., k, r] of slots 1..k and their logits ``base + bias`` [..., k,
+            V] in at least float32.
+        """
+        b, k = cache.shape[-2], base.shape[-2]
+        known = torch.cat([first, drafts[..., : b - 2]], dim=-1).long()  # [..., <= b]
+        prev = first[..., 1:].expand(*known.shape[:-1], b).clone()  # [..., b]: the anchor
+        prev[..., : known.shape[-1]] = known
+        features = self.features(prev, cache)[..., 1 : k + 1, :]  # [..., k, r]
+        dtype = torch.promote_types(base.dtype, torch.float32)
+        return prev, features, base.to(dtype) + self.bias(features).to(dtype)
+
+    def jacobi(
+        self, base: torch.Tensor, cache: torch.Tensor, first: torch.Tensor
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The Jacobi passes of blocks, endlessly: pass 1 conditions every slot on the drafter's parallel argmax of
+        ``base`` (the seed), pass j on pass j - 1's argmax; yields each pass's :meth:`refine` (prev, features,
+        logits). Arguments as :meth:`refine`. After pass j the first j slots' argmax equal the left-to-right
+        resolution (each slot's argmax given the drafts before it); a pass whose argmax equals its input's is a
+        fixed point, which every later pass repeats."""
+        drafts = base.argmax(-1)  # [..., k]: the seed
+        while True:
+            prev, features, logits = self.refine(base, cache, first, drafts)
+            yield prev, features, logits
+            drafts = logits.argmax(-1)

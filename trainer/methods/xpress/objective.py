@@ -21,15 +21,19 @@ forward) are refused by name.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
 from trainer.interface.errors import RecipeError
-from trainer.losses.distribution import DEFAULT_ETA
+from trainer.losses.chunked import RowLosses, Target, Term, chunked_loss, cross_entropy_rows, grad_times_weight
+from trainer.losses.distribution import DEFAULT_ETA, distribution_rows
 from trainer.methods.dflash.module import DFlashConfig
 from trainer.methods.dflash.objective import DFlash
 from trainer.methods.dflash.refiner import LogitBias, SlotTerm
+from trainer.methods.dflash.slot_loss import ChunkLabels, Weights, slot_rows
 from trainer.methods.xpress import kind as xpress_kind
 from trainer.methods.xpress.head import check_refiner
 from trainer.methods.xpress.module import REFINER_KEYS, XPressConfig, XPressDrafter
@@ -40,12 +44,50 @@ from trainer.training.optimizers import Optim
 from trainer.training.registry import DrafterRecord
 
 
+@dataclass(eq=False)
+class SharedPass:
+    """One step's XPress terms, scored together (:meth:`XPress.shared_pass`).
+
+    Attributes:
+        blocks: [B, N, b, H] the drafter's normed outputs.
+        teacher: [B, N, b] the data's token before each slot's token (slot 0's: the token before the anchor, or the
+            anchor at its row's or document's start).
+        idx: [n] the trained slots among the B * N * (b - 1).
+        terms: the step's terms (their biases :class:`SharedBias` of this pass).
+        losses: after the pass, each term's loss [] (the first's carrying the gradient of the step's sum).
+        hits, accept: after the pass, the teacher-forced term's right-argmax flags [n] and acceptance rates [n].
+    """
+
+    blocks: torch.Tensor
+    teacher: torch.Tensor
+    idx: torch.Tensor
+    terms: list[SlotTerm] = field(default_factory=list)
+    losses: list[torch.Tensor] | None = None
+    hits: torch.Tensor | None = None
+    accept: torch.Tensor | None = None
+
+
+@dataclass(eq=False)
+class SharedBias:
+    """The bias of an XPress term (a :class:`SlotTerm`'s): its kind in the step's :class:`SharedPass`.
+
+    Attributes:
+        step: the step's pass.
+        kind: "tf" (the teacher-forced refined logits), "round" (a free-running round's, the rounds in order) or
+            "base" (the backbone's own logits).
+    """
+
+    step: SharedPass
+    kind: Literal["tf", "round", "base"]
+
+
 class XPress(DFlash):
     """Trains an XPress drafter (a DFlash drafter with XPress's causal refiner) against an online frozen target, or
     from precomputed target shards."""
 
     drafter_class = XPressDrafter
     drafter: XPressDrafter
+    _documents: torch.Tensor | None = None
 
     def __init__(
         self,
@@ -173,41 +215,245 @@ class XPress(DFlash):
                 "model.xpress_rank: XPress's refiner is read outside the drafter's forward, which FSDP2 and ZeRO-3 "
                 "shard; train it with DDP or on one device"
             )
-        return super().compute_loss(batch)
+        self._documents = batch.get("document_ids")  # [B, S] or None: slot 0's previous token (slot_terms)
+        try:
+            return super().compute_loss(batch)
+        finally:
+            self._documents = None
 
     def slot_terms(
         self, blocks: torch.Tensor, anchors: torch.Tensor, ids: torch.Tensor, idx: torch.Tensor, prev: torch.Tensor
     ) -> list[SlotTerm]:
         """The teacher-forced refined logits' term, the free-running rounds' and the backbone's own (module
-        docstring); blocks [B, N, b, H], anchors [B, N], ids [B, S], idx [n] (DFlash.slot_terms)."""
-        refiner = self.drafter.refiner_head
+        docstring); blocks [B, N, b, H], anchors [B, N], ids [B, S], idx [n] (DFlash.slot_terms). Every term's bias
+        is its place in the step's one :class:`SharedPass`, which :meth:`_slot_losses` runs for the first term."""
         B, N, b, _ = blocks.shape
         S = ids.shape[1]
         positions = anchors[:, :, None] + torch.arange(-1, b - 1, device=ids.device)  # [B, N, b]: slot k's prev
-        positions[:, :, 0] = torch.where(anchors > 0, anchors - 1, anchors)  # the anchor itself at a row's start
+        start = anchors == 0  # the anchor itself at a row's start, or at its document's start
+        if self._documents is not None:
+            before = self._documents.gather(1, (anchors - 1).clamp(min=0))
+            start = start | (before != self._documents.gather(1, anchors))
+        positions[:, :, 0] = torch.where(start, anchors, anchors - 1)
         teacher = ids.gather(1, positions.clamp(max=S - 1).flatten(1)).view(B, N, b)  # [B, N, b]
-        cache = refiner.hidden_cache(blocks)  # [B, N, b, 2r]
-
-        def trained(features: torch.Tensor) -> LogitBias:
-            """The bias of the trained slots from every slot's features [B, N, b, r]."""
-            return LogitBias(features[:, :, 1:].flatten(0, 2)[idx], refiner.readout.weight)  # [n, r]
-
-        terms = [SlotTerm(trained(refiner.features(teacher, cache)), name="tf")]
+        step = SharedPass(blocks, teacher, idx)
+        terms = [SlotTerm(SharedBias(step, "tf"), name="tf")]
         if self.consistency_weight > 0 and self.consistency_passes > 0:
-            head = self.target.lm_head_weight.detach()  # [V, H]
-            guess = self._argmax(blocks.detach(), head)  # [B, N, b]: the drafter's parallel argmax
-            for j in range(self.consistency_passes):
-                guess[:, :, 0] = ids.gather(1, anchors)  # slot 0 is the anchor
-                features = refiner.features(torch.cat([teacher[:, :, :1], guess[:, :, :-1]], dim=-1), cache)
-                scale = self.consistency_weight / self.consistency_passes  # the rounds' mean
-                terms.append(SlotTerm(trained(features), scale=scale, name=f"consistency_round{j}"))
-                if j + 1 < self.consistency_passes:
-                    guess = self._argmax(blocks.detach(), head, features.detach())
+            scale = self.consistency_weight / self.consistency_passes  # the rounds' mean
+            terms += [SlotTerm(SharedBias(step, "round"), scale=scale, name=f"consistency_round{j}")
+                      for j in range(self.consistency_passes)]  # fmt: skip
         if self.base_anchor_weight > 0:
             terms.append(
-                SlotTerm(None, scale=self.base_anchor_weight, name="base_anchor", uniform=self.base_anchor_full_weight)
+                SlotTerm(
+                    SharedBias(step, "base"),
+                    scale=self.base_anchor_weight,
+                    name="base_anchor",
+                    uniform=self.base_anchor_full_weight,
+                )
             )
+        step.terms = terms
         return terms
+
+    def _slot_losses(
+        self,
+        hidden: torch.Tensor,
+        bias: LogitBias | SharedBias | None,
+        weights: Weights,
+        chunks: int | list[slice],
+        ids: torch.Tensor,
+        batch: dict[str, torch.Tensor],
+        final: torch.Tensor | None,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        """DFlash's slot loss of a term (DFlash._slot_losses): for the first of the step's terms every term's, in
+        the step's one shared pass (:meth:`shared_pass`, with the position weights ``weights``); the first term's
+        loss carries the gradient of every term's (its value its own), a later term's is its loss, detached."""
+        if not isinstance(bias, SharedBias):
+            return super()._slot_losses(hidden, bias, weights, chunks, ids, batch, final, rows, positions)
+        step = bias.step
+        if step.losses is None:
+            self.shared_pass(step, weights, ids, batch, final, rows, positions)
+        term = next(j for j, t in enumerate(step.terms) if t.bias is bias)
+        return step.losses[term], step.hits, step.accept
+
+    def shared_pass(
+        self,
+        step: SharedPass,
+        weights: Weights,
+        ids: torch.Tensor,
+        batch: dict[str, torch.Tensor],
+        final: torch.Tensor | None,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> None:
+        """Every term's slot loss in one pass of the chunked-loss engine (trainer/losses/chunked.py) over the slots of
+        the blocks that hold a trained slot, whole blocks a chunk: each chunk's slots are projected onto the
+        vocabulary once, ``Z = h @ head.T``; every term scores ``Z`` plus its own rank-r bias (the backbone's term
+        ``Z`` itself), the free-running rounds' argmax read from the rounds' own logits (the refiner's Jacobi
+        passes, head.py, seeded by ``Z``'s argmax), and the terms' gradients with respect to the logits are summed
+        into one, taken back through the head once. The biases' gradients (``G_t @ readout`` for each term's
+        features, ``G_t.T @ x_t`` for the readout) are taken in the same pass, and reach the refiner's weights and
+        the blocks through its features recomputed with autograd. Sets ``step.losses`` (the terms' losses, the first
+        carrying the gradient of the step's weighted sum), ``step.hits`` and ``step.accept`` (the teacher-forced
+        term's, as DFlash's slot loss gives them).
+
+        Args:
+            step: the step's blocks and terms (:meth:`slot_terms`).
+            weights: the trained slots' position weights [n], or a function of a chunk's losses
+                (DFlash.compute_loss: D-PACE, its chunks whole blocks, as these are).
+            ids, batch, final, rows, positions: as DFlash._slot_losses (the labels).
+        """
+        refiner, b = self.drafter.refiner_head, self.drafter.config.block_size
+        head = self.target.lm_head_weight.detach()  # [V, H]
+        readout = refiner.readout.weight  # [V, r]
+        idx, n = step.idx, step.idx.numel()
+        block_of = idx // (b - 1)  # [n] each trained slot's block, of the B * N, non-decreasing
+        active, inverse = torch.unique_consecutive(block_of, return_inverse=True)  # [A] blocks with a trained slot
+        A, V = active.numel(), head.shape[0]
+        local = inverse * (b - 1) + idx % (b - 1)  # [n] each trained slot's row among the A * (b - 1)
+        blocks = step.blocks.flatten(0, 1)[active]  # [A, b, H]
+        cache = refiner.hidden_cache(blocks)  # [A, b, 2r]
+        teacher = step.teacher.flatten(0, 1)[active]  # [A, b]
+        first = teacher[:, :2]  # [A, 2]: the token before the anchor, the anchor
+        x_tf = refiner.features(teacher, cache)[:, 1:]  # [A, b - 1, r]
+        cache_d, x_tf_d = cache.detach(), x_tf.detach()
+        kinds = [t.bias.kind for t in step.terms]
+        passes = kinds.count("round")
+        per = max(1, self.loss_chunk_size // (b - 1))  # blocks a chunk
+        block_parts = [slice(a, min(a + per, A)) for a in range(0, A, per)]
+        edges = torch.searchsorted(inverse, torch.tensor([p.start for p in block_parts] + [A], device=idx.device))
+        trained_parts = [slice(int(lo), int(hi)) for lo, hi in zip(edges[:-1], edges[1:])]
+        chunk_of = {p.start * (b - 1): c for c, p in enumerate(block_parts)}
+        labels = self._labels(ids, batch, final, rows, positions)
+        score = slot_rows(self.loss_spec)  # the first term's, with the metrics' statistics
+        later = cross_entropy_rows if self.loss_spec.is_kl else distribution_rows(self.loss_spec)
+        mean = 1.0 / max(n, 1)
+        sums = torch.zeros(len(kinds), dtype=torch.float32, device=idx.device)
+        hits, accept = [], []
+        want = torch.is_grad_enabled()
+        prevs = [torch.empty_like(teacher) for _ in range(passes)]  # [A, b] each round's previous tokens
+        grad_x = [torch.zeros_like(x_tf_d, dtype=torch.float32) for _ in range(1 + passes)] if want else []
+        grad_readout = torch.zeros(readout.shape, dtype=torch.float32, device=readout.device) if want else None
+
+        def chunk_loss(base: torch.Tensor, c: int, need_grad: bool) -> RowLosses:
+            """Every term's weighted losses [C] summed per slot and their summed gradient [C, V] of the chunk's
+            slots' logits ``base`` [C, V] (C = its blocks x (b - 1))."""
+            part, tpart = block_parts[c], trained_parts[c]
+            nb = part.stop - part.start
+            at = local[tpart] - part.start * (b - 1)  # [Ct] the trained slots' rows in the chunk
+            whole = at.numel() == base.shape[0]  # every slot of the chunk trained (then at is 0..C-1)
+            chunk_labels = labels(tpart)
+            if chunk_labels.ids is not None:  # the later terms' loss: the token labels' alone (no acceptance)
+                plain = Target(ids=chunk_labels.ids)
+            else:
+                plain = Target(probs=chunk_labels.probs, sparse=chunk_labels.sparse)
+            total = base.new_zeros(base.shape[0])  # [C]
+            grad = torch.zeros_like(base) if need_grad else None  # [C, V]
+
+            def term(
+                j: int, logits: torch.Tensor, features: torch.Tensor | None, slot: int = -1, keep: bool = False
+            ) -> None:
+                """Term j's losses of the trained slots of the chunk's ``logits`` [C, V] (overwritten unless
+                ``keep``), the rows of ``features`` [C, r] giving its bias (slot: where its features' gradient
+                goes)."""
+                chosen = logits[at] if not whole else logits.clone() if keep else logits  # [Ct, V]
+                if j == 0:  # DFlash's slot loss, with the right-argmax flags and acceptance rates of the metrics
+                    out = score(chosen, chunk_labels, need_grad)
+                    hits.append(out.stats[0])
+                    accept.append(out.stats[1])
+                else:
+                    out = later(chosen, plain, need_grad)
+                spec = step.terms[j]
+                if spec.uniform:
+                    w = torch.full_like(out.loss, mean)
+                elif callable(weights):
+                    w = weights(tpart, out.loss.detach())
+                else:
+                    w = weights[tpart]
+                w = w.detach().to(out.loss.dtype)  # [Ct]
+                sums[j] += (out.loss * w).sum().to(sums.dtype)
+                total.index_add_(0, at, (out.loss * w * spec.scale).to(total.dtype))
+                if not need_grad:
+                    return
+                g = out.grad.mul_((w * spec.scale)[:, None].to(out.grad.dtype))  # [Ct, V]
+                if whole:
+                    grad.add_(g)
+                else:
+                    grad.index_add_(0, at, g)
+                if features is not None:
+                    grad_x[slot].view(-1, grad_x[slot].shape[-1]).index_add_(
+                        0, at + part.start * (b - 1), grad_times_weight(g, readout).float()
+                    )
+                    grad_readout.addmm_(g.t(), features[at].float())
+
+            blocks_z = base.view(nb, b - 1, V)  # [nb, b - 1, V]
+            x = x_tf_d[part].flatten(0, 1)  # [C, r]
+            rounds = refiner.jacobi(blocks_z, cache_d[part], first[part])
+            rnd = 0
+            for j, kind in enumerate(kinds):
+                if kind == "tf":
+                    term(j, base + refiner.bias(x).float(), x, 0)
+                elif kind == "round":
+                    prev, features, logits = next(rounds)
+                    prevs[rnd][part] = prev
+                    rnd += 1
+                    # the next round reads this round's argmax: its logits are kept, but the last round's
+                    term(j, logits.flatten(0, 1), features.flatten(0, 1), rnd, keep=rnd < passes)
+                else:
+                    term(j, base, None)  # the last term: the chunk's projection itself
+            return RowLosses(total, grad)
+
+        hidden = step.blocks[:, :, 1:].flatten(0, 1)[active].flatten(0, 1)  # [A * (b - 1), H]
+        out = chunked_loss(
+            [Term(hidden, head)],
+            chunk_loss,
+            lambda part: chunk_of[part.start],
+            torch.ones(hidden.shape[0], device=hidden.device),
+            chunks=[slice(p.start * (b - 1), p.stop * (b - 1)) for p in block_parts],
+            dtype=torch.float32,
+        )
+        carried = out.total
+        if want and n:  # the biases' gradients, through the refiner's features recomputed with autograd
+            surrogate = (x_tf * grad_x[0].to(x_tf.dtype)).sum() + (readout * grad_readout.to(readout.dtype)).sum()
+            for j in range(passes):
+                features = refiner.features(prevs[j], cache)[:, 1:]  # [A, b - 1, r]
+                surrogate = surrogate + (features * grad_x[j + 1].to(features.dtype)).sum()
+            carried = carried + (surrogate - surrogate.detach())
+        losses = list(sums.unbind())
+        losses[0] = losses[0] + (carried - carried.detach()) / step.terms[0].scale
+        step.losses = losses
+        step.hits = torch.cat(hits) if hits else torch.zeros(0, dtype=torch.bool, device=idx.device)
+        step.accept = torch.cat(accept) if accept else torch.zeros(0, device=idx.device)
+
+    def _labels(
+        self,
+        ids: torch.Tensor,
+        batch: dict[str, torch.Tensor],
+        final: torch.Tensor | None,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> Callable[[slice], ChunkLabels]:
+        """DFlash's labels of the trained slots (DFlash._slot_losses): ``labels(part)`` of the slots ``part`` of the
+        n, the argmax labels taken once for the step."""
+        head = self.target.lm_head_weight.detach()  # [V, H]
+        if self.labels == "argmax":
+            tokens = self._target_argmax(final, head, batch, rows, positions - 1)  # [n]
+        else:
+            tokens = ids[rows, positions] if self.labels == "data" else None  # [n], or None: soft labels
+
+        def labels(part: slice) -> ChunkLabels:  # the target's distribution always: the alpha_k metrics read it
+            chunk = ChunkLabels(ids=None if tokens is None else tokens[part], want_accept=True)
+            if final is not None:  # online: the target's whole distribution at temperature 1
+                teacher = final[rows[part], positions[part] - 1]  # [C, H] the target's normed hidden states
+                chunk.probs = torch.softmax(self._target_logits(teacher, head), dim=-1)  # [C, V]
+            else:  # shards: the stored top-k, renormalised over the k ids
+                before = (rows[part], positions[part] - 1)
+                probs = torch.softmax(batch["teacher_topk_logprobs"][before].float(), dim=-1)  # [C, k]
+                chunk.sparse = (batch["teacher_topk_ids"][before].long(), probs)
+            return chunk
+
+        return labels
 
     def activation_bytes(self, step: PlannedStep) -> int:
         """DFlash's estimate plus the refiner's tensors kept for backward over every slot of the sampled blocks: the
@@ -219,18 +465,3 @@ class XPress(DFlash):
         passes = 1 + (self.consistency_passes if self.consistency_weight > 0 else 0)
         refiner = slots * (2 * r + passes * (6 * r + 3 * r * c.xpress_mlp_ratio)) * step.element
         return super().activation_bytes(step) + refiner
-
-    @torch.no_grad()
-    def _argmax(self, blocks: torch.Tensor, head: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
-        """The argmax [B, N, b] of every slot's logits, ``blocks [B, N, b, H] @ head.T`` plus the refiner's bias of
-        ``features`` [B, N, b, r] when given, ``loss_chunk_size`` slots at a time."""
-        flat = blocks.flatten(0, 2)  # [M, H]
-        rows = None if features is None else features.flatten(0, 2)  # [M, r]
-        out = []
-        for start in range(0, flat.shape[0], self.loss_chunk_size):
-            part = slice(start, start + self.loss_chunk_size)
-            logits = flat[part] @ head.t().to(flat.dtype)  # [C, V]
-            if rows is not None:
-                logits = logits + self.drafter.refiner_head.bias(rows[part]).to(logits.dtype)
-            out.append(logits.argmax(-1))
-        return torch.cat(out).view(blocks.shape[:3])

@@ -1,18 +1,19 @@
 """XPress's proposer step: DFlash's chain and DDTree proposers (trainer/methods/dflash/proposer.py) with the block
 resolved through the causal refiner (head.py).
 
-After the block's one drafter forward, slot k's logits gain the refiner's bias, which depends on the tokens before
-slots 0..k of the block: the token before the root (slot 0's; the root itself at a sequence's start), the root (slot
-1's) and the drafts before slot k. A greedy chain is resolved as speculators' engine resolves it, by K parallel
-Jacobi passes (``num_jacobi_passes``): the seed is the drafter's parallel argmax, and every pass recomputes every
-slot's bias from the previous pass's drafts at once (one refiner pass over the block, no drafter forward); passes stop
-early at a fixed point. After pass j the first j drafts equal the left-to-right resolution (each slot's argmax given
-the drafts before it), so K >= b - 1 always reaches it; fewer passes may leave later drafts conditioned on an earlier
-pass's, which verification makes lossless all the same. A sampled chain is resolved left to right, exactly: slot k is
-drawn from its refined distribution given the drafts before it, and that distribution is returned (speculative
-sampling stays lossless). A DDTree ranks a node's children by their slot's refined logits given the node's token, the
-slots before it taken from the block's greedy Jacobi chain (the tree verifies what it ranks, so any ranking stays
-lossless).
+After the block's one drafter forward, slot k's logits gain the refiner's bias, which depends on the tokens before slots
+0..k of the block: the token before the root (slot 0's; the root itself at a sequence's start), the root (slot 1's) and
+the drafts before slot k. A greedy chain is resolved as speculators' engine resolves it, by K parallel Jacobi passes
+(``num_jacobi_passes``): the seed is the drafter's parallel argmax, and every pass recomputes every slot's bias from the
+previous pass's drafts at once (one refiner pass over the block, no drafter forward); passes stop early at a fixed
+point. The passes are the refiner's own (head.py ``jacobi``), whose first passes are training's free-running rounds: a
+pass drafts from the logits a round trains. After pass j the first j drafts equal the left-to-right resolution (each
+slot's argmax given the drafts before it), so K >= b - 1 always reaches it; fewer passes may leave later drafts
+conditioned on an earlier pass's, which verification makes lossless all the same. A sampled chain is resolved left to
+right, exactly: slot k is drawn from its refined distribution given the drafts before it, and that distribution is
+returned (speculative sampling stays lossless). A DDTree ranks a node's children by their slot's refined logits given
+the node's token, the slots before it taken from the block's greedy Jacobi chain (the tree verifies what it ranks, so
+any ranking stays lossless).
 
 ``draftsmith eval --drafter PATH [--tree]``: PATH is an ``xpress`` export or a training checkpoint (drafter kind
 ``xpress``, kind.py).
@@ -34,6 +35,7 @@ class XPressProposer(DFlashProposer):
 
     passes_run = 0
     """Jacobi passes run by the greedy chains since construction (early stops at a fixed point count less)."""
+    _block_cache: tuple[int, torch.Tensor] | None = None
 
     @property
     def passes(self) -> int:
@@ -45,30 +47,32 @@ class XPressProposer(DFlashProposer):
         """A slot's logits depend on the drafts before it."""
         return True
 
-    def _prev(self, ctx_tokens: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
-        """The token before each slot's token of the block [b]: the token before the root (the root at a sequence's
-        start), the root, then ``drafts`` [<= b - 2] (the rest padded with the mask id, which no earlier slot reads)."""
-        b = self.drafter.config.block_size
+    def _first(self, ctx_tokens: torch.Tensor) -> torch.Tensor:
+        """[2] the token before the root (the root at a sequence's start) and the root: slots 0's and 1's previous
+        tokens."""
         before = ctx_tokens[-2:-1] if ctx_tokens.numel() > 1 else ctx_tokens[-1:]
-        prev = torch.full((b,), self.drafter.config.mask_token_id, dtype=torch.long, device=ctx_tokens.device)
-        known = torch.cat([before, ctx_tokens[-1:], drafts[: b - 2]])  # [<= b]
-        prev[: known.numel()] = known
-        return prev
+        return torch.cat([before, ctx_tokens[-1:]])
+
+    def _cache(self) -> torch.Tensor:
+        """The refiner's :meth:`~trainer.methods.xpress.head.XPressRefinerHead.hidden_cache` [b, 2r] of the last
+        block, computed once per block."""
+        if self._block_cache is None or self._block_cache[0] != self.blocks:
+            self._block_cache = (self.blocks, self.drafter.refiner_head.hidden_cache(self.block_hidden))
+        return self._block_cache[1]
 
     def refined(self, ctx_tokens: torch.Tensor, drafts: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """The first k slots' refined logits [k, V] (``logits`` [k, V] the lm_head's) given ``drafts`` [>= k - 1]
-        before them (slot k's bias reads the drafts before slot k only)."""
-        refiner, k = self.drafter.refiner_head, logits.shape[0]
-        cache = refiner.hidden_cache(self.block_hidden)  # [b, 2r]
-        features = refiner.features(self._prev(ctx_tokens, drafts), cache)  # [b, r]
-        return logits + refiner.bias(features[1 : k + 1]).to(logits.dtype)  # [k, V]
+        """The first k slots' refined logits [k, V] in at least float32 (``logits`` [k, V] the lm_head's) given
+        ``drafts`` [>= k - 1] before them (slot k's bias reads the drafts before slot k only)."""
+        return self.drafter.refiner_head.refine(logits, self._cache(), self._first(ctx_tokens), drafts)[2]
 
     def jacobi(self, ctx_tokens: torch.Tensor, logits: torch.Tensor, passes: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The greedy drafts [k] of the first k slots (``logits`` [k, V] the lm_head's) after ``passes`` Jacobi passes
-        (stopping at a fixed point), and the refined logits [k, V] of the last pass (the lm_head's with no pass)."""
+        (the refiner's own, :meth:`~trainer.methods.xpress.head.XPressRefinerHead.jacobi`, which training's
+        free-running rounds run; stopping at a fixed point), and the refined logits [k, V] of the last pass (the
+        lm_head's with no pass)."""
         drafts, rows = logits.argmax(-1), logits  # [k], [k, V]: the seed, the drafter's parallel argmax
-        for _ in range(passes):
-            rows = self.refined(ctx_tokens, drafts, logits)
+        chain = self.drafter.refiner_head.jacobi(logits, self._cache(), self._first(ctx_tokens))
+        for _, (_, _, rows) in zip(range(passes), chain):
             self.passes_run += 1
             new = rows.argmax(-1)  # [k]
             if torch.equal(new, drafts):
