@@ -51,6 +51,7 @@ refiner.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Literal
 
@@ -458,6 +459,22 @@ class DFlash(DraftObjective):
         pass (slot_loss.py).
         """
         head = self.target.lm_head_weight.detach()  # [V, H]
+        labels = self._labels(ids, batch, final, rows, positions)
+        features, weight = (None, None) if bias is None else (bias.features, bias.weight)
+        loss, _, hits, accept = slot_loss(hidden, head, weights, labels, chunks, features, weight, self.loss_spec)
+        return loss, hits, accept
+
+    def _labels(
+        self,
+        ids: torch.Tensor,
+        batch: dict[str, torch.Tensor],
+        final: torch.Tensor | None,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> Callable[[slice], ChunkLabels]:
+        """The labels of the trained slots at batch rows ``rows`` [n] and positions ``positions`` [n]: ``labels(part)``
+        of the slots ``part`` of the n (:meth:`_slot_losses`), the argmax labels taken once for the step."""
+        head = self.target.lm_head_weight.detach()  # [V, H]
         if self.labels == "argmax":
             tokens = self._target_argmax(final, head, batch, rows, positions - 1)  # [n]
         else:
@@ -474,9 +491,7 @@ class DFlash(DraftObjective):
                 chunk.sparse = (batch["teacher_topk_ids"][before].long(), probs)
             return chunk
 
-        features, weight = (None, None) if bias is None else (bias.features, bias.weight)
-        loss, _, hits, accept = slot_loss(hidden, head, weights, labels, chunks, features, weight, self.loss_spec)
-        return loss, hits, accept
+        return labels
 
     @torch.no_grad()
     def _target_argmax(

@@ -21,7 +21,6 @@ forward) are refused by name.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -33,7 +32,7 @@ from trainer.losses.distribution import DEFAULT_ETA, distribution_rows
 from trainer.methods.dflash.module import DFlashConfig
 from trainer.methods.dflash.objective import DFlash
 from trainer.methods.dflash.refiner import LogitBias, SlotTerm
-from trainer.methods.dflash.slot_loss import ChunkLabels, Weights, slot_rows
+from trainer.methods.dflash.slot_loss import Weights, slot_rows
 from trainer.methods.xpress import kind as xpress_kind
 from trainer.methods.xpress.head import check_refiner
 from trainer.methods.xpress.module import REFINER_KEYS, XPressConfig, XPressDrafter
@@ -425,35 +424,6 @@ class XPress(DFlash):
         step.losses = losses
         step.hits = torch.cat(hits) if hits else torch.zeros(0, dtype=torch.bool, device=idx.device)
         step.accept = torch.cat(accept) if accept else torch.zeros(0, device=idx.device)
-
-    def _labels(
-        self,
-        ids: torch.Tensor,
-        batch: dict[str, torch.Tensor],
-        final: torch.Tensor | None,
-        rows: torch.Tensor,
-        positions: torch.Tensor,
-    ) -> Callable[[slice], ChunkLabels]:
-        """DFlash's labels of the trained slots (DFlash._slot_losses): ``labels(part)`` of the slots ``part`` of the
-        n, the argmax labels taken once for the step."""
-        head = self.target.lm_head_weight.detach()  # [V, H]
-        if self.labels == "argmax":
-            tokens = self._target_argmax(final, head, batch, rows, positions - 1)  # [n]
-        else:
-            tokens = ids[rows, positions] if self.labels == "data" else None  # [n], or None: soft labels
-
-        def labels(part: slice) -> ChunkLabels:  # the target's distribution always: the alpha_k metrics read it
-            chunk = ChunkLabels(ids=None if tokens is None else tokens[part], want_accept=True)
-            if final is not None:  # online: the target's whole distribution at temperature 1
-                teacher = final[rows[part], positions[part] - 1]  # [C, H] the target's normed hidden states
-                chunk.probs = torch.softmax(self._target_logits(teacher, head), dim=-1)  # [C, V]
-            else:  # shards: the stored top-k, renormalised over the k ids
-                before = (rows[part], positions[part] - 1)
-                probs = torch.softmax(batch["teacher_topk_logprobs"][before].float(), dim=-1)  # [C, k]
-                chunk.sparse = (batch["teacher_topk_ids"][before].long(), probs)
-            return chunk
-
-        return labels
 
     def activation_bytes(self, step: PlannedStep) -> int:
         """DFlash's estimate plus the refiner's tensors kept for backward over every slot of the sampled blocks: the
