@@ -15,13 +15,13 @@ from tests.unit.test_decoding_sampling import chi_square_p, exact_joint
 from tests.unit.test_dflash2 import setup
 from trainer.decoding.generate import speculative_generate
 from trainer.decoding.proposers import ProposalContext
+from trainer.losses.distribution import acceptance
 from trainer.methods.dflash.module import DFlashConfig
 from trainer.methods.dflash.proposer import DFlashProposer
 from trainer.methods.dflash2.acceptance import (
     VocabularySampling,
     chain_tau,
     engine_tau,
-    expected_acceptance,
     slot_acceptance,
 )
 from trainer.methods.dflash2.module import DFlash2Config, DFlash2Drafter
@@ -126,12 +126,12 @@ def test_speculative_sampling_with_dflash2_is_distributed_as_the_target(rule):
         assert chi_square_p(counts, expected) < 1e-6
 
 
-def test_expected_acceptance_and_chain_tau():
+def test_acceptance_and_chain_tau():
     p = torch.tensor([0.5, 0.3, 0.2, 0.0])
     q = torch.tensor([0.0, 0.6, 0.2, 0.2])
-    assert float(expected_acceptance(p, q)) == pytest.approx(0.5)  # 1 - TV: 0.3 + 0.2
-    assert float(expected_acceptance(p, p)) == pytest.approx(1.0)
-    assert float(expected_acceptance(p, torch.tensor([0.0, 1.0, 0.0, 0.0]))) == pytest.approx(0.3)  # one-hot: p(x)
+    assert float(acceptance(q, p)) == pytest.approx(0.5)  # 1 - TV: 0.3 + 0.2
+    assert float(acceptance(p, p)) == pytest.approx(1.0)
+    assert float(acceptance(torch.tensor([0.0, 1.0, 0.0, 0.0]), p)) == pytest.approx(0.3)  # one-hot: p(x)
     assert chain_tau([0.5, 0.5]) == pytest.approx(1.75) and chain_tau([]) == 1.0
 
 

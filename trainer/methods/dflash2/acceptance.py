@@ -41,6 +41,7 @@ from trainer.decoding import metrics
 from trainer.decoding.evaluate import load_prompts, resolve_drafter, run_prompts
 from trainer.decoding.generate import speculative_generate
 from trainer.decoding.proposers import NoProposer, ProposalContext
+from trainer.losses.distribution import acceptance
 from trainer.methods.dflash.proposer import DFlashProposer
 from trainer.methods.dflash2.proposer import DFlash2Proposer
 
@@ -82,12 +83,6 @@ def engine_tau(
     ``draftsmith eval`` decodes them (a generator seeded with ``seed + prompt index``)."""
     results = run_prompts(target, proposer, prompts, k, max_new_tokens, temperature, eos_token_id, seed)
     return metrics.tau([r for result in results for r in result.rounds])
-
-
-def expected_acceptance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """``[..., V]`` target and draft distributions -> ``[...]`` the probability that speculative sampling accepts a
-    draft drawn from q: ``sum_x min(p(x), q(x))`` (``1 - TV(p, q)``)."""
-    return torch.minimum(p, q).sum(-1)
 
 
 def chain_tau(alpha: list[float]) -> float:
@@ -153,10 +148,10 @@ def slot_acceptance(
                 truncated = torch.full_like(unary[s], float("-inf")).scatter(-1, top, unary[s][top])
                 corrected = unary[s].scatter(-1, top, row[top])  # the candidates rescored, the rest unary
                 q_selector, q_backbone = torch.softmax(row / temperature, -1), torch.softmax(unary[s] / temperature, -1)
-                add("selector", s, expected_acceptance(p, q_selector))
-                add("backbone", s, expected_acceptance(p, q_backbone))
-                add("backbone top-k", s, expected_acceptance(p, torch.softmax(truncated / temperature, -1)))
-                add("selector + rest", s, expected_acceptance(p, torch.softmax(corrected / temperature, -1)))
+                add("selector", s, acceptance(q_selector, p))
+                add("backbone", s, acceptance(q_backbone, p))
+                add("backbone top-k", s, acceptance(torch.softmax(truncated / temperature, -1), p))
+                add("selector + rest", s, acceptance(torch.softmax(corrected / temperature, -1), p))
                 add("selector argmax", s, p[row.argmax()])
                 add("backbone argmax", s, p[unary[s].argmax()])
                 add("p on candidates", s, p[top].sum())
@@ -165,7 +160,7 @@ def slot_acceptance(
                 add_top("backbone", s, q_backbone)
                 if base is not None:
                     q_baseline = torch.softmax(base[s] / temperature, -1)
-                    add("baseline", s, expected_acceptance(p, q_baseline))
+                    add("baseline", s, acceptance(q_baseline, p))
                     add("baseline argmax", s, p[base[s].argmax()])
                     add_top("baseline", s, q_baseline)
                 counts[s] += 1
