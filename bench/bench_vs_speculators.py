@@ -1,14 +1,16 @@
-"""Our trainers beside speculators' own trainers (speculators 0.9) for EAGLE-3.1, P-EAGLE and DFlash: the same
-target, the same data rows in the same order, the same optimizer steps, run at the same time with one thread each,
-then both drafters measured by our engine (``draftsmith eval``) on the same held-out prompts.
+"""Our trainers beside speculators' own trainers (speculators 0.9) for EAGLE-3.1, P-EAGLE, DFlash, DSpark, DFlash2 and
+XPress: the same target, the same data rows in the same order, the same optimizer steps, run at the same time with one
+thread each, then both drafters measured by our engine (``draftsmith eval``) on the same held-out prompts.
 
     python -m bench.bench_vs_speculators --method eagle3 [--steps 300] [--prompts 15] [--out artifacts/vs_speculators]
 
 ``--method`` is ``eagle3`` (EAGLE-3.1: ``fc_norm``, ``norm_output`` and ``norm_before_residual`` on, in both),
-``peagle``, ``dflash``, ``dflash2`` or ``xpress`` (the refiners: speculators' ``--selector-rank`` /
-``--xpress-rank`` 64 and ``--dflash-decay-gamma`` 7 as our recipes, its ``--loss-fn ce`` as our argmax labels unless
-``--loss``). Needs the demo's artifacts (the corpus and ``artifacts/tiny_target``) and speculators' virtualenv
-(``.cache/clients/speculators``, which ``DRAFTSMITH_TEST_CLIENTS=1 pytest tests/clients`` installs).
+``peagle``, ``dflash``, ``dspark``, ``dflash2`` or ``xpress`` (the refiners: speculators' ``--selector-rank`` /
+``--xpress-rank`` / ``--markov-rank`` 64 and ``--dflash-decay-gamma`` 7 as our recipes; for DFlash2 and XPress its
+``--loss-fn ce`` as our argmax labels unless ``--loss``; DSpark keeps its own default loss, ``kl_div``, and drafts
+nothing from the anchor slot, ``--no-sample-from-anchor``, as every DFlash drafter our engine decodes). Needs the demo's
+artifacts (the corpus and ``artifacts/tiny_target``) and speculators' virtualenv (``.cache/clients/speculators``, which
+``DRAFTSMITH_TEST_CLIENTS=1 pytest tests/clients`` installs).
 Steps, each skipped when its output already exists under ``--out`` (delete a file to redo its step):
 
 1. data: ``draftsmith compare``'s training prompts (``trainer.compare.run.training_prompts``: 160 characters of
@@ -19,21 +21,21 @@ Steps, each skipped when its output already exists under ``--out`` (delete a fil
    sequence a step, as its collate function packs them); the token counts of those rows, from which speculators'
    own ``parse_vocab_mappings`` builds its d2t/t2d (``token_freq.pt``, as its ``prepare_data`` writes it);
 3. training, both at once with ``OMP_NUM_THREADS=1``: ours is ``draftsmith fit`` of the quickstart recipe
-   (``recipes/quickstart/{eagle3,peagle,dflash,dflash2,xpress}.yaml``) with the steps and data overridden; speculators'
-   is its ``speculators.train`` code (``TrainConfig`` defaults, ``parse_vocab_mappings``, ``build_draft_model``,
-   ``get_trainer_kwargs``, ``Trainer.run_training``) in its own virtualenv, this module run there with ``--side
-   speculators``; the only change to its code path is the data loader, which runs the target's decoder on the step's
-   rows (online, as ours does; not its lm_head, which speculators' loss applies itself) and hands the hidden states to
-   speculators' ``CollateFn`` (with its ``shift_batch`` for EAGLE-3 and P-EAGLE). Its defaults are kept except what must
-   match: target, data, steps, tokens per step (``total_seq_len`` 4 x 256), the learning-rate schedule (ours: peak lr,
-   warm-up steps, cosine; speculators' cosine decays to 0, ours to 0.1 x lr), draft layers, K / block size, the target
-   layers, the draft vocabulary (1,024 tokens for EAGLE-3 and P-EAGLE, the target's for DFlash) and mask token; the loss
-   runs speculators' eager implementation (its fused one needs Triton, a GPU) in float32; DFlash's anchors per step are
-   set to ours (32 per row, 128 per packed step) so that both train the same blocks; P-EAGLE's layer is ours
+   (``recipes/quickstart/{eagle3,peagle,dflash,dspark,dflash2,xpress}.yaml``) with the steps and data overridden;
+   speculators' is its ``speculators.train`` code (``TrainConfig`` defaults, ``parse_vocab_mappings``,
+   ``build_draft_model``, ``get_trainer_kwargs``, ``Trainer.run_training``) in its own virtualenv, this module run there
+   with ``--side speculators``; the only change to its code path is the data loader, which runs the target's decoder on
+   the step's rows (online, as ours does; not its lm_head, which speculators' loss applies itself) and hands the hidden
+   states to speculators' ``CollateFn`` (with its ``shift_batch`` for EAGLE-3 and P-EAGLE). Its defaults are kept except
+   what must match: target, data, steps, tokens per step (``total_seq_len`` 4 x 256), the learning-rate schedule (ours:
+   peak lr, warm-up steps, cosine; speculators' cosine decays to 0, ours to 0.1 x lr), draft layers, K / block size, the
+   target layers, the draft vocabulary (1,024 tokens for EAGLE-3 and P-EAGLE, the target's for DFlash) and mask token;
+   the loss runs speculators' eager implementation (its fused one needs Triton, a GPU) in float32; DFlash's anchors per
+   step are set to ours (32 per row, 128 per packed step) so that both train the same blocks; P-EAGLE's layer is ours
    (``--draft-arch llama``, ``norm_before_residual`` off as in our recipe; its defaults are a Qwen3 layer with
    ``norm_before_residual``); ``sdpa`` attention (its default flex attention has no backward on CPU);
-4. export ours (``eagle3-speculators``, ``peagle-speculators``, ``dflash``, ``dflash2``, ``xpress``); speculators'
-   folder is its own ``save_pretrained``; ``draftsmith eval`` reads both;
+4. export ours (``eagle3-speculators``, ``peagle-speculators``, ``dflash``, ``dspark``, ``dflash2``, ``xpress``);
+   speculators' folder is its own ``save_pretrained``; ``draftsmith eval`` reads both;
 5. ``draftsmith eval`` of both, greedy, on the first ``--prompts`` held-out files (160-character prompts, as
    ``draftsmith compare`` cuts them), ``--max-new-tokens`` each, K = 4 (EAGLE-3, P-EAGLE) or 15 (DFlash and its
    refiners): tau, acceptance per draft position; training tokens/s: ours the median of ``train/tokens_per_s``
@@ -64,7 +66,12 @@ rate, its learning-rate schedule over those steps, both again together with one 
     python -m bench.bench_vs_speculators --method eagle3 --seconds 1800 --seed 0 --name eagle3_1800s_s0
 
 Writes ``OUT/METHOD/vs_speculators.md`` (and prints it), with the ratios ours / speculators', and
-``vs_speculators.json`` (steps, seconds per step, tau and tokens/s of each side).
+``vs_speculators.json`` (the run's settings, steps, seconds per step, tau and tokens/s of each side). ``--table NAME
+...`` trains nothing: it puts those runs under ``--out`` in one table, a row each, and says on how many the goals are
+met (tau ours / speculators >= 1.2x at equal wall clock, >= 1.0x at equal steps; training tokens/s >= 1.5x where both
+sides ran the same optimizer), written to ``OUT/table.md``:
+
+    python -m bench.bench_vs_speculators --table eagle3_300s_s0 eagle3_300s_s1 eagle3_300s_s2
 """
 
 from __future__ import annotations
@@ -100,16 +107,19 @@ METHODS = {
     "dflash": ("recipes/quickstart/dflash.yaml", "dflash", 15, ["--model.init_args.target_layers", "[1,2,3]"]),
     "dflash2": ("recipes/quickstart/dflash2.yaml", "dflash2", 15, ["--model.init_args.target_layers", "[1,2,3]"]),
     "xpress": ("recipes/quickstart/xpress.yaml", "xpress", 15, ["--model.init_args.target_layers", "[1,2,3]"]),
+    "dspark": ("recipes/quickstart/dspark.yaml", "dspark", 15, ["--model.init_args.target_layers", "[1,2,3]"]),
 }
 # speculators' --loss-fn where neither --loss nor --speculators-loss is given and its own default is not our recipe's
 # loss: our DFlash2 and XPress recipes train the cross entropy of the target's argmax (labels argmax, loss kl), which
 # is its ce (its defaults: kl_div for dflash2, {"ce": 0.1, "tv": 0.9} for xpress)
 SPECULATORS_DEFAULT_LOSS = {"dflash2": "ce", "xpress": "ce"}
-# what the two refiners' recipes set that speculators' defaults do not: the refiner's rank and the slot weights'
-# gamma (ours 7 at 16 slots, its 4)
+# what the refiners' recipes set that speculators' defaults do not: the refiner's (or DSpark's Markov head's) rank and
+# the slot weights' gamma (ours 7 at 16 slots, its 4); DSpark's anchor slot drafts nothing, as in every DFlash drafter
+# our engine decodes (speculators' dspark default, sample_from_anchor, drafts the first token from the anchor slot)
 SPECULATORS_REFINER_ARGS = {
     "dflash2": ["--selector-rank", "64", "--dflash-decay-gamma", "7"],
     "xpress": ["--xpress-rank", "64", "--dflash-decay-gamma", "7"],
+    "dspark": ["--markov-rank", "64", "--dflash-decay-gamma", "7", "--no-sample-from-anchor"],
 }
 
 
@@ -203,6 +213,22 @@ def recipe_optim(method: str) -> tuple[float, int]:
 
     optim = yaml.safe_load((ROOT / METHODS[method][0]).read_text())["model"]["init_args"]["optim"]
     return float(optim["lr"]), int(optim.get("warmup_steps", 0))
+
+
+def recipe_optimizer(method: str, fit_args: str = "") -> str:
+    """Our side's optimizer: the recipe's ``optim.name`` (draftsmith's default ``adamw`` where it names none), or the
+    one ``--fit-args`` sets."""
+    import yaml
+
+    words = shlex.split(fit_args)
+    for flag in ("--model.init_args.optim.name", "--model.optim.name"):
+        for i, word in enumerate(words):
+            if word == flag and i + 1 < len(words):
+                return words[i + 1]
+            if word.startswith(flag + "="):
+                return word.split("=", 1)[1]
+    optim = yaml.safe_load((ROOT / METHODS[method][0]).read_text())["model"]["init_args"]["optim"]
+    return str(optim.get("name", "adamw"))
 
 
 def our_tokens_per_s(run_dir: Path) -> float:
@@ -406,6 +432,17 @@ def main_project(args: argparse.Namespace) -> int:
     )
     (method_dir / "vs_speculators.md").write_text(table + "\n")
     result = {
+        "run": {
+            "method": args.method,
+            "seed": args.seed,
+            "seconds": args.seconds,
+            "steps": None if args.seconds is not None else args.steps,
+            "our_optimizer": recipe_optimizer(args.method, args.fit_args),
+            "speculators_optimizer": args.speculators_optimizer,
+            "loss": args.loss,
+            "speculators_loss": args.speculators_loss,
+            "fit_args": args.fit_args,
+        },
         "steps": steps,
         "step_seconds": per_step,
         "seconds": seconds,
@@ -413,6 +450,76 @@ def main_project(args: argparse.Namespace) -> int:
     }
     result["tokens_per_s"] = {"ours": ours_tps, "speculators": theirs_tps}
     (method_dir / "vs_speculators.json").write_text(json.dumps(result, indent=1))
+    print(table)
+    return 0
+
+
+GOALS = {"seconds": 1.2, "steps": 1.0}  # issue 55's tau goals: ours / speculators at equal wall clock, at equal steps
+TOKENS_GOAL = 1.5  # training tokens/s, ours / speculators, with the same optimizer on both sides
+
+
+def seeds_table(runs: dict[str, dict]) -> str:
+    """One row per run (its folder name: its ``vs_speculators.json``), then how many of them meet the goals: tau
+    ours / speculators at least ``GOALS`` at their budget (equal wall clock or equal steps), training tokens/s at
+    least ``TOKENS_GOAL`` where both sides ran the same optimizer."""
+    rows = [
+        "| run | method | seed | budget | optimizers, ours / speculators | optimizer steps, ours / speculators "
+        "| fit wall clock, ours / speculators | tau, ours / speculators | tau ratio | training tokens/s, ours / "
+        "speculators | tokens/s ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    tau_ratios: dict[str, list[float]] = {"seconds": [], "steps": []}
+    same_optimizer: list[float] = []
+    for name, result in runs.items():
+        run, tau, tps, steps = result["run"], result["tau"], result["tokens_per_s"], result["steps"]
+        clock = result["seconds"]  # each side's fit, start to end
+        budget = "seconds" if run["seconds"] is not None else "steps"
+        said = f"{run['seconds']:.0f} s each" if budget == "seconds" else f"{run['steps']} steps"
+        tau_ratio, tps_ratio = tau["ours"] / tau["speculators"], tps["ours"] / tps["speculators"]
+        tau_ratios[budget].append(tau_ratio)
+        if run["our_optimizer"] == run["speculators_optimizer"]:
+            same_optimizer.append(tps_ratio)
+        rows.append(
+            f"| {name} | {run['method']} | {run['seed']} | {said} | {run['our_optimizer']} / "
+            f"{run['speculators_optimizer']} | {steps['ours']} / {steps['speculators']} | {clock.get('ours', '?')} s / "
+            f"{clock.get('speculators', '?')} s | {tau['ours']:.3f} / "
+            f"{tau['speculators']:.3f} | {tau_ratio:.2f}x | {tps['ours']:.0f} / {tps['speculators']:.0f} | "
+            f"{tps_ratio:.2f}x |"
+        )
+    lines = ["\n".join(rows), ""]
+    for budget, ratios in tau_ratios.items():
+        if ratios:
+            met = sum(r >= GOALS[budget] for r in ratios)
+            where = "equal wall clock" if budget == "seconds" else "equal steps"
+            lines.append(
+                f"- tau at {where}: {min(ratios):.2f}x to {max(ratios):.2f}x (mean {statistics.mean(ratios):.2f}x); "
+                f"the goal, >= {GOALS[budget]:.1f}x, met on {met} of {len(ratios)} runs."
+            )
+    if same_optimizer:
+        met = sum(r >= TOKENS_GOAL for r in same_optimizer)
+        lines.append(
+            f"- training tokens/s with the same optimizer on both sides: {min(same_optimizer):.2f}x to "
+            f"{max(same_optimizer):.2f}x; the goal, >= {TOKENS_GOAL:.1f}x, met on {met} of {len(same_optimizer)} runs."
+        )
+    else:
+        lines.append("- training tokens/s: no run has the same optimizer on both sides; the goal is not judged here.")
+    return "\n".join(lines)
+
+
+def main_table(args: argparse.Namespace) -> int:
+    """``--table NAME...``: the runs' table (:func:`seeds_table`), printed and written to ``OUT/table.md``."""
+    runs = {}
+    for name in args.table:
+        path = Path(args.out) / name / "vs_speculators.json"
+        if not path.is_file():
+            sys.exit(f"{path} not found: run the bench with --name {name} first")
+        result = json.loads(path.read_text())
+        if "run" not in result:
+            sys.exit(f"{path} was written before the runs' settings were saved: rerun its bench command (every done "
+                     "step is skipped) to write it again")  # fmt: skip
+        runs[name] = result
+    table = seeds_table(runs)
+    (Path(args.out) / "table.md").write_text(table + "\n")
     print(table)
     return 0
 
@@ -538,7 +645,7 @@ def main_speculators(args: argparse.Namespace) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--method", choices=sorted(METHODS), required=True)
+    parser.add_argument("--method", choices=sorted(METHODS), help="the method trained (required but with --table)")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps of each trainer (equal steps)")
     parser.add_argument(
         "--seconds", type=float,
@@ -582,12 +689,21 @@ def main() -> int:
         help="both sides' training text: the target's completions of short prompts (default) or the corpus' training "
         "documents (artifacts/corpus/train.jsonl, long), packed into the same rows",
     )  # fmt: skip
+    parser.add_argument(
+        "--table", nargs="+", metavar="NAME",
+        help="no training: the table of these runs under --out (their vs_speculators.json), with the goals met, "
+        "written to OUT/table.md",
+    )  # fmt: skip
     parser.add_argument("--side", choices=["project", "speculators"], default="project", help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
     parser.add_argument("--rows", help=argparse.SUPPRESS)
     parser.add_argument("--lr", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--warmup", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.table:
+        return main_table(args)
+    if args.method is None:
+        parser.error("--method is required")
     return main_speculators(args) if args.side == "speculators" else main_project(args)
 
 
