@@ -207,19 +207,16 @@ def speculators_cmd(
     ]  # fmt: skip
 
 
-def recipe_optim(method: str) -> tuple[float, int]:
-    """The recipe's peak learning rate and warm-up steps."""
+def recipe_optim(method: str) -> dict:
+    """The ``model.init_args.optim`` of the method's quickstart recipe."""
     import yaml
 
-    optim = yaml.safe_load((ROOT / METHODS[method][0]).read_text())["model"]["init_args"]["optim"]
-    return float(optim["lr"]), int(optim.get("warmup_steps", 0))
+    return yaml.safe_load((ROOT / METHODS[method][0]).read_text())["model"]["init_args"]["optim"]
 
 
 def recipe_optimizer(method: str, fit_args: str = "") -> str:
     """Our side's optimizer: the recipe's ``optim.name`` (draftsmith's default ``adamw`` where it names none), or the
     one ``--fit-args`` sets."""
-    import yaml
-
     words = shlex.split(fit_args)
     for flag in ("--model.init_args.optim.name", "--model.optim.name"):
         for i, word in enumerate(words):
@@ -227,8 +224,7 @@ def recipe_optimizer(method: str, fit_args: str = "") -> str:
                 return words[i + 1]
             if word.startswith(flag + "="):
                 return word.split("=", 1)[1]
-    optim = yaml.safe_load((ROOT / METHODS[method][0]).read_text())["model"]["init_args"]["optim"]
-    return str(optim.get("name", "adamw"))
+    return str(recipe_optim(method).get("name", "adamw"))
 
 
 def our_tokens_per_s(run_dir: Path) -> float:
@@ -354,7 +350,8 @@ def main_project(args: argparse.Namespace) -> int:
     train_file = completions(art, out / "data") if args.train_text == "completions" else art / "corpus" / "train.jsonl"
     method_dir = out / (args.name or args.method)
     ours_run, theirs_dir = method_dir / "ours", method_dir / "speculators"
-    lr, warmup = recipe_optim(args.method)
+    optim = recipe_optim(args.method)
+    lr, warmup = float(optim["lr"]), int(optim.get("warmup_steps", 0))  # the recipe's peak and warm-up, given to both
     seeds = f"--seed_everything {args.seed} --model.init_args.seed {args.seed} --data.init_args.seed {args.seed}"
     fit_args = f"{args.fit_args} {seeds}".strip()
     if args.loss:
@@ -447,8 +444,8 @@ def main_project(args: argparse.Namespace) -> int:
         "step_seconds": per_step,
         "seconds": seconds,
         "tau": {"ours": ours["tau"], "speculators": theirs["tau"]},
+        "tokens_per_s": {"ours": ours_tps, "speculators": theirs_tps},
     }
-    result["tokens_per_s"] = {"ours": ours_tps, "speculators": theirs_tps}
     (method_dir / "vs_speculators.json").write_text(json.dumps(result, indent=1))
     print(table)
     return 0
@@ -481,10 +478,10 @@ def seeds_table(runs: dict[str, dict]) -> str:
             same_optimizer.append(tps_ratio)
         rows.append(
             f"| {name} | {run['method']} | {run['seed']} | {said} | {run['our_optimizer']} / "
-            f"{run['speculators_optimizer']} | {steps['ours']} / {steps['speculators']} | {clock.get('ours', '?')} s / "
-            f"{clock.get('speculators', '?')} s | {tau['ours']:.3f} / "
-            f"{tau['speculators']:.3f} | {tau_ratio:.2f}x | {tps['ours']:.0f} / {tps['speculators']:.0f} | "
-            f"{tps_ratio:.2f}x |"
+            f"{run['speculators_optimizer']} | {steps['ours']} / {steps['speculators']} "
+            f"| {clock.get('ours', '?')} s / {clock.get('speculators', '?')} s "
+            f"| {tau['ours']:.3f} / {tau['speculators']:.3f} | {tau_ratio:.2f}x "
+            f"| {tps['ours']:.0f} / {tps['speculators']:.0f} | {tps_ratio:.2f}x |"
         )
     lines = ["\n".join(rows), ""]
     for budget, ratios in tau_ratios.items():
