@@ -24,6 +24,7 @@ from trainer.decoding.proposers import NoProposer, ProposalContext
 from trainer.interface.errors import ModelFolderError, RecipeError, UsageError
 from trainer.methods.dflash import kind as dflash_kind
 from trainer.methods.dflash.module import DFlashConfig
+from trainer.methods.dflash.objective import DFlash
 from trainer.methods.dflash.refiner import LogitBias, SlotTerm
 from trainer.methods.xpress import kind as xpress_kind
 from trainer.methods.xpress import objective as xpress_objective
@@ -265,6 +266,43 @@ def test_a_step_projects_the_slots_onto_the_vocabulary_once(tmp_path):
             loss.backward()
         counts[cls] = products.count
     assert counts == {XPress: 2 + 2, PerTerm: 13 + 10}
+
+
+@pytest.mark.parametrize("cls", [DFlash, XPress])
+def test_the_target_distribution_is_taken_only_on_steps_whose_metrics_are_logged(cls, tmp_path, monkeypatch):
+    """Argmax labels: the target's distribution is read by the ``alpha_k`` metrics alone, so on a step whose metrics
+    Lightning does not write (``metrics_due`` False) it is not taken (one product with the target's head fewer), no
+    alpha is logged, and the loss, every other metric and the gradients are the logged step's."""
+    ids = torch.randint(0, V - 1, (2, 16), generator=torch.Generator().manual_seed(1))
+    loss_mask = torch.ones(2, 16, dtype=torch.bool)
+    loss_mask[1, 12:] = False  # a chunk with untrained slots
+    batch = {"input_ids": ids, "loss_mask": loss_mask}
+    runs = {}
+    for due in (True, False):
+        options = dict(labels="argmax", loss_chunk_size=4096)  # one chunk
+        if cls is XPress:
+            objective = make_objective(tmp_path, consistency_passes=3, **options)
+        else:
+            save_target(tmp_path / "target")
+            objective = DFlash(str(tmp_path / "target"), num_draft_layers=1, target_layers=[1, 3], block_size=4,
+                               mask_token_id=V - 1, max_anchors=3, **options)  # fmt: skip
+            torch.manual_seed(3)
+            for p in objective.drafter.parameters():
+                nn.init.normal_(p, std=0.3)
+        monkeypatch.setattr(objective, "metrics_due", lambda due=due: due)
+        torch.manual_seed(0)  # the same anchors
+        with HeadProducts(objective.target.lm_head_weight) as products:
+            loss, metrics = objective.compute_loss(batch)
+        runs[due] = (loss, metrics, gradients(objective, loss), products.count)
+    (loss, metrics, grads, count), (quiet, quiet_metrics, quiet_grads, quiet_count) = runs[True], runs[False]
+    assert any(k.startswith("alpha_") for k in metrics) and not any(k.startswith("alpha_") for k in quiet_metrics)
+    assert {k for k in metrics if not k.startswith("alpha_")} == set(quiet_metrics)
+    torch.testing.assert_close(quiet, loss, rtol=0, atol=0)
+    for name, value in quiet_metrics.items():
+        torch.testing.assert_close(value, metrics[name], rtol=0, atol=0, msg=name)
+    for name, grad in grads.items():
+        torch.testing.assert_close(quiet_grads[name], grad, rtol=0, atol=0, msg=name)
+    assert quiet_count == count - 1  # the target's logits of the chunk
 
 
 def setup(seed: int = 0, **refiner) -> tuple[nn.Module, XPressDrafter]:

@@ -12,10 +12,10 @@ output scaling (:class:`~trainer.models.logit_scaling.LogitScaling`). The rows s
 order), processed in chunks of consecutive selected rows. For each chunk the engine asks ``targets(part)`` for what
 the chunk is scored against (``part``: the chunk's slice of the selection, so that dense targets are built one chunk
 at a time) and the loss function for the rows' losses and their gradients (:data:`RowLoss`); the weights (a tensor,
-or a function of the chunk's losses, e.g. D-PACE's) give ``total = sum_i weights_i * loss_i``. The gradient of
-``total`` with respect to the chunk's logits, ``weights_i * d loss_i / d logits_i`` through the scaling, is folded at
-once into the gradients of every term's rows (``G @ weight``) and weights (``G.T @ rows``); backward only scales these
-stored gradients, so nothing is recomputed and one chunk's ``[C, V]`` intermediates are alive at a time.
+a function of the chunk's losses, e.g. D-PACE's, or None: each row 1) give ``total = sum_i weights_i * loss_i``. The
+gradient of ``total`` with respect to the chunk's logits, ``weights_i * d loss_i / d logits_i`` through the scaling, is
+folded at once into the gradients of every term's rows (``G @ weight``) and weights (``G.T @ rows``); backward only
+scales these stored gradients, so nothing is recomputed and one chunk's ``[C, V]`` intermediates are alive at a time.
 
 The loss function. ``loss(logits, target, need_grad) -> RowLosses``: ``logits`` ``[C, V]`` in the compute dtype (a
 fresh tensor the function may overwrite), ``target`` whatever ``targets(part)`` returned (token ids, a distribution,
@@ -141,12 +141,20 @@ def cross_entropy_rows(logits: torch.Tensor, target: Target, need_grad: bool) ->
 
     logits: ``[C, V]`` (overwritten); target: :class:`Target`.
     """
-    if target.ids is not None or target.log_probs is not None:
+    q = None  # [C, V] the drafter's distribution, once taken
+    if target.ids is not None:
+        # the softmax taken in place of the logits: no [C, V] temporary (torch.logsumexp allocates one)
+        top = logits.amax(dim=-1, keepdim=True)  # [C, 1]
+        picked = logits.gather(-1, target.ids[:, None])[:, 0]  # [C]
+        q = logits.sub_(top).exp_()  # [C, V] unnormalised
+        total = q.sum(dim=-1, keepdim=True)  # [C, 1]
+        loss = total[:, 0].log() + top[:, 0] - picked  # [C] logsumexp - the label's logit
+        if need_grad or target.acceptance:
+            q.div_(total)
+        log_q = None
+    elif target.log_probs is not None:
         lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [C, 1]
-        if target.ids is not None:
-            loss = lse[:, 0] - logits.gather(-1, target.ids[:, None])[:, 0]  # [C]
-        else:
-            loss = kl_from_log_probs(target.log_probs, logits - lse)  # [C]
+        loss = kl_from_log_probs(target.log_probs, logits - lse)  # [C]
         log_q = None
     elif target.probs is not None or target.sparse is not None:
         log_q = torch.log_softmax(logits, dim=-1)  # [C, V]
@@ -156,7 +164,8 @@ def cross_entropy_rows(logits: torch.Tensor, target: Target, need_grad: bool) ->
         raise ValueError("a Target needs ids, probs, log_probs or sparse")
     if not (need_grad or target.acceptance):
         return RowLosses(loss)
-    q = logits.sub_(lse).exp_() if log_q is None else log_q.exp_()  # [C, V] the drafter's distribution, in place
+    if q is None:
+        q = logits.sub_(lse).exp_() if log_q is None else log_q.exp_()  # [C, V] the drafter's distribution, in place
     stats = ()
     if target.acceptance:
         if target.sparse is not None:
@@ -211,7 +220,7 @@ class _Plan:
 
     loss: RowLoss
     targets: Callable[[slice], Any]
-    weights: Weights
+    weights: Weights | None  # None: every row weighs 1
     index: torch.Tensor | None  # [n] the rows scored, or None: all of them in order
     parts: list[slice]  # consecutive chunks of the selection
     scaling: LogitScaling | None  # None: none, or the identity
@@ -233,7 +242,7 @@ def _plan(
     terms: Sequence[Term],
     loss: RowLoss,
     targets: Callable[[slice], Any],
-    weights: Weights,
+    weights: Weights | None,
     index: torch.Tensor | None,
     chunks: int | list[slice] | None,
     scaling: LogitScaling | None,
@@ -253,7 +262,7 @@ def _plan(
     if len(vocab) != 1:
         raise ValueError(f"the terms give logits of different vocabulary sizes {sorted(vocab)}")
     n = rows.shape[0] if index is None else index.numel()
-    weights = weights if callable(weights) else weights.detach()
+    weights = weights if weights is None or callable(weights) else weights.detach()
     active = None if scaling is None or scaling.is_identity else scaling
     compute = dtype or torch.promote_types(rows.dtype, torch.float32)
     return _Plan(loss, targets, weights, index, _parts(n, chunks), active, compute, grad_scale)
@@ -310,16 +319,23 @@ def _run(
         out = plan.loss(logits, plan.targets(part), need_grad)
         del logits
         loss = out.loss.detach()  # [C]
-        w = plan.weights(part, loss) if callable(plan.weights) else plan.weights[part]  # [C]
-        w = w.detach().to(loss.dtype)
-        total += (loss * w).sum().to(plan.dtype)
+        if plan.weights is None:
+            w = None
+            total += loss.sum().to(plan.dtype)
+        else:
+            w = plan.weights(part, loss) if callable(plan.weights) else plan.weights[part]  # [C]
+            w = w.detach().to(loss.dtype)
+            total += (loss * w).sum().to(plan.dtype)
         losses.append(loss)
         stats.append(out.stats)
         if not need_grad:
             continue
         g = out.grad  # [C, V] d loss_i / d logits_i
         factor = plan.grad_scale * (scaling.multiplier if scaling is not None else 1.0)
-        g.mul_((w if factor == 1.0 else w * factor)[:, None].to(g.dtype))  # d (grad_scale * total) / d logits
+        if w is not None:  # d (grad_scale * total) / d logits
+            g.mul_((w if factor == 1.0 else w * factor)[:, None].to(g.dtype))
+        elif factor != 1.0:
+            g.mul_(factor)
         if deriv is not None:
             g.mul_(deriv)  # [C, V] with respect to the raw logits
         del deriv
@@ -365,7 +381,7 @@ def chunked_loss(
     terms: Sequence[Term],
     loss: RowLoss,
     targets: Callable[[slice], Any],
-    weights: Weights,
+    weights: Weights | None,
     *,
     index: torch.Tensor | None = None,
     chunks: int | list[slice] | None = 256,
@@ -381,7 +397,8 @@ def chunked_loss(
         loss: the per-row loss (:data:`RowLoss`).
         targets: ``targets(part)``: what the chunk ``part`` (a slice of the selection) is scored against, passed to
             ``loss``.
-        weights: the rows' weights (:data:`Weights`).
+        weights: the rows' weights (:data:`Weights`), or None: every row weighs 1 (a loss function that weighs its
+            rows itself).
         index: ``[n]`` int64, the rows of the terms that are scored, in order; None: all of them.
         chunks: rows per chunk, or the chunks (consecutive slices covering ``0 .. n - 1``), or None: one chunk.
         scaling: the output scaling the model applies after its head (None: none).

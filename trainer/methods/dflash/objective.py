@@ -39,7 +39,8 @@ q_label). D-PACE's weights read the token cross entropies, so ``position_weights
 Logged per step: the loss, ``acc_k`` (slot k's argmax equals its label token, or the target's argmax with soft labels),
 ``alpha_k`` (slot k's expected acceptance under speculative sampling, ``sum_v min(p_v, q_v)`` against the target's
 distribution at temperature 1 online, its stored top-k renormalised from shards, for every loss and label; the mean over
-the trained slots), ``prefix_k`` (slots 1..k of a block all right, over the blocks whose slots 1..k are all trained: the
+the trained slots; on the steps whose metrics are logged, unless a refiner reads the rates in every step),
+``prefix_k`` (slots 1..k of a block all right, over the blocks whose slots 1..k are all trained: the
 teacher-forced counterpart of ``draftsmith eval``'s acceptance per draft position, had every position been a round's
 root) and ``block_tau`` (1 + the leading slots of a block that are right, over the blocks: the teacher-forced accepted
 length of one block); a block refiner adds its own (refiner.py).
@@ -266,8 +267,9 @@ class DFlash(DraftObjective):
         return [SlotTerm(self.slot_bias(prev))]
 
     def wants_acceptance(self) -> bool:
-        """Whether :meth:`refiner_loss` reads the slots' analytical acceptance rates. The slot loss gives them in every
-        step now (the ``alpha_k`` metrics), so this hook changes nothing; DFlash: no."""
+        """Whether :meth:`refiner_loss` reads the slots' analytical acceptance rates in every step; otherwise they (and
+        the target's distribution they need, with token labels) are taken only on the steps whose metrics are logged
+        (:meth:`metrics_due`, the ``alpha_k`` metrics). DFlash: no."""
         return False
 
     def refiner_loss(
@@ -420,10 +422,11 @@ class DFlash(DraftObjective):
             right = right.view(B, N, b - 1)
             counts = selected.sum((0, 1)).clamp(min=1)  # [b - 1]
             metrics.update({f"acc_{k + 1}": right[:, :, k].sum() / counts[k] for k in range(b - 1)})
-            alpha = torch.zeros(B * N * (b - 1), dtype=torch.float32, device=ids.device)
-            alpha[idx] = accept.float()
-            alpha = alpha.view(B, N, b - 1)  # [B, N, b - 1] the expected acceptance of each trained slot
-            metrics.update({f"alpha_{k + 1}": alpha[:, :, k].sum() / counts[k] for k in range(b - 1)})
+            if accept.numel() == idx.numel():  # taken this step (_labels)
+                alpha = torch.zeros(B * N * (b - 1), dtype=torch.float32, device=ids.device)
+                alpha[idx] = accept.float()
+                alpha = alpha.view(B, N, b - 1)  # [B, N, b - 1] the expected acceptance of each trained slot
+                metrics.update({f"alpha_{k + 1}": alpha[:, :, k].sum() / counts[k] for k in range(b - 1)})
             prefix = right.long().cumprod(-1)  # [B, N, b - 1]: slots 1..k all right
             full = keep[:, :, None] & selected.long().cumprod(-1).bool()  # [B, N, b - 1]: slots 1..k all trained
             metrics.update(
@@ -453,10 +456,10 @@ class DFlash(DraftObjective):
         weights in the loss, or a function of a chunk's losses (slot_loss.py); chunks: slots per chunk or the chunks;
         rows, positions: [n] the batch row and position of each slot's token. Soft and argmax labels come from the
         target's distribution at ``position - 1`` (online: from ``final`` [B, S, H]; shards: the batch's top-k),
-        ``data`` labels are the token itself; the acceptance rates are always against that distribution (a softmax
-        per chunk with token labels too). Argmax labels are taken once per position (slots of overlapping blocks
-        share them); the vocabulary projections run one chunk of slots at a time, their gradients taken in the same
-        pass (slot_loss.py).
+        ``data`` labels are the token itself; the acceptance rates are against that distribution (a softmax per chunk
+        with token labels too, taken only when :meth:`_labels` wants them: empty [0] otherwise). Argmax labels are
+        taken once per position (slots of overlapping blocks share them); the vocabulary projections run one chunk of
+        slots at a time, their gradients taken in the same pass (slot_loss.py).
         """
         head = self.target.lm_head_weight.detach()  # [V, H]
         labels = self._labels(ids, batch, final, rows, positions)
@@ -479,9 +482,14 @@ class DFlash(DraftObjective):
             tokens = self._target_argmax(final, head, batch, rows, positions - 1)  # [n]
         else:
             tokens = ids[rows, positions] if self.labels == "data" else None  # [n], or None: soft labels
+        # the target's distribution: for soft labels, a refiner that reads the acceptance rates, and the alpha_k
+        # metrics on the steps whose metrics are logged
+        want = tokens is None or self.wants_acceptance() or self.metrics_due()
 
-        def labels(part: slice) -> ChunkLabels:  # the target's distribution always: the alpha_k metrics read it
-            chunk = ChunkLabels(ids=None if tokens is None else tokens[part], want_accept=True)
+        def labels(part: slice) -> ChunkLabels:
+            chunk = ChunkLabels(ids=None if tokens is None else tokens[part], want_accept=want)
+            if not want:  # the token labels alone
+                return chunk
             if final is not None:  # online: the target's whole distribution at temperature 1
                 teacher = final[rows[part], positions[part] - 1]  # [C, H] the target's normed hidden states
                 chunk.probs = torch.softmax(self._target_logits(teacher, head), dim=-1)  # [C, V]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.losses.chunked import RowLoss, RowLosses, Target, Term, Weights, chunked_loss
+from trainer.losses.chunked import RowLoss, RowLosses, Target, Term, Weights, chunked_loss, cross_entropy_rows
 from trainer.losses.distribution import DistributionLoss, distribution_rows
 
 Labels = Callable[[slice], "ChunkLabels"]
@@ -68,7 +68,9 @@ def slot_rows(spec: DistributionLoss = KL) -> RowLoss:
         else:
             right = labels.sparse[0][:, 0]  # [C] the stored top-1
         hits = logits.max(-1).indices == right  # [C], before the logits are overwritten
-        out = rows(logits, Target(ids=labels.ids, probs=labels.probs, sparse=labels.sparse), need_grad)
+        target = Target(ids=labels.ids, probs=labels.probs, sparse=labels.sparse)
+        # without the acceptance rates, kl is the cross entropy alone (rows' kl takes q at the id besides)
+        out = (cross_entropy_rows if spec.is_kl and not labels.want_accept else rows)(logits, target, need_grad)
         accept = out.stats[0] if labels.want_accept else out.loss.new_zeros(0)  # [C] or [0]
         return RowLosses(out.loss, out.grad, (hits, accept))
 

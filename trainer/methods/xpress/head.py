@@ -117,15 +117,18 @@ class XPressRefinerHead(nn.Module):
         return prev, features, base.to(dtype) + self.bias(features).to(dtype)
 
     def jacobi(
-        self, base: torch.Tensor, cache: torch.Tensor, first: torch.Tensor
+        self, base: torch.Tensor, cache: torch.Tensor, first: torch.Tensor, passes: int
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """The Jacobi passes of blocks, endlessly: pass 1 conditions every slot on the drafter's parallel argmax of
-        ``base`` (the seed), pass j on pass j - 1's argmax; yields each pass's :meth:`refine` (prev, features,
-        logits). Arguments as :meth:`refine`. After pass j the first j slots' argmax equal the left-to-right
-        resolution (each slot's argmax given the drafts before it); a pass whose argmax equals its input's is a
-        fixed point, which every later pass repeats."""
-        drafts = base.argmax(-1)  # [..., k]: the seed
-        while True:
+        """The first ``passes`` Jacobi passes of blocks: pass 1 conditions every slot on the drafter's parallel argmax
+        of ``base`` (the seed), pass j on pass j - 1's argmax; yields each pass's :meth:`refine` (prev, features,
+        logits). Each pass's argmax is taken before the pass is yielded, so the caller may overwrite the logits it is
+        given (training's losses take their softmax in place). Arguments as :meth:`refine`. After pass j the first j
+        slots' argmax equal the left-to-right resolution (each slot's argmax given the drafts before it); a pass whose
+        argmax equals its input's is a fixed point, which every later pass repeats."""
+        # max's indices are argmax's (the first of equal maxima) and, on one CPU thread, about 1.7x faster to take
+        drafts = base.max(-1).indices  # [..., k]: the seed
+        for j in range(passes):
             prev, features, logits = self.refine(base, cache, first, drafts)
+            if j + 1 < passes:
+                drafts = logits.max(-1).indices  # [..., k] the next pass's input
             yield prev, features, logits
-            drafts = logits.argmax(-1)

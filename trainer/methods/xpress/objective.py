@@ -341,66 +341,83 @@ class XPress(DFlash):
             part, tpart = block_parts[c], trained_parts[c]
             nb = part.stop - part.start
             at = local[tpart] - part.start * (b - 1)  # [Ct] the trained slots' rows in the chunk
-            whole = at.numel() == base.shape[0]  # every slot of the chunk trained (then at is 0..C-1)
+            C = base.shape[0]
+            every = torch.arange(C, device=at.device)  # [C]
             chunk_labels = labels(tpart)
             if chunk_labels.ids is not None:  # the later terms' loss: the token labels' alone (no acceptance)
                 plain = Target(ids=chunk_labels.ids)
-            else:
-                plain = Target(probs=chunk_labels.probs, sparse=chunk_labels.sparse)
-            total = base.new_zeros(base.shape[0])  # [C]
-            grad = torch.zeros_like(base) if need_grad else None  # [C, V]
+                # scored on every slot of the chunk, an untrained slot's label any token and its weight 0: no copy of
+                # the trained slots' logits, no scatter of their gradient back
+                padded = Target(ids=chunk_labels.ids.new_zeros(C).index_copy_(0, at, chunk_labels.ids))
+            else:  # a distribution per trained slot: the trained slots' logits are scored alone
+                plain = padded = Target(probs=chunk_labels.probs, sparse=chunk_labels.sparse)
+            total = base.new_zeros(C)  # [C]
+            summed: list[torch.Tensor] = []  # the chunk's gradient [C, V], the terms' summed as they come
+            pending: list[torch.Tensor] = []  # weighted gradients [Ct, V] of terms scored on the trained slots alone
 
-            def term(
-                j: int, logits: torch.Tensor, features: torch.Tensor | None, slot: int = -1, keep: bool = False
-            ) -> None:
-                """Term j's losses of the trained slots of the chunk's ``logits`` [C, V] (overwritten unless
-                ``keep``), the rows of ``features`` [C, r] giving its bias (slot: where its features' gradient
-                goes)."""
-                chosen = logits[at] if not whole else logits.clone() if keep else logits  # [Ct, V]
+            def term(j: int, logits: torch.Tensor, features: torch.Tensor | None, slot: int = -1) -> None:
+                """Term j's losses of the trained slots of the chunk's ``logits`` [C, V] (overwritten), the rows of
+                ``features`` [C, r] giving its bias (slot: where its features' gradient goes)."""
+                alone = at.numel() < C and (j == 0 or padded.ids is None)  # scored on the trained slots alone
+                rows = at if alone else every  # [R] the rows scored
                 if j == 0:  # DFlash's slot loss, with the right-argmax flags and acceptance rates of the metrics
-                    out = score(chosen, chunk_labels, need_grad)
+                    out = score(logits[at] if alone else logits, chunk_labels, need_grad)
                     hits.append(out.stats[0])
                     accept.append(out.stats[1])
                 else:
-                    out = later(chosen, plain, need_grad)
+                    out = later(logits[at] if alone else logits, plain if alone else padded, need_grad)
+                loss = out.loss if rows is at else out.loss[at]  # [Ct] the trained slots'
                 spec = step.terms[j]
                 if spec.uniform:
-                    w = torch.full_like(out.loss, mean)
+                    w = torch.full_like(loss, mean)
                 elif callable(weights):
-                    w = weights(tpart, out.loss.detach())
+                    w = weights(tpart, loss.detach())
                 else:
                     w = weights[tpart]
-                w = w.detach().to(out.loss.dtype)  # [Ct]
-                sums[j] += (out.loss * w).sum().to(sums.dtype)
-                total.index_add_(0, at, (out.loss * w * spec.scale).to(total.dtype))
+                w = w.detach().to(loss.dtype)  # [Ct]
+                sums[j] += (loss * w).sum().to(sums.dtype)
+                total.index_add_(0, at, (loss * w * spec.scale).to(total.dtype))
                 if not need_grad:
                     return
-                g = out.grad.mul_((w * spec.scale)[:, None].to(out.grad.dtype))  # [Ct, V]
-                if whole:
-                    grad.add_(g)
-                else:
-                    grad.index_add_(0, at, g)
-                if features is not None:
+                scale = (w * spec.scale)[:, None]  # [Ct, 1]
+                if rows is not at:  # every slot scored: an untrained one's gradient weighs 0
+                    scale = scale.new_zeros(C, 1).index_copy_(0, at, scale)  # [C, 1]
+                g = out.grad  # [R, V] the unweighted gradient
+                if features is not None:  # the bias's gradients, weighted on the [R, r] side
                     grad_x[slot].view(-1, grad_x[slot].shape[-1]).index_add_(
-                        0, at + part.start * (b - 1), grad_times_weight(g, readout).float()
+                        0, rows + part.start * (b - 1), grad_times_weight(g, readout).float() * scale.float()
                     )
-                    grad_readout.addmm_(g.t(), features[at].float())
+                    grad_readout.addmm_(g.t(), features[rows].float() * scale.float())
+                scale = scale.to(g.dtype)
+                if rows is at:
+                    pending.append(g.mul_(scale))
+                elif summed:
+                    summed[0].addcmul_(g, scale)
+                else:  # the first term scored on every slot: its gradient is the chunk's, in place
+                    summed.append(g.mul_(scale))
+                if summed:
+                    while pending:
+                        summed[0].index_add_(0, at, pending.pop())
 
             blocks_z = base.view(nb, b - 1, V)  # [nb, b - 1, V]
             x = x_tf_d[part].flatten(0, 1)  # [C, r]
-            rounds = refiner.jacobi(blocks_z, cache_d[part], first[part])
+            rounds = refiner.jacobi(blocks_z, cache_d[part], first[part], passes)
             rnd = 0
             for j, kind in enumerate(kinds):
                 if kind == "tf":
                     term(j, base + refiner.bias(x).float(), x, 0)
                 elif kind == "round":
-                    prev, features, logits = next(rounds)
+                    prev, features, logits = next(rounds)  # its argmax taken already: its logits are the loss's
                     prevs[rnd][part] = prev
                     rnd += 1
-                    # the next round reads this round's argmax: its logits are kept, but the last round's
-                    term(j, logits.flatten(0, 1), features.flatten(0, 1), rnd, keep=rnd < passes)
+                    term(j, logits.flatten(0, 1), features.flatten(0, 1), rnd)
                 else:
                     term(j, base, None)  # the last term: the chunk's projection itself
+            if not need_grad:
+                return RowLosses(total)
+            grad = summed[0] if summed else torch.zeros_like(base)  # [C, V]
+            while pending:
+                grad.index_add_(0, at, pending.pop())
             return RowLosses(total, grad)
 
         hidden = step.blocks[:, :, 1:].flatten(0, 1)[active].flatten(0, 1)  # [A * (b - 1), H]
@@ -408,7 +425,7 @@ class XPress(DFlash):
             [Term(hidden, head)],
             chunk_loss,
             lambda part: chunk_of[part.start],
-            torch.ones(hidden.shape[0], device=hidden.device),
+            None,  # the chunks' losses and gradients are weighted already (chunk_loss)
             chunks=[slice(p.start * (b - 1), p.stop * (b - 1)) for p in block_parts],
             dtype=torch.float32,
         )

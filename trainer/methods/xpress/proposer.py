@@ -71,8 +71,7 @@ class XPressProposer(DFlashProposer):
         free-running rounds run; stopping at a fixed point), and the refined logits [k, V] of the last pass (the
         lm_head's with no pass)."""
         drafts, rows = logits.argmax(-1), logits  # [k], [k, V]: the seed, the drafter's parallel argmax
-        chain = self.drafter.refiner_head.jacobi(logits, self._cache(), self._first(ctx_tokens))
-        for _, (_, _, rows) in zip(range(passes), chain):
+        for _, _, rows in self.drafter.refiner_head.jacobi(logits, self._cache(), self._first(ctx_tokens), passes):
             self.passes_run += 1
             new = rows.argmax(-1)  # [k]
             if torch.equal(new, drafts):
