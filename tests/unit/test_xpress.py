@@ -272,7 +272,8 @@ def test_a_step_projects_the_slots_onto_the_vocabulary_once(tmp_path):
 def test_the_target_distribution_is_taken_only_on_steps_whose_metrics_are_logged(cls, tmp_path, monkeypatch):
     """Argmax labels: the target's distribution is read by the ``alpha_k`` metrics alone, so on a step whose metrics
     Lightning does not write (``metrics_due`` False) it is not taken (one product with the target's head fewer), no
-    alpha is logged, and the loss, every other metric and the gradients are the logged step's."""
+    alpha is logged, and the loss, every other metric and the gradients are the logged step's (XPress's, on a chunk
+    with untrained slots, then scores its first term on every slot too)."""
     ids = torch.randint(0, V - 1, (2, 16), generator=torch.Generator().manual_seed(1))
     loss_mask = torch.ones(2, 16, dtype=torch.bool)
     loss_mask[1, 12:] = False  # a chunk with untrained slots
@@ -300,8 +301,8 @@ def test_the_target_distribution_is_taken_only_on_steps_whose_metrics_are_logged
     torch.testing.assert_close(quiet, loss, rtol=0, atol=0)
     for name, value in quiet_metrics.items():
         torch.testing.assert_close(value, metrics[name], rtol=0, atol=0, msg=name)
-    for name, grad in grads.items():
-        torch.testing.assert_close(quiet_grads[name], grad, rtol=0, atol=0, msg=name)
+    for name, grad in grads.items():  # to rounding: the terms' gradients are summed in another order
+        torch.testing.assert_close(quiet_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
     assert quiet_count == count - 1  # the target's logits of the chunk
 
 

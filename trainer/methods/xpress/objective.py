@@ -32,7 +32,7 @@ from trainer.losses.distribution import DEFAULT_ETA, distribution_rows
 from trainer.methods.dflash.module import DFlashConfig
 from trainer.methods.dflash.objective import DFlash
 from trainer.methods.dflash.refiner import LogitBias, SlotTerm
-from trainer.methods.dflash.slot_loss import Weights, slot_rows
+from trainer.methods.dflash.slot_loss import ChunkLabels, Weights, slot_rows
 from trainer.methods.xpress import kind as xpress_kind
 from trainer.methods.xpress.head import check_refiner
 from trainer.methods.xpress.module import REFINER_KEYS, XPressConfig, XPressDrafter
@@ -344,13 +344,19 @@ class XPress(DFlash):
             C = base.shape[0]
             every = torch.arange(C, device=at.device)  # [C]
             chunk_labels = labels(tpart)
+            # Each term is scored on every slot of the chunk where its labels allow, an untrained slot's label any
+            # token and its weight 0: no copy of the trained slots' logits, no scatter of their gradient back. Token
+            # labels allow it; a distribution per trained slot (soft labels, and the first term's acceptance rates on
+            # the steps whose metrics are logged) has the trained slots' logits scored alone.
             if chunk_labels.ids is not None:  # the later terms' loss: the token labels' alone (no acceptance)
                 plain = Target(ids=chunk_labels.ids)
-                # scored on every slot of the chunk, an untrained slot's label any token and its weight 0: no copy of
-                # the trained slots' logits, no scatter of their gradient back
-                padded = Target(ids=chunk_labels.ids.new_zeros(C).index_copy_(0, at, chunk_labels.ids))
-            else:  # a distribution per trained slot: the trained slots' logits are scored alone
-                plain = padded = Target(probs=chunk_labels.probs, sparse=chunk_labels.sparse)
+                padded = chunk_labels.ids.new_zeros(C).index_copy_(0, at, chunk_labels.ids)  # [C]
+                every_row = [None if chunk_labels.want_accept else ChunkLabels(ids=padded), Target(ids=padded)]
+            else:
+                plain = Target(probs=chunk_labels.probs, sparse=chunk_labels.sparse)
+                every_row = [None, None]
+            if at.numel() == C:  # every slot trained (at is 0..C-1)
+                every_row = [chunk_labels, plain]
             total = base.new_zeros(C)  # [C]
             summed: list[torch.Tensor] = []  # the chunk's gradient [C, V], the terms' summed as they come
             pending: list[torch.Tensor] = []  # weighted gradients [Ct, V] of terms scored on the trained slots alone
@@ -358,15 +364,17 @@ class XPress(DFlash):
             def term(j: int, logits: torch.Tensor, features: torch.Tensor | None, slot: int = -1) -> None:
                 """Term j's losses of the trained slots of the chunk's ``logits`` [C, V] (overwritten), the rows of
                 ``features`` [C, r] giving its bias (slot: where its features' gradient goes)."""
-                alone = at.numel() < C and (j == 0 or padded.ids is None)  # scored on the trained slots alone
+                target = every_row[min(j, 1)]
+                alone = target is None  # scored on the trained slots alone
                 rows = at if alone else every  # [R] the rows scored
+                chosen = logits[at] if alone else logits  # [R, V]
                 if j == 0:  # DFlash's slot loss, with the right-argmax flags and acceptance rates of the metrics
-                    out = score(logits[at] if alone else logits, chunk_labels, need_grad)
-                    hits.append(out.stats[0])
-                    accept.append(out.stats[1])
+                    out = score(chosen, chunk_labels if alone else target, need_grad)
+                    hits.append(out.stats[0] if alone else out.stats[0][at])
+                    accept.append(out.stats[1] if alone or not out.stats[1].numel() else out.stats[1][at])
                 else:
-                    out = later(logits[at] if alone else logits, plain if alone else padded, need_grad)
-                loss = out.loss if rows is at else out.loss[at]  # [Ct] the trained slots'
+                    out = later(chosen, plain if alone else target, need_grad)
+                loss = out.loss if alone else out.loss[at]  # [Ct] the trained slots'
                 spec = step.terms[j]
                 if spec.uniform:
                     w = torch.full_like(loss, mean)
@@ -380,7 +388,7 @@ class XPress(DFlash):
                 if not need_grad:
                     return
                 scale = (w * spec.scale)[:, None]  # [Ct, 1]
-                if rows is not at:  # every slot scored: an untrained one's gradient weighs 0
+                if not alone:  # every slot scored: an untrained one's gradient weighs 0
                     scale = scale.new_zeros(C, 1).index_copy_(0, at, scale)  # [C, 1]
                 g = out.grad  # [R, V] the unweighted gradient
                 if features is not None:  # the bias's gradients, weighted on the [R, r] side
@@ -389,7 +397,7 @@ class XPress(DFlash):
                     )
                     grad_readout.addmm_(g.t(), features[rows].float() * scale.float())
                 scale = scale.to(g.dtype)
-                if rows is at:
+                if alone:
                     pending.append(g.mul_(scale))
                 elif summed:
                     summed[0].addcmul_(g, scale)
