@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tests.integration.test_eagle3_offline import run_precompute, shard_data
 from tests.recipe_runs import data_overrides, fit, merge, trainer_overrides
 from trainer.checkpoints.reading import load_training_checkpoint
+from trainer.compare.fit_logs import read_scalars
 from trainer.decoding.evaluate import resolve_drafter
 from trainer.decoding.generate import speculative_generate
 from trainer.decoding.options import ProposerOptions
@@ -29,7 +30,7 @@ MODEL = {"num_draft_layers": 1, "block_size": 8, "mask_token_id": 2, "max_anchor
 
 def dflash_override(run: Path, corpus, target: Path, max_steps: int, every_n: int, **model) -> dict:
     return merge(
-        trainer_overrides(run, max_steps=max_steps, every_n=every_n),
+        trainer_overrides(run, max_steps=max_steps, every_n=every_n, log_every_n_steps=every_n),
         data_overrides(corpus),
         {"model": {"init_args": {"target": str(target), **MODEL, **model}}},
     )
@@ -45,6 +46,12 @@ def test_fit_logs_block_metrics_and_records_the_drafter(dflash_run):
     run, cli = dflash_run
     metrics = cli.trainer.callback_metrics
     assert {"train/acc_1", "train/acc_7", "train/block_tau", "val/acc_1"} <= set(metrics)
+    # alpha_k (with token labels the target's distribution is taken for it alone, only on the steps whose metrics
+    # Lightning writes: DraftObjective.metrics_due) reaches TensorBoard at exactly the steps the others do
+    scalars = read_scalars(run / "tensorboard", ("train/acc_1", "train/alpha_1", "train/alpha_7"))
+    assert len(scalars["train/acc_1"]) >= 2
+    assert set(scalars["train/alpha_1"]) == set(scalars["train/alpha_7"]) == set(scalars["train/acc_1"])
+    assert all(0.0 < value < 1.0 for value in scalars["train/alpha_1"].values())
     state, record = load_training_checkpoint(str(run / "checkpoints" / "last.ckpt"))
     assert all(k.startswith("drafter.") for k in state)  # neither the target nor its embedding
     assert record["kind"] == "dflash" and record["target_layers"] == [1] and record["draft_tokens"] == 7
