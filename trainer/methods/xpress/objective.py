@@ -359,7 +359,6 @@ class XPress(DFlash):
                 every_row = [chunk_labels, plain]
             total = base.new_zeros(C)  # [C]
             summed: list[torch.Tensor] = []  # the chunk's gradient [C, V], the terms' summed as they come
-            pending: list[torch.Tensor] = []  # weighted gradients [Ct, V] of terms scored on the trained slots alone
 
             def term(j: int, logits: torch.Tensor, features: torch.Tensor | None, slot: int = -1) -> None:
                 """Term j's losses of the trained slots of the chunk's ``logits`` [C, V] (overwritten), the rows of
@@ -397,15 +396,12 @@ class XPress(DFlash):
                     )
                     grad_readout.addmm_(g.t(), features[rows].float() * scale.float())
                 scale = scale.to(g.dtype)
-                if alone:
-                    pending.append(g.mul_(scale))
-                elif summed:
+                if not summed:  # the first term: its gradient is the chunk's, in place where it covers every slot
+                    summed.append(torch.zeros_like(base).index_add_(0, at, g.mul_(scale)) if alone else g.mul_(scale))
+                elif alone:
+                    summed[0].index_add_(0, at, g.mul_(scale))
+                else:
                     summed[0].addcmul_(g, scale)
-                else:  # the first term scored on every slot: its gradient is the chunk's, in place
-                    summed.append(g.mul_(scale))
-                if summed:
-                    while pending:
-                        summed[0].index_add_(0, at, pending.pop())
 
             blocks_z = base.view(nb, b - 1, V)  # [nb, b - 1, V]
             x = x_tf_d[part].flatten(0, 1)  # [C, r]
@@ -423,10 +419,7 @@ class XPress(DFlash):
                     term(j, base, None)  # the last term: the chunk's projection itself
             if not need_grad:
                 return RowLosses(total)
-            grad = summed[0] if summed else torch.zeros_like(base)  # [C, V]
-            while pending:
-                grad.index_add_(0, at, pending.pop())
-            return RowLosses(total, grad)
+            return RowLosses(total, summed[0] if summed else torch.zeros_like(base))  # [C, V]
 
         hidden = step.blocks[:, :, 1:].flatten(0, 1)[active].flatten(0, 1)  # [A * (b - 1), H]
         out = chunked_loss(
